@@ -1,0 +1,10 @@
+"""Gated delta rule: the public ops and their implementations."""
+
+from gdnx.ops.gated_delta_rule.api import (
+    CHUNK_IMPLEMENTATIONS,
+    CHUNK_SIZES,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+
+__all__ = ["CHUNK_IMPLEMENTATIONS", "CHUNK_SIZES", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]

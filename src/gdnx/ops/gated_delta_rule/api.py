@@ -1,0 +1,211 @@
+"""Public gated delta rule ops: one contract, several implementations.
+
+Shapes (docs/ops.md has the full contract):
+    q, k          [B, T, HK, K]
+    v             [B, T, HV, V]        HV a multiple of HK; value head h
+    g, beta       [B, T, HV]           reads key head h // (HV // HK)
+    initial_state [N, HV, K, V]        N = B, or len(cu_seqlens) - 1
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdnx.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
+from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
+
+CHUNK_SIZES = (16, 32, 64, 128)
+L2NORM_EPS = 1e-6
+
+
+def _chunk_reference(q, k, v, g, beta, h0, *, chunk_size, **kw):
+    del chunk_size  # the token recurrence has no chunks
+    return recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, **kw)
+
+
+CHUNK_IMPLEMENTATIONS: dict[str, Callable] = {
+    "xla": chunk_gated_delta_rule_xla,
+    "reference": _chunk_reference,
+}
+RECURRENT_IMPLEMENTATIONS: dict[str, Callable] = {
+    "reference": recurrent_gated_delta_rule_reference,
+}
+
+
+def default_chunk_implementation(platform: str | None = None) -> str:
+    """The implementation `implementation=None` picks on `platform`."""
+    del platform  # every platform runs "xla" until a kernel is registered for it
+    return "xla"
+
+
+def _resolve_dtype(name: str, value) -> jnp.dtype:
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise ValueError(f"{name}: unknown dtype {value!r}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name}: expected a floating dtype such as 'float32', got {dtype}")
+    return dtype
+
+
+def _check_float_array(name: str, x, ndim: int, layout: str):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: expected an array {layout}, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected rank {ndim} {layout}, got shape {tuple(x.shape)}")
+
+
+def _concrete(x):
+    """x as numpy when its value is known at trace time, else None."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_cu_seqlens(cu, batch: int, length: int):
+    if not hasattr(cu, "shape") or not hasattr(cu, "dtype"):
+        raise TypeError(f"cu_seqlens: expected an int32 array [N + 1], got {type(cu).__name__}")
+    if not jnp.issubdtype(cu.dtype, jnp.integer):
+        raise TypeError(f"cu_seqlens: expected an integer array, got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {tuple(cu.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got B={batch}")
+    vals = _concrete(cu)
+    if vals is None:
+        return  # traced: the values cannot be checked here
+    if vals[0] != 0:
+        raise ValueError(f"cu_seqlens: must start at 0, got {vals[0]}")
+    if np.any(np.diff(vals) < 0):
+        raise ValueError(f"cu_seqlens: must be non-decreasing, got {vals.tolist()}")
+    if vals[-1] != length:
+        raise ValueError(f"cu_seqlens: must end at T={length}, got {vals[-1]}")
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
+    _check_float_array("q", q, 4, "[B, T, HK, K]")
+    _check_float_array("k", k, 4, "[B, T, HK, K]")
+    _check_float_array("v", v, 4, "[B, T, HV, V]")
+    _check_float_array("g", g, 3, "[B, T, HV]")
+    _check_float_array("beta", beta, 3, "[B, T, HV]")
+    b, t, hk, dk = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:2] != (b, t):
+        raise ValueError(f"v: expected [B={b}, T={t}, HV, V], got {tuple(v.shape)}")
+    hv, dv = v.shape[2], v.shape[3]
+    if t < 1:
+        raise ValueError("q: expected at least one token (T >= 1), got T=0")
+    if hv % hk:
+        raise ValueError(f"v: value heads HV={hv} must be a multiple of key heads HK={hk}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (b, t, hv):
+            raise ValueError(f"{name}: expected [B, T, HV] = {(b, t, hv)}, got {tuple(x.shape)}")
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
+    if not isinstance(use_qk_l2norm, bool):
+        raise TypeError(f"use_qk_l2norm: expected a bool, got {type(use_qk_l2norm).__name__}")
+    n = b
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, b, t)
+        n = cu_seqlens.shape[0] - 1
+    if initial_state is not None:
+        _check_float_array("initial_state", initial_state, 4, "[N, HV, K, V]")
+        if initial_state.shape != (n, hv, dk, dv):
+            raise ValueError(
+                f"initial_state: expected [N, HV, K, V] = {(n, hv, dk, dv)}, got {tuple(initial_state.shape)}")
+    return n
+
+
+def l2norm(x: jax.Array) -> jax.Array:
+    """x / sqrt(sum x^2 + 1e-6) over the last axis, in at least float32."""
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
+
+
+def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state, output_final_state,
+         cu_seqlens, use_qk_l2norm, state_dtype, decay_dtype, **extra):
+    if implementation not in table:
+        raise ValueError(f"implementation: expected None or one of {sorted(table)} for {kind}, got {implementation!r}")
+    n = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
+    state_dtype = _resolve_dtype("state_dtype", state_dtype)
+    decay_dtype = _resolve_dtype("decay_dtype", decay_dtype)
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state: expected a bool, got {type(output_final_state).__name__}")
+    dk, dv, hv = q.shape[3], v.shape[3], v.shape[2]
+    scale = float(dk ** -0.5 if scale is None else scale)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if initial_state is None:
+        h0 = jnp.zeros((n, hv, dk, dv), state_dtype)
+    else:
+        h0 = initial_state.astype(state_dtype)
+    o, final = table[implementation](
+        q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, scale=scale,
+        state_dtype=state_dtype, decay_dtype=decay_dtype, **extra)
+    return o, (final.astype(state_dtype) if output_final_state else None)
+
+
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+    use_qk_l2norm=False, chunk_size=64, state_dtype=jnp.float32, decay_dtype=jnp.float32,
+    implementation=None,
+):
+    """Gated delta rule over whole sequences, chunk by chunk.
+
+    Args:
+      q, k: [B, T, HK, K] queries and keys.
+      v: [B, T, HV, V] values; HV is a multiple of HK and value head h reads
+        key head h // (HV // HK).
+      g: [B, T, HV] log decay (<= 0, not checked).
+      beta: [B, T, HV] write strength.
+      scale: output scale, K ** -0.5 when None.
+      initial_state: [N, HV, K, V] state before the first token of each
+        sequence; zeros when None.
+      output_final_state: also return the state after each sequence's last token.
+      cu_seqlens: int [N + 1] offsets of N sequences packed in one row (B must
+        be 1). The state starts from initial_state[n] at each start and never
+        crosses a boundary. Values are checked when known at trace time.
+      use_qk_l2norm: normalise q and k to unit length inside the op.
+      chunk_size: one of 16, 32, 64, 128; T need not be a multiple.
+      state_dtype: dtype of the state and of every accumulation.
+      decay_dtype: dtype of the gate cumulative sums and decay factors.
+      implementation: None (the best for the platform), "xla", "reference".
+
+    Returns:
+      (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] in state_dtype
+      or None).
+    """
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
+    if implementation is None:
+        implementation = default_chunk_implementation()
+    return _run(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", implementation, q, k, v, g, beta,
+                scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
+                decay_dtype=decay_dtype, chunk_size=chunk_size)
+
+
+def recurrent_gated_delta_rule(
+    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+    use_qk_l2norm=False, state_dtype=jnp.float32, decay_dtype=jnp.float32, implementation=None,
+):
+    """Gated delta rule token by token: decode steps, and the definition.
+
+    Same arguments and results as `chunk_gated_delta_rule`, without
+    chunk_size. implementation: None or "reference".
+    """
+    if implementation is None:
+        implementation = "reference"
+    return _run(RECURRENT_IMPLEMENTATIONS, "recurrent_gated_delta_rule", implementation, q, k, v, g, beta,
+                scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
+                decay_dtype=decay_dtype)

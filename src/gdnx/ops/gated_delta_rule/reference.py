@@ -1,0 +1,54 @@
+"""Token-by-token gated delta rule: decode steps, and the readable definition.
+
+    S_t = exp(g_t) S_{t-1} + k_t (x) beta_t (v_t - (exp(g_t) S_{t-1})^T k_t)
+    o_t = scale S_t^T q_t
+
+A scan over tokens in the state dtype; gradients by plain autodiff. Packed
+sequences use the chunk plan with a chunk of one token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gdnx.ops.gated_delta_rule.layout import from_slots, make_plan, to_slots
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype, decay_dtype):
+    r, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    grp = hv // hk
+    acc = jnp.dtype(state_dtype)
+    plan = make_plan(r, t, 1, cu_seqlens)
+
+    def tokens(x, *split):
+        # [R, T, H, ...] -> [T, R, HK, (G,) ...] in the accumulation dtype
+        x = to_slots(x, plan)
+        x = x.reshape(x.shape[:2] + split + x.shape[3:])
+        return jnp.moveaxis(x, 1, 0)
+
+    qs, ks = tokens(q.astype(acc), hk), tokens(k.astype(acc), hk)
+    vs, bs = tokens(v.astype(acc), hk, grp), tokens(beta.astype(acc), hk, grp)
+    decay = jnp.exp(tokens(g.astype(decay_dtype), hk, grp)).astype(acc)
+    h0 = h0.astype(acc).reshape(h0.shape[0], hk, grp, dk, dv)
+
+    def body(carry, xs):
+        state, final = carry
+        qt, kt, vt, dt, bt, rs, sq, ls = xs
+        state = jnp.where(rs[:, None, None, None, None], h0[sq], state)
+        state = dt[..., None, None] * state
+        pred = jnp.einsum("rhk,rhgkv->rhgv", kt, state, precision=_HIGHEST)
+        delta = bt[..., None] * (vt - pred)
+        state = state + jnp.einsum("rhk,rhgv->rhgkv", kt, delta, precision=_HIGHEST)
+        ot = scale * jnp.einsum("rhk,rhgkv->rhgv", qt, state, precision=_HIGHEST)
+        final = final.at[sq].set(jnp.where(ls[:, None, None, None, None], state, final[sq]))
+        return (state, final), ot
+
+    init = (jnp.zeros((r,) + h0.shape[1:], acc), h0)
+    xs = (qs, ks, vs, decay, bs, plan.reset, plan.seq, plan.last)
+    (_, final), o = jax.lax.scan(body, init, xs)
+    o = jnp.moveaxis(o, 0, 1).reshape(r, plan.padded_length, hv, dv)
+    return from_slots(o, plan).astype(q.dtype), final.reshape(h0.shape[0], hv, dk, dv)
