@@ -9,6 +9,7 @@ Shapes (docs/ops.md has the full contract):
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable
 
@@ -142,16 +143,25 @@ def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state,
         raise TypeError(f"output_final_state: expected a bool, got {type(output_final_state).__name__}")
     dk, dv, hv = q.shape[3], v.shape[3], v.shape[2]
     scale = float(dk ** -0.5 if scale is None else scale)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
     if initial_state is None:
         h0 = jnp.zeros((n, hv, dk, dv), state_dtype)
     else:
-        h0 = initial_state.astype(state_dtype)
-    o, final = table[implementation](
-        q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, scale=scale,
-        state_dtype=state_dtype, decay_dtype=decay_dtype, **extra)
-    return o, (final.astype(state_dtype) if output_final_state else None)
+        h0 = jnp.asarray(initial_state).astype(state_dtype)
+    cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens).astype(jnp.int32)
+    q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+    o, final = _dispatch(q, k, v, g, beta, h0, cu, fn=table[implementation], use_qk_l2norm=use_qk_l2norm,
+                         scale=scale, state_dtype=state_dtype, decay_dtype=decay_dtype, **extra)
+    return o, (final if output_final_state else None)
+
+
+@functools.partial(jax.jit, static_argnames=("fn", "use_qk_l2norm", "scale", "state_dtype", "decay_dtype",
+                                             "chunk_size"))
+def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, use_qk_l2norm, **kw):
+    # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    o, final = fn(q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, **kw)
+    return o, final.astype(kw["state_dtype"])
 
 
 def chunk_gated_delta_rule(

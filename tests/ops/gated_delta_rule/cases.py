@@ -1,0 +1,68 @@
+"""Inputs for the gated delta rule tests, shared by every implementation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    b: int = 2
+    t: int = 64
+    hk: int = 2
+    hv: int = 4
+    dk: int = 32
+    dv: int = 32
+    chunk: int = 64
+    dtype: str = "float32"
+    h0: bool = True
+    l2norm: bool = False
+    cu_seqlens: tuple | None = None
+    gates: str = "random"  # random | edges
+
+    def __str__(self):
+        return self.name
+
+
+def make_inputs(case: Case, seed: int = 0):
+    """(q, k, v, g, beta, h0) in the case's dtype; h0 in float32 or None."""
+    rng = np.random.default_rng(seed)
+    b, t = case.b, case.t
+    n = b if case.cu_seqlens is None else len(case.cu_seqlens) - 1
+    q = rng.standard_normal((b, t, case.hk, case.dk))
+    k = rng.standard_normal((b, t, case.hk, case.dk))
+    if not case.l2norm:
+        # Unit keys keep I - beta k k^T a contraction, as l2norm does in models.
+        q = q / np.sqrt(case.dk)
+        k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((b, t, case.hv, case.dv))
+    if case.gates == "edges":
+        # Per token: no decay (g = 0), full decay (g = -30), no write (beta = 0),
+        # full write (beta = 1), in every combination.
+        g = rng.choice([0.0, -30.0, -0.5], size=(b, t, case.hv))
+        beta = rng.choice([0.0, 1.0, 0.5], size=(b, t, case.hv))
+    else:
+        g = np.log(rng.uniform(0.6, 1.0, size=(b, t, case.hv)))
+        beta = rng.uniform(0.0, 1.0, size=(b, t, case.hv))
+    h0 = rng.standard_normal((n, case.hv, case.dk, case.dv)) * 0.5 if case.h0 else None
+    dt = jnp.dtype(case.dtype)
+    out = [jnp.asarray(x, dt) for x in (q, k, v, g, beta)]
+    return (*out, None if h0 is None else jnp.asarray(h0, jnp.float32))
+
+
+CASES = [
+    Case("gva2_T63_c16", t=63, chunk=16),
+    Case("gva4_T64_c32_l2", hk=2, hv=8, t=64, chunk=32, h0=False, l2norm=True),
+    Case("T1_c64", t=1, chunk=64),
+    Case("T200_c128_l2", t=200, chunk=128, l2norm=True, b=1),
+    Case("K64_V128_T100", t=100, dk=64, dv=128, b=1, chunk=64),
+    Case("K128_V64_T70", t=70, dk=128, dv=64, b=1, hk=1, hv=2, chunk=32),
+    Case("packed", b=1, t=130, chunk=32, cu_seqlens=(0, 5, 5, 70, 130)),
+    Case("packed_short_c64", b=1, t=90, chunk=64, cu_seqlens=(0, 40, 47, 90), h0=False, l2norm=True),
+    Case("edges", t=80, chunk=16, gates="edges"),
+    Case("bf16", t=100, chunk=64, dtype="bfloat16", l2norm=True),
+    Case("bf16_packed", b=1, t=100, chunk=16, dtype="bfloat16", cu_seqlens=(0, 33, 100)),
+]

@@ -1,0 +1,74 @@
+"""Bad input gets a clear error naming the argument; good input options work."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdnx.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from tests.ops.gated_delta_rule.cases import Case, make_inputs
+
+
+@pytest.fixture
+def args():
+    q, k, v, g, beta, _ = make_inputs(Case("api", b=1, t=20, dk=16, dv=16))
+    return q, k, v, g, beta
+
+
+def call(args, **kw):
+    return chunk_gated_delta_rule(*args, **kw)
+
+
+@pytest.mark.parametrize(
+    "change, kw, err, match",
+    [
+        (None, dict(implementation="cuda"), ValueError, "implementation: expected None or one of"),
+        (None, dict(chunk_size=48), ValueError, "chunk_size: expected one of"),
+        (None, dict(state_dtype="float33"), ValueError, "state_dtype: unknown dtype"),
+        (None, dict(decay_dtype="int32"), ValueError, "decay_dtype: expected a floating dtype"),
+        (None, dict(scale="0.1"), TypeError, "scale: expected a Python float"),
+        (None, dict(use_qk_l2norm=1), TypeError, "use_qk_l2norm: expected a bool"),
+        (None, dict(initial_state=jnp.zeros((2, 4, 16, 16))), ValueError, r"initial_state: expected \[N, HV, K, V\]"),
+        (None, dict(cu_seqlens=jnp.array([0, 5, 3, 20])), ValueError, "cu_seqlens: must be non-decreasing"),
+        (None, dict(cu_seqlens=jnp.array([0, 5, 19])), ValueError, "cu_seqlens: must end at T=20"),
+        (None, dict(cu_seqlens=jnp.array([1, 5, 20])), ValueError, "cu_seqlens: must start at 0"),
+        (None, dict(cu_seqlens=jnp.array([0.0, 20.0])), TypeError, "cu_seqlens: expected an integer array"),
+        (None, dict(cu_seqlens=jnp.array([[0, 20]])), ValueError, r"cu_seqlens: expected shape \[N \+ 1\]"),
+        (lambda a: (a[0][..., 0],) + a[1:], {}, ValueError, r"q: expected rank 4"),
+        (lambda a: (a[0], a[1][:, :10]) + a[2:], {}, ValueError, "k: expected the shape of q"),
+        (lambda a: a[:2] + (a[2][:, :, :3],) + a[3:], {}, ValueError, "HV=3 must be a multiple of key heads HK=2"),
+        (lambda a: a[:3] + (a[3][:, :, :2],) + a[4:], {}, ValueError, r"g: expected \[B, T, HV\]"),
+        (lambda a: a[:4] + (a[4][..., None],), {}, ValueError, "beta: expected rank 3"),
+        (lambda a: (a[0].astype(jnp.int32),) + a[1:], {}, TypeError, "q: expected a floating dtype"),
+        (lambda a: (a[0].tolist(),) + a[1:], {}, TypeError, "q: expected an array"),
+        (lambda a: tuple(x[:, :0] for x in a), {}, ValueError, "T >= 1"),
+    ],
+)
+def test_bad_input_is_named(args, change, kw, err, match):
+    if change is not None:
+        args = change(args)
+    with pytest.raises(err, match=match):
+        call(args, **kw)
+
+
+def test_packed_needs_batch_one(args):
+    two = tuple(jnp.concatenate([x, x]) for x in args)
+    with pytest.raises(ValueError, match="cu_seqlens: packed sequences need batch size 1, got B=2"):
+        call(two, cu_seqlens=jnp.array([0, 20]))
+
+
+def test_recurrent_rejects_chunk_implementations(args):
+    with pytest.raises(ValueError, match="implementation: expected None or one of"):
+        recurrent_gated_delta_rule(*args, implementation="xla")
+
+
+def test_dtypes_and_outputs(args):
+    q, k, v, g, beta = (x.astype(jnp.bfloat16) for x in args)
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, state_dtype="float32", decay_dtype=np.float32)
+    assert o.dtype == jnp.bfloat16 and o.shape == v.shape and final is None
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, state_dtype="bfloat16")
+    assert final.dtype == jnp.bfloat16 and final.shape == (1, 4, 16, 16)
+
+
+def test_numpy_inputs_are_accepted(args):
+    o, _ = chunk_gated_delta_rule(*(np.asarray(x) for x in args), cu_seqlens=np.array([0, 7, 20]))
+    assert o.shape == args[2].shape
