@@ -1,27 +1,31 @@
 """Intra-chunk algebra of the gated delta rule, written once.
 
-Pure jnp on blocks with arbitrary leading dims. Block layout (h = key head,
-g = value head inside the key head's group, c = token in the chunk):
+Every function works on the 2-D blocks of one chunk of C tokens, so the same
+code runs inside Pallas kernels (TPU Mosaic and Triton take 2-D tiles) and,
+under `jax.vmap`, in the XLA path:
 
-    q, k        [..., h, c, K]        shared by the value heads of a group
-    v           [..., h, g, c, V]
-    gate, beta  [..., h, g, c]
-    state       [..., h, g, K, V]
+    q, k        [C, K]    one key head, shared by its group of value heads
+    v           [C, V]    one value head
+    g, beta     [1, C]    rows, as the kernels load them
+    state       [K, V]
 
-QK^T and KK^T are formed once per key head and broadcast over g, so grouped
-value heads never materialise repeated q or k.
+Per key head `key_products` forms QK^T and KK^T once; the per-value-head
+functions take them as arguments, so grouped value heads never repeat them.
+Cumulative sums, transposes of vectors and row extraction are written with
+iotas, masks and reductions: no cumsum, slicing or reshapes, which kernel
+lowerings do not all have.
 
-Forward of one chunk (DESIGN.md), G = cumsum(gate), D_ij = exp(G_i - G_j):
+Forward of one chunk (DESIGN.md), G = cumsum(g), D_ij = exp(G_i - G_j):
 
     A  = strict_tril(beta_i (k_i . k_j) D_ij)      T = (I + A)^-1
     U  = T (beta v)                                W = T (beta exp(G) k)
     Vn = U - W S
-    O  = Qg S + P Vn        Qg = scale exp(G) q,   P = scale tril(QK^T * D)
-    S' = gamma S + Kd^T Vn  gamma = exp(G_last),   Kd = exp(G_last - G) k
+    O  = eq * (q S) + P Vn       eq = scale exp(G),  P = scale tril(QK^T * D)
+    S' = gamma S + k^T (ek * Vn)  gamma = exp(G_last), ek = exp(G_last - G)
 
-The split into `chunk_prepare` (needs no state, vectorises over chunks),
-`chunk_step` (the sequential state update) and their adjoints is what lets a
-scan or a kernel walk chunks without repeating any of the algebra.
+`prepare` needs no state, `step` is the sequential update; their adjoints
+`step_bwd`, `step_grads`, `prepare_bwd` and `key_products_bwd` make the
+backward.
 """
 
 from __future__ import annotations
@@ -37,220 +41,235 @@ HIGHEST = jax.lax.Precision.HIGHEST
 INVERSE_BLOCK = 16
 
 
-def _einsum(spec, *xs):
-    return jnp.einsum(spec, *xs, precision=HIGHEST)
+def _dot(a, b, contract):
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=HIGHEST,
+                               preferred_element_type=a.dtype)
 
 
-def causal_mask(c: int, strict: bool = False) -> jax.Array:
-    i = jnp.arange(c)[:, None]
-    j = jnp.arange(c)[None, :]
-    return i > j if strict else i >= j
+def mm(a, b):
+    """a @ b."""
+    return _dot(a, b, ((1,), (0,)))
 
 
-def decay_matrix(gcum: jax.Array) -> jax.Array:
-    """exp(G_i - G_j) on and below the diagonal, 0 above; dtype of `gcum`.
-
-    The mask goes in before the exponential: above the diagonal G_i - G_j >= 0
-    and can overflow.
-    """
-    c = gcum.shape[-1]
-    diff = gcum[..., :, None] - gcum[..., None, :]
-    return jnp.exp(jnp.where(causal_mask(c), diff, -jnp.inf))
+def mm_nt(a, b):
+    """a @ b^T."""
+    return _dot(a, b, ((1,), (1,)))
 
 
-def _forward_substitution(a: jax.Array) -> jax.Array:
-    """(I + a)^-1 for strictly lower triangular a [..., b, b], row by row."""
-    b = a.shape[-1]
-    eye = jnp.eye(b, dtype=a.dtype)
-    t = jnp.broadcast_to(eye, a.shape)
-    for i in range(1, b):
-        # Rows < i of t are final and a[i, j >= i] = 0, so a[i] @ t only
-        # touches finished rows.
-        row = eye[i] - _einsum("...j,...jk->...k", a[..., i, :], t)
-        t = t.at[..., i, :].set(row)
-    return t
+def mm_tn(a, b):
+    """a^T @ b."""
+    return _dot(a, b, ((0,), (0,)))
 
 
-def unit_lower_inverse(a: jax.Array) -> jax.Array:
-    """Exact (I + a)^-1 for strictly lower triangular a [..., C, C].
+def iotas(c: int):
+    """(row index, column index) of a [c, c] tile."""
+    return jax.lax.broadcasted_iota(jnp.int32, (c, c), 0), jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+
+
+def row_to_col(x):
+    """[1, C] -> [C, 1]."""
+    c = x.shape[-1]
+    r, j = iotas(c)
+    return jnp.sum(jnp.where(r == j, jnp.broadcast_to(x, (c, c)), 0), axis=1, keepdims=True)
+
+
+def col_to_row(x):
+    """[C, 1] -> [1, C]."""
+    c = x.shape[0]
+    r, j = iotas(c)
+    return jnp.sum(jnp.where(r == j, jnp.broadcast_to(x, (c, c)), 0), axis=0, keepdims=True)
+
+
+def unit_lower_inverse(a):
+    """Exact (I + a)^-1 for strictly lower triangular a [C, C] (XLA).
 
     Blocked forward substitution: invert the diagonal blocks row by row, then
     merge neighbouring blocks with inv21 = -inv22 a21 inv11 until one block
-    covers the chunk. C must be a power of two times the block (or smaller).
+    covers the chunk. Static slices and concatenation: fine for XLA, not for
+    every kernel lowering (see `unit_lower_inverse_rows`).
     """
     c = a.shape[-1]
     b = min(INVERSE_BLOCK, c)
     if c % b:
         raise ValueError(f"chunk size {c} is not a multiple of {b}")
-    blocks = [a[..., i * b:(i + 1) * b, i * b:(i + 1) * b] for i in range(c // b)]
-    inv = [_forward_substitution(blk) for blk in blocks]
+    inv = []
+    for blk in range(c // b):
+        d = a[blk * b:(blk + 1) * b, blk * b:(blk + 1) * b]
+        eye = jnp.eye(b, dtype=a.dtype)
+        t = eye
+        for i in range(1, b):
+            # rows < i of t are final and d[i, j >= i] = 0
+            t = t.at[i, :].set(eye[i] - mm(d[i:i + 1, :], t)[0])
+        inv.append(t)
     size = b
     while len(inv) > 1:
         merged = []
         for m in range(0, len(inv), 2):
             lo, hi = m * size, (m + 1) * size
-            a21 = a[..., hi:hi + size, lo:hi]
             i11, i22 = inv[m], inv[m + 1]
-            i21 = -_einsum("...ij,...jk,...kl->...il", i22, a21, i11)
-            top = jnp.concatenate([i11, jnp.zeros_like(i11)], axis=-1)
-            bottom = jnp.concatenate([i21, i22], axis=-1)
-            merged.append(jnp.concatenate([top, bottom], axis=-2))
+            i21 = -mm(i22, mm(a[hi:hi + size, lo:hi], i11))
+            top = jnp.concatenate([i11, jnp.zeros_like(i11)], axis=1)
+            merged.append(jnp.concatenate([top, jnp.concatenate([i21, i22], axis=1)], axis=0))
         inv = merged
         size *= 2
     return inv[0]
 
 
-class Prepared(NamedTuple):
-    """Per-chunk quantities that do not depend on the incoming state."""
+def unit_lower_inverse_rows(a):
+    """Exact (I + a)^-1 for strictly lower triangular a [C, C] (kernels).
 
-    q: jax.Array      # [..., h, c, K]     acc dtype
-    k: jax.Array      # [..., h, c, K]
-    gcum: jax.Array   # [..., h, g, c]     decay dtype
-    dm: jax.Array     # [..., h, g, c, c]  decay dtype
-    qk: jax.Array     # [..., h, c, c]
-    kk: jax.Array     # [..., h, c, c]
-    tinv: jax.Array   # [..., h, g, c, c]
-    u: jax.Array      # [..., h, g, c, V]
-    w: jax.Array      # [..., h, g, c, K]
-    p: jax.Array      # [..., h, g, c, c]  scale tril(QK^T * D)
-    eq: jax.Array     # [..., h, g, c]     scale exp(G): row factor of Qg
-    ek: jax.Array     # [..., h, g, c]     exp(G_last - G): row factor of Kd
-    gamma: jax.Array  # [..., h, g]        exp(G_last)
-
-
-def chunk_prepare(q, k, v, gate, beta, *, scale, acc_dtype, decay_dtype, tinv=None):
-    """Everything a chunk needs before it sees the state.
-
-    Pass `tinv` (a saved (I + A)^-1) to skip the inverse, as the backward does.
-    Qg and Kd stay factored as (row factor, shared q or k) so they are never
-    materialised per value head.
+    Forward substitution one row at a time with masks and reductions only:
+    row i of T is e_i - sum_j a[i, j] T[j], and rows j < i are final.
     """
-    q, k, v, beta = (x.astype(acc_dtype) for x in (q, k, v, beta))
-    gcum = jnp.cumsum(gate.astype(decay_dtype), axis=-1)
-    dm = decay_matrix(gcum)
-    dma = dm.astype(acc_dtype)
-    eg = jnp.exp(gcum).astype(acc_dtype)
-    ek = jnp.exp(gcum[..., -1:] - gcum).astype(acc_dtype)
-    kk = _einsum("...hik,...hjk->...hij", k, k)
-    qk = _einsum("...hik,...hjk->...hij", q, k)
+    c = a.shape[-1]
+    r, j = iotas(c)
+    t = (r == j).astype(a.dtype)
+    at = jnp.transpose(a)
+    for i in range(1, c):
+        a_i = jnp.sum(jnp.where(j == i, at, 0), axis=1, keepdims=True)  # a[i, :] as a column
+        row = jnp.where(j[:1] == i, 1.0, 0.0).astype(a.dtype) - jnp.sum(a_i * t, axis=0, keepdims=True)
+        t = jnp.where(r == i, row, t)
+    return t
+
+
+def key_products(q, k):
+    """(QK^T, KK^T) of one key head's chunk."""
+    return mm_nt(q, k), mm_nt(k, k)
+
+
+class Prepared(NamedTuple):
+    """One value head's chunk quantities that do not depend on the state."""
+
+    gcum: jax.Array   # [C, 1]  G, decay dtype
+    dm: jax.Array     # [C, C]  exp(G_i - G_j) on and below the diagonal, decay dtype
+    beta: jax.Array   # [C, 1]
+    tinv: jax.Array   # [C, C]  (I + A)^-1
+    u: jax.Array      # [C, V]
+    w: jax.Array      # [C, K]
+    p: jax.Array      # [C, C]  scale tril(QK^T * D)
+    eq: jax.Array     # [C, 1]  scale exp(G)
+    ek: jax.Array     # [C, 1]  exp(G_last - G)
+    gamma: jax.Array  # [1, 1]  exp(G_last)
+
+
+def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse):
+    """Everything one value head's chunk needs before it sees the state.
+
+    q, k, v, qk, kk come in the accumulation dtype; g and beta as [1, C] rows
+    in any float dtype. Pass `tinv` (a saved (I + A)^-1) to skip the inverse.
+    """
+    acc = q.dtype
+    c = q.shape[0]
+    r, j = iotas(c)
+    g = g.astype(decay_dtype)
+    # G_i = sum_{j <= i} g_j, as a column and as a row
+    gcum = jnp.sum(jnp.where(j <= r, jnp.broadcast_to(g, (c, c)), 0), axis=1, keepdims=True)
+    gcum_row = col_to_row(gcum)
+    glast = jnp.sum(g, axis=1, keepdims=True)
+    # Mask before the exponential: above the diagonal G_i - G_j >= 0 may overflow.
+    dm = jnp.exp(jnp.where(r >= j, gcum - gcum_row, -jnp.inf))
+    dma = dm.astype(acc)
+    eg = jnp.exp(gcum).astype(acc)
+    beta = row_to_col(beta.astype(acc))
     if tinv is None:
-        c = gate.shape[-1]
-        a = jnp.where(causal_mask(c, strict=True), beta[..., :, None] * kk[..., None, :, :] * dma, 0)
-        tinv = unit_lower_inverse(a)
-    u = _einsum("...ij,...jv->...iv", tinv, beta[..., None] * v)
-    w = _einsum("...ij,...jk->...ik", tinv, (beta * eg)[..., None] * k[..., :, None, :, :])
-    p = scale * qk[..., None, :, :] * dma
-    gamma = jnp.exp(gcum[..., -1]).astype(acc_dtype)
-    return Prepared(q, k, gcum, dm, qk, kk, tinv, u, w, p, scale * eg, ek, gamma)
-
-
-def _shared_in(x, state):
-    """x [..., h, c, K] (one per key head) times state [..., h, g, K, V]."""
-    return _einsum("...hck,...hgkv->...hgcv", x, state)
-
-
-def _shared_out(x, y):
-    """x [..., h, c, K] (one per key head) transposed times y [..., h, g, c, V]."""
-    return _einsum("...hck,...hgcv->...hgkv", x, y)
-
-
-def chunk_step(state, u, w, p, q, k, eq, ek, gamma):
-    """One chunk's output and outgoing state from the incoming state."""
-    vn = u - _einsum("...ck,...kv->...cv", w, state)
-    o = eq[..., None] * _shared_in(q, state) + _einsum("...ij,...jv->...iv", p, vn)
-    new_state = gamma[..., None, None] * state + _shared_out(k, ek[..., None] * vn)
-    return o, new_state
-
-
-def chunk_step_bwd(do, dstate_out, w, p, q, k, eq, ek, gamma):
-    """Adjoint of `chunk_step` along the state path: (dVn, dS_in)."""
-    dvn = _einsum("...ij,...iv->...jv", p, do) + ek[..., None] * _shared_in(k, dstate_out)
-    dstate_in = (
-        _shared_out(q, eq[..., None] * do)
-        + gamma[..., None, None] * dstate_out
-        - _einsum("...ck,...cv->...kv", w, dvn)
+        tinv = inverse(jnp.where(r > j, beta * kk * dma, 0))
+    u = mm(tinv, beta * v)
+    w = mm(tinv, (beta * eg) * k)
+    return Prepared(
+        gcum=gcum, dm=dm, beta=beta, tinv=tinv, u=u, w=w,
+        p=scale * qk * dma, eq=scale * eg,
+        ek=jnp.exp(glast - gcum).astype(acc), gamma=jnp.exp(glast).astype(acc),
     )
+
+
+def step(state, q, k, prep: Prepared):
+    """One chunk's output [C, V] and outgoing state [K, V]."""
+    vn = prep.u - mm(prep.w, state)
+    o = prep.eq * mm(q, state) + mm(prep.p, vn)
+    return o, prep.gamma * state + mm_tn(k, prep.ek * vn)
+
+
+def step_bwd(do, dstate_out, q, k, prep: Prepared):
+    """Adjoint of `step` along the state path: (dVn, dS_in)."""
+    dvn = mm_tn(prep.p, do) + prep.ek * mm(k, dstate_out)
+    dstate_in = mm_tn(q, prep.eq * do) + prep.gamma * dstate_out - mm_tn(prep.w, dvn)
     return dvn, dstate_in
 
 
 class StepGrads(NamedTuple):
-    """Cotangents from the state pass, per value head."""
+    """Cotangents from the state pass, for one value head's chunk."""
 
-    du: jax.Array      # of U
-    dw: jax.Array      # of W
-    dp: jax.Array      # of P
-    dqs: jax.Array     # dO S^T: Qg's cotangent before its row factor
-    dks: jax.Array     # Vn dS'^T: Kd's cotangent before its row factor
-    dgamma: jax.Array  # of gamma
+    du: jax.Array      # of U                       [C, V]
+    dw: jax.Array      # of W                       [C, K]
+    dp: jax.Array      # of P                       [C, C]
+    dqs: jax.Array     # dO S^T (q S's cotangent)   [C, K]
+    dks: jax.Array     # Vn dS'^T                   [C, K]
+    dgamma: jax.Array  # of gamma                   [1, 1]
 
 
 def step_grads(state, dstate_out, do, dvn, prep: Prepared) -> StepGrads:
-    """Cotangents of U, W, P, Qg, Kd, gamma given each chunk's incoming state,
-    its outgoing-state cotangent and dVn (vectorises over chunks)."""
-    vn = prep.u - _einsum("...ck,...kv->...cv", prep.w, state)
+    vn = prep.u - mm(prep.w, state)
     return StepGrads(
-        du=dvn,
-        dw=-_einsum("...cv,...kv->...ck", dvn, state),
-        dp=_einsum("...iv,...jv->...ij", do, vn),
-        dqs=_einsum("...cv,...kv->...ck", do, state),
-        dks=_einsum("...cv,...kv->...ck", vn, dstate_out),
-        dgamma=jnp.sum(state * dstate_out, axis=(-2, -1)),
+        du=dvn, dw=-mm_nt(dvn, state), dp=mm_nt(do, vn), dqs=mm_nt(do, state),
+        dks=mm_nt(vn, dstate_out),
+        dgamma=jnp.sum(jnp.sum(state * dstate_out, axis=1, keepdims=True), axis=0, keepdims=True),
     )
 
 
-def chunk_prepare_bwd(v, beta, prep: Prepared, grads: StepGrads, *, scale):
-    """Adjoint of `chunk_prepare`: (dq, dk, dv, dgate, dbeta) in acc dtype.
+class PreparedGrads(NamedTuple):
+    """One value head's input cotangents; dq, dk still miss the QK^T, KK^T terms."""
 
-    The inverse is not differentiated through: with X = (beta exp(G) k),
+    dq: jax.Array    # [C, K]
+    dk: jax.Array    # [C, K]
+    dv: jax.Array    # [C, V]
+    dg: jax.Array    # [1, C]
+    dbeta: jax.Array  # [1, C]
+    dqk: jax.Array   # [C, C]  to sum over the key head's value heads
+    dkk: jax.Array   # [C, C]
+
+
+def prepare_bwd(q, k, v, qk, kk, prep: Prepared, grads: StepGrads, *, scale) -> PreparedGrads:
+    """Adjoint of `prepare` for one value head.
+
+    The inverse is not differentiated through: with X = beta exp(G) k,
     dA = -T^T (dU (beta v)^T + dW X^T) T^T = -(T^T dU) U^T - (T^T dW) W^T.
     """
-    q, k = prep.q, prep.k
-    acc_dtype = q.dtype
-    v, beta = v.astype(acc_dtype), beta.astype(acc_dtype)
-    c = q.shape[-2]
-    dm = prep.dm.astype(acc_dtype)
-    eg = jnp.exp(prep.gcum).astype(acc_dtype)
-    kg = k[..., :, None, :, :]
-    qg = q[..., :, None, :, :]
+    acc = q.dtype
+    c = q.shape[0]
+    r, j = iotas(c)
+    dm = prep.dm.astype(acc)
+    eg = jnp.exp(prep.gcum).astype(acc)
+    beta = prep.beta
 
     # U = T (beta v),  W = T (beta exp(G) k)
-    dbv = _einsum("...ji,...jv->...iv", prep.tinv, grads.du)
-    dx = _einsum("...ji,...jk->...ik", prep.tinv, grads.dw)
-    da = -(_einsum("...iv,...jv->...ij", dbv, prep.u) + _einsum("...ik,...jk->...ij", dx, prep.w))
-    da = jnp.where(causal_mask(c, strict=True), da, 0)
-    kdx = jnp.sum(kg * dx, axis=-1)
-    dv = beta[..., None] * dbv
-    dbeta = jnp.sum(v * dbv, axis=-1) + eg * kdx
-    dgcum = beta * eg * kdx
-    dk = jnp.sum((beta * eg)[..., None] * dx, axis=-3)
-
+    dbv = mm_tn(prep.tinv, grads.du)
+    dx = mm_tn(prep.tinv, grads.dw)
+    da = jnp.where(r > j, -(mm_nt(dbv, prep.u) + mm_nt(dx, prep.w)), 0)
+    kdx = jnp.sum(k * dx, axis=1, keepdims=True)
+    dv = beta * dbv
+    dk = (beta * eg) * dx
     # A = strict_tril(beta_i kk_ij D_ij)
-    dbeta = dbeta + jnp.sum(da * prep.kk[..., None, :, :] * dm, axis=-1)
-    dkk = jnp.sum(da * beta[..., :, None] * dm, axis=-3)
-    ddm = da * beta[..., :, None] * prep.kk[..., None, :, :]
-
+    dbeta = jnp.sum(v * dbv, axis=1, keepdims=True) + eg * kdx + jnp.sum(da * kk * dm, axis=1, keepdims=True)
+    dgcum = beta * eg * kdx
+    dkk = da * beta * dm
     # P = scale tril(qk * D)   (D is already 0 above the diagonal)
-    dqk = scale * jnp.sum(grads.dp * dm, axis=-3)
-    ddm = ddm + scale * grads.dp * prep.qk[..., None, :, :]
-
+    dqk = scale * grads.dp * dm
+    m = (da * beta * kk + scale * grads.dp * qk) * dm
     # D_ij = exp(G_i - G_j)
-    m = ddm * dm
-    dgcum = dgcum + jnp.sum(m, axis=-1) - jnp.sum(m, axis=-2)
+    dgcum = dgcum + jnp.sum(m, axis=1, keepdims=True) - row_to_col(jnp.sum(m, axis=0, keepdims=True))
+    # q S scaled by eq = scale exp(G)
+    dq = prep.eq * grads.dqs
+    dgcum = dgcum + prep.eq * jnp.sum(grads.dqs * q, axis=1, keepdims=True)
+    # k^T (ek Vn), ek = exp(G_last - G);  gamma = exp(G_last)
+    rk = prep.ek * jnp.sum(grads.dks * k, axis=1, keepdims=True)
+    dk = dk + prep.ek * grads.dks
+    dlast = jnp.sum(rk, axis=0, keepdims=True) + prep.gamma * grads.dgamma
+    dgcum = dgcum - rk + jnp.where(r[:, :1] == c - 1, dlast, 0)
+    # G = cumsum(g): dg_j = sum_{i >= j} dG_i
+    dg = jnp.sum(jnp.where(r >= j, jnp.broadcast_to(dgcum, (c, c)), 0), axis=0, keepdims=True)
+    return PreparedGrads(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=col_to_row(dbeta), dqk=dqk, dkk=dkk)
 
-    # Qg = eq q   (eq = scale exp(G))
-    rq = prep.eq * jnp.sum(grads.dqs * qg, axis=-1)
-    dgcum = dgcum + rq
-    dq = jnp.sum(prep.eq[..., None] * grads.dqs, axis=-3)
 
-    # Kd = ek k   (ek = exp(G_last - G)),  gamma = exp(G_last)
-    rk = prep.ek * jnp.sum(grads.dks * kg, axis=-1)
-    dk = dk + jnp.sum(prep.ek[..., None] * grads.dks, axis=-3)
-    dlast = jnp.sum(rk, axis=-1) + prep.gamma * grads.dgamma
-    dgcum = dgcum - rk
-    dgcum = dgcum.at[..., -1].add(dlast)
-
-    dq = dq + _einsum("...ij,...jk->...ik", dqk, k)
-    dk = dk + _einsum("...ij,...ik->...jk", dqk, q) + _einsum("...ij,...jk->...ik", dkk + jnp.swapaxes(dkk, -1, -2), k)
-    # G = cumsum(gate): the adjoint is a reverse cumulative sum.
-    dgate = jnp.flip(jnp.cumsum(jnp.flip(dgcum, -1), axis=-1), -1)
-    return dq, dk, dv, dgate, dbeta
+def key_products_bwd(q, k, dqk, dkk):
+    """(dq, dk) through QK^T and KK^T, with dqk, dkk summed over value heads."""
+    return mm(dqk, k), mm_tn(dqk, q) + mm(dkk, k) + mm_tn(dkk, k)

@@ -41,8 +41,8 @@ def _to_blocks(q, k, v, g, beta, plan: ChunkPlan):
 
     vb = to_slots(v, plan).reshape(r, nc, c, hk, grp, dv).transpose(1, 0, 3, 4, 2, 5)
 
-    def gate_blocks(x):
-        return to_slots(x, plan).reshape(r, nc, c, hk, grp).transpose(1, 0, 3, 4, 2)
+    def gate_blocks(x):  # rows [1, C], as the chunk algebra takes them
+        return to_slots(x, plan).reshape(r, nc, c, hk, grp).transpose(1, 0, 3, 4, 2)[..., None, :]
 
     return qk_blocks(q), qk_blocks(k), vb, gate_blocks(g), gate_blocks(beta)
 
@@ -58,6 +58,27 @@ def _select(mask, a, b):
     return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim)), a, b)
 
 
+def _keys(fn):
+    """Map a per-key-head block function over rows and key heads."""
+    return jax.vmap(jax.vmap(fn))
+
+
+def _values(fn, in_axes):
+    """Map a per-value-head block function over rows, key heads and value
+    heads; arguments with in_axes None are the key head's, shared by its group."""
+    return jax.vmap(jax.vmap(jax.vmap(fn, in_axes=in_axes)))
+
+
+def _prepare(qa, ka, v, g, beta, scale, acc_dtype, decay_dtype, tinv=None):
+    qk, kk = _keys(chunk_math.key_products)(qa, ka)
+
+    def one(q, k, v, g, beta, qk, kk, tinv):
+        return chunk_math.prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv)
+
+    axes = (None, None, 0, 0, 0, None, None, None if tinv is None else 0)
+    return qk, kk, _values(one, axes)(qa, ka, v.astype(acc_dtype), g, beta, qk, kk, tinv)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _chunk_scan(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype):
     return _chunk_scan_fwd(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype)[0]
@@ -68,20 +89,17 @@ def _chunk_scan_fwd(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype):
 
     def body(carry, xs):
         state, final = carry
-        *inputs, rs, sq, ls = xs
-        prep = chunk_math.chunk_prepare(*inputs, scale=scale, acc_dtype=acc_dtype, decay_dtype=decay_dtype)
+        qc, kc, vc, gc, bc, rs, sq, ls = xs
+        qa, ka = qc.astype(acc_dtype), kc.astype(acc_dtype)
+        _, _, prep = _prepare(qa, ka, vc, gc, bc, scale, acc_dtype, decay_dtype)
         state = _select(rs, h0[sq], state)
-        o, new_state = chunk_math.chunk_step(state, *_step_args(prep))
+        o, new_state = _values(chunk_math.step, (0, None, None, 0))(state, qa, ka, prep)
         final = final.at[sq].set(_select(ls, new_state, final[sq]))
         return (new_state, final), (o.astype(q.dtype), state, prep.tinv)
 
     init = (jnp.zeros((q.shape[1],) + h0.shape[1:], acc_dtype), h0)
     (_, final), (o, states, tinv) = jax.lax.scan(body, init, (q, k, v, g, beta, reset, seq, last))
     return (o, final), (q, k, v, g, beta, tinv, states, flags)
-
-
-def _step_args(prep):
-    return prep.u, prep.w, prep.p, prep.q, prep.k, prep.eq, prep.ek, prep.gamma
 
 
 def _chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
@@ -93,13 +111,16 @@ def _chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
     def body(carry, xs):
         dstate, dh0 = carry
         qc, kc, vc, gc, bc, tc, state, do_c, rs, sq, ls = xs
-        prep = chunk_math.chunk_prepare(
-            qc, kc, vc, gc, bc, scale=scale, acc_dtype=acc_dtype, decay_dtype=decay_dtype, tinv=tc)
+        qa, ka, va = qc.astype(acc_dtype), kc.astype(acc_dtype), vc.astype(acc_dtype)
+        qk, kk, prep = _prepare(qa, ka, va, gc, bc, scale, acc_dtype, decay_dtype, tinv=tc)
         do_c = do_c.astype(acc_dtype)
         dstate_out = dstate + _select(ls, dfinal[sq], jnp.zeros_like(dstate))
-        dvn, dstate_in = chunk_math.chunk_step_bwd(do_c, dstate_out, *_step_args(prep)[1:])
-        grads = chunk_math.step_grads(state, dstate_out, do_c, dvn, prep)
-        dx = chunk_math.chunk_prepare_bwd(vc, bc, prep, grads, scale=scale)
+        dvn, dstate_in = _values(chunk_math.step_bwd, (0, 0, None, None, 0))(do_c, dstate_out, qa, ka, prep)
+        grads = _values(chunk_math.step_grads, 0)(state, dstate_out, do_c, dvn, prep)
+        pg = _values(functools.partial(chunk_math.prepare_bwd, scale=scale), (None, None, 0, None, None, 0, 0))(
+            qa, ka, va, qk, kk, prep, grads)
+        dq_k, dk_k = _keys(chunk_math.key_products_bwd)(qa, ka, pg.dqk.sum(2), pg.dkk.sum(2))
+        dx = (pg.dq.sum(2) + dq_k, pg.dk.sum(2) + dk_k, pg.dv, pg.dg, pg.dbeta)
         dx = tuple(d.astype(x.dtype) for d, x in zip(dx, (qc, kc, vc, gc, bc)))
         dh0 = dh0.at[sq].add(_select(rs, dstate_in, jnp.zeros_like(dstate_in)))
         dstate = _select(rs, jnp.zeros_like(dstate_in), dstate_in)
