@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdnx.ops.gated_delta_rule import chunk_math
+from gdnx.ops.gated_delta_rule.pallas_gpu import chunk_gated_delta_rule_pallas_gpu
+from gdnx.ops.gated_delta_rule.pallas_tpu import chunk_gated_delta_rule_pallas_tpu
 from gdnx.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
 from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
 
 CHUNK_SIZES = (16, 32, 64, 128)
-L2NORM_EPS = 1e-6
 
 
 def _chunk_reference(q, k, v, g, beta, h0, *, chunk_size, **kw):
@@ -32,16 +34,21 @@ def _chunk_reference(q, k, v, g, beta, h0, *, chunk_size, **kw):
 CHUNK_IMPLEMENTATIONS: dict[str, Callable] = {
     "xla": chunk_gated_delta_rule_xla,
     "reference": _chunk_reference,
+    "pallas_tpu": chunk_gated_delta_rule_pallas_tpu,
+    "pallas_gpu": chunk_gated_delta_rule_pallas_gpu,
 }
 RECURRENT_IMPLEMENTATIONS: dict[str, Callable] = {
     "reference": recurrent_gated_delta_rule_reference,
 }
+# Kernels: they apply l2norm themselves (fused) and take `interpret`.
+PALLAS_IMPLEMENTATIONS = frozenset({"pallas_tpu", "pallas_gpu"})
+_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
 def default_chunk_implementation(platform: str | None = None) -> str:
-    """The implementation `implementation=None` picks on `platform`."""
-    del platform  # every platform runs "xla" until a kernel is registered for it
-    return "xla"
+    """The implementation `implementation=None` picks: pallas_tpu on TPU,
+    pallas_gpu on GPU, xla elsewhere (the CPU)."""
+    return _AUTO.get(platform or jax.default_backend(), "xla")
 
 
 def _resolve_dtype(name: str, value) -> jnp.dtype:
@@ -127,15 +134,22 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
 
 
 def l2norm(x: jax.Array) -> jax.Array:
-    """x / sqrt(sum x^2 + 1e-6) over the last axis, in at least float32."""
-    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
+    """x / sqrt(sum x^2 + 1e-6) over the last axis, computed in at least
+    float32 and rounded back to x's dtype."""
+    return chunk_math.l2norm(x.astype(jnp.promote_types(x.dtype, jnp.float32))).astype(x.dtype)
 
 
 def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state, output_final_state,
-         cu_seqlens, use_qk_l2norm, state_dtype, decay_dtype, **extra):
+         cu_seqlens, use_qk_l2norm, state_dtype, decay_dtype, interpret=None, **extra):
     if implementation not in table:
         raise ValueError(f"implementation: expected None or one of {sorted(table)} for {kind}, got {implementation!r}")
+    if implementation in PALLAS_IMPLEMENTATIONS:
+        if interpret is not None and not isinstance(interpret, bool):
+            raise TypeError(f"interpret: expected None or a bool, got {type(interpret).__name__}")
+        extra["interpret"] = interpret
+    elif interpret is not None:
+        raise ValueError(f"interpret: applies to the Pallas implementations {sorted(PALLAS_IMPLEMENTATIONS)}, "
+                         f"not to {implementation!r}")
     n = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     state_dtype = _resolve_dtype("state_dtype", state_dtype)
     decay_dtype = _resolve_dtype("decay_dtype", decay_dtype)
@@ -155,10 +169,12 @@ def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state,
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "use_qk_l2norm", "scale", "state_dtype", "decay_dtype",
-                                             "chunk_size"))
+                                             "chunk_size", "interpret"))
 def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, use_qk_l2norm, **kw):
     # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
-    if use_qk_l2norm:
+    if "interpret" in kw:
+        kw["use_qk_l2norm"] = use_qk_l2norm  # kernels fuse it
+    elif use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     o, final = fn(q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, **kw)
     return o, final.astype(kw["state_dtype"])
@@ -167,7 +183,7 @@ def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, use_qk_l2norm, **kw):
 def chunk_gated_delta_rule(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm=False, chunk_size=64, state_dtype=jnp.float32, decay_dtype=jnp.float32,
-    implementation=None,
+    implementation=None, interpret=None,
 ):
     """Gated delta rule over whole sequences, chunk by chunk.
 
@@ -188,7 +204,13 @@ def chunk_gated_delta_rule(
       chunk_size: one of 16, 32, 64, 128; T need not be a multiple.
       state_dtype: dtype of the state and of every accumulation.
       decay_dtype: dtype of the gate cumulative sums and decay factors.
-      implementation: None (the best for the platform), "xla", "reference".
+      implementation: None (pallas_tpu on TPU, pallas_gpu on GPU, xla on
+        CPU), or one of "xla", "reference", "pallas_tpu", "pallas_gpu".
+        A named implementation never falls back to another.
+      interpret: Pallas implementations only. None runs the kernel in
+        interpret mode exactly when the default backend is the CPU; False
+        always lowers for the hardware (also from a CPU host, for
+        jax.export); True always interprets.
 
     Returns:
       (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] in state_dtype
@@ -201,7 +223,7 @@ def chunk_gated_delta_rule(
     return _run(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", implementation, q, k, v, g, beta,
                 scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
-                decay_dtype=decay_dtype, chunk_size=chunk_size)
+                decay_dtype=decay_dtype, chunk_size=chunk_size, interpret=interpret)
 
 
 def recurrent_gated_delta_rule(

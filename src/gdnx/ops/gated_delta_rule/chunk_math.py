@@ -132,6 +132,14 @@ def unit_lower_inverse_rows(a):
     return t
 
 
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x):
+    """x / sqrt(sum x^2 + 1e-6) over the last axis, in x's dtype."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
 def key_products(q, k):
     """(QK^T, KK^T) of one key head's chunk."""
     return mm_nt(q, k), mm_nt(k, k)

@@ -29,7 +29,7 @@ from gdnx.ops.gated_delta_rule import chunk_math
 from gdnx.ops.gated_delta_rule.layout import ChunkPlan, from_slots, make_plan, to_slots
 
 
-def _to_blocks(q, k, v, g, beta, plan: ChunkPlan):
+def to_blocks(q, k, v, g, beta, plan: ChunkPlan):
     """[R, T, H, D] inputs -> [NC, R, HK, (G,) C, D] chunk blocks."""
     r, _, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -47,14 +47,15 @@ def _to_blocks(q, k, v, g, beta, plan: ChunkPlan):
     return qk_blocks(q), qk_blocks(k), vb, gate_blocks(g), gate_blocks(beta)
 
 
-def _from_blocks(o, plan: ChunkPlan):
+def from_blocks(o, plan: ChunkPlan):
     """[NC, R, HK, G, C, V] -> [R, T, HV, V]."""
     nc, r, hk, grp, c, dv = o.shape
     o = o.transpose(1, 0, 4, 2, 3, 5).reshape(r, nc * c, hk * grp, dv)
     return from_slots(o, plan)
 
 
-def _select(mask, a, b):
+def select(mask, a, b):
+    """where(mask, a, b) with mask broadcast from the leading dims."""
     return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim)), a, b)
 
 
@@ -92,9 +93,9 @@ def _chunk_scan_fwd(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype):
         qc, kc, vc, gc, bc, rs, sq, ls = xs
         qa, ka = qc.astype(acc_dtype), kc.astype(acc_dtype)
         _, _, prep = _prepare(qa, ka, vc, gc, bc, scale, acc_dtype, decay_dtype)
-        state = _select(rs, h0[sq], state)
+        state = select(rs, h0[sq], state)
         o, new_state = _values(chunk_math.step, (0, None, None, 0))(state, qa, ka, prep)
-        final = final.at[sq].set(_select(ls, new_state, final[sq]))
+        final = final.at[sq].set(select(ls, new_state, final[sq]))
         return (new_state, final), (o.astype(q.dtype), state, prep.tinv)
 
     init = (jnp.zeros((q.shape[1],) + h0.shape[1:], acc_dtype), h0)
@@ -102,7 +103,7 @@ def _chunk_scan_fwd(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype):
     return (o, final), (q, k, v, g, beta, tinv, states, flags)
 
 
-def _chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
+def chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
     q, k, v, g, beta, tinv, states, flags = res
     reset, seq, last, nonempty = flags
     do, dfinal = cts
@@ -114,7 +115,7 @@ def _chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
         qa, ka, va = qc.astype(acc_dtype), kc.astype(acc_dtype), vc.astype(acc_dtype)
         qk, kk, prep = _prepare(qa, ka, va, gc, bc, scale, acc_dtype, decay_dtype, tinv=tc)
         do_c = do_c.astype(acc_dtype)
-        dstate_out = dstate + _select(ls, dfinal[sq], jnp.zeros_like(dstate))
+        dstate_out = dstate + select(ls, dfinal[sq], jnp.zeros_like(dstate))
         dvn, dstate_in = _values(chunk_math.step_bwd, (0, 0, None, None, 0))(do_c, dstate_out, qa, ka, prep)
         grads = _values(chunk_math.step_grads, 0)(state, dstate_out, do_c, dvn, prep)
         pg = _values(functools.partial(chunk_math.prepare_bwd, scale=scale), (None, None, 0, None, None, 0, 0))(
@@ -122,19 +123,19 @@ def _chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
         dq_k, dk_k = _keys(chunk_math.key_products_bwd)(qa, ka, pg.dqk.sum(2), pg.dkk.sum(2))
         dx = (pg.dq.sum(2) + dq_k, pg.dk.sum(2) + dk_k, pg.dv, pg.dg, pg.dbeta)
         dx = tuple(d.astype(x.dtype) for d, x in zip(dx, (qc, kc, vc, gc, bc)))
-        dh0 = dh0.at[sq].add(_select(rs, dstate_in, jnp.zeros_like(dstate_in)))
-        dstate = _select(rs, jnp.zeros_like(dstate_in), dstate_in)
+        dh0 = dh0.at[sq].add(select(rs, dstate_in, jnp.zeros_like(dstate_in)))
+        dstate = select(rs, jnp.zeros_like(dstate_in), dstate_in)
         return (dstate, dh0), dx
 
     init = (jnp.zeros_like(states[0]), jnp.zeros_like(dfinal))
     xs = (q, k, v, g, beta, tinv, states, do, reset, seq, last)
     (_, dh0), (dq, dk, dv, dg, dbeta) = jax.lax.scan(body, init, xs, reverse=True)
     # An empty packed sequence passes h0 straight to its final state.
-    dh0 = dh0 + _select(~nonempty, dfinal, jnp.zeros_like(dfinal))
+    dh0 = dh0 + select(~nonempty, dfinal, jnp.zeros_like(dfinal))
     return dq, dk, dv, dg, dbeta, dh0, None
 
 
-_chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
+_chunk_scan.defvjp(_chunk_scan_fwd, chunk_scan_bwd)
 
 
 def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
@@ -147,11 +148,11 @@ def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, 
     r, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     plan = make_plan(r, t, chunk_size, cu_seqlens)
-    blocks = _to_blocks(q, k, v, g, beta, plan)
+    blocks = to_blocks(q, k, v, g, beta, plan)
     state_dtype = jnp.dtype(state_dtype)
     # The custom VJP returns dh0 in the accumulation dtype, so h0 comes in in it.
     h0b = h0.astype(state_dtype).reshape(h0.shape[0], hk, hv // hk, dk, dv)
     flags = (plan.reset, plan.seq, plan.last, plan.nonempty)
     scan = _chunk_scan if hand_written_vjp else lambda *a: _chunk_scan_fwd(*a)[0]
     o, final = scan(*blocks, h0b, flags, scale, state_dtype, jnp.dtype(decay_dtype))
-    return _from_blocks(o, plan), final.reshape(h0.shape)
+    return from_blocks(o, plan), final.reshape(h0.shape)
