@@ -123,11 +123,12 @@ def unit_lower_inverse_rows(a):
     """
     c = a.shape[-1]
     r, j = iotas(c)
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
     t = (r == j).astype(a.dtype)
     at = jnp.transpose(a)
     for i in range(1, c):
         a_i = jnp.sum(jnp.where(j == i, at, 0), axis=1, keepdims=True)  # a[i, :] as a column
-        row = jnp.where(j[:1] == i, 1.0, 0.0).astype(a.dtype) - jnp.sum(a_i * t, axis=0, keepdims=True)
+        row = (col == i).astype(a.dtype) - jnp.sum(a_i * t, axis=0, keepdims=True)
         t = jnp.where(r == i, row, t)
     return t
 
@@ -272,7 +273,8 @@ def prepare_bwd(q, k, v, qk, kk, prep: Prepared, grads: StepGrads, *, scale) -> 
     rk = prep.ek * jnp.sum(grads.dks * k, axis=1, keepdims=True)
     dk = dk + prep.ek * grads.dks
     dlast = jnp.sum(rk, axis=0, keepdims=True) + prep.gamma * grads.dgamma
-    dgcum = dgcum - rk + jnp.where(r[:, :1] == c - 1, dlast, 0)
+    last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+    dgcum = dgcum - rk + jnp.where(last_row, dlast, 0)
     # G = cumsum(g): dg_j = sum_{i >= j} dG_i
     dg = jnp.sum(jnp.where(r >= j, jnp.broadcast_to(dgcum, (c, c)), 0), axis=0, keepdims=True)
     return PreparedGrads(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=col_to_row(dbeta), dqk=dqk, dkk=dkk)

@@ -23,6 +23,10 @@ from jax.experimental.pallas import triton as plgpu
 from gdnx.ops.gated_delta_rule import chunk_math, pallas_common
 
 DEFAULT_BLOCK_V = 64
+# Custom-call targets of a Triton kernel (the name moved between JAX
+# versions). jax.export refuses them unless told: they carry no
+# compatibility guarantee, so export for the GPU you will run on.
+TRITON_CUSTOM_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
 
 
 def _pow2(n: int) -> int:

@@ -1,0 +1,66 @@
+"""The Pallas kernels in interpret mode against the float64 oracle.
+
+Interpret mode costs milliseconds per grid step and grows with the arrays,
+so these cases stay small (T <= 130, K and V in {64, 128}, HK=2, HV=4) and
+cover what the kernels add: head dims of both sizes, K != V, packed
+sequences with an empty one, an initial state, fused l2norm, bfloat16
+inputs and gates at the edges. Tolerances as in test_numerics.py. The
+gradients come from the XLA backward fed with the kernels' own residuals
+(chunk states and inverses), so they also check those residuals.
+"""
+
+import jax.numpy as jnp
+import pytest
+
+from gdnx.ops import chunk_gated_delta_rule
+from gdnx.ops.gated_delta_rule.api import default_chunk_implementation
+from tests.ops.gated_delta_rule.cases import Case, make_inputs
+from tests.ops.gated_delta_rule.oracle import rel_err
+from tests.ops.gated_delta_rule.test_numerics import check_against_oracle, run_oracle
+
+KERNELS = ["pallas_tpu", "pallas_gpu"]
+KERNEL_CASES = [
+    Case("k64_T100_c32", t=100, dk=64, dv=64, chunk=32),
+    Case("k64_v128_packed_l2", b=1, t=130, dk=64, dv=128, chunk=32, cu_seqlens=(0, 5, 5, 70, 130), l2norm=True),
+    Case("k128_v64_bf16_l2", b=1, t=128, dk=128, dv=64, chunk=64, dtype="bfloat16", l2norm=True),
+    Case("edges_c16", b=1, t=48, dk=64, dv=64, chunk=16, gates="edges", h0=False),
+]
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_kernel_matches_oracle(case, implementation):
+    check_against_oracle(case, implementation)
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_kernel_forward_without_grad(implementation):
+    """The plain forward (no residual outputs) gives the same numbers."""
+    case = Case("fwd", b=1, t=40, dk=64, dv=64, chunk=16, cu_seqlens=(0, 17, 40))
+    q, k, v, g, beta, h0 = make_inputs(case)
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16,
+                                      cu_seqlens=jnp.asarray(case.cu_seqlens), implementation=implementation)
+    ref_o, ref_f = run_oracle(case, (q, k, v, g, beta, h0))
+    assert rel_err(o, ref_o) < 1e-5 and rel_err(final, ref_f) < 1e-5
+
+
+def test_auto_selection_by_platform():
+    assert default_chunk_implementation("tpu") == "pallas_tpu"
+    assert default_chunk_implementation("gpu") == "pallas_gpu"
+    assert default_chunk_implementation("cpu") == "xla"
+
+
+def test_kernel_limits_are_named():
+    case = Case("big", b=1, t=16, dk=320, dv=64, hk=1, hv=1)
+    q, k, v, g, beta, _ = make_inputs(case)
+    for impl in KERNELS:
+        with pytest.raises(ValueError, match="head dim K=320 exceeds the kernel limit of 256"):
+            chunk_gated_delta_rule(q, k, v, g, beta, implementation=impl)
+
+
+def test_interpret_is_for_kernels_only():
+    q, k, v, g, beta, _ = make_inputs(Case("i", b=1, t=16, dk=16, dv=16))
+    with pytest.raises(ValueError, match="interpret: applies to the Pallas implementations"):
+        chunk_gated_delta_rule(q, k, v, g, beta, implementation="xla", interpret=True)
+    with pytest.raises(TypeError, match="interpret: expected None or a bool"):
+        chunk_gated_delta_rule(q, k, v, g, beta, implementation="pallas_gpu", interpret="yes")
