@@ -64,3 +64,29 @@ def test_interpret_is_for_kernels_only():
         chunk_gated_delta_rule(q, k, v, g, beta, implementation="xla", interpret=True)
     with pytest.raises(TypeError, match="interpret: expected None or a bool"):
         chunk_gated_delta_rule(q, k, v, g, beta, implementation="pallas_gpu", interpret="yes")
+
+
+@pytest.mark.parametrize("implementation, knobs", [("pallas_tpu", dict(head_tile=2)),
+                                                   ("pallas_gpu", dict(block_v=16, num_warps=8))])
+def test_kernel_knobs(implementation, knobs):
+    """Two key heads per TPU grid step; four V blocks per GPU key head."""
+    from gdnx.ops.gated_delta_rule import pallas_gpu, pallas_tpu
+
+    fn = {"pallas_tpu": pallas_tpu.chunk_gated_delta_rule_pallas_tpu,
+          "pallas_gpu": pallas_gpu.chunk_gated_delta_rule_pallas_gpu}[implementation]
+    case = Case("knobs", b=1, t=40, dk=64, dv=64, chunk=16)
+    q, k, v, g, beta, h0 = make_inputs(case)
+    o, final = fn(q, k, v, g, beta, h0, cu_seqlens=None, chunk_size=16, scale=64 ** -0.5, state_dtype=jnp.float32,
+                  decay_dtype=jnp.float32, use_qk_l2norm=False, **knobs)
+    ref_o, ref_f = run_oracle(case, (q, k, v, g, beta, h0))
+    assert rel_err(o, ref_o) < 1e-5 and rel_err(final, ref_f) < 1e-5
+
+
+def test_tpu_head_tile_must_divide_key_heads():
+    from gdnx.ops.gated_delta_rule import pallas_tpu
+
+    q, k, v, g, beta, h0 = make_inputs(Case("ht", b=1, t=16, dk=16, dv=16, hk=2, hv=4, chunk=16))
+    with pytest.raises(ValueError, match="head_tile=3 must divide the key heads HK=2"):
+        pallas_tpu.chunk_gated_delta_rule_pallas_tpu(
+            q, k, v, g, beta, h0, cu_seqlens=None, chunk_size=16, scale=0.25, state_dtype=jnp.float32,
+            decay_dtype=jnp.float32, use_qk_l2norm=False, head_tile=3)
