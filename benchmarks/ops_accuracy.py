@@ -19,6 +19,7 @@ jax.config.update("jax_enable_x64", True)  # the float64 reference
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from gdnx.measure import relative_error as rel  # noqa: E402
 from gdnx.ops import CHUNK_IMPLEMENTATIONS, chunk_gated_delta_rule  # noqa: E402
 
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -33,11 +34,6 @@ def run(impl, args, chunk, state_dtype, cts):
     out, pull = jax.vjp(f, *args)
     grads = pull(tuple(c.astype(o.dtype) for c, o in zip(cts, out)))
     return (*out, *grads)
-
-
-def rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
 
 
 def main():

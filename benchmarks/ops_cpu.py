@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdnx.measure import compiled_peak_bytes, median_ms
 from gdnx.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
 from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
 
@@ -43,21 +43,6 @@ def variants(b, hv, dk, dv, chunk):
     }
 
 
-def median_ms(fn, args, repeats):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
-def peak_mib(fn, args):
-    m = fn.lower(*args).compile().memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes) / 2**20
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2)
@@ -80,7 +65,7 @@ def main():
         for name, f in variants(b, hv, d, d, a.chunk_size).items():
             fwd = jax.jit(f)
             grad = jax.jit(jax.grad(lambda *xs, f=f: jnp.sum(f(*xs).astype(jnp.float32) ** 2), argnums=range(5)))
-            rows[name] = (median_ms(fwd, args, a.repeats), median_ms(grad, args, a.repeats), peak_mib(grad, args))
+            rows[name] = (median_ms(fwd, args, a.repeats), median_ms(grad, args, a.repeats), compiled_peak_bytes(grad, args) / 2**20)
             print(f"| {jnp.dtype(dtype).name} | {name} | {rows[name][0]:.1f} | {rows[name][1]:.1f} | "
                   f"{rows[name][2]:.0f} |", flush=True)
         hw, ad = rows["xla (hand-written VJP)"], rows["xla forward, plain autodiff"]

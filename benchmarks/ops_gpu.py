@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import time
 import traceback
 
 import jax
@@ -25,6 +24,7 @@ jax.config.update("jax_enable_x64", True)  # the float64 reference only
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from gdnx.measure import compiled_peak_bytes, median_ms, relative_error as rel  # noqa: E402
 from gdnx.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
 
 
@@ -34,21 +34,6 @@ def make_inputs(b, t, hk, hv, d, seed=0):
           np.log(rng.uniform(0.7, 1.0, (b, t, hv))), rng.uniform(0, 1, (b, t, hv)))
     return tuple(jnp.asarray(x, jnp.bfloat16) for x in xs[:3]) + (jnp.asarray(xs[3], jnp.float32),
                                                                   jnp.asarray(xs[4], jnp.bfloat16))
-
-
-def median_ms(fn, args, repeats):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
-def rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 VARIANTS = {"xla": dict(implementation="xla"), "pallas_gpu": dict(implementation="pallas_gpu")}
@@ -87,8 +72,7 @@ def main():
             grad = jax.jit(jax.grad(loss, argnums=range(5)))
             fwd_ms = median_ms(op, args, a.repeats)
             bwd_ms = median_ms(grad, args, a.repeats)
-            mem = grad.lower(*args).compile().memory_analysis()
-            peak = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 2**30
+            peak = compiled_peak_bytes(grad, args) / 2**30
             rows[name] = (fwd_ms, bwd_ms, peak)
             line = f"| {name} | {err_o:.1e} | {err_s:.1e} | {fwd_ms:.2f} | {bwd_ms:.2f} | {peak:.2f} |"
         except Exception as e:  # report and keep going: device time is scarce

@@ -5,26 +5,11 @@ Until the training CLI lands this is what `make demo` runs.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _median_ms(fn, *args, repeats=5):
-    jax.block_until_ready(fn(*args))  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
-def _rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+from gdnx.measure import median_ms, relative_error
 
 
 def run(b=2, t=512, hk=2, hv=4, dk=64, dv=64, chunk=64, seed=0) -> dict:
@@ -55,8 +40,8 @@ def run(b=2, t=512, hk=2, hv=4, dk=64, dv=64, chunk=64, seed=0) -> dict:
         o, f = chunk_gated_delta_rule(*args, chunk_size=chunk, implementation=impl, **kw)
         fwd = jax.jit(lambda *xs, impl=impl: chunk_gated_delta_rule(*xs, chunk_size=chunk, implementation=impl, **kw))
         grad = jax.jit(jax.grad(lambda *xs, impl=impl: loss(impl, *xs), argnums=range(5)))
-        row = dict(err_o=_rel(o, ref_o), err_state=_rel(f, ref_f),
-                   fwd_ms=_median_ms(fwd, *args), fwd_bwd_ms=_median_ms(grad, *args))
+        row = dict(err_o=relative_error(o, ref_o), err_state=relative_error(f, ref_f),
+                   fwd_ms=median_ms(fwd, args), fwd_bwd_ms=median_ms(grad, args))
         results[impl] = row
         print(f"  {impl:10s} rel err o {row['err_o']:.1e}  state {row['err_state']:.1e}   "
               f"forward {row['fwd_ms']:7.1f} ms   forward+backward {row['fwd_bwd_ms']:7.1f} ms")

@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from gdnx.ops.gated_delta_rule import chunk_math
-from gdnx.ops.gated_delta_rule.layout import make_plan
-from gdnx.ops.gated_delta_rule.xla import chunk_scan_bwd, from_blocks, select, to_blocks
+from gdnx.ops.gated_delta_rule.xla import chunk_scan_bwd, run_in_blocks, select
 
 MAX_HEAD_DIM = 256
 
@@ -85,12 +84,10 @@ _kernel_scan.defvjp(_kernel_scan_fwd, _kernel_scan_bwd)
 
 def run(kernel, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype, use_qk_l2norm):
     """Validated [B, T, H, D] inputs in, (o, final [N, HV, K, V]) out."""
-    r, t, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
-    plan = make_plan(r, t, chunk_size, cu_seqlens)
-    blocks = to_blocks(q, k, v, g, beta, plan)
-    state_dtype = jnp.dtype(state_dtype)
-    h0b = h0.astype(state_dtype).reshape(h0.shape[0], hk, hv // hk, dk, dv)
-    flags = (plan.reset, plan.seq, plan.last, plan.nonempty)
-    o, final = _kernel_scan(*blocks, h0b, flags, kernel, scale, state_dtype, jnp.dtype(decay_dtype), use_qk_l2norm)
-    return from_blocks(o, plan), final.reshape(h0.shape)
+    state_dtype, decay_dtype = jnp.dtype(state_dtype), jnp.dtype(decay_dtype)
+
+    def scan(*args):
+        return _kernel_scan(*args, kernel, scale, state_dtype, decay_dtype, use_qk_l2norm)
+
+    return run_in_blocks(scan, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                         state_dtype=state_dtype)

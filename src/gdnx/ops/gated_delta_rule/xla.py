@@ -138,6 +138,20 @@ def chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
 _chunk_scan.defvjp(_chunk_scan_fwd, chunk_scan_bwd)
 
 
+def run_in_blocks(scan, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, state_dtype):
+    """Lay [B, T, H, D] inputs out in chunk blocks, run
+    scan(q, k, v, g, beta, h0 [N, HK, G, K, V], flags) -> (o, final) on them,
+    and lay the results back out as (o [B, T, HV, V], final [N, HV, K, V])."""
+    r, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    plan = make_plan(r, t, chunk_size, cu_seqlens)
+    # The custom VJPs return dh0 in the accumulation dtype, so h0 comes in in it.
+    h0b = h0.astype(state_dtype).reshape(h0.shape[0], hk, hv // hk, dk, dv)
+    flags = (plan.reset, plan.seq, plan.last, plan.nonempty)
+    o, final = scan(*to_blocks(q, k, v, g, beta, plan), h0b, flags)
+    return from_blocks(o, plan), final.reshape(h0.shape)
+
+
 def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
                                hand_written_vjp=True):
     """Validated inputs in, (o [B, T, HV, V] in q's dtype, final [N, HV, K, V]) out.
@@ -145,14 +159,12 @@ def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, 
     hand_written_vjp=False differentiates the same forward with plain
     autodiff: the baseline the benchmark and the gradient tests compare with.
     """
-    r, t, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
-    plan = make_plan(r, t, chunk_size, cu_seqlens)
-    blocks = to_blocks(q, k, v, g, beta, plan)
-    state_dtype = jnp.dtype(state_dtype)
-    # The custom VJP returns dh0 in the accumulation dtype, so h0 comes in in it.
-    h0b = h0.astype(state_dtype).reshape(h0.shape[0], hk, hv // hk, dk, dv)
-    flags = (plan.reset, plan.seq, plan.last, plan.nonempty)
-    scan = _chunk_scan if hand_written_vjp else lambda *a: _chunk_scan_fwd(*a)[0]
-    o, final = scan(*blocks, h0b, flags, scale, state_dtype, jnp.dtype(decay_dtype))
-    return from_blocks(o, plan), final.reshape(h0.shape)
+    state_dtype, decay_dtype = jnp.dtype(state_dtype), jnp.dtype(decay_dtype)
+
+    def scan(*args):
+        if hand_written_vjp:
+            return _chunk_scan(*args, scale, state_dtype, decay_dtype)
+        return _chunk_scan_fwd(*args, scale, state_dtype, decay_dtype)[0]
+
+    return run_in_blocks(scan, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                         state_dtype=state_dtype)
