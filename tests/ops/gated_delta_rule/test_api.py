@@ -72,3 +72,10 @@ def test_dtypes_and_outputs(args):
 def test_numpy_inputs_are_accepted(args):
     o, _ = chunk_gated_delta_rule(*(np.asarray(x) for x in args), cu_seqlens=np.array([0, 7, 20]))
     assert o.shape == args[2].shape
+
+
+def test_residual_policy_is_checked(args):
+    with pytest.raises(ValueError, match="residuals: expected one of"):
+        call(args, residuals="offload")
+    with pytest.raises(ValueError, match="residuals: 'recompute' applies to"):
+        call(args, implementation="reference", residuals="recompute")

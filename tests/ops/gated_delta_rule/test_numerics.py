@@ -27,13 +27,13 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-10}
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
-def run_op(case: Case, implementation: str, args, state_dtype="float32", decay_dtype="float32"):
+def run_op(case: Case, implementation: str, args, state_dtype="float32", decay_dtype="float32", **op_kw):
     q, k, v, g, beta, h0 = args
     cu = None if case.cu_seqlens is None else jnp.asarray(case.cu_seqlens, jnp.int32)
     return chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
         use_qk_l2norm=case.l2norm, chunk_size=case.chunk, state_dtype=state_dtype,
-        decay_dtype=decay_dtype, implementation=implementation)
+        decay_dtype=decay_dtype, implementation=implementation, **op_kw)
 
 
 def run_oracle(case: Case, args):
@@ -59,7 +59,8 @@ def vjp_all(fn, args, cotangents):
     return out, {NAMES[i]: gr for i, gr in zip(idx, grads)}
 
 
-def check_against_oracle(case: Case, implementation: str, state_dtype="float32", decay_dtype="float32", tol=None):
+def check_against_oracle(case: Case, implementation: str, state_dtype="float32", decay_dtype="float32", tol=None,
+                         **op_kw):
     args = make_inputs(case)
     if state_dtype == "float64":
         args = tuple(None if a is None else a.astype(jnp.float64) for a in args)
@@ -69,7 +70,7 @@ def check_against_oracle(case: Case, implementation: str, state_dtype="float32",
     cts = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in ref_out)
 
     (o, final), grads = vjp_all(
-        lambda a: run_op(case, implementation, a, state_dtype, decay_dtype), args, cts)
+        lambda a: run_op(case, implementation, a, state_dtype, decay_dtype, **op_kw), args, cts)
     (ref_o, ref_final), ref_grads = vjp_all(
         lambda a: run_oracle(case, [None if x is None else x.astype(jnp.float64) for x in a]), args, cts)
 
@@ -86,6 +87,11 @@ def check_against_oracle(case: Case, implementation: str, state_dtype="float32",
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_oracle(case, implementation):
     check_against_oracle(case, implementation)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[6], CASES[9]], ids=str)
+def test_recompute_policy_matches_oracle(case):
+    check_against_oracle(case, "xla", residuals="recompute")
 
 
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128])

@@ -21,7 +21,7 @@ from gdnx.ops.gated_delta_rule import chunk_math
 from gdnx.ops.gated_delta_rule.pallas_gpu import chunk_gated_delta_rule_pallas_gpu
 from gdnx.ops.gated_delta_rule.pallas_tpu import chunk_gated_delta_rule_pallas_tpu
 from gdnx.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
-from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
+from gdnx.ops.gated_delta_rule.xla import RESIDUAL_POLICIES, chunk_gated_delta_rule_xla
 
 CHUNK_SIZES = (16, 32, 64, 128)
 
@@ -42,6 +42,8 @@ RECURRENT_IMPLEMENTATIONS: dict[str, Callable] = {
 }
 # Kernels: they apply l2norm themselves (fused) and take `interpret`.
 PALLAS_IMPLEMENTATIONS = frozenset({"pallas_tpu", "pallas_gpu"})
+# Hand-written VJPs with a residual policy (the reference is plain autodiff).
+WITH_RESIDUAL_POLICY = PALLAS_IMPLEMENTATIONS | {"xla"}
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
@@ -150,6 +152,14 @@ def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state,
     elif interpret is not None:
         raise ValueError(f"interpret: applies to the Pallas implementations {sorted(PALLAS_IMPLEMENTATIONS)}, "
                          f"not to {implementation!r}")
+    residuals = extra.pop("residuals", "save")
+    if residuals not in RESIDUAL_POLICIES:
+        raise ValueError(f"residuals: expected one of {RESIDUAL_POLICIES}, got {residuals!r}")
+    if implementation in WITH_RESIDUAL_POLICY:
+        extra["residuals"] = residuals
+    elif residuals != "save":
+        raise ValueError(f"residuals: {residuals!r} applies to {sorted(WITH_RESIDUAL_POLICY)}, not to "
+                         f"{implementation!r} (plain autodiff)")
     n = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     state_dtype = _resolve_dtype("state_dtype", state_dtype)
     decay_dtype = _resolve_dtype("decay_dtype", decay_dtype)
@@ -169,7 +179,7 @@ def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state,
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "use_qk_l2norm", "scale", "state_dtype", "decay_dtype",
-                                             "chunk_size", "interpret"))
+                                             "chunk_size", "interpret", "residuals"))
 def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, use_qk_l2norm, **kw):
     # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
     if "interpret" in kw:
@@ -183,7 +193,7 @@ def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, use_qk_l2norm, **kw):
 def chunk_gated_delta_rule(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm=False, chunk_size=64, state_dtype=jnp.float32, decay_dtype=jnp.float32,
-    implementation=None, interpret=None,
+    implementation=None, interpret=None, residuals="save",
 ):
     """Gated delta rule over whole sequences, chunk by chunk.
 
@@ -211,6 +221,11 @@ def chunk_gated_delta_rule(
         interpret mode exactly when the default backend is the CPU; False
         always lowers for the hardware (also from a CPU host, for
         jax.export); True always interprets.
+      residuals: what the backward gets from the forward (hand-written VJPs:
+        xla and the kernels). "save": each chunk's incoming state and the
+        chunk inverse, named gdn_chunk_states and gdn_chunk_inverse for remat
+        policies; "recompute": only the inputs, and the backward reruns the
+        forward pass first.
 
     Returns:
       (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] in state_dtype
@@ -223,7 +238,7 @@ def chunk_gated_delta_rule(
     return _run(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", implementation, q, k, v, g, beta,
                 scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
-                decay_dtype=decay_dtype, chunk_size=chunk_size, interpret=interpret)
+                decay_dtype=decay_dtype, chunk_size=chunk_size, interpret=interpret, residuals=residuals)
 
 
 def recurrent_gated_delta_rule(

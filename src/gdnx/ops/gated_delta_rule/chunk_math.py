@@ -283,3 +283,31 @@ def prepare_bwd(q, k, v, qk, kk, prep: Prepared, grads: StepGrads, *, scale) -> 
 def key_products_bwd(q, k, dqk, dkk):
     """(dq, dk) through QK^T and KK^T, with dqk, dkk summed over value heads."""
     return mm(dqk, k), mm_tn(dqk, q) + mm(dkk, k) + mm_tn(dkk, k)
+
+
+def value_head_forward(q, k, v, g, beta, qk, kk, state, *, scale, decay_dtype, inverse=unit_lower_inverse):
+    """One value head's chunk: (o [C, V], outgoing state [K, V], (I + A)^-1)."""
+    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, inverse=inverse)
+    o, new_state = step(state, q, k, prep)
+    return o, new_state, prep.tinv
+
+
+class ValueHeadGrads(NamedTuple):
+    dv: jax.Array         # [C, V]
+    dg: jax.Array         # [1, C]
+    dbeta: jax.Array      # [1, C]
+    dq: jax.Array         # [C, K]  to sum over the key head's value heads,
+    dk: jax.Array         # [C, K]  then add `key_products_bwd`
+    dqk: jax.Array        # [C, C]
+    dkk: jax.Array        # [C, C]
+    dstate_in: jax.Array  # [K, V]
+
+
+def value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_out, *, scale, decay_dtype):
+    """Adjoint of `value_head_forward` given the chunk's saved inverse and
+    incoming state, the output cotangent and the outgoing state's cotangent."""
+    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv)
+    dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep)
+    grads = step_grads(state, dstate_out, do, dvn, prep)
+    pg = prepare_bwd(q, k, v, qk, kk, prep, grads, scale=scale)
+    return ValueHeadGrads(pg.dv, pg.dg, pg.dbeta, pg.dq, pg.dk, pg.dqk, pg.dkk, dstate_in)

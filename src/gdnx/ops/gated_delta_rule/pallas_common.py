@@ -2,28 +2,34 @@
 
 Both kernels read the XLA path's chunk blocks ([NC, R, HK, (G,) C, D], gate
 rows [NC, R, HK, G, 1, C], packed sequences already re-laid by the chunk
-plan) and return their outputs and residuals in the same layout, so the
-residuals (each chunk's incoming state and the chunk inverse) feed the XLA
-backward directly until the backward kernels land.
+plan) and write their outputs in the same layout. An implementation is a
+pair of kernel functions:
 
-A kernel function has the signature
+    forward(q, k, v, g, beta, h0, flags, *, scale, acc_dtype, decay_dtype,
+            l2norm, save_residuals) -> (o, final[, states, tinv])
+    backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, scale,
+             acc_dtype, decay_dtype, l2norm) -> (dq, dk, dv, dg, dbeta, dh0)
 
-    kernel(q, k, v, g, beta, h0, flags, *, scale, acc_dtype, decay_dtype,
-           l2norm, save_residuals) -> (o, final[, states, tinv])
+q and k come raw (the kernels apply l2norm themselves when asked, and their
+dq, dk are with respect to the normalised q, k, in the accumulation dtype);
+flags are the plan's (reset, seq, last) as int32 [NC, R]; states are the
+incoming state of every chunk, tinv the chunk inverses.
 
-with q, k raw (the kernel applies l2norm itself when asked) and flags the
-plan's (reset, seq, last) as int32 [NC, R].
+Residual policy: "save" keeps states and tinv from the forward (named
+gdn_chunk_states and gdn_chunk_inverse); "recompute" keeps only the inputs
+and reruns the forward kernel in the backward.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gdnx.ops.gated_delta_rule import chunk_math
-from gdnx.ops.gated_delta_rule.xla import chunk_scan_bwd, run_in_blocks, select
+from gdnx.ops.gated_delta_rule.xla import run_in_blocks, save_residuals, select
 
 MAX_HEAD_DIM = 256
 
@@ -40,54 +46,114 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return jax.default_backend() == "cpu" if interpret is None else interpret
 
 
-def _l2(x, acc_dtype):
-    return chunk_math.l2norm(x.astype(acc_dtype))
+class Kernels(NamedTuple):
+    forward: Callable
+    backward: Callable
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _kernel_scan(q, k, v, g, beta, h0, flags, kernel, scale, acc_dtype, decay_dtype, l2norm):
-    o, final = kernel(q, k, v, g, beta, h0, _int_flags(flags), scale=scale, acc_dtype=acc_dtype,
-                      decay_dtype=decay_dtype, l2norm=l2norm, save_residuals=False)
-    return o, _finals(final, h0, flags)
+# How a kernel argument or result is laid out: chunk blocks with rows on axis
+# 1, per-sequence states on axis 0, or the flags (rows on axis 1; the
+# sequence flag holds indices into the per-sequence axis).
+ROWS, SEQS, FLAG, SEQ_FLAG = "rows", "seqs", "flag", "seq_flag"
+FORWARD_ARGS = (ROWS,) * 5 + (SEQS, FLAG, SEQ_FLAG, FLAG)
+FORWARD_OUTS = (ROWS, SEQS, ROWS, ROWS)
+BACKWARD_ARGS = (ROWS,) * 8 + (SEQS, FLAG, SEQ_FLAG, FLAG)
+BACKWARD_OUTS = (ROWS,) * 5 + (SEQS,)
+
+
+def batchable(fn, arg_kinds, out_kinds):
+    """fn(*arrays) with a vmap rule that folds the mapped axis into the rows
+    (and the sequences), so one kernel launch serves the whole batch.
+
+    pallas_call's own batching rule adds a grid axis without extending the
+    kernel's dimension semantics, which Mosaic then rejects.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return tuple(fn(*args))
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, b in zip(args, in_batched)]
+        nseq = next(x.shape[1] for x, kind in zip(args, arg_kinds) if kind == SEQS)
+
+        def fold(x, kind):
+            if kind == SEQS:
+                return x.reshape((-1,) + x.shape[2:])
+            if kind == SEQ_FLAG:
+                x = x + (jnp.arange(axis_size, dtype=x.dtype) * nseq).reshape((-1,) + (1,) * (x.ndim - 1))
+            x = jnp.moveaxis(x, 0, 1)
+            return x.reshape(x.shape[:1] + (-1,) + x.shape[3:])
+
+        def unfold(y, kind):
+            if kind == SEQS:
+                return y.reshape((axis_size, -1) + y.shape[1:])
+            return jnp.moveaxis(y.reshape(y.shape[:1] + (axis_size, -1) + y.shape[2:]), 1, 0)
+
+        outs = call(*(fold(x, kind) for x, kind in zip(args, arg_kinds)))
+        return tuple(unfold(y, kind) for y, kind in zip(outs, out_kinds)), (True,) * len(outs)
+
+    return call
 
 
 def _int_flags(flags):
     return tuple(f.astype(jnp.int32) for f in flags[:3])
 
 
-def _finals(final, h0, flags):
+def _forward(kernels, q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, l2norm, save):
+    def fn(*args):
+        return kernels.forward(*args[:6], args[6:], scale=scale, acc_dtype=acc_dtype, decay_dtype=decay_dtype,
+                               l2norm=l2norm, save_residuals=save)
+
+    out = batchable(fn, FORWARD_ARGS, FORWARD_OUTS)(q, k, v, g, beta, h0, *_int_flags(flags))
     # A kernel never visits an empty packed sequence: its final state is h0.
-    return select(flags[3], final, h0)
+    return (out[0], select(flags[3], out[1], h0)) + tuple(out[2:])
 
 
-def _kernel_scan_fwd(q, k, v, g, beta, h0, flags, kernel, scale, acc_dtype, decay_dtype, l2norm):
-    o, final, states, tinv = kernel(q, k, v, g, beta, h0, _int_flags(flags), scale=scale, acc_dtype=acc_dtype,
-                                    decay_dtype=decay_dtype, l2norm=l2norm, save_residuals=True)
-    return (o, _finals(final, h0, flags)), (q, k, v, g, beta, tinv, states, flags)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _kernel_scan(q, k, v, g, beta, h0, flags, kernels, scale, acc_dtype, decay_dtype, l2norm, residuals):
+    return _forward(kernels, q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, l2norm, False)
 
 
-def _kernel_scan_bwd(kernel, scale, acc_dtype, decay_dtype, l2norm, res, cts):
-    # Interim backward: the XLA reverse scan, fed with the kernel's residuals.
-    q, k, v, g, beta, tinv, states, flags = res
+def _kernel_scan_fwd(q, k, v, g, beta, h0, flags, kernels, scale, acc_dtype, decay_dtype, l2norm, residuals):
+    save = residuals == "save"
+    o, final, *saved = _forward(kernels, q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, l2norm, save)
+    return (o, final), (q, k, v, g, beta, flags, save_residuals(*saved) if save else (h0,))
+
+
+def _kernel_scan_bwd(kernels, scale, acc_dtype, decay_dtype, l2norm, residuals, res, cts):
+    q, k, v, g, beta, flags, saved = res
+    if residuals == "recompute":
+        _, _, *saved = _forward(kernels, q, k, v, g, beta, saved[0], flags, scale, acc_dtype, decay_dtype, l2norm,
+                                True)
+    states, tinv = saved
+    do, dfinal = cts
+    def fn(*args):
+        return kernels.backward(*args[:9], args[9:], scale=scale, acc_dtype=acc_dtype, decay_dtype=decay_dtype,
+                                l2norm=l2norm)
+
+    dq, dk, dv, dg, dbeta, dh0 = batchable(fn, BACKWARD_ARGS, BACKWARD_OUTS)(
+        q, k, v, g, beta, tinv, states, do, dfinal, *_int_flags(flags))
     if l2norm:
-        (qn, kn), pull = jax.vjp(lambda a, b: (_l2(a, acc_dtype), _l2(b, acc_dtype)), q, k)
-    else:
-        qn, kn = q, k
-    dq, dk, *rest = chunk_scan_bwd(scale, acc_dtype, decay_dtype, (qn, kn, v, g, beta, tinv, states, flags), cts)
-    if l2norm:
+        _, pull = jax.vjp(lambda a, b: (chunk_math.l2norm(a.astype(acc_dtype)), chunk_math.l2norm(b.astype(acc_dtype))),
+                          q, k)
         dq, dk = pull((dq, dk))
-    return (dq, dk, *rest)
+    # An empty packed sequence passes h0 straight to its final state.
+    dh0 = select(flags[3], dh0, dfinal.astype(dh0.dtype))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv, dg, dbeta, dh0, None)
 
 
 _kernel_scan.defvjp(_kernel_scan_fwd, _kernel_scan_bwd)
 
 
-def run(kernel, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype, use_qk_l2norm):
+def run(kernels: Kernels, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
+        use_qk_l2norm, residuals):
     """Validated [B, T, H, D] inputs in, (o, final [N, HV, K, V]) out."""
     state_dtype, decay_dtype = jnp.dtype(state_dtype), jnp.dtype(decay_dtype)
 
     def scan(*args):
-        return _kernel_scan(*args, kernel, scale, state_dtype, decay_dtype, use_qk_l2norm)
+        return _kernel_scan(*args, kernels, scale, state_dtype, decay_dtype, use_qk_l2norm, residuals)
 
     return run_in_blocks(scan, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                          state_dtype=state_dtype)

@@ -46,8 +46,16 @@ def vmem_bytes(head_tile, grp, c, dk, dv, in_bytes, save_residuals):
     return per_tile + scratch + residuals + temporaries
 
 
-def _kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref, *rest,
-            rows, head_tile, grp, scale, acc_dtype, decay_dtype, l2norm, save_residuals):
+def _load_keys(q_ref, k_ref, i, acc_dtype, l2norm):
+    q = q_ref[0, 0, i].astype(acc_dtype)
+    k = k_ref[0, 0, i].astype(acc_dtype)
+    if l2norm:
+        q, k = chunk_math.l2norm(q), chunk_math.l2norm(k)
+    return q, k
+
+
+def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref, *rest,
+                rows, head_tile, grp, scale, acc_dtype, decay_dtype, l2norm, save_residuals):
     *residual_refs, state_ref = rest
     idx = pl.program_id(2) * rows + pl.program_id(0)
 
@@ -56,22 +64,18 @@ def _kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_
         state_ref[...] = h0_ref[0].astype(acc_dtype)
 
     for i in range(head_tile):
-        q = q_ref[0, 0, i].astype(acc_dtype)
-        k = k_ref[0, 0, i].astype(acc_dtype)
-        if l2norm:
-            q, k = chunk_math.l2norm(q), chunk_math.l2norm(k)
+        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, l2norm)
         qk, kk = chunk_math.key_products(q, k)
         for j in range(grp):
-            prep = chunk_math.prepare(
-                q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk,
-                scale=scale, decay_dtype=decay_dtype, inverse=chunk_math.unit_lower_inverse_rows)
             state = state_ref[i, j]
-            o, new_state = chunk_math.step(state, q, k, prep)
+            o, new_state, tinv = chunk_math.value_head_forward(
+                q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk, state,
+                scale=scale, decay_dtype=decay_dtype, inverse=chunk_math.unit_lower_inverse_rows)
             o_ref[0, 0, i, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs
                 states_ref[0, 0, i, j] = state.astype(states_ref.dtype)
-                tinv_ref[0, 0, i, j] = prep.tinv.astype(tinv_ref.dtype)
+                tinv_ref[0, 0, i, j] = tinv.astype(tinv_ref.dtype)
             state_ref[i, j] = new_state
 
     @pl.when(last_ref[idx] != 0)
@@ -79,61 +83,140 @@ def _kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_
         final_ref[0] = state_ref[...].astype(final_ref.dtype)
 
 
-def kernel_call(q, k, v, g, beta, h0, flags, *, scale, acc_dtype, decay_dtype, l2norm, save_residuals,
-                interpret, head_tile=1):
-    nc, rows, hk, c, dk = q.shape
-    grp, dv = v.shape[3], v.shape[5]
-    if hk % head_tile:
-        raise ValueError(f"head_tile={head_tile} must divide the key heads HK={hk}")
-    budget = vmem_bytes(head_tile, grp, c, dk, dv, q.dtype.itemsize, save_residuals)
+def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, states_ref, do_ref,
+                dfinal_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dstate_ref, *,
+                rows, num_chunks, head_tile, grp, scale, acc_dtype, decay_dtype, l2norm):
+    step = pl.program_id(2)
+    idx = (num_chunks - 1 - step) * rows + pl.program_id(0)
+
+    @pl.when(step == 0)
+    def _():
+        dstate_ref[...] = jnp.zeros(dstate_ref.shape, dstate_ref.dtype)
+
+    @pl.when(last_ref[idx] != 0)
+    def _():
+        dstate_ref[...] = dstate_ref[...] + dfinal_ref[0].astype(acc_dtype)
+
+    for i in range(head_tile):
+        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, l2norm)
+        qk, kk = chunk_math.key_products(q, k)
+        dq = dk = dqk = dkk = 0.0
+        for j in range(grp):
+            vg = chunk_math.value_head_backward(
+                q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk,
+                tinv_ref[0, 0, i, j].astype(acc_dtype), states_ref[0, 0, i, j].astype(acc_dtype),
+                do_ref[0, 0, i, j].astype(acc_dtype), dstate_ref[i, j], scale=scale, decay_dtype=decay_dtype)
+            dv_ref[0, 0, i, j] = vg.dv.astype(dv_ref.dtype)
+            dg_ref[0, 0, i, j] = vg.dg.astype(dg_ref.dtype)
+            db_ref[0, 0, i, j] = vg.dbeta.astype(db_ref.dtype)
+            dstate_ref[i, j] = vg.dstate_in
+            dq, dk, dqk, dkk = dq + vg.dq, dk + vg.dk, dqk + vg.dqk, dkk + vg.dkk
+        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk)
+        dq_ref[0, 0, i] = (dq + dq_k).astype(dq_ref.dtype)
+        dk_ref[0, 0, i] = (dk + dk_k).astype(dk_ref.dtype)
+
+    @pl.when(reset_ref[idx] != 0)
+    def _():
+        dh0_ref[0] = dstate_ref[...].astype(dh0_ref.dtype)
+        dstate_ref[...] = jnp.zeros(dstate_ref.shape, dstate_ref.dtype)
+
+
+class _Specs:
+    """Block specs over the chunk layout for a grid (row, head tile, step);
+    chunk = step forward, or num_chunks - 1 - step in reverse."""
+
+    def __init__(self, q, v, rows, head_tile, reverse):
+        nc, _, _, c, dk = q.shape
+        grp, dv = v.shape[3], v.shape[5]
+        ht = head_tile
+
+        def chunk(ci):
+            return nc - 1 - ci if reverse else ci
+
+        def per_chunk(ri, hi, ci, *_):
+            return (chunk(ci), ri, hi, 0, 0, 0)
+
+        def per_key_head(ri, hi, ci, *_):
+            return (chunk(ci), ri, hi, 0, 0)
+
+        def per_sequence(ri, hi, ci, reset_ref, seq_ref, last_ref):
+            return (seq_ref[chunk(ci) * rows + ri], hi, 0, 0, 0)
+
+        self.keys = pl.BlockSpec((1, 1, ht, c, dk), per_key_head)
+        self.values = pl.BlockSpec((1, 1, ht, grp, c, dv), per_chunk)
+        self.gates = pl.BlockSpec((1, 1, ht, grp, 1, c), per_chunk)
+        self.sequence_state = pl.BlockSpec((1, ht, grp, dk, dv), per_sequence)
+        self.chunk_state = pl.BlockSpec((1, 1, ht, grp, dk, dv), per_chunk)
+        self.inverse = pl.BlockSpec((1, 1, ht, grp, c, c), per_chunk)
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, budget, head_tile, interpret, flags, *args):
     if budget > MAX_VMEM_BUDGET:
         raise ValueError(f"implementation='pallas_tpu': head_tile={head_tile} needs ~{budget / 2**20:.0f} MiB of "
                          f"VMEM, over the {MAX_VMEM_BUDGET // 2**20} MiB budget; use a smaller head_tile")
-    reset, seq, last = (f.reshape(-1) for f in flags)  # index chunk * rows + row
-
-    def chunk_block(ri, hi, ci, *_):
-        return (ci, ri, hi) + (0,) * 3
-
-    def qk_block(ri, hi, ci, *_):
-        return (ci, ri, hi, 0, 0)
-
-    def state_block(ri, hi, ci, reset_ref, seq_ref, last_ref):
-        return (seq_ref[ci * rows + ri], hi, 0, 0, 0)
-
-    qk_spec = pl.BlockSpec((1, 1, head_tile, c, dk), qk_block)
-    v_spec = pl.BlockSpec((1, 1, head_tile, grp, c, dv), chunk_block)
-    gate_spec = pl.BlockSpec((1, 1, head_tile, grp, 1, c), chunk_block)
-    state_spec = pl.BlockSpec((1, head_tile, grp, dk, dv), state_block)
-    out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)]
-    out_specs = [v_spec, state_spec]
-    if save_residuals:
-        out_shape += [jax.ShapeDtypeStruct((nc, rows, hk, grp, dk, dv), h0.dtype),
-                      jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), acc_dtype)]
-        out_specs += [pl.BlockSpec((1, 1, head_tile, grp, dk, dv), chunk_block),
-                      pl.BlockSpec((1, 1, head_tile, grp, c, c), chunk_block)]
-    kernel = functools.partial(
-        _kernel, rows=rows, head_tile=head_tile, grp=grp, scale=scale, acc_dtype=acc_dtype,
-        decay_dtype=decay_dtype, l2norm=l2norm, save_residuals=save_residuals)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(rows, hk // head_tile, nc),
-        in_specs=[qk_spec, qk_spec, v_spec, gate_spec, gate_spec, state_spec],
-        out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((head_tile, grp, dk, dv), acc_dtype)],
-    )
     return pl.pallas_call(
         kernel,
-        grid_spec=grid_spec,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
+                                               out_specs=out_specs, scratch_shapes=scratch),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=min(max(MIN_VMEM_LIMIT, 2 * budget), MAX_VMEM_LIMIT)),
         interpret=pltpu.InterpretParams() if interpret else False,
-        name="gated_delta_rule_fwd",
-    )(reset, seq, last, q, k, v, g, beta, h0)
+    )(*(f.reshape(-1) for f in flags), *args)  # flags indexed chunk * rows + row
+
+
+def _check_tile(hk, head_tile):
+    if hk % head_tile:
+        raise ValueError(f"head_tile={head_tile} must divide the key heads HK={hk}")
+
+
+def forward(q, k, v, g, beta, h0, flags, *, scale, acc_dtype, decay_dtype, l2norm, save_residuals, interpret,
+            head_tile=1):
+    nc, rows, hk, c, dk = q.shape
+    grp, dv = v.shape[3], v.shape[5]
+    _check_tile(hk, head_tile)
+    sp = _Specs(q, v, rows, head_tile, reverse=False)
+    out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)]
+    out_specs = [sp.values, sp.sequence_state]
+    if save_residuals:
+        out_shape += [jax.ShapeDtypeStruct((nc, rows, hk, grp, dk, dv), h0.dtype),
+                      jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), acc_dtype)]
+        out_specs += [sp.chunk_state, sp.inverse]
+    kernel = functools.partial(
+        _fwd_kernel, rows=rows, head_tile=head_tile, grp=grp, scale=scale, acc_dtype=acc_dtype,
+        decay_dtype=decay_dtype, l2norm=l2norm, save_residuals=save_residuals)
+    return _call(kernel, (rows, hk // head_tile, nc), [sp.keys, sp.keys, sp.values, sp.gates, sp.gates,
+                                                        sp.sequence_state],
+                 out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), acc_dtype)],
+                 vmem_bytes(head_tile, grp, c, dk, dv, q.dtype.itemsize, save_residuals), head_tile, interpret,
+                 flags, q, k, v, g, beta, h0)
+
+
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, scale, acc_dtype, decay_dtype, l2norm,
+             interpret, head_tile=1):
+    nc, rows, hk, c, dk = q.shape
+    grp, dv = v.shape[3], v.shape[5]
+    _check_tile(hk, head_tile)
+    sp = _Specs(q, v, rows, head_tile, reverse=True)
+    out_shape = [jax.ShapeDtypeStruct(q.shape, acc_dtype), jax.ShapeDtypeStruct(k.shape, acc_dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
+                 jax.ShapeDtypeStruct(beta.shape, beta.dtype), jax.ShapeDtypeStruct(dfinal.shape, acc_dtype)]
+    out_specs = [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state]
+    kernel = functools.partial(
+        _bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, scale=scale, acc_dtype=acc_dtype,
+        decay_dtype=decay_dtype, l2norm=l2norm)
+    # Inputs, residuals and cotangents in, gradients out: about twice the forward's blocks.
+    budget = 2 * vmem_bytes(head_tile, grp, c, dk, dv, max(q.dtype.itemsize, 4), True)
+    return _call(kernel, (rows, hk // head_tile, nc),
+                 [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.inverse, sp.chunk_state, sp.values,
+                  sp.sequence_state],
+                 out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), acc_dtype)], budget, head_tile, interpret,
+                 flags, q, k, v, g, beta, tinv, states, do, dfinal)
 
 
 def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, h0, *, interpret=None, head_tile=1, **kw):
     pallas_common.check_dims("pallas_tpu", q.shape[-1], v.shape[-1])
-    kernel = functools.partial(kernel_call, interpret=pallas_common.resolve_interpret(interpret), head_tile=head_tile)
-    return pallas_common.run(kernel, q, k, v, g, beta, h0, **kw)
+    knobs = dict(interpret=pallas_common.resolve_interpret(interpret), head_tile=head_tile)
+    kernels = pallas_common.Kernels(functools.partial(forward, **knobs), functools.partial(backward, **knobs))
+    return pallas_common.run(kernels, q, k, v, g, beta, h0, **kw)

@@ -13,9 +13,12 @@ chunk (sequential, expensive to recompute) and the chunk inverse (C floats
 per token and value head, saves the substitution). Everything else (gates,
 QK^T, KK^T, U, W, Vn) is recomputed with a few batched matmuls.
 
-Residual bytes per token, beyond the inputs, with float32 state and inverse:
-    HV * (K * V / C + C) * 4
-e.g. HV=32, K=V=128, C=64: 32 * (256 + 64) * 4 = 40 KiB per token.
+Residual policy: "save" keeps the chunk states and inverses from the forward
+(named gdn_chunk_states and gdn_chunk_inverse for remat policies);
+"recompute" keeps only the inputs and reruns the forward scan in the
+backward. Residual bytes per token beyond the inputs, float32 state:
+    save:      HV * (K * V / C + C) * 4   (HV=32, K=V=128, C=64: 40 KiB)
+    recompute: 0
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from gdnx.ops.gated_delta_rule import chunk_math
 from gdnx.ops.gated_delta_rule.layout import ChunkPlan, from_slots, make_plan, to_slots
@@ -70,41 +74,52 @@ def _values(fn, in_axes):
     return jax.vmap(jax.vmap(jax.vmap(fn, in_axes=in_axes)))
 
 
-def _prepare(qa, ka, v, g, beta, scale, acc_dtype, decay_dtype, tinv=None):
-    qk, kk = _keys(chunk_math.key_products)(qa, ka)
-
-    def one(q, k, v, g, beta, qk, kk, tinv):
-        return chunk_math.prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv)
-
-    axes = (None, None, 0, 0, 0, None, None, None if tinv is None else 0)
-    return qk, kk, _values(one, axes)(qa, ka, v.astype(acc_dtype), g, beta, qk, kk, tinv)
+RESIDUAL_POLICIES = ("save", "recompute")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _chunk_scan(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype):
-    return _chunk_scan_fwd(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype)[0]
+def save_residuals(states, tinv):
+    """Name the saved residuals so a remat policy can keep, drop or offload them."""
+    return checkpoint_name(states, "gdn_chunk_states"), checkpoint_name(tinv, "gdn_chunk_inverse")
 
 
-def _chunk_scan_fwd(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype):
-    reset, seq, last, _ = flags
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _chunk_scan(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, residuals):
+    return chunk_scan_forward(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype)[:2]
+
+
+def chunk_scan_forward(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, with_residuals=False):
+    """Forward over chunk blocks: (o, final), plus the incoming state of every
+    chunk and the chunk inverses when `with_residuals`."""
+    reset, seq, last = flags[:3]
 
     def body(carry, xs):
         state, final = carry
         qc, kc, vc, gc, bc, rs, sq, ls = xs
         qa, ka = qc.astype(acc_dtype), kc.astype(acc_dtype)
-        _, _, prep = _prepare(qa, ka, vc, gc, bc, scale, acc_dtype, decay_dtype)
+        qk, kk = _keys(chunk_math.key_products)(qa, ka)
         state = select(rs, h0[sq], state)
-        o, new_state = _values(chunk_math.step, (0, None, None, 0))(state, qa, ka, prep)
+        fwd = functools.partial(chunk_math.value_head_forward, scale=scale, decay_dtype=decay_dtype)
+        o, new_state, tinv = _values(fwd, (None, None, 0, 0, 0, None, None, 0))(
+            qa, ka, vc.astype(acc_dtype), gc, bc, qk, kk, state)
         final = final.at[sq].set(select(ls, new_state, final[sq]))
-        return (new_state, final), (o.astype(q.dtype), state, prep.tinv)
+        return (new_state, final), (o.astype(q.dtype),) + ((state, tinv) if with_residuals else ())
 
     init = (jnp.zeros((q.shape[1],) + h0.shape[1:], acc_dtype), h0)
-    (_, final), (o, states, tinv) = jax.lax.scan(body, init, (q, k, v, g, beta, reset, seq, last))
-    return (o, final), (q, k, v, g, beta, tinv, states, flags)
+    (_, final), ys = jax.lax.scan(body, init, (q, k, v, g, beta, reset, seq, last))
+    return (ys[0], final) + tuple(ys[1:])
 
 
-def chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
-    q, k, v, g, beta, tinv, states, flags = res
+def _chunk_scan_fwd(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, residuals):
+    save = residuals == "save"
+    o, final, *saved = chunk_scan_forward(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, save)
+    return (o, final), (q, k, v, g, beta, flags, save_residuals(*saved) if save else (h0,))
+
+
+def _chunk_scan_bwd(scale, acc_dtype, decay_dtype, residuals, res, cts):
+    q, k, v, g, beta, flags, saved = res
+    if residuals == "recompute":
+        _, _, *saved = chunk_scan_forward(q, k, v, g, beta, saved[0], flags, scale, acc_dtype, decay_dtype, True)
+    states, tinv = saved
     reset, seq, last, nonempty = flags
     do, dfinal = cts
     dfinal = dfinal.astype(acc_dtype)
@@ -112,19 +127,17 @@ def chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
     def body(carry, xs):
         dstate, dh0 = carry
         qc, kc, vc, gc, bc, tc, state, do_c, rs, sq, ls = xs
-        qa, ka, va = qc.astype(acc_dtype), kc.astype(acc_dtype), vc.astype(acc_dtype)
-        qk, kk, prep = _prepare(qa, ka, va, gc, bc, scale, acc_dtype, decay_dtype, tinv=tc)
-        do_c = do_c.astype(acc_dtype)
+        qa, ka = qc.astype(acc_dtype), kc.astype(acc_dtype)
+        qk, kk = _keys(chunk_math.key_products)(qa, ka)
         dstate_out = dstate + select(ls, dfinal[sq], jnp.zeros_like(dstate))
-        dvn, dstate_in = _values(chunk_math.step_bwd, (0, 0, None, None, 0))(do_c, dstate_out, qa, ka, prep)
-        grads = _values(chunk_math.step_grads, 0)(state, dstate_out, do_c, dvn, prep)
-        pg = _values(functools.partial(chunk_math.prepare_bwd, scale=scale), (None, None, 0, None, None, 0, 0))(
-            qa, ka, va, qk, kk, prep, grads)
-        dq_k, dk_k = _keys(chunk_math.key_products_bwd)(qa, ka, pg.dqk.sum(2), pg.dkk.sum(2))
-        dx = (pg.dq.sum(2) + dq_k, pg.dk.sum(2) + dk_k, pg.dv, pg.dg, pg.dbeta)
+        bwd = functools.partial(chunk_math.value_head_backward, scale=scale, decay_dtype=decay_dtype)
+        vg = _values(bwd, (None, None, 0, 0, 0, None, None, 0, 0, 0, 0))(
+            qa, ka, vc.astype(acc_dtype), gc, bc, qk, kk, tc, state, do_c.astype(acc_dtype), dstate_out)
+        dq_k, dk_k = _keys(chunk_math.key_products_bwd)(qa, ka, vg.dqk.sum(2), vg.dkk.sum(2))
+        dx = (vg.dq.sum(2) + dq_k, vg.dk.sum(2) + dk_k, vg.dv, vg.dg, vg.dbeta)
         dx = tuple(d.astype(x.dtype) for d, x in zip(dx, (qc, kc, vc, gc, bc)))
-        dh0 = dh0.at[sq].add(select(rs, dstate_in, jnp.zeros_like(dstate_in)))
-        dstate = select(rs, jnp.zeros_like(dstate_in), dstate_in)
+        dh0 = dh0.at[sq].add(select(rs, vg.dstate_in, jnp.zeros_like(vg.dstate_in)))
+        dstate = select(rs, jnp.zeros_like(vg.dstate_in), vg.dstate_in)
         return (dstate, dh0), dx
 
     init = (jnp.zeros_like(states[0]), jnp.zeros_like(dfinal))
@@ -135,7 +148,7 @@ def chunk_scan_bwd(scale, acc_dtype, decay_dtype, res, cts):
     return dq, dk, dv, dg, dbeta, dh0, None
 
 
-_chunk_scan.defvjp(_chunk_scan_fwd, chunk_scan_bwd)
+_chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
 
 
 def run_in_blocks(scan, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, state_dtype):
@@ -153,7 +166,7 @@ def run_in_blocks(scan, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, state_d
 
 
 def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
-                               hand_written_vjp=True):
+                               residuals="save", hand_written_vjp=True):
     """Validated inputs in, (o [B, T, HV, V] in q's dtype, final [N, HV, K, V]) out.
 
     hand_written_vjp=False differentiates the same forward with plain
@@ -163,8 +176,8 @@ def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, 
 
     def scan(*args):
         if hand_written_vjp:
-            return _chunk_scan(*args, scale, state_dtype, decay_dtype)
-        return _chunk_scan_fwd(*args, scale, state_dtype, decay_dtype)[0]
+            return _chunk_scan(*args, scale, state_dtype, decay_dtype, residuals)
+        return chunk_scan_forward(*args, scale, state_dtype, decay_dtype)
 
     return run_in_blocks(scan, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                          state_dtype=state_dtype)
