@@ -5,6 +5,9 @@
 For float32 and bfloat16 inputs (float32 state and decay), prints
 ||x - ref|| / ||ref|| for the output, the final state and every gradient,
 where ref is the token recurrence run in float64 on the same (rounded) inputs.
+Each chunked implementation runs twice: with float32 matmul operands (the
+default) and with matmul_dtype=bfloat16 (operands rounded to bfloat16,
+float32 accumulation).
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ from gdnx.ops import CHUNK_IMPLEMENTATIONS, chunk_gated_delta_rule  # noqa: E402
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
-def run(impl, args, chunk, state_dtype, cts):
+def run(impl, args, chunk, state_dtype, cts, **kw):
     def f(*xs):
         return chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True, use_qk_l2norm=True,
                                       chunk_size=chunk, implementation=impl, state_dtype=state_dtype,
-                                      decay_dtype=state_dtype)
+                                      decay_dtype=state_dtype, **kw)
 
     out, pull = jax.vjp(f, *args)
     grads = pull(tuple(c.astype(o.dtype) for c, o in zip(cts, out)))
@@ -56,9 +59,12 @@ def main():
         cts = (jnp.asarray(rng.standard_normal((b, t, hv, d))), jnp.asarray(rng.standard_normal((b, hv, d, d))))
         ref = run("reference", ref_args, a.chunk_size, "float64", cts)
         for impl in sorted(CHUNK_IMPLEMENTATIONS):
-            got = run(impl, args, a.chunk_size, "float32", cts)
-            print(f"| {dtype} | {impl} | " + " | ".join(f"{rel(x, r):.1e}" for x, r in zip(got, ref)) + " |",
-                  flush=True)
+            for matmul in ((None,) if impl == "reference" else (None, "bfloat16")):
+                kw = {} if matmul is None else dict(matmul_dtype=matmul)
+                got = run(impl, args, a.chunk_size, "float32", cts, **kw)
+                name = impl if matmul is None else f"{impl}, matmul_dtype={matmul}"
+                print(f"| {dtype} | {name} | " + " | ".join(f"{rel(x, r):.1e}" for x, r in zip(got, ref)) + " |",
+                      flush=True)
 
 
 if __name__ == "__main__":

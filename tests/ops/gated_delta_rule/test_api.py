@@ -77,5 +77,9 @@ def test_numpy_inputs_are_accepted(args):
 def test_residual_policy_is_checked(args):
     with pytest.raises(ValueError, match="residuals: expected one of"):
         call(args, residuals="offload")
-    with pytest.raises(ValueError, match="residuals: 'recompute' applies to"):
+    with pytest.raises(ValueError, match="residuals: applies to the chunked implementations"):
         call(args, implementation="reference", residuals="recompute")
+    with pytest.raises(ValueError, match="matmul_dtype: applies to the chunked implementations"):
+        call(args, implementation="reference", matmul_dtype="bfloat16")
+    with pytest.raises(ValueError, match="matmul_dtype: unknown dtype"):
+        call(args, matmul_dtype="bf17")

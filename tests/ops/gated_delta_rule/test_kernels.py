@@ -117,3 +117,13 @@ def test_tpu_head_tile_must_divide_key_heads():
         pallas_tpu.chunk_gated_delta_rule_pallas_tpu(
             q, k, v, g, beta, h0, cu_seqlens=None, chunk_size=16, scale=0.25, state_dtype=jnp.float32,
             decay_dtype=jnp.float32, use_qk_l2norm=False, residuals="save", head_tile=3)
+
+
+@pytest.mark.parametrize("implementation", KERNELS + ["xla"])
+def test_bf16_matmul_operands(implementation):
+    """matmul_dtype=bfloat16 rounds matmul operands: bfloat16-level errors
+    (2e-2 tolerance, as for bfloat16 inputs), every gradient included."""
+    case = Case("mm_bf16", b=1, t=64, dk=64, dv=64, chunk=32, l2norm=True, cu_seqlens=(0, 20, 64))
+    errs = check_against_oracle(case, implementation, tol=2e-2, matmul_dtype="bfloat16")
+    # the knob must bite: float32 inputs land near bfloat16 rounding, not at 1e-7
+    assert errs["o"] > 1e-4

@@ -31,10 +31,10 @@ def _shapes(dim, packed):
     return args
 
 
-def _op(implementation):
+def _op(implementation, **kw):
     def f(q, k, v, g, beta, h0, cu=None):
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                      use_qk_l2norm=True, implementation=implementation, interpret=False)
+                                      use_qk_l2norm=True, implementation=implementation, interpret=False, **kw)
     return f
 
 
@@ -53,9 +53,10 @@ def test_forward_lowers(platform, dim, packed):
     assert _kernel_calls(_op(PLATFORMS[platform]), platform, _shapes(dim, packed)) == 1
 
 
+@pytest.mark.parametrize("matmul_dtype", [None, "bfloat16"])
 @pytest.mark.parametrize("platform", sorted(PLATFORMS))
-def test_grad_lowers(platform):
-    f = _op(PLATFORMS[platform])
+def test_grad_lowers(platform, matmul_dtype):
+    f = _op(PLATFORMS[platform], matmul_dtype=matmul_dtype)
 
     def loss(q, k, v, g, beta, h0):
         o, s = f(q, k, v, g, beta, h0)

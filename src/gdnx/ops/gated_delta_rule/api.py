@@ -155,11 +155,15 @@ def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state,
     residuals = extra.pop("residuals", "save")
     if residuals not in RESIDUAL_POLICIES:
         raise ValueError(f"residuals: expected one of {RESIDUAL_POLICIES}, got {residuals!r}")
+    matmul_dtype = extra.pop("matmul_dtype", None)
+    if matmul_dtype is not None:
+        matmul_dtype = _resolve_dtype("matmul_dtype", matmul_dtype)
     if implementation in WITH_RESIDUAL_POLICY:
-        extra["residuals"] = residuals
-    elif residuals != "save":
-        raise ValueError(f"residuals: {residuals!r} applies to {sorted(WITH_RESIDUAL_POLICY)}, not to "
-                         f"{implementation!r} (plain autodiff)")
+        extra.update(residuals=residuals, matmul_dtype=matmul_dtype)
+    elif residuals != "save" or matmul_dtype is not None:
+        name = "residuals" if residuals != "save" else "matmul_dtype"
+        raise ValueError(f"{name}: applies to the chunked implementations {sorted(WITH_RESIDUAL_POLICY)}, not to "
+                         f"{implementation!r}")
     n = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     state_dtype = _resolve_dtype("state_dtype", state_dtype)
     decay_dtype = _resolve_dtype("decay_dtype", decay_dtype)
@@ -179,7 +183,7 @@ def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state,
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "use_qk_l2norm", "scale", "state_dtype", "decay_dtype",
-                                             "chunk_size", "interpret", "residuals"))
+                                             "chunk_size", "interpret", "residuals", "matmul_dtype"))
 def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, use_qk_l2norm, **kw):
     # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
     if "interpret" in kw:
@@ -193,7 +197,7 @@ def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, use_qk_l2norm, **kw):
 def chunk_gated_delta_rule(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm=False, chunk_size=64, state_dtype=jnp.float32, decay_dtype=jnp.float32,
-    implementation=None, interpret=None, residuals="save",
+    implementation=None, interpret=None, residuals="save", matmul_dtype=None,
 ):
     """Gated delta rule over whole sequences, chunk by chunk.
 
@@ -226,6 +230,11 @@ def chunk_gated_delta_rule(
         chunk inverse, named gdn_chunk_states and gdn_chunk_inverse for remat
         policies; "recompute": only the inputs, and the backward reruns the
         forward pass first.
+      matmul_dtype: None keeps every matmul operand in state_dtype (exact
+        float32 products). A dtype such as "bfloat16" rounds the operands of
+        every matmul outside the chunk inverse to it, accumulating in
+        state_dtype: one bf16 MXU / tensor-core pass instead of several, at
+        the accuracy cost measured in docs/ops.md.
 
     Returns:
       (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] in state_dtype
@@ -238,7 +247,8 @@ def chunk_gated_delta_rule(
     return _run(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", implementation, q, k, v, g, beta,
                 scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
-                decay_dtype=decay_dtype, chunk_size=chunk_size, interpret=interpret, residuals=residuals)
+                decay_dtype=decay_dtype, chunk_size=chunk_size, interpret=interpret, residuals=residuals,
+                matmul_dtype=matmul_dtype)
 
 
 def recurrent_gated_delta_rule(

@@ -25,7 +25,10 @@ Forward of one chunk (DESIGN.md), G = cumsum(g), D_ij = exp(G_i - G_j):
 
 `prepare` needs no state, `step` is the sequential update; their adjoints
 `step_bwd`, `step_grads`, `prepare_bwd` and `key_products_bwd` make the
-backward.
+backward. `operands` (None or a dtype such as bfloat16) rounds the operands
+of every matmul outside the chunk inverse to that dtype, accumulating in the
+accumulation dtype all the same: what a single bf16 MXU or tensor-core pass
+does, made explicit so that its cost can be measured anywhere.
 """
 
 from __future__ import annotations
@@ -41,24 +44,28 @@ HIGHEST = jax.lax.Precision.HIGHEST
 INVERSE_BLOCK = 16
 
 
-def _dot(a, b, contract):
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=HIGHEST,
-                               preferred_element_type=a.dtype)
+def _dot(a, b, contract, operands):
+    # operands: None keeps the accumulation dtype; a dtype (bfloat16) rounds
+    # both operands to it, accumulating in the accumulation dtype all the same.
+    acc = a.dtype
+    if operands is not None:
+        a, b = a.astype(operands), b.astype(operands)
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=HIGHEST, preferred_element_type=acc)
 
 
-def mm(a, b):
+def mm(a, b, operands=None):
     """a @ b."""
-    return _dot(a, b, ((1,), (0,)))
+    return _dot(a, b, ((1,), (0,)), operands)
 
 
-def mm_nt(a, b):
+def mm_nt(a, b, operands=None):
     """a @ b^T."""
-    return _dot(a, b, ((1,), (1,)))
+    return _dot(a, b, ((1,), (1,)), operands)
 
 
-def mm_tn(a, b):
+def mm_tn(a, b, operands=None):
     """a^T @ b."""
-    return _dot(a, b, ((0,), (0,)))
+    return _dot(a, b, ((0,), (0,)), operands)
 
 
 def iotas(c: int):
@@ -141,9 +148,9 @@ def l2norm(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
-def key_products(q, k):
+def key_products(q, k, *, operands=None):
     """(QK^T, KK^T) of one key head's chunk."""
-    return mm_nt(q, k), mm_nt(k, k)
+    return mm_nt(q, k, operands=operands), mm_nt(k, k, operands=operands)
 
 
 class Prepared(NamedTuple):
@@ -161,7 +168,8 @@ class Prepared(NamedTuple):
     gamma: jax.Array  # [1, 1]  exp(G_last)
 
 
-def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse):
+def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse,
+            operands=None):
     """Everything one value head's chunk needs before it sees the state.
 
     q, k, v, qk, kk come in the accumulation dtype; g and beta as [1, C] rows
@@ -182,8 +190,8 @@ def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=
     beta = row_to_col(beta.astype(acc))
     if tinv is None:
         tinv = inverse(jnp.where(r > j, beta * kk * dma, 0))
-    u = mm(tinv, beta * v)
-    w = mm(tinv, (beta * eg) * k)
+    u = mm(tinv, beta * v, operands=operands)
+    w = mm(tinv, (beta * eg) * k, operands=operands)
     return Prepared(
         gcum=gcum, dm=dm, beta=beta, tinv=tinv, u=u, w=w,
         p=scale * qk * dma, eq=scale * eg,
@@ -191,17 +199,18 @@ def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=
     )
 
 
-def step(state, q, k, prep: Prepared):
+def step(state, q, k, prep: Prepared, *, operands=None):
     """One chunk's output [C, V] and outgoing state [K, V]."""
-    vn = prep.u - mm(prep.w, state)
-    o = prep.eq * mm(q, state) + mm(prep.p, vn)
-    return o, prep.gamma * state + mm_tn(k, prep.ek * vn)
+    vn = prep.u - mm(prep.w, state, operands=operands)
+    o = prep.eq * mm(q, state, operands=operands) + mm(prep.p, vn, operands=operands)
+    return o, prep.gamma * state + mm_tn(k, prep.ek * vn, operands=operands)
 
 
-def step_bwd(do, dstate_out, q, k, prep: Prepared):
+def step_bwd(do, dstate_out, q, k, prep: Prepared, *, operands=None):
     """Adjoint of `step` along the state path: (dVn, dS_in)."""
-    dvn = mm_tn(prep.p, do) + prep.ek * mm(k, dstate_out)
-    dstate_in = mm_tn(q, prep.eq * do) + prep.gamma * dstate_out - mm_tn(prep.w, dvn)
+    dvn = mm_tn(prep.p, do, operands=operands) + prep.ek * mm(k, dstate_out, operands=operands)
+    dstate_in = (mm_tn(q, prep.eq * do, operands=operands) + prep.gamma * dstate_out
+                 - mm_tn(prep.w, dvn, operands=operands))
     return dvn, dstate_in
 
 
@@ -216,11 +225,11 @@ class StepGrads(NamedTuple):
     dgamma: jax.Array  # of gamma                   [1, 1]
 
 
-def step_grads(state, dstate_out, do, dvn, prep: Prepared) -> StepGrads:
-    vn = prep.u - mm(prep.w, state)
+def step_grads(state, dstate_out, do, dvn, prep: Prepared, *, operands=None) -> StepGrads:
+    vn = prep.u - mm(prep.w, state, operands=operands)
     return StepGrads(
-        du=dvn, dw=-mm_nt(dvn, state), dp=mm_nt(do, vn), dqs=mm_nt(do, state),
-        dks=mm_nt(vn, dstate_out),
+        du=dvn, dw=-mm_nt(dvn, state, operands=operands), dp=mm_nt(do, vn, operands=operands),
+        dqs=mm_nt(do, state, operands=operands), dks=mm_nt(vn, dstate_out, operands=operands),
         dgamma=jnp.sum(jnp.sum(state * dstate_out, axis=1, keepdims=True), axis=0, keepdims=True),
     )
 
@@ -237,7 +246,7 @@ class PreparedGrads(NamedTuple):
     dkk: jax.Array   # [C, C]
 
 
-def prepare_bwd(q, k, v, qk, kk, prep: Prepared, grads: StepGrads, *, scale) -> PreparedGrads:
+def prepare_bwd(q, k, v, qk, kk, prep: Prepared, grads: StepGrads, *, scale, operands=None) -> PreparedGrads:
     """Adjoint of `prepare` for one value head.
 
     The inverse is not differentiated through: with X = beta exp(G) k,
@@ -251,9 +260,9 @@ def prepare_bwd(q, k, v, qk, kk, prep: Prepared, grads: StepGrads, *, scale) -> 
     beta = prep.beta
 
     # U = T (beta v),  W = T (beta exp(G) k)
-    dbv = mm_tn(prep.tinv, grads.du)
-    dx = mm_tn(prep.tinv, grads.dw)
-    da = jnp.where(r > j, -(mm_nt(dbv, prep.u) + mm_nt(dx, prep.w)), 0)
+    dbv = mm_tn(prep.tinv, grads.du, operands=operands)
+    dx = mm_tn(prep.tinv, grads.dw, operands=operands)
+    da = jnp.where(r > j, -(mm_nt(dbv, prep.u, operands=operands) + mm_nt(dx, prep.w, operands=operands)), 0)
     kdx = jnp.sum(k * dx, axis=1, keepdims=True)
     dv = beta * dbv
     dk = (beta * eg) * dx
@@ -280,15 +289,19 @@ def prepare_bwd(q, k, v, qk, kk, prep: Prepared, grads: StepGrads, *, scale) -> 
     return PreparedGrads(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=col_to_row(dbeta), dqk=dqk, dkk=dkk)
 
 
-def key_products_bwd(q, k, dqk, dkk):
+def key_products_bwd(q, k, dqk, dkk, *, operands=None):
     """(dq, dk) through QK^T and KK^T, with dqk, dkk summed over value heads."""
-    return mm(dqk, k), mm_tn(dqk, q) + mm(dkk, k) + mm_tn(dkk, k)
+    dq = mm(dqk, k, operands=operands)
+    dk = mm_tn(dqk, q, operands=operands) + mm(dkk, k, operands=operands) + mm_tn(dkk, k, operands=operands)
+    return dq, dk
 
 
-def value_head_forward(q, k, v, g, beta, qk, kk, state, *, scale, decay_dtype, inverse=unit_lower_inverse):
+def value_head_forward(q, k, v, g, beta, qk, kk, state, *, scale, decay_dtype, inverse=unit_lower_inverse,
+                       operands=None):
     """One value head's chunk: (o [C, V], outgoing state [K, V], (I + A)^-1)."""
-    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, inverse=inverse)
-    o, new_state = step(state, q, k, prep)
+    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, inverse=inverse,
+                   operands=operands)
+    o, new_state = step(state, q, k, prep, operands=operands)
     return o, new_state, prep.tinv
 
 
@@ -303,11 +316,12 @@ class ValueHeadGrads(NamedTuple):
     dstate_in: jax.Array  # [K, V]
 
 
-def value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_out, *, scale, decay_dtype):
+def value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_out, *, scale, decay_dtype,
+                        operands=None):
     """Adjoint of `value_head_forward` given the chunk's saved inverse and
     incoming state, the output cotangent and the outgoing state's cotangent."""
-    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv)
-    dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep)
-    grads = step_grads(state, dstate_out, do, dvn, prep)
-    pg = prepare_bwd(q, k, v, qk, kk, prep, grads, scale=scale)
+    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv, operands=operands)
+    dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep, operands=operands)
+    grads = step_grads(state, dstate_out, do, dvn, prep, operands=operands)
+    pg = prepare_bwd(q, k, v, qk, kk, prep, grads, scale=scale, operands=operands)
     return ValueHeadGrads(pg.dv, pg.dg, pg.dbeta, pg.dq, pg.dk, pg.dqk, pg.dkk, dstate_in)

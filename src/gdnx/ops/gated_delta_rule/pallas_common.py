@@ -5,10 +5,12 @@ rows [NC, R, HK, G, 1, C], packed sequences already re-laid by the chunk
 plan) and write their outputs in the same layout. An implementation is a
 pair of kernel functions:
 
-    forward(q, k, v, g, beta, h0, flags, *, scale, acc_dtype, decay_dtype,
-            l2norm, save_residuals) -> (o, final[, states, tinv])
-    backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, scale,
-             acc_dtype, decay_dtype, l2norm) -> (dq, dk, dv, dg, dbeta, dh0)
+    forward(q, k, v, g, beta, h0, flags, *, cfg, save_residuals)
+        -> (o, final[, states, tinv])
+    backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg)
+        -> (dq, dk, dv, dg, dbeta, dh0)
+
+with cfg the call's static `xla.Config`;
 
 q and k come raw (the kernels apply l2norm themselves when asked, and their
 dq, dk are with respect to the normalised q, k, in the accumulation dtype);
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from gdnx.ops.gated_delta_rule import chunk_math
-from gdnx.ops.gated_delta_rule.xla import run_in_blocks, save_residuals, select
+from gdnx.ops.gated_delta_rule.xla import Config, run_in_blocks, save_residuals, select
 
 MAX_HEAD_DIM = 256
 
@@ -101,44 +103,43 @@ def _int_flags(flags):
     return tuple(f.astype(jnp.int32) for f in flags[:3])
 
 
-def _forward(kernels, q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, l2norm, save):
+def _forward(kernels, q, k, v, g, beta, h0, flags, cfg: Config, save):
     def fn(*args):
-        return kernels.forward(*args[:6], args[6:], scale=scale, acc_dtype=acc_dtype, decay_dtype=decay_dtype,
-                               l2norm=l2norm, save_residuals=save)
+        return kernels.forward(*args[:6], args[6:], cfg=cfg, save_residuals=save)
 
     out = batchable(fn, FORWARD_ARGS, FORWARD_OUTS)(q, k, v, g, beta, h0, *_int_flags(flags))
     # A kernel never visits an empty packed sequence: its final state is h0.
     return (out[0], select(flags[3], out[1], h0)) + tuple(out[2:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
-def _kernel_scan(q, k, v, g, beta, h0, flags, kernels, scale, acc_dtype, decay_dtype, l2norm, residuals):
-    return _forward(kernels, q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, l2norm, False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kernel_scan(q, k, v, g, beta, h0, flags, kernels, cfg: Config):
+    return _forward(kernels, q, k, v, g, beta, h0, flags, cfg, False)
 
 
-def _kernel_scan_fwd(q, k, v, g, beta, h0, flags, kernels, scale, acc_dtype, decay_dtype, l2norm, residuals):
-    save = residuals == "save"
-    o, final, *saved = _forward(kernels, q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, l2norm, save)
+def _kernel_scan_fwd(q, k, v, g, beta, h0, flags, kernels, cfg: Config):
+    save = cfg.residuals == "save"
+    o, final, *saved = _forward(kernels, q, k, v, g, beta, h0, flags, cfg, save)
     return (o, final), (q, k, v, g, beta, flags, save_residuals(*saved) if save else (h0,))
 
 
-def _kernel_scan_bwd(kernels, scale, acc_dtype, decay_dtype, l2norm, residuals, res, cts):
+def _kernel_scan_bwd(kernels, cfg: Config, res, cts):
     q, k, v, g, beta, flags, saved = res
-    if residuals == "recompute":
-        _, _, *saved = _forward(kernels, q, k, v, g, beta, saved[0], flags, scale, acc_dtype, decay_dtype, l2norm,
-                                True)
+    if cfg.residuals == "recompute":
+        _, _, *saved = _forward(kernels, q, k, v, g, beta, saved[0], flags, cfg, True)
     states, tinv = saved
     do, dfinal = cts
+
     def fn(*args):
-        return kernels.backward(*args[:9], args[9:], scale=scale, acc_dtype=acc_dtype, decay_dtype=decay_dtype,
-                                l2norm=l2norm)
+        return kernels.backward(*args[:9], args[9:], cfg=cfg)
 
     dq, dk, dv, dg, dbeta, dh0 = batchable(fn, BACKWARD_ARGS, BACKWARD_OUTS)(
         q, k, v, g, beta, tinv, states, do, dfinal, *_int_flags(flags))
-    if l2norm:
-        _, pull = jax.vjp(lambda a, b: (chunk_math.l2norm(a.astype(acc_dtype)), chunk_math.l2norm(b.astype(acc_dtype))),
-                          q, k)
-        dq, dk = pull((dq, dk))
+    if cfg.l2norm:
+        def l2(a, b):
+            return chunk_math.l2norm(a.astype(cfg.acc_dtype)), chunk_math.l2norm(b.astype(cfg.acc_dtype))
+
+        dq, dk = jax.vjp(l2, q, k)[1]((dq, dk))
     # An empty packed sequence passes h0 straight to its final state.
     dh0 = select(flags[3], dh0, dfinal.astype(dh0.dtype))
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv, dg, dbeta, dh0, None)
@@ -148,12 +149,12 @@ _kernel_scan.defvjp(_kernel_scan_fwd, _kernel_scan_bwd)
 
 
 def run(kernels: Kernels, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
-        use_qk_l2norm, residuals):
+        use_qk_l2norm, residuals, matmul_dtype=None):
     """Validated [B, T, H, D] inputs in, (o, final [N, HV, K, V]) out."""
-    state_dtype, decay_dtype = jnp.dtype(state_dtype), jnp.dtype(decay_dtype)
+    cfg = Config(scale, jnp.dtype(state_dtype), jnp.dtype(decay_dtype), residuals, matmul_dtype, use_qk_l2norm)
 
     def scan(*args):
-        return _kernel_scan(*args, kernels, scale, state_dtype, decay_dtype, use_qk_l2norm, residuals)
+        return _kernel_scan(*args, kernels, cfg)
 
     return run_in_blocks(scan, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                         state_dtype=state_dtype)
+                         state_dtype=cfg.acc_dtype)

@@ -42,19 +42,20 @@ def _load_keys(q_ref, k_ref, c, acc_dtype, l2norm):
 
 
 def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref,
-                *residual_refs, num_chunks, grp, scale, acc_dtype, decay_dtype, l2norm, save_residuals):
+                *residual_refs, num_chunks, grp, cfg, save_residuals):
+    acc_dtype = cfg.acc_dtype
     first_v_block = pl.program_id(2) == 0
 
     def chunk(c, states):
-        q, k = _load_keys(q_ref, k_ref, c, acc_dtype, l2norm)
-        qk, kk = chunk_math.key_products(q, k)
+        q, k = _load_keys(q_ref, k_ref, c, acc_dtype, cfg.l2norm)
+        qk, kk = chunk_math.key_products(q, k, operands=cfg.operands)
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
         new_states = []
         for j in range(grp):
             state = jnp.where(reset, h0_ref[seq, 0, j].astype(acc_dtype), states[j])
             o, new_state, tinv = chunk_math.value_head_forward(
                 q, k, v_ref[c, 0, 0, j].astype(acc_dtype), g_ref[c, 0, 0, j], b_ref[c, 0, 0, j], qk, kk, state,
-                scale=scale, decay_dtype=decay_dtype, inverse=chunk_math.unit_lower_inverse_rows)
+                inverse=chunk_math.unit_lower_inverse_rows, **cfg.algebra())
             o_ref[c, 0, 0, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs
@@ -76,14 +77,14 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
 
 def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, states_ref, do_ref,
-                dfinal_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, *, num_chunks, grp, scale, acc_dtype,
-                decay_dtype):
+                dfinal_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, *, num_chunks, grp, cfg):
+    acc_dtype = cfg.acc_dtype
     # Every gradient but dv and dh0 sums over V; this program adds its V
     # block's share, stored under its own leading index and summed outside.
     def chunk(step, dstates):
         c = num_chunks - 1 - step
         q, k = _load_keys(q_ref, k_ref, c, acc_dtype, False)
-        qk, kk = chunk_math.key_products(q, k)
+        qk, kk = chunk_math.key_products(q, k, operands=cfg.operands)
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
         dq = dk = dqk = dkk = 0.0
         new_dstates = []
@@ -92,7 +93,7 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
             vg = chunk_math.value_head_backward(
                 q, k, v_ref[c, 0, 0, j].astype(acc_dtype), g_ref[c, 0, 0, j], b_ref[c, 0, 0, j], qk, kk,
                 tinv_ref[c, 0, 0, j].astype(acc_dtype), states_ref[c, 0, 0, j].astype(acc_dtype),
-                do_ref[c, 0, 0, j].astype(acc_dtype), dstate_out, scale=scale, decay_dtype=decay_dtype)
+                do_ref[c, 0, 0, j].astype(acc_dtype), dstate_out, **cfg.algebra())
             dv_ref[c, 0, 0, j] = vg.dv.astype(dv_ref.dtype)
             dg_ref[0, c, 0, 0, j] = vg.dg
             db_ref[0, c, 0, 0, j] = vg.dbeta
@@ -103,7 +104,7 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
                 dh0_ref[seq, 0, j] = vg.dstate_in.astype(dh0_ref.dtype)
 
             new_dstates.append(jnp.where(reset, 0.0, vg.dstate_in))
-        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk)
+        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk, operands=cfg.operands)
         dq_ref[0, c, 0, 0] = dq + dq_k
         dk_ref[0, c, 0, 0] = dk + dk_k
         return tuple(new_dstates)
@@ -162,19 +163,17 @@ def _call(kernel, lay, in_specs, out_specs, out_shape, interpret, num_warps, num
     )(*args)
 
 
-def forward(q, k, v, g, beta, h0, flags, *, scale, acc_dtype, decay_dtype, l2norm, save_residuals, interpret,
-            block_v=DEFAULT_BLOCK_V, num_warps=4, num_stages=2):
+def forward(q, k, v, g, beta, h0, flags, *, cfg, save_residuals, interpret, block_v=DEFAULT_BLOCK_V, num_warps=4,
+            num_stages=2):
     lay = _Layout(q, v, h0.shape[0], block_v)
     q, k, v, h0 = lay.pad_keys(q), lay.pad_keys(k), lay.pad_values(v), lay.pad_state(h0)
     out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)]
     out_specs = [lay.values, lay.sequence_state]
     if save_residuals:
         out_shape += [jax.ShapeDtypeStruct(v.shape[:4] + (lay.kp, lay.vp), h0.dtype),
-                      jax.ShapeDtypeStruct(v.shape[:4] + (lay.c, lay.c), acc_dtype)]
+                      jax.ShapeDtypeStruct(v.shape[:4] + (lay.c, lay.c), cfg.acc_dtype)]
         out_specs += [lay.chunk_state, lay.inverse]
-    kernel = functools.partial(
-        _fwd_kernel, num_chunks=lay.nc, grp=lay.grp, scale=scale, acc_dtype=acc_dtype, decay_dtype=decay_dtype,
-        l2norm=l2norm, save_residuals=save_residuals)
+    kernel = functools.partial(_fwd_kernel, num_chunks=lay.nc, grp=lay.grp, cfg=cfg, save_residuals=save_residuals)
     outs = _call(kernel, lay, [lay.keys, lay.keys, lay.values, lay.gates, lay.gates, lay.sequence_state],
                  out_specs, out_shape, interpret, num_warps, num_stages, *flags, q, k, v, g, beta, h0)
     dk, dv = lay.dk, lay.dv
@@ -184,10 +183,11 @@ def forward(q, k, v, g, beta, h0, flags, *, scale, acc_dtype, decay_dtype, l2nor
     return o, final
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, scale, acc_dtype, decay_dtype, l2norm,
-             interpret, block_v=DEFAULT_BLOCK_V, num_warps=4, num_stages=2):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpret, block_v=DEFAULT_BLOCK_V,
+             num_warps=4, num_stages=2):
     lay = _Layout(q, v, dfinal.shape[0], block_v)
-    if l2norm:  # the kernel takes the normalised q, k; the caller chains dq, dk through l2norm
+    acc_dtype = cfg.acc_dtype
+    if cfg.l2norm:  # the kernel takes the normalised q, k; the caller chains dq, dk through l2norm
         q, k = chunk_math.l2norm(q.astype(acc_dtype)), chunk_math.l2norm(k.astype(acc_dtype))
     q, k, v, do = lay.pad_keys(q), lay.pad_keys(k), lay.pad_values(v), lay.pad_values(do)
     states, dfinal = lay.pad_state(states), lay.pad_state(dfinal)
@@ -197,8 +197,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, scale, acc_dt
                  jax.ShapeDtypeStruct((nvb,) + beta.shape, acc_dtype), jax.ShapeDtypeStruct(dfinal.shape, acc_dtype)]
     out_specs = [lay.keys_partial, lay.keys_partial, lay.values, lay.gates_partial, lay.gates_partial,
                  lay.sequence_state]
-    kernel = functools.partial(_bwd_kernel, num_chunks=lay.nc, grp=lay.grp, scale=scale, acc_dtype=acc_dtype,
-                               decay_dtype=decay_dtype)
+    kernel = functools.partial(_bwd_kernel, num_chunks=lay.nc, grp=lay.grp, cfg=cfg)
     dq, dk, dv, dg, dbeta, dh0 = _call(
         kernel, lay, [lay.keys, lay.keys, lay.values, lay.gates, lay.gates, lay.inverse, lay.chunk_state, lay.values,
                       lay.sequence_state],

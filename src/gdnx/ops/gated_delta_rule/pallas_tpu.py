@@ -55,8 +55,9 @@ def _load_keys(q_ref, k_ref, i, acc_dtype, l2norm):
 
 
 def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref, *rest,
-                rows, head_tile, grp, scale, acc_dtype, decay_dtype, l2norm, save_residuals):
+                rows, head_tile, grp, cfg, save_residuals):
     *residual_refs, state_ref = rest
+    acc_dtype = cfg.acc_dtype
     idx = pl.program_id(2) * rows + pl.program_id(0)
 
     @pl.when(reset_ref[idx] != 0)
@@ -64,13 +65,13 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         state_ref[...] = h0_ref[0].astype(acc_dtype)
 
     for i in range(head_tile):
-        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, l2norm)
-        qk, kk = chunk_math.key_products(q, k)
+        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, cfg.l2norm)
+        qk, kk = chunk_math.key_products(q, k, operands=cfg.operands)
         for j in range(grp):
             state = state_ref[i, j]
             o, new_state, tinv = chunk_math.value_head_forward(
                 q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk, state,
-                scale=scale, decay_dtype=decay_dtype, inverse=chunk_math.unit_lower_inverse_rows)
+                inverse=chunk_math.unit_lower_inverse_rows, **cfg.algebra())
             o_ref[0, 0, i, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs
@@ -85,7 +86,8 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
 def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, states_ref, do_ref,
                 dfinal_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dstate_ref, *,
-                rows, num_chunks, head_tile, grp, scale, acc_dtype, decay_dtype, l2norm):
+                rows, num_chunks, head_tile, grp, cfg):
+    acc_dtype = cfg.acc_dtype
     step = pl.program_id(2)
     idx = (num_chunks - 1 - step) * rows + pl.program_id(0)
 
@@ -98,20 +100,20 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         dstate_ref[...] = dstate_ref[...] + dfinal_ref[0].astype(acc_dtype)
 
     for i in range(head_tile):
-        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, l2norm)
-        qk, kk = chunk_math.key_products(q, k)
+        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, cfg.l2norm)
+        qk, kk = chunk_math.key_products(q, k, operands=cfg.operands)
         dq = dk = dqk = dkk = 0.0
         for j in range(grp):
             vg = chunk_math.value_head_backward(
                 q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk,
                 tinv_ref[0, 0, i, j].astype(acc_dtype), states_ref[0, 0, i, j].astype(acc_dtype),
-                do_ref[0, 0, i, j].astype(acc_dtype), dstate_ref[i, j], scale=scale, decay_dtype=decay_dtype)
+                do_ref[0, 0, i, j].astype(acc_dtype), dstate_ref[i, j], **cfg.algebra())
             dv_ref[0, 0, i, j] = vg.dv.astype(dv_ref.dtype)
             dg_ref[0, 0, i, j] = vg.dg.astype(dg_ref.dtype)
             db_ref[0, 0, i, j] = vg.dbeta.astype(db_ref.dtype)
             dstate_ref[i, j] = vg.dstate_in
             dq, dk, dqk, dkk = dq + vg.dq, dk + vg.dk, dqk + vg.dqk, dkk + vg.dkk
-        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk)
+        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk, operands=cfg.operands)
         dq_ref[0, 0, i] = (dq + dq_k).astype(dq_ref.dtype)
         dk_ref[0, 0, i] = (dk + dk_k).astype(dk_ref.dtype)
 
@@ -171,8 +173,7 @@ def _check_tile(hk, head_tile):
         raise ValueError(f"head_tile={head_tile} must divide the key heads HK={hk}")
 
 
-def forward(q, k, v, g, beta, h0, flags, *, scale, acc_dtype, decay_dtype, l2norm, save_residuals, interpret,
-            head_tile=1):
+def forward(q, k, v, g, beta, h0, flags, *, cfg, save_residuals, interpret, head_tile=1):
     nc, rows, hk, c, dk = q.shape
     grp, dv = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
@@ -181,31 +182,28 @@ def forward(q, k, v, g, beta, h0, flags, *, scale, acc_dtype, decay_dtype, l2nor
     out_specs = [sp.values, sp.sequence_state]
     if save_residuals:
         out_shape += [jax.ShapeDtypeStruct((nc, rows, hk, grp, dk, dv), h0.dtype),
-                      jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), acc_dtype)]
+                      jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), cfg.acc_dtype)]
         out_specs += [sp.chunk_state, sp.inverse]
-    kernel = functools.partial(
-        _fwd_kernel, rows=rows, head_tile=head_tile, grp=grp, scale=scale, acc_dtype=acc_dtype,
-        decay_dtype=decay_dtype, l2norm=l2norm, save_residuals=save_residuals)
+    kernel = functools.partial(_fwd_kernel, rows=rows, head_tile=head_tile, grp=grp, cfg=cfg,
+                               save_residuals=save_residuals)
     return _call(kernel, (rows, hk // head_tile, nc), [sp.keys, sp.keys, sp.values, sp.gates, sp.gates,
                                                         sp.sequence_state],
-                 out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), acc_dtype)],
+                 out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), cfg.acc_dtype)],
                  vmem_bytes(head_tile, grp, c, dk, dv, q.dtype.itemsize, save_residuals), head_tile, interpret,
                  flags, q, k, v, g, beta, h0)
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, scale, acc_dtype, decay_dtype, l2norm,
-             interpret, head_tile=1):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpret, head_tile=1):
     nc, rows, hk, c, dk = q.shape
     grp, dv = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
     sp = _Specs(q, v, rows, head_tile, reverse=True)
+    acc_dtype = cfg.acc_dtype
     out_shape = [jax.ShapeDtypeStruct(q.shape, acc_dtype), jax.ShapeDtypeStruct(k.shape, acc_dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
                  jax.ShapeDtypeStruct(beta.shape, beta.dtype), jax.ShapeDtypeStruct(dfinal.shape, acc_dtype)]
     out_specs = [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state]
-    kernel = functools.partial(
-        _bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, scale=scale, acc_dtype=acc_dtype,
-        decay_dtype=decay_dtype, l2norm=l2norm)
+    kernel = functools.partial(_bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, cfg=cfg)
     # Inputs, residuals and cotangents in, gradients out: about twice the forward's blocks.
     budget = 2 * vmem_bytes(head_tile, grp, c, dk, dv, max(q.dtype.itemsize, 4), True)
     return _call(kernel, (rows, hk // head_tile, nc),

@@ -24,6 +24,7 @@ backward. Residual bytes per token beyond the inputs, float32 state:
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,63 +78,83 @@ def _values(fn, in_axes):
 RESIDUAL_POLICIES = ("save", "recompute")
 
 
+class Config(NamedTuple):
+    """Static settings of one call (hashable: custom_vjp's nondiff argument)."""
+
+    scale: float
+    acc_dtype: jnp.dtype            # state and accumulations
+    decay_dtype: jnp.dtype          # gate sums and decay factors
+    residuals: str = "save"         # RESIDUAL_POLICIES
+    operands: jnp.dtype | None = None  # matmul operand rounding, see chunk_math
+    l2norm: bool = False            # kernels only: normalise q, k inside
+
+    def algebra(self):
+        """Keyword arguments of the chunk_math value-head functions."""
+        return dict(scale=self.scale, decay_dtype=self.decay_dtype, operands=self.operands)
+
+
 def save_residuals(states, tinv):
     """Name the saved residuals so a remat policy can keep, drop or offload them."""
     return checkpoint_name(states, "gdn_chunk_states"), checkpoint_name(tinv, "gdn_chunk_inverse")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _chunk_scan(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, residuals):
-    return chunk_scan_forward(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype)[:2]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _chunk_scan(q, k, v, g, beta, h0, flags, cfg: Config):
+    return chunk_scan_forward(q, k, v, g, beta, h0, flags, cfg)[:2]
 
 
-def chunk_scan_forward(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, with_residuals=False):
+def chunk_scan_forward(q, k, v, g, beta, h0, flags, cfg: Config, with_residuals=False):
     """Forward over chunk blocks: (o, final), plus the incoming state of every
     chunk and the chunk inverses when `with_residuals`."""
     reset, seq, last = flags[:3]
+    acc = cfg.acc_dtype
+    key_products = functools.partial(chunk_math.key_products, operands=cfg.operands)
+    fwd = functools.partial(chunk_math.value_head_forward, **cfg.algebra())
 
     def body(carry, xs):
         state, final = carry
         qc, kc, vc, gc, bc, rs, sq, ls = xs
-        qa, ka = qc.astype(acc_dtype), kc.astype(acc_dtype)
-        qk, kk = _keys(chunk_math.key_products)(qa, ka)
+        qa, ka = qc.astype(acc), kc.astype(acc)
+        qk, kk = _keys(key_products)(qa, ka)
         state = select(rs, h0[sq], state)
-        fwd = functools.partial(chunk_math.value_head_forward, scale=scale, decay_dtype=decay_dtype)
         o, new_state, tinv = _values(fwd, (None, None, 0, 0, 0, None, None, 0))(
-            qa, ka, vc.astype(acc_dtype), gc, bc, qk, kk, state)
+            qa, ka, vc.astype(acc), gc, bc, qk, kk, state)
         final = final.at[sq].set(select(ls, new_state, final[sq]))
         return (new_state, final), (o.astype(q.dtype),) + ((state, tinv) if with_residuals else ())
 
-    init = (jnp.zeros((q.shape[1],) + h0.shape[1:], acc_dtype), h0)
+    init = (jnp.zeros((q.shape[1],) + h0.shape[1:], acc), h0)
     (_, final), ys = jax.lax.scan(body, init, (q, k, v, g, beta, reset, seq, last))
     return (ys[0], final) + tuple(ys[1:])
 
 
-def _chunk_scan_fwd(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, residuals):
-    save = residuals == "save"
-    o, final, *saved = chunk_scan_forward(q, k, v, g, beta, h0, flags, scale, acc_dtype, decay_dtype, save)
+def _chunk_scan_fwd(q, k, v, g, beta, h0, flags, cfg: Config):
+    save = cfg.residuals == "save"
+    o, final, *saved = chunk_scan_forward(q, k, v, g, beta, h0, flags, cfg, save)
     return (o, final), (q, k, v, g, beta, flags, save_residuals(*saved) if save else (h0,))
 
 
-def _chunk_scan_bwd(scale, acc_dtype, decay_dtype, residuals, res, cts):
+def _chunk_scan_bwd(cfg: Config, res, cts):
     q, k, v, g, beta, flags, saved = res
-    if residuals == "recompute":
-        _, _, *saved = chunk_scan_forward(q, k, v, g, beta, saved[0], flags, scale, acc_dtype, decay_dtype, True)
+    if cfg.residuals == "recompute":
+        _, _, *saved = chunk_scan_forward(q, k, v, g, beta, saved[0], flags, cfg, True)
     states, tinv = saved
     reset, seq, last, nonempty = flags
     do, dfinal = cts
-    dfinal = dfinal.astype(acc_dtype)
+    acc = cfg.acc_dtype
+    dfinal = dfinal.astype(acc)
+    key_products = functools.partial(chunk_math.key_products, operands=cfg.operands)
+    key_products_bwd = functools.partial(chunk_math.key_products_bwd, operands=cfg.operands)
+    bwd = functools.partial(chunk_math.value_head_backward, **cfg.algebra())
 
     def body(carry, xs):
         dstate, dh0 = carry
         qc, kc, vc, gc, bc, tc, state, do_c, rs, sq, ls = xs
-        qa, ka = qc.astype(acc_dtype), kc.astype(acc_dtype)
-        qk, kk = _keys(chunk_math.key_products)(qa, ka)
+        qa, ka = qc.astype(acc), kc.astype(acc)
+        qk, kk = _keys(key_products)(qa, ka)
         dstate_out = dstate + select(ls, dfinal[sq], jnp.zeros_like(dstate))
-        bwd = functools.partial(chunk_math.value_head_backward, scale=scale, decay_dtype=decay_dtype)
         vg = _values(bwd, (None, None, 0, 0, 0, None, None, 0, 0, 0, 0))(
-            qa, ka, vc.astype(acc_dtype), gc, bc, qk, kk, tc, state, do_c.astype(acc_dtype), dstate_out)
-        dq_k, dk_k = _keys(chunk_math.key_products_bwd)(qa, ka, vg.dqk.sum(2), vg.dkk.sum(2))
+            qa, ka, vc.astype(acc), gc, bc, qk, kk, tc, state, do_c.astype(acc), dstate_out)
+        dq_k, dk_k = _keys(key_products_bwd)(qa, ka, vg.dqk.sum(2), vg.dkk.sum(2))
         dx = (vg.dq.sum(2) + dq_k, vg.dk.sum(2) + dk_k, vg.dv, vg.dg, vg.dbeta)
         dx = tuple(d.astype(x.dtype) for d, x in zip(dx, (qc, kc, vc, gc, bc)))
         dh0 = dh0.at[sq].add(select(rs, vg.dstate_in, jnp.zeros_like(vg.dstate_in)))
@@ -166,18 +187,18 @@ def run_in_blocks(scan, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, state_d
 
 
 def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
-                               residuals="save", hand_written_vjp=True):
+                               residuals="save", matmul_dtype=None, hand_written_vjp=True):
     """Validated inputs in, (o [B, T, HV, V] in q's dtype, final [N, HV, K, V]) out.
 
     hand_written_vjp=False differentiates the same forward with plain
     autodiff: the baseline the benchmark and the gradient tests compare with.
     """
-    state_dtype, decay_dtype = jnp.dtype(state_dtype), jnp.dtype(decay_dtype)
+    cfg = Config(scale, jnp.dtype(state_dtype), jnp.dtype(decay_dtype), residuals, matmul_dtype)
 
     def scan(*args):
         if hand_written_vjp:
-            return _chunk_scan(*args, scale, state_dtype, decay_dtype, residuals)
-        return chunk_scan_forward(*args, scale, state_dtype, decay_dtype)
+            return _chunk_scan(*args, cfg)
+        return chunk_scan_forward(*args, cfg)
 
     return run_in_blocks(scan, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                         state_dtype=state_dtype)
+                         state_dtype=cfg.acc_dtype)
