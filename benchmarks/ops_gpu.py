@@ -6,8 +6,9 @@ Shape of the issue's target: B=4, T=4096, HK=16, HV=32, K=V=128, bfloat16
 inputs, float32 state, use_qk_l2norm. For each implementation prints the
 relative error of the output and final state against the float64 token
 recurrence (on a shorter prefix, --check-length, to keep it quick), and the
-median forward and forward+backward times and the peak device memory of the
-forward+backward program. A variant that fails prints its error and the run
+median forward and forward+backward times and the peak memory of the
+forward+backward program (XLA's buffer assignment), for xla, pallas_gpu, and
+pallas_gpu with bfloat16 matmul operands or recomputed residuals. A variant that fails prints its error and the run
 goes on, so one bad configuration does not cost the whole device slot.
 """
 
@@ -36,7 +37,12 @@ def make_inputs(b, t, hk, hv, d, seed=0):
                                                                   jnp.asarray(xs[4], jnp.bfloat16))
 
 
-VARIANTS = {"xla": dict(implementation="xla"), "pallas_gpu": dict(implementation="pallas_gpu")}
+VARIANTS = {
+    "xla": dict(implementation="xla"),
+    "pallas_gpu": dict(implementation="pallas_gpu"),
+    "pallas_gpu, matmul_dtype=bfloat16": dict(implementation="pallas_gpu", matmul_dtype="bfloat16"),
+    "pallas_gpu, residuals=recompute": dict(implementation="pallas_gpu", residuals="recompute"),
+}
 
 
 def main():
