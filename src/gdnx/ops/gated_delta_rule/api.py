@@ -42,8 +42,9 @@ RECURRENT_IMPLEMENTATIONS: dict[str, Callable] = {
 }
 # Kernels: they apply l2norm themselves (fused) and take `interpret`.
 PALLAS_IMPLEMENTATIONS = frozenset({"pallas_tpu", "pallas_gpu"})
-# Hand-written VJPs with a residual policy (the reference is plain autodiff).
-WITH_RESIDUAL_POLICY = PALLAS_IMPLEMENTATIONS | {"xla"}
+# The chunked implementations with hand-written VJPs: they take a residual
+# policy and a matmul operand dtype (the reference is plain autodiff).
+HAND_WRITTEN_VJP = PALLAS_IMPLEMENTATIONS | {"xla"}
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
@@ -158,11 +159,11 @@ def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state,
     matmul_dtype = extra.pop("matmul_dtype", None)
     if matmul_dtype is not None:
         matmul_dtype = _resolve_dtype("matmul_dtype", matmul_dtype)
-    if implementation in WITH_RESIDUAL_POLICY:
+    if implementation in HAND_WRITTEN_VJP:
         extra.update(residuals=residuals, matmul_dtype=matmul_dtype)
     elif residuals != "save" or matmul_dtype is not None:
         name = "residuals" if residuals != "save" else "matmul_dtype"
-        raise ValueError(f"{name}: applies to the chunked implementations {sorted(WITH_RESIDUAL_POLICY)}, not to "
+        raise ValueError(f"{name}: applies to the chunked implementations {sorted(HAND_WRITTEN_VJP)}, not to "
                          f"{implementation!r}")
     n = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     state_dtype = _resolve_dtype("state_dtype", state_dtype)
@@ -177,18 +178,20 @@ def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state,
         h0 = jnp.asarray(initial_state).astype(state_dtype)
     cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens).astype(jnp.int32)
     q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-    o, final = _dispatch(q, k, v, g, beta, h0, cu, fn=table[implementation], use_qk_l2norm=use_qk_l2norm,
-                         scale=scale, state_dtype=state_dtype, decay_dtype=decay_dtype, **extra)
+    if implementation in PALLAS_IMPLEMENTATIONS:
+        extra["use_qk_l2norm"] = use_qk_l2norm  # kernels fuse it
+    elif use_qk_l2norm:
+        extra["l2norm_inputs"] = True
+    o, final = _dispatch(q, k, v, g, beta, h0, cu, fn=table[implementation], scale=scale, state_dtype=state_dtype,
+                         decay_dtype=decay_dtype, **extra)
     return o, (final if output_final_state else None)
 
 
-@functools.partial(jax.jit, static_argnames=("fn", "use_qk_l2norm", "scale", "state_dtype", "decay_dtype",
-                                             "chunk_size", "interpret", "residuals", "matmul_dtype"))
-def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, use_qk_l2norm, **kw):
+@functools.partial(jax.jit, static_argnames=("fn", "l2norm_inputs", "use_qk_l2norm", "scale", "state_dtype",
+                                             "decay_dtype", "chunk_size", "interpret", "residuals", "matmul_dtype"))
+def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, l2norm_inputs=False, **kw):
     # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
-    if "interpret" in kw:
-        kw["use_qk_l2norm"] = use_qk_l2norm  # kernels fuse it
-    elif use_qk_l2norm:
+    if l2norm_inputs:
         q, k = l2norm(q), l2norm(k)
     o, final = fn(q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, **kw)
     return o, final.astype(kw["state_dtype"])
