@@ -1,10 +1,15 @@
-"""Chunked gated delta rule forward as a Pallas GPU kernel (Triton lowering).
+"""Chunked gated delta rule as Pallas GPU kernels (Triton lowering).
 
-One program per (row, key head, V block); it walks the chunks in a loop,
-carrying one float32 state [K, BV] for each of the key head's G value heads,
-so QK^T and KK^T are formed once per key head and chunk. Packed sequences
-arrive re-laid by the chunk plan; per-chunk flags (reset, seq, last) are read
-from small int32 arrays.
+Forward: one program per (row, key head, V block); it walks the chunks in a
+loop, carrying one float32 state [K, BV] for each of the key head's G value
+heads, so QK^T and KK^T are formed once per key head and chunk. Packed
+sequences arrive re-laid by the chunk plan; per-chunk flags (reset, seq,
+last) are read from small int32 arrays.
+
+Backward: the same programs walk the chunks in reverse carrying dS [K, BV]
+per value head. dv and d(initial state) belong to the program's V block;
+every other gradient sums over V, so each program writes its block's share
+under a leading V-block index and XLA adds them.
 
 Triton needs every loaded or stored array to have a power-of-two size: K and
 V are zero-padded to powers of two (inert: zero key and value columns never

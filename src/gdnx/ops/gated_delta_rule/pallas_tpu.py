@@ -1,8 +1,10 @@
-"""Chunked gated delta rule forward as a Pallas Mosaic TPU kernel.
+"""Chunked gated delta rule as Pallas Mosaic TPU kernels.
 
 Grid (row, head tile, chunk): rows and head tiles are parallel, chunks are
 sequential ("arbitrary") and the float32 state of the tile's value heads
-lives in VMEM scratch from one chunk to the next. Packed sequences arrive
+lives in VMEM scratch from one chunk to the next. The backward kernel walks
+the same grid with the chunks reversed, carrying dS in VMEM scratch and
+summing dq, dk over each key head's value heads in the kernel. Packed sequences arrive
 re-laid by the chunk plan; per-chunk flags (reset, seq, last) come in as
 scalar-prefetch operands, and the h0 / final-state blocks are addressed by
 the chunk's sequence index.
