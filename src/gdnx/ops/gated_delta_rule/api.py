@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gdnx.ops.checks import check_cu_seqlens
 from gdnx.ops.gated_delta_rule import chunk_math
 from gdnx.ops.gated_delta_rule.pallas_gpu import chunk_gated_delta_rule_pallas_gpu
 from gdnx.ops.gated_delta_rule.pallas_tpu import chunk_gated_delta_rule_pallas_tpu
@@ -73,34 +74,6 @@ def _check_float_array(name: str, x, ndim: int, layout: str):
         raise ValueError(f"{name}: expected rank {ndim} {layout}, got shape {tuple(x.shape)}")
 
 
-def _concrete(x):
-    """x as numpy when its value is known at trace time, else None."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _check_cu_seqlens(cu, batch: int, length: int):
-    if not hasattr(cu, "shape") or not hasattr(cu, "dtype"):
-        raise TypeError(f"cu_seqlens: expected an int32 array [N + 1], got {type(cu).__name__}")
-    if not jnp.issubdtype(cu.dtype, jnp.integer):
-        raise TypeError(f"cu_seqlens: expected an integer array, got {cu.dtype}")
-    if cu.ndim != 1 or cu.shape[0] < 2:
-        raise ValueError(f"cu_seqlens: expected shape [N + 1] with N >= 1, got {tuple(cu.shape)}")
-    if batch != 1:
-        raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got B={batch}")
-    vals = _concrete(cu)
-    if vals is None:
-        return  # traced: the values cannot be checked here
-    if vals[0] != 0:
-        raise ValueError(f"cu_seqlens: must start at 0, got {vals[0]}")
-    if np.any(np.diff(vals) < 0):
-        raise ValueError(f"cu_seqlens: must be non-decreasing, got {vals.tolist()}")
-    if vals[-1] != length:
-        raise ValueError(f"cu_seqlens: must end at T={length}, got {vals[-1]}")
-
-
 def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
     _check_float_array("q", q, 4, "[B, T, HK, K]")
     _check_float_array("k", k, 4, "[B, T, HK, K]")
@@ -126,7 +99,7 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
         raise TypeError(f"use_qk_l2norm: expected a bool, got {type(use_qk_l2norm).__name__}")
     n = b
     if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, b, t)
+        check_cu_seqlens(cu_seqlens, b, t)
         n = cu_seqlens.shape[0] - 1
     if initial_state is not None:
         _check_float_array("initial_state", initial_state, 4, "[N, HV, K, V]")

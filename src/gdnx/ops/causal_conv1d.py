@@ -1,0 +1,156 @@
+"""Depthwise causal 1-D convolution with SiLU, decoupled from the delta rule.
+
+    y_t[d] = act( sum_{i < W} weight[d, i] * x_{t - W + 1 + i}[d] + bias[d] )
+
+x is [B, T, D] (channels last), weight [D, W], bias [D] or None. Inputs
+before a sequence's first token come from its conv state [N, D, W - 1] (the
+last W - 1 inputs seen, oldest first), zeros when none is given. With
+cu_seqlens (B = 1) each packed sequence starts from its own state and never
+sees the previous sequence's tokens.
+
+Every token's window of W inputs is gathered once (index arithmetic on the
+packed layout); the backward is written out: dweight and dbias are sums over
+tokens, dx and d(state) scatter the windows' cotangents back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gdnx.ops.checks import check_cu_seqlens
+
+ACTIVATIONS = ("silu", None)
+
+
+def _window_index(batch, length, width, cu_seqlens):
+    """Index [R, T, W] of every token's window into the flat rows
+    concat(states [N * (W - 1)], tokens [R * T]), and the index [N, W - 1] of
+    each sequence's final state in the same rows."""
+    hist = width - 1
+    if cu_seqlens is None:
+        n = batch
+        starts = jnp.arange(batch, dtype=jnp.int32) * length
+        lens = jnp.full((batch,), length, jnp.int32)
+        tok = jnp.arange(batch * length, dtype=jnp.int32).reshape(batch, length)
+        seq = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], (batch, length))
+    else:
+        cu = cu_seqlens.astype(jnp.int32)
+        n = cu.shape[0] - 1
+        starts, lens = cu[:-1], cu[1:] - cu[:-1]
+        tok = jnp.arange(length, dtype=jnp.int32)[None]
+        seq = jnp.searchsorted(cu, tok, side="right").astype(jnp.int32) - 1
+    pos = tok - starts[seq]                                  # position inside the sequence
+    lag = hist - jnp.arange(width, dtype=jnp.int32)          # W-1, ..., 0
+    src = pos[..., None] - lag                               # [R, T, W] position of each input
+    in_state = seq[..., None] * hist + hist + src            # state slot when src < 0
+    index = jnp.where(src >= 0, n * hist + tok[..., None] - lag, in_state)
+    # final state: the last W - 1 positions of each sequence (from the state when shorter)
+    fsrc = lens[:, None] - hist + jnp.arange(hist, dtype=jnp.int32)[None]
+    final = jnp.where(fsrc >= 0, n * hist + starts[:, None] + fsrc,
+                      jnp.arange(n, dtype=jnp.int32)[:, None] * hist + hist + fsrc)
+    return index, final
+
+
+def _act(z, activation):
+    return jax.nn.silu(z) if activation == "silu" else z
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _conv(x, weight, bias, state, index, activation):
+    return _conv_fwd(x, weight, bias, state, index, activation)[0]
+
+
+def _acc(x):
+    """Accumulation dtype: at least float32."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _flat(x, state):
+    d = x.shape[-1]
+    acc = _acc(x)
+    return jnp.concatenate([jnp.swapaxes(state, 1, 2).reshape(-1, d).astype(acc), x.reshape(-1, d).astype(acc)])
+
+
+def _conv_fwd(x, weight, bias, state, index, activation):
+    flat = _flat(x, state)
+    windows = flat[index]                                    # [R, T, W, D]
+    z = jnp.einsum("rtwd,dw->rtd", windows, weight.astype(_acc(x)), precision=jax.lax.Precision.HIGHEST)
+    z = z + bias.astype(_acc(x))
+    return _act(z, activation).astype(x.dtype), (x, weight, bias, state, index, z)
+
+
+def _conv_bwd(activation, res, dy):
+    x, weight, bias, state, index, z = res
+    acc = _acc(x)
+    dy = dy.astype(acc)
+    dz = dy * jax.grad(lambda t: jnp.sum(_act(t, activation)))(z) if activation else dy
+    windows = _flat(x, state)[index]
+    dweight = jnp.einsum("rtwd,rtd->dw", windows, dz, precision=jax.lax.Precision.HIGHEST)
+    dbias = dz.sum((0, 1))
+    dwin = dz[:, :, None, :] * weight.astype(acc).T[None, None]
+    dflat = jnp.zeros((state.shape[0] * state.shape[2] + x.shape[0] * x.shape[1], x.shape[-1]), acc)
+    dflat = dflat.at[index.reshape(-1)].add(dwin.reshape(-1, x.shape[-1]))
+    nh = state.shape[0] * state.shape[2]
+    dstate = jnp.swapaxes(dflat[:nh].reshape(state.shape[0], state.shape[2], -1), 1, 2)
+    dx = dflat[nh:].reshape(x.shape)
+    return (dx.astype(x.dtype), dweight.astype(weight.dtype), dbias.astype(bias.dtype), dstate.astype(state.dtype),
+            None)
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+def _check(x, weight, bias, activation):
+    for name, arr, rank in (("x", x, 3), ("weight", weight, 2)):
+        if not hasattr(arr, "shape") or not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise TypeError(f"{name}: expected a floating array")
+        if arr.ndim != rank:
+            raise ValueError(f"{name}: expected rank {rank}, got shape {tuple(arr.shape)}")
+    d, w = weight.shape
+    if x.shape[-1] != d:
+        raise ValueError(f"weight: expected [D={x.shape[-1]}, W], got {tuple(weight.shape)}")
+    if w < 2:
+        raise ValueError(f"weight: kernel width W must be >= 2, got {w}")
+    if bias is not None and tuple(bias.shape) != (d,):
+        raise ValueError(f"bias: expected [D={d}], got {tuple(bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+
+
+def causal_conv1d(x, weight, bias=None, *, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  activation="silu"):
+    """Depthwise causal conv over [B, T, D] with SiLU (or none).
+
+    Returns (y [B, T, D] in x's dtype, final conv state [N, D, W - 1] or None),
+    N = B, or len(cu_seqlens) - 1 for packed sequences (B must be 1).
+    """
+    _check(x, weight, bias, activation)
+    b, t, d = x.shape
+    hist = weight.shape[1] - 1
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, b, t)
+        cu_seqlens = jnp.asarray(cu_seqlens)
+    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if initial_state is None:
+        initial_state = jnp.zeros((n, d, hist), x.dtype)
+    elif not hasattr(initial_state, "shape") or not jnp.issubdtype(initial_state.dtype, jnp.floating):
+        raise TypeError("initial_state: expected a floating array [N, D, W - 1]")
+    elif tuple(initial_state.shape) != (n, d, hist):
+        raise ValueError(f"initial_state: expected [N, D, W - 1] = {(n, d, hist)}, got {tuple(initial_state.shape)}")
+    bias = jnp.zeros((d,), weight.dtype) if bias is None else bias
+    index, final_index = _window_index(b, t, weight.shape[1], cu_seqlens)
+    y = _conv(x, weight, bias, initial_state, index, activation)
+    if not output_final_state:
+        return y, None
+    flat = jnp.concatenate([jnp.swapaxes(initial_state, 1, 2).reshape(-1, d).astype(x.dtype), x.reshape(-1, d)])
+    return y, jnp.swapaxes(flat[final_index], 1, 2)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation="silu"):
+    """One decode step: x [B, D], conv_state [B, D, W - 1] -> (y [B, D], new state)."""
+    y, state = causal_conv1d(x[:, None], weight, bias, initial_state=conv_state, output_final_state=True,
+                             activation=activation)
+    return y[:, 0], state
