@@ -1,0 +1,28 @@
+"""Gated RMSNorm: the normalisation on the delta rule's output in Qwen3-Next.
+
+    y = x / sqrt(mean(x^2) + eps) * weight * silu(z)
+
+over the last axis (the value head dim), computed in float32 and returned in
+x's dtype. Plain JAX: autodiff of these few elementwise ops is already what a
+hand-written backward would be.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def gated_rmsnorm(x, z, weight, *, eps: float = 1e-6):
+    """x, z [..., V] (z the gate), weight [V]."""
+    for name, arr in (("x", x), ("z", z), ("weight", weight)):
+        if not hasattr(arr, "shape") or not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise TypeError(f"{name}: expected a floating array")
+    if z.shape != x.shape:
+        raise ValueError(f"z: expected the shape of x {tuple(x.shape)}, got {tuple(z.shape)}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight: expected [{x.shape[-1]}], got {tuple(weight.shape)}")
+    f32 = jnp.promote_types(x.dtype, jnp.float32)
+    xf = x.astype(f32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(f32) * jax.nn.silu(z.astype(f32))).astype(x.dtype)
