@@ -145,8 +145,8 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, output_final_stat
     y = _conv(x, weight, bias, initial_state, index, activation)
     if not output_final_state:
         return y, None
-    flat = jnp.concatenate([jnp.swapaxes(initial_state, 1, 2).reshape(-1, d).astype(x.dtype), x.reshape(-1, d)])
-    return y, jnp.swapaxes(flat[final_index], 1, 2)
+    # exact: the rows are upcast copies of x and the state
+    return y, jnp.swapaxes(_flat(x, initial_state)[final_index], 1, 2).astype(x.dtype)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation="silu"):
