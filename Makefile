@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/gdnx demo
+	$(VENV)/bin/gdnx train
 
 # pytest exits 5 when it collects nothing: that is a failure too, said plainly.
 test: $(STAMP)

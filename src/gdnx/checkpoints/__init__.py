@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face safetensors directories in and out."""

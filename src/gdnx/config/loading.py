@@ -1,0 +1,116 @@
+"""YAML config files, `base:` inheritance and key=value overrides.
+
+    load_config("tiny", ["train.steps=100", "model.use_gdn_kernel=false"])
+
+A config names its parent with `base: <file or bundled name>`; mappings merge
+key by key, the child winning. Overrides are dotted keys with YAML values
+("true", "1e-3", "[0, 2]"), type-checked by the schema like the file itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import yaml
+
+from gdnx.config.schema import Config
+
+BUNDLED = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "tiny"
+
+
+class ConfigError(ValueError):
+    """A config file, field or override the user has to fix; the message
+    names it."""
+
+
+def bundled_names() -> list[str]:
+    return sorted(p.stem for p in BUNDLED.glob("*.yml"))
+
+
+def _resolve(name: str, relative_to: Path | None = None) -> Path:
+    path = Path(name)
+    candidates = [path] if path.is_absolute() else [(relative_to or Path.cwd()) / path]
+    if path.suffix not in (".yml", ".yaml"):
+        candidates.append(BUNDLED / f"{name}.yml")
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise ConfigError(f"config {name!r}: no such file, and not a bundled config ({', '.join(bundled_names())})")
+
+
+def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    if path in seen:
+        raise ConfigError(f"config {path}: `base` chain loops back to itself")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path}: not valid YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: expected a mapping at the top level")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    return _merge(_read(_resolve(base, path.parent), seen + (path,)), data)
+
+
+def _merge(base: dict, child: dict) -> dict:
+    out = dict(base)
+    for key, value in child.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = _merge({}, data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError:
+            value = raw
+        *parents, leaf = key.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p} is not a section")
+        node[leaf] = value
+    return data
+
+
+def format_validation_error(err: pydantic.ValidationError, prefix: str = "") -> str:
+    """One line per problem: `section.field: what is wrong`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "literal_error":
+            msg = msg.replace("Input should be", "expected")
+        if e["type"] not in ("extra_forbidden",) and "input" in e and e["type"] != "value_error":
+            msg += f" (got {e['input']!r})"
+        if e["type"] == "value_error" and ": " in msg and " " not in msg.split(": ", 1)[0]:
+            # a model-level check names the field itself
+            field, msg = msg.split(": ", 1)
+            loc = f"{loc}.{field}" if loc else field
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(lines)
+
+
+def build_config(data: dict) -> Config:
+    try:
+        return Config.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def load_config(name: str | None = None, overrides: list[str] = ()) -> Config:
+    """The config file (path or bundled name; the tiny model when None) with
+    overrides applied, validated."""
+    data = _read(_resolve(name or DEFAULT_CONFIG))
+    return build_config(apply_overrides(data, list(overrides)))

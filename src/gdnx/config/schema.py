@@ -1,0 +1,211 @@
+"""The run configuration: pydantic models, validated field by field.
+
+`ModelConfig` is the architecture (Hugging Face Qwen3-Next field names, so a
+checkpoint's config.json maps onto it) plus the GDN knobs; `TrainConfig`
+and `DataConfig` drive `gdnx train`. Unknown keys are errors everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax.numpy as jnp
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+GDN_CHUNK_SIZES = (16, 32, 64, 128)
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+def _float_dtype(field: str, value: str) -> str:
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise ValueError(f"unknown dtype {value!r}; expected a floating dtype such as 'float32' or 'bfloat16'")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"expected a floating dtype such as 'float32' or 'bfloat16', got {value!r}")
+    return dtype.name
+
+
+class ModelConfig(_Strict):
+    """Qwen3-Next architecture and the GDN knobs."""
+
+    vocab_size: PositiveInt = 151936
+    hidden_size: PositiveInt = 2048
+    num_hidden_layers: PositiveInt = 48
+    rms_norm_eps: PositiveFloat = 1e-6
+    tie_word_embeddings: bool = False
+    hidden_act: Literal["silu"] = "silu"
+    initializer_range: PositiveFloat = 0.02
+    # layer pattern: explicit layer_types, or every full_attention_interval-th layer is full attention
+    full_attention_interval: PositiveInt = 4
+    layer_types: list[Literal["linear_attention", "full_attention"]] | None = None
+
+    # gated full attention
+    num_attention_heads: PositiveInt = 16
+    num_key_value_heads: PositiveInt = 2
+    head_dim: PositiveInt = 256
+    attention_bias: bool = False
+    rope_theta: PositiveFloat = 10000000.0
+    partial_rotary_factor: float = Field(0.25, gt=0.0, le=1.0)
+    max_position_embeddings: PositiveInt = 262144
+
+    # Gated DeltaNet
+    linear_num_key_heads: PositiveInt = 16
+    linear_num_value_heads: PositiveInt = 32
+    linear_key_head_dim: PositiveInt = 128
+    linear_value_head_dim: PositiveInt = 128
+    linear_conv_kernel_dim: int = Field(4, ge=2)
+
+    # MLP: dense SwiGLU, or sparse MoE with a shared expert (num_experts > 0)
+    intermediate_size: PositiveInt = 5120
+    num_experts: int = Field(512, ge=0)
+    num_experts_per_tok: PositiveInt = 10
+    moe_intermediate_size: PositiveInt = 512
+    shared_expert_intermediate_size: PositiveInt = 512
+    norm_topk_prob: bool = True
+    decoder_sparse_step: PositiveInt = 1
+    mlp_only_layers: list[int] = Field(default_factory=list)
+    router_aux_loss_coef: float = Field(0.001, ge=0.0)
+
+    # GDN op knobs
+    use_gdn_kernel: Literal["auto", "true", "false"] = "auto"
+    gdn_interpret: bool | None = None
+    gdn_state_dtype: str = "float32"
+    gdn_decay_dtype: str = "float32"
+    gdn_matmul_dtype: str | None = None
+    gdn_chunk_size: int = 64
+    gdn_residuals: Literal["save", "recompute"] = "save"
+
+    # numerics and memory
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat_policy: Literal["none", "full", "save_gdn_residuals"] = "none"
+
+    @field_validator("use_gdn_kernel", mode="before")
+    @classmethod
+    def _kernel_flag(cls, v):
+        # YAML and key=value give booleans; the field keeps one spelling
+        return str(v).lower() if isinstance(v, bool) else v
+
+    @field_validator("gdn_state_dtype", "gdn_decay_dtype", "dtype", "param_dtype")
+    @classmethod
+    def _dtypes(cls, v, info):
+        return _float_dtype(info.field_name, v)
+
+    @field_validator("gdn_matmul_dtype")
+    @classmethod
+    def _matmul_dtype(cls, v, info):
+        return None if v is None else _float_dtype(info.field_name, v)
+
+    @field_validator("gdn_chunk_size")
+    @classmethod
+    def _chunk(cls, v):
+        if v not in GDN_CHUNK_SIZES:
+            raise ValueError(f"expected one of {', '.join(map(str, GDN_CHUNK_SIZES))}, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        errors = []
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            errors.append(("linear_num_value_heads", f"must be a multiple of linear_num_key_heads="
+                           f"{self.linear_num_key_heads}, got {self.linear_num_value_heads}"))
+        if self.num_attention_heads % self.num_key_value_heads:
+            errors.append(("num_attention_heads", f"must be a multiple of num_key_value_heads="
+                           f"{self.num_key_value_heads}, got {self.num_attention_heads}"))
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            errors.append(("layer_types", f"expected {self.num_hidden_layers} entries (num_hidden_layers), "
+                           f"got {len(self.layer_types)}"))
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            errors.append(("num_experts_per_tok", f"must be <= num_experts={self.num_experts}, "
+                           f"got {self.num_experts_per_tok}"))
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            errors.append(("mlp_only_layers", f"layer indices must be in [0, {self.num_hidden_layers}), got {bad}"))
+        if self.use_gdn_kernel == "false" and self.gdn_interpret is not None:
+            errors.append(("gdn_interpret", "applies to the GDN kernel only; set use_gdn_kernel to auto or true, "
+                           "or leave gdn_interpret unset"))
+        if errors:
+            raise ValueError("; ".join(f"{field}: {msg}" for field, msg in errors))
+        return self
+
+    @property
+    def resolved_layer_types(self) -> tuple[str, ...]:
+        if self.layer_types is not None:
+            return tuple(self.layer_types)
+        return tuple("full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+                     for i in range(self.num_hidden_layers))
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+
+class DataConfig(_Strict):
+    """Training data: the embedded MQAR task, or a local text / JSONL file."""
+
+    source: Literal["mqar", "text"] = "mqar"
+    path: str | None = None
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json; bytes when None
+    seq_len: PositiveInt = 128
+    num_pairs: PositiveInt = 16
+    num_keys: PositiveInt = 128
+    num_values: PositiveInt = 128
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.source == "text" and self.path is None:
+            raise ValueError("path: data.source=text needs data.path (a .txt or .jsonl file)")
+        if self.source == "mqar" and self.seq_len < 2 * self.num_pairs + 1:
+            raise ValueError(f"seq_len: {self.num_pairs} pairs and one query need >= {2 * self.num_pairs + 1}, "
+                             f"got {self.seq_len}")
+        if self.source == "mqar" and self.num_keys < self.num_pairs:
+            raise ValueError(f"num_keys: must be >= num_pairs={self.num_pairs} (keys are distinct), "
+                             f"got {self.num_keys}")
+        return self
+
+
+class TrainConfig(_Strict):
+    """Optimiser, schedule, checkpoints and logging."""
+
+    steps: PositiveInt = 4000
+    batch_size: PositiveInt = 16
+    learning_rate: PositiveFloat = 3e-3
+    warmup_steps: int = Field(100, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    adam_b1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_b2: float = Field(0.98, ge=0.0, lt=1.0)
+    grad_clip: PositiveFloat = 1.0
+    seed: int = 0
+    out_dir: str = "runs/default"
+    checkpoint_every: PositiveInt = 200
+    keep_checkpoints: PositiveInt = 2
+    log_every: PositiveInt = 20
+    eval_every: int = Field(200, ge=0)
+    target_accuracy: float | None = Field(0.99, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps: must be < steps={self.steps}, got {self.warmup_steps}")
+        return self
+
+
+class Config(_Strict):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _vocab(self):
+        if self.data.source == "mqar":
+            need = self.data.num_keys + self.data.num_values
+            if self.model.vocab_size < need:
+                raise ValueError(f"model.vocab_size: MQAR with {self.data.num_keys} keys and "
+                                 f"{self.data.num_values} values needs >= {need}, got {self.model.vocab_size}")
+        return self

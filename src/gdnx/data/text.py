@@ -1,0 +1,68 @@
+"""A local text (.txt) or JSONL ({"text": ...} per line) file as a token
+stream: bytes by default, or a Hugging Face tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from gdnx.config.loading import ConfigError
+
+
+def read_documents(path: Path) -> list[str]:
+    if not path.is_file():
+        raise ConfigError(f"data.path: no such file {path}")
+    if path.suffix == ".jsonl":
+        docs = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                docs.append(json.loads(line)["text"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f"data.path: {path} line {n}: expected a JSON object with a \"text\" field") from None
+        return docs
+    return [path.read_text(encoding="utf-8", errors="replace")]
+
+
+class ByteTokenizer:
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError("data.tokenizer: reading tokenizer.json needs the `tokenizers` package "
+                             "(pip install tokenizers)") from None
+        if not Path(path).is_file():
+            raise ConfigError(f"data.tokenizer: no such file {path}")
+        self.tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def make_tokenizer(path: str | None):
+    return ByteTokenizer() if path is None else HFTokenizer(path)
+
+
+def token_stream(path: Path, tokenizer) -> np.ndarray:
+    """All documents' tokens, one stream (documents separated by a newline)."""
+    ids: list[int] = []
+    for doc in read_documents(path):
+        ids.extend(tokenizer.encode(doc + "\n"))
+    return np.asarray(ids, np.int32)

@@ -1,0 +1,74 @@
+"""Generation: prefill the prompt with the chunked op (which returns the conv
+and recurrent states), then decode one token at a time with the recurrent op
+and the conv update. Greedy, temperature and top-p sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdnx.models.cache import Cache
+
+
+def sample(logits, key, *, temperature: float = 0.0, top_p: float = 1.0):
+    """Next tokens [B] from logits [B, vocab]: argmax when temperature is 0,
+    else a draw from softmax(logits / temperature) restricted to the smallest
+    set of tokens whose probability reaches top_p."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # keep a token while the mass before it is < top_p (the top token always stays)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature: expected >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p: expected a value in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+
+
+def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             stop_token: int | None = None, on_token: Callable[[jax.Array], None] | None = None):
+    """prompt int [B, T] -> new tokens int32 [B, <= max_new_tokens]. on_token
+    is called with each step's tokens [B] as they come (streaming); a row
+    that emits stop_token stops the loop when every row has."""
+    check_sampling(temperature, top_p, max_new_tokens)
+    prompt = jnp.asarray(prompt, jnp.int32)
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt: expected token ids [B, T] with T >= 1, got shape {prompt.shape}")
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens, cache):
+        out = nnx.merge(graphdef, state).forward(tokens, cache)
+        return out.logits[:, -1], out.cache
+
+    cache = Cache.init(model, prompt.shape[0], prompt.shape[1] + max_new_tokens)
+    logits, cache = step(state, prompt, cache)
+    key = jax.random.key(seed)
+    out, done = [], jnp.zeros(prompt.shape[0], bool)
+    for i in range(max_new_tokens):
+        key, sub = jax.random.split(key)
+        tok = sample(logits, sub, temperature=temperature, top_p=top_p)
+        out.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if stop_token is not None:
+            done = done | (tok == stop_token)
+            if bool(done.all()):
+                break
+        if i + 1 < max_new_tokens:
+            logits, cache = step(state, tok[:, None], cache)
+    return jnp.stack(out, axis=1)

@@ -1,0 +1,1 @@
+"""Qwen3-Next building blocks as Flax NNX modules."""

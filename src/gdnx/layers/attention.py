@@ -1,0 +1,72 @@
+"""Gated full attention (Qwen3-Next): q_proj doubled for a sigmoid output
+gate, RMSNorm on q and k per head, partial RoPE, grouped-query attention."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdnx.layers.linear import linear
+from gdnx.layers.norms import RMSNorm
+from gdnx.layers.rope import apply_rope
+
+
+class KVCache(NamedTuple):
+    """Keys and values [B, max_len, num_key_value_heads, head_dim]."""
+    k: jax.Array
+    v: jax.Array
+
+
+def causal_attention(q, k, v, q_pos, k_pos):
+    """Softmax attention of q [B, T, H, D] over k, v [B, S, Hkv, D] where a
+    key is visible when its position is <= the query's (positions [T], [S];
+    cache slots not yet written carry positions past every query)."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+    visible = k_pos[None, :] <= q_pos[:, None]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+class GatedAttention(nnx.Module):
+    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                            cfg.head_dim)
+        h, d, std = cfg.hidden_size, cfg.head_dim, cfg.initializer_range
+        bias = cfg.attention_bias
+        self.q_proj = linear(h, self.num_heads * d * 2, dtype, param_dtype, std, rngs, bias=bias)
+        self.k_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
+        self.v_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
+        self.o_proj = linear(self.num_heads * d, h, dtype, param_dtype, std, rngs, bias=bias)
+        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+
+    def __call__(self, x, rope, positions, cache: KVCache | None = None, start=0):
+        """x [B, T, hidden]; rope = (cos, sin) for positions [T] (start + arange(T)).
+        With a cache, k and v are written at [start, start + T) and the
+        queries see everything before them. Returns (y, new cache or None)."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(b, t, self.num_heads * d)
+        q = apply_rope(self.q_norm(q), *rope)
+        k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), *rope)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
+        if cache is None:
+            out = causal_attention(q, k, v, positions, positions)
+        else:
+            zero = jnp.zeros((), jnp.int32)  # one index dtype, also under x64
+            at = (zero, jnp.asarray(start, jnp.int32), zero, zero)
+            cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at),
+                            jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at))
+            slots = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
+            out = causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots)
+        out = out.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(gate)
+        return self.o_proj(out), cache

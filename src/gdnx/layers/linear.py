@@ -1,0 +1,11 @@
+"""The one dense layer every block uses: no bias unless asked, normal(std)
+init as in Hugging Face's Qwen3-Next, kernel [in, out]."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+
+def linear(d_in: int, d_out: int, dtype, param_dtype, init_std: float, rngs: nnx.Rngs, *, bias: bool = False):
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+                      kernel_init=nnx.initializers.normal(init_std), rngs=rngs)

@@ -1,0 +1,20 @@
+"""Dense SwiGLU MLP."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from gdnx.layers.linear import linear
+
+
+class MLP(nnx.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, *, dtype, param_dtype, init_std: float, rngs: nnx.Rngs):
+        self.gate_proj = linear(hidden, intermediate, dtype, param_dtype, init_std, rngs)
+        self.up_proj = linear(hidden, intermediate, dtype, param_dtype, init_std, rngs)
+        self.down_proj = linear(intermediate, hidden, dtype, param_dtype, init_std, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

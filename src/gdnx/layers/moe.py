@@ -1,0 +1,76 @@
+"""Sparse MoE with a sigmoid-gated shared expert (Qwen3-Next).
+
+Routing: softmax over experts in float32, top-k, optionally renormalised
+(norm_topk_prob). Experts run as grouped matmuls (jax.lax.ragged_dot) over
+the token copies sorted by expert, so the work is tokens * k, not tokens *
+num_experts. The layer also returns what the load-balancing loss needs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdnx.layers.linear import linear
+from gdnx.layers.mlp import MLP
+
+
+class RouterStats(NamedTuple):
+    """Per layer: top-k assignments per expert, summed router probabilities
+    per expert, and the number of tokens (Switch Transformer's f and P)."""
+    counts: jax.Array
+    prob_sums: jax.Array
+    tokens: jax.Array
+
+
+def load_balancing_loss(stats: list[RouterStats], num_experts: int):
+    """num_experts * sum_e f_e P_e with f and P pooled over all MoE layers
+    (as Hugging Face's Qwen3-Next computes it); 0 without MoE layers."""
+    if not stats:
+        return jnp.zeros((), jnp.float32)
+    tokens = sum(s.tokens for s in stats)
+    f = sum(s.counts for s in stats) / tokens
+    p = sum(s.prob_sums for s in stats) / tokens
+    return num_experts * jnp.sum(f * p)
+
+
+class SparseMoE(nnx.Module):
+    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+        h, i, e, std = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.initializer_range
+        self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.dtype = dtype
+        self.gate = linear(h, e, dtype, param_dtype, std, rngs)
+        init = nnx.initializers.normal(std)
+        self.experts_gate = nnx.Param(init(rngs.params(), (e, h, i), param_dtype))
+        self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), param_dtype))
+        self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
+        self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype=dtype, param_dtype=param_dtype,
+                                 init_std=std, rngs=rngs)
+        self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs)
+
+    def __call__(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n = x.shape[0]
+        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+        top_p, top_i = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        # token copies sorted by expert -> grouped matmuls -> weighted sum back per token
+        flat_e = top_i.reshape(-1)
+        order = jnp.argsort(flat_e, stable=True)
+        rows = (order // self.top_k)
+        sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)
+        xs = x[rows]
+        wd = lambda p: p[...].astype(x.dtype)  # noqa: E731
+        act = jax.nn.silu(jax.lax.ragged_dot(xs, wd(self.experts_gate), sizes)) * \
+            jax.lax.ragged_dot(xs, wd(self.experts_up), sizes)
+        ys = jax.lax.ragged_dot(act, wd(self.experts_down), sizes)
+        ys = ys * top_p.reshape(-1)[order][:, None].astype(ys.dtype)
+        routed = jnp.zeros_like(x).at[rows].add(ys)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        stats = RouterStats(sizes.astype(jnp.float32), jnp.sum(probs, axis=0), jnp.asarray(n, jnp.float32))
+        return (routed + shared).reshape(shape), stats

@@ -1,0 +1,24 @@
+"""Zero-centred RMSNorm (Qwen3-Next scales by 1 + w, w initialised to 0)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def rms_normalize(x, eps):
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / rms(x) * (1 + w), in float32, cast back to x's dtype."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.zeros((dim,), param_dtype))
+
+    def __call__(self, x):
+        y = rms_normalize(x, self.eps)
+        return (y * (1.0 + self.weight[...].astype(y.dtype))).astype(x.dtype)

@@ -1,0 +1,28 @@
+"""Partial rotary position embedding: the first rotary_dim features of each
+head rotate (halves paired, as in Qwen3-Next), the rest pass through."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def rotary_dim(head_dim: int, partial_rotary_factor: float) -> int:
+    return int(head_dim * partial_rotary_factor)
+
+
+def rope_tables(positions, dim: int, theta: float):
+    """cos, sin [..., T, dim] in float32 for int positions [..., T]."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, H, D]; cos, sin [B or 1, T, rotary_dim]."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None].astype(x.dtype), sin[:, :, None].astype(x.dtype)
+    return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)

@@ -1,0 +1,126 @@
+"""The Qwen3-Next hybrid decoder: embeddings, a stack of decoder layers
+(Gated DeltaNet, with full attention every full_attention_interval-th layer),
+each followed by a dense SwiGLU MLP or a sparse MoE, a final norm and the LM
+head. Parameter names follow Hugging Face's so the weight map stays plain.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdnx.config.schema import ModelConfig
+from gdnx.layers.attention import GatedAttention
+from gdnx.layers.gated_deltanet import GatedDeltaNet
+from gdnx.layers.linear import linear
+from gdnx.layers.mlp import MLP
+from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
+from gdnx.layers.norms import RMSNorm
+from gdnx.layers.rope import rope_tables, rotary_dim
+from gdnx.models.cache import Cache
+
+GDN_RESIDUAL_NAMES = ("gdn_chunk_states", "gdn_chunk_inverse")
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # [B, T, vocab] float32
+    cache: Cache | None
+    aux_loss: jax.Array  # load-balancing loss (0 for dense models)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.layer_type = cfg.resolved_layer_types[index]
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mixer = GatedDeltaNet(cfg, **kw) if self.layer_type == "linear_attention" else GatedAttention(cfg, **kw)
+        self.is_moe = cfg.is_moe_layer(index)
+        self.mlp = SparseMoE(cfg, **kw) if self.is_moe else MLP(
+            cfg.hidden_size, cfg.intermediate_size, init_std=cfg.initializer_range, **kw)
+
+    def __call__(self, x, rope, positions, cache, start):
+        h = self.input_layernorm(x)
+        if self.layer_type == "full_attention":
+            h, cache = self.mixer(h, rope, positions, cache, start)
+        else:
+            h, cache = self.mixer(h, cache)
+        x = x + h
+        h = self.mlp(self.post_attention_layernorm(x))
+        h, stats = h if self.is_moe else (h, None)
+        return x + h, cache, stats
+
+
+def _remat_policy(name: str):
+    if name == "save_gdn_residuals":
+        return jax.checkpoint_policies.save_only_these_names(*GDN_RESIDUAL_NAMES)
+    return None  # "full": recompute everything in the layer
+
+
+class Qwen3Next(nnx.Module):
+    """Qwen3-Next causal LM. `model(tokens)` -> logits [B, T, vocab];
+    `model.forward(tokens, cache)` also carries a generation cache and
+    returns the load-balancing loss."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None, seed: int = 0):
+        rngs = rngs or nnx.Rngs(seed)
+        self.config = config
+        dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                                      embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = None if config.tie_word_embeddings else linear(
+            config.hidden_size, config.vocab_size, dtype, param_dtype, config.initializer_range, rngs)
+
+    @classmethod
+    def from_pretrained(cls, path, **config_overrides) -> "Qwen3Next":
+        """Load a Hugging Face Qwen3-Next directory (config.json + safetensors);
+        keyword arguments override config fields (e.g. use_gdn_kernel="false")."""
+        from gdnx.checkpoints.hf import load_pretrained
+
+        return load_pretrained(cls, path, **config_overrides)
+
+    def save_pretrained(self, path) -> None:
+        """Write config.json + model.safetensors that transformers loads."""
+        from gdnx.checkpoints.hf import save_pretrained
+
+        save_pretrained(self, path)
+
+    def __call__(self, tokens):
+        return self.forward(tokens).logits
+
+    def forward(self, tokens, cache: Cache | None = None) -> ModelOutput:
+        if not hasattr(tokens, "ndim") or tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(f"tokens: expected integer token ids [B, T], got "
+                            f"{getattr(tokens, 'dtype', type(tokens).__name__)} {getattr(tokens, 'shape', '')}")
+        cfg = self.config
+        t = tokens.shape[1]
+        start = jnp.zeros((), jnp.int32) if cache is None else cache.length
+        positions = start + jnp.arange(t, dtype=jnp.int32)
+        cos, sin = rope_tables(positions[None], rotary_dim(cfg.head_dim, cfg.partial_rotary_factor), cfg.rope_theta)
+        x = self.embed_tokens(tokens)
+        stats: list[RouterStats] = []
+        new_layers = []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache.layers[i]
+            call = layer
+            if cfg.remat_policy != "none" and cache is None:
+                call = nnx.remat(lambda mod, *a: mod(*a), policy=_remat_policy(cfg.remat_policy))
+                x, layer_cache, s = call(layer, x, (cos, sin), positions, layer_cache, start)
+            else:
+                x, layer_cache, s = call(x, (cos, sin), positions, layer_cache, start)
+            new_layers.append(layer_cache)
+            if s is not None:
+                stats.append(s)
+        x = self.norm(x)
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        new_cache = None if cache is None else Cache(tuple(new_layers), cache.length + t)
+        return ModelOutput(logits.astype(jnp.float32), new_cache, load_balancing_loss(stats, cfg.num_experts))

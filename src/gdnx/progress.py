@@ -1,0 +1,86 @@
+"""What `gdnx train` shows and writes besides checkpoints: a rich progress
+bar (loss, answer accuracy, tokens/s), evaluation lines, and a PNG plot of
+loss and accuracy from metrics.jsonl."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+PLOT_FILE = "metrics.png"
+
+
+class _Bar:
+    def __init__(self, progress: Progress, task):
+        self.progress, self.task = progress, task
+
+    def update(self, step: int, metrics: dict) -> None:
+        self.progress.update(self.task, completed=step, stats=(
+            f"loss {metrics['loss']:.4f}  acc {100 * metrics['accuracy']:5.1f}%  "
+            f"{metrics['tokens_per_s']:,.0f} tok/s"))
+
+
+class Reporter:
+    def __init__(self, cfg, console: Console | None = None):
+        self.cfg = cfg
+        self.console = console or Console(stderr=True)
+        self.t_start = time.perf_counter()
+
+    def note(self, text: str) -> None:
+        self.console.print(text)
+
+    @contextlib.contextmanager
+    def progress(self, start: int, total: int):
+        columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                   TimeElapsedColumn(), TimeRemainingColumn()]
+        with Progress(*columns, console=self.console, transient=False) as progress:
+            task = progress.add_task("train", total=total, completed=start, stats="compiling...")
+            yield _Bar(progress, task)
+
+    def eval(self, step: int, metrics: dict) -> None:
+        elapsed = time.perf_counter() - self.t_start
+        self.console.print(f"step {step:>6}  eval loss {metrics['loss']:.4f}  answer accuracy "
+                           f"{100 * metrics['accuracy']:6.2f}%  first-query {100 * metrics['first_query_accuracy']:6.2f}%"
+                           f"  ({elapsed:.0f} s)")
+
+    def plot(self, out: Path, metrics_file: Path) -> None:
+        write_plot(metrics_file, out / PLOT_FILE)
+
+    def finish(self, out: Path, step: int) -> None:
+        self.console.print(f"done at step {step} in {time.perf_counter() - self.t_start:.0f} s; checkpoints, "
+                           f"metrics.jsonl and {PLOT_FILE} in {out}")
+
+
+def write_plot(metrics_file: Path, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for split, style in (("train", "-"), ("eval", "o-")):
+        pts = [r for r in rows if r["split"] == split]
+        if not pts:
+            continue
+        steps = [r["step"] for r in pts]
+        ax_loss.plot(steps, [r["loss"] for r in pts], style, label=split, markersize=3)
+        ax_acc.plot(steps, [100 * r["accuracy"] for r in pts], style, label=f"{split} answers", markersize=3)
+        if split == "eval":
+            ax_acc.plot(steps, [100 * r["first_query_accuracy"] for r in pts], "s--", markersize=3,
+                        label="eval first queries")
+    ax_loss.set(xlabel="step", ylabel="loss", yscale="log", title="loss")
+    ax_acc.set(xlabel="step", ylabel="accuracy (%)", ylim=(0, 100), title="answer accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(png)

@@ -1,0 +1,150 @@
+"""`gdnx train`: AdamW with warmup + cosine decay and gradient clipping,
+checkpoints every N steps with resume, progress, JSONL metrics and a plot.
+
+Batch s is a function of (seed, s) only, and a resumed run restores the
+parameters and optimizer state of the last checkpoint, so stopping and
+restarting continues the same run: no step lost or repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from gdnx.checkpoints.orbax import Checkpoints, check_compatible
+from gdnx.config.schema import Config
+from gdnx.data import Batch, make_source
+from gdnx.layers.gated_deltanet import check_platform
+from gdnx.models import Qwen3Next
+from gdnx.progress import Reporter
+
+EVAL_BATCHES = 4
+
+
+def make_optimizer(train_cfg) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps,
+        end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio)
+    # no decay on norms, biases and the per-head decay parameters (1-D)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip),
+                       optax.adamw(schedule, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2,
+                                   weight_decay=train_cfg.weight_decay, mask=decay_mask))
+
+
+def loss_and_metrics(model, batch: Batch, aux_coef: float):
+    """Cross-entropy over the masked positions (+ the MoE balancing loss)."""
+    out = model.forward(batch.inputs)
+    logp = jax.nn.log_softmax(out.logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
+    mask = batch.mask.astype(jnp.float32)
+    loss = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    hit = (jnp.argmax(out.logits, axis=-1) == batch.targets).astype(jnp.float32)
+    first = batch.first.astype(jnp.float32)
+    metrics = {"loss": loss, "accuracy": jnp.sum(hit * mask) / jnp.maximum(jnp.sum(mask), 1.0),
+               "first_query_accuracy": jnp.sum(hit * first) / jnp.maximum(jnp.sum(first), 1.0)}
+    return loss + aux_coef * out.aux_loss, metrics
+
+
+class Trainer:
+    """Holds the compiled step functions; state is passed in and out."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        check_platform(cfg.model)
+        model = Qwen3Next(cfg.model, seed=cfg.train.seed)
+        self.graphdef, self.params = nnx.split(model, nnx.Param)
+        self.tx = make_optimizer(cfg.train)
+        self.batch_fn, self.tokenizer = make_source(cfg.data, cfg.train.batch_size, cfg.train.seed,
+                                                    cfg.model.vocab_size)
+        self.eval_fn, _ = make_source(cfg.data, cfg.train.batch_size, cfg.train.seed + 1_000_003,
+                                      cfg.model.vocab_size)
+        aux = cfg.model.router_aux_loss_coef if cfg.model.num_experts else 0.0
+
+        def step_fn(params, opt_state, step):
+            def loss_fn(p):
+                return loss_and_metrics(nnx.merge(self.graphdef, p), self.batch_fn(step), aux)
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            metrics["grad_norm"] = optax.tree.norm(grads)
+            return optax.apply_updates(params, updates), opt_state, metrics
+
+        def eval_fn(params, index):
+            return loss_and_metrics(nnx.merge(self.graphdef, params), self.eval_fn(index), aux)[1]
+
+        self.step = jax.jit(step_fn, donate_argnums=(0, 1))
+        self.evaluate_one = jax.jit(eval_fn)
+
+    def init_opt_state(self, params):
+        return self.tx.init(params)
+
+    def evaluate(self, params) -> dict:
+        runs = [self.evaluate_one(params, i) for i in range(EVAL_BATCHES)]
+        return {k: float(sum(r[k] for r in runs) / EVAL_BATCHES) for k in runs[0]}
+
+
+def _rewrite_metrics(path: Path, upto: int) -> None:
+    """Keep the lines of steps <= upto: a resumed run continues the log."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def train(cfg: Config, *, console=None) -> dict:
+    """Run (or resume) the training run in cfg.train.out_dir. Returns the
+    last evaluation."""
+    t_cfg = cfg.train
+    out = Path(t_cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    check_compatible(out, cfg)
+    trainer = Trainer(cfg)
+    ckpt = Checkpoints(out, cfg)
+    params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+    start = ckpt.latest_step() or 0
+    report = Reporter(cfg, console=console)
+    if start:
+        params, opt_state = ckpt.restore(start, params, opt_state)
+        report.note(f"resumed from the checkpoint at step {start} in {ckpt.dir}")
+    metrics_file = out / "metrics.jsonl"
+    _rewrite_metrics(metrics_file, start)
+    tokens_per_step = t_cfg.batch_size * cfg.data.seq_len
+    last_eval: dict = {}
+    step = start
+    with report.progress(start, t_cfg.steps) as bar, metrics_file.open("a") as log:
+        t0, since = time.perf_counter(), start
+        while step < t_cfg.steps:
+            params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(step, jnp.int32))
+            step += 1
+            done = step == t_cfg.steps
+            if step % t_cfg.log_every == 0 or done:
+                metrics = {k: float(v) for k, v in metrics.items()}
+                elapsed = time.perf_counter() - t0
+                metrics["tokens_per_s"] = tokens_per_step * (step - since) / max(elapsed, 1e-9)
+                t0, since = time.perf_counter(), step
+                log.write(json.dumps({"step": step, "split": "train", **metrics}) + "\n")
+                bar.update(step, metrics)
+            evaluate = t_cfg.eval_every and (step % t_cfg.eval_every == 0 or done)
+            reached = False
+            if evaluate:
+                last_eval = trainer.evaluate(params)
+                log.write(json.dumps({"step": step, "split": "eval", **last_eval}) + "\n")
+                report.eval(step, last_eval)
+                reached = t_cfg.target_accuracy is not None and last_eval["accuracy"] >= t_cfg.target_accuracy
+            if step % t_cfg.checkpoint_every == 0 or done or reached:
+                log.flush()
+                ckpt.save(step, params, opt_state)
+                report.plot(out, metrics_file)
+            if reached:
+                report.note(f"reached {100 * last_eval['accuracy']:.2f}% answer accuracy "
+                            f"(target {100 * t_cfg.target_accuracy:.0f}%) at step {step}")
+                break
+    ckpt.close()
+    report.finish(out, step)
+    return {"step": step, **last_eval}

@@ -1,0 +1,103 @@
+"""Hugging Face directories in and out: config mapping, sharded files,
+the fused expert layout, round trip through transformers, clear errors."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.flax import save_file
+from transformers import Qwen3NextForCausalLM
+
+from gdnx.checkpoints.hf import hf_state_dict, save_pretrained
+from gdnx.checkpoints.hf_config import model_config_from_hf
+from gdnx.config import ConfigError
+from gdnx.measure import relative_error
+from gdnx.models import Qwen3Next
+from tests.hf_models import hf_and_gdnx, hf_logits, tokens
+
+
+def test_round_trip_through_transformers(tmp_path):
+    """transformers -> gdnx -> save_pretrained -> transformers: the logits of
+    the reloaded torch model equal the original's (fp32 relative 1e-6, the
+    weights are copied bit for bit)."""
+    hf, model = hf_and_gdnx(tmp_path / "in", moe=True)
+    model.save_pretrained(tmp_path / "out")
+    back = Qwen3NextForCausalLM.from_pretrained(tmp_path / "out").eval()
+    toks = tokens(2, 50)
+    assert relative_error(hf_logits(back, toks), hf_logits(hf, toks)) <= 1e-6
+    src = dict(hf.state_dict())
+    for name, tensor in back.state_dict().items():
+        torch.testing.assert_close(tensor, src[name], rtol=0, atol=0)
+
+
+def test_written_names_are_the_published_per_expert_layout(tmp_path):
+    _, model = hf_and_gdnx(tmp_path / "in", moe=True)
+    model.save_pretrained(tmp_path / "out")
+    with safe_open(tmp_path / "out" / "model.safetensors", framework="flax") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in keys
+    assert "model.layers.0.linear_attn.conv1d.weight" in keys and "model.layers.1.self_attn.q_norm.weight" in keys
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_next" and cfg["layer_types"][1] == "full_attention"
+
+
+def test_sharded_save_and_load(tmp_path):
+    _, model = hf_and_gdnx(tmp_path / "in", moe=False)
+    save_pretrained(model, tmp_path / "out", shard_bytes=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    back = Qwen3Next.from_pretrained(tmp_path / "out")
+    toks = jnp.asarray(tokens(1, 20), jnp.int32)
+    np.testing.assert_array_equal(back(toks), model(toks))
+
+
+def test_fused_expert_layout_loads(tmp_path):
+    """transformers 5 keeps experts fused ([E, 2I, H] gate|up, [E, H, I]
+    down); a directory written that way loads to the same model."""
+    _, model = hf_and_gdnx(tmp_path / "in", moe=True)
+    sd = {k: np.asarray(v) for k, v in hf_state_dict(model).items()}
+    fused = {}
+    for layer in range(4):
+        p = f"model.layers.{layer}.mlp.experts"
+        gate = np.stack([sd.pop(f"{p}.{e}.gate_proj.weight") for e in range(4)])
+        up = np.stack([sd.pop(f"{p}.{e}.up_proj.weight") for e in range(4)])
+        fused[f"{p}.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        fused[f"{p}.down_proj"] = np.stack([sd.pop(f"{p}.{e}.down_proj.weight") for e in range(4)])
+    out = tmp_path / "fused"
+    out.mkdir()
+    save_file({k: jnp.asarray(v) for k, v in {**sd, **fused}.items()}, out / "model.safetensors")
+    (out / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
+    toks = jnp.asarray(tokens(1, 20), jnp.int32)
+    np.testing.assert_array_equal(Qwen3Next.from_pretrained(out)(toks), model(toks))
+
+
+def test_overrides_and_load_errors(tmp_path):
+    _, model = hf_and_gdnx(tmp_path / "in", moe=False, use_gdn_kernel="false", gdn_chunk_size=32)
+    assert (model.config.use_gdn_kernel, model.config.gdn_chunk_size) == ("false", 32)
+    with pytest.raises(ConfigError, match=r"model.gdn_chunk_size"):
+        Qwen3Next.from_pretrained(tmp_path / "in", gdn_chunk_size=48)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Qwen3Next.from_pretrained(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=r"model.layers.0.linear_attn.conv1d.weight: expected shape \(64, 4\) for this config, got \(96, 4\)"):
+        Qwen3Next.from_pretrained(tmp_path / "in", linear_value_head_dim=8)
+    sd = {k: v for k, v in hf_state_dict(model).items() if "lm_head" not in k}
+    sd["model.extra.weight"] = jnp.zeros(3)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(sd, bad / "model.safetensors")
+    (bad / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"missing weights: lm_head.weight"):
+        Qwen3Next.from_pretrained(bad)
+
+
+def test_config_mapping():
+    cfg = model_config_from_hf({"model_type": "qwen3_next", "hidden_size": 64, "rope_theta": 5e6,
+                                "partial_rotary_factor": 0.5, "torch_dtype": "bfloat16", "use_cache": True})
+    assert (cfg.hidden_size, cfg.rope_theta, cfg.partial_rotary_factor) == (64, 5e6, 0.5)
+    with pytest.raises(ConfigError, match="model_type 'llama'"):
+        model_config_from_hf({"model_type": "llama"})
+    with pytest.raises(ConfigError, match="rope_type 'yarn'"):
+        model_config_from_hf({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}})

@@ -1,0 +1,57 @@
+"""YAML files, base inheritance, key=value overrides, bundled configs."""
+
+import pytest
+
+from gdnx.config import ConfigError, bundled_names, load_config
+from gdnx.config.loading import DEFAULT_CONFIG
+
+
+def test_bundled_configs_validate():
+    assert {"base", "tiny", "qwen3-next-80b-a3b"} <= set(bundled_names())
+    for name in bundled_names():
+        load_config(name)
+
+
+def test_published_model_dimensions():
+    m = load_config("qwen3-next-80b-a3b").model
+    assert (m.hidden_size, m.num_hidden_layers, m.num_experts, m.num_experts_per_tok, m.head_dim,
+            m.linear_num_value_heads, m.rope_theta) == (2048, 48, 512, 10, 256, 32, 1e7)
+
+
+def test_default_is_tiny_and_inherits_base():
+    cfg = load_config()
+    assert DEFAULT_CONFIG == "tiny" and cfg.model.hidden_size == 64
+    assert cfg.train.learning_rate == 3e-3  # from base.yml
+    assert cfg.data.num_pairs >= 16 and cfg.model.vocab_size >= 256 and cfg.data.seq_len >= 128
+
+
+def test_overrides_are_type_checked():
+    cfg = load_config("tiny", ["train.steps=120", "model.use_gdn_kernel=false", "model.gdn_chunk_size=32",
+                               "train.learning_rate=1e-3", "model.layer_types=[full_attention, linear_attention]"])
+    assert (cfg.train.steps, cfg.model.use_gdn_kernel, cfg.model.gdn_chunk_size, cfg.train.learning_rate) == \
+        (120, "false", 32, 1e-3)
+    assert cfg.model.layer_types == ["full_attention", "linear_attention"]
+    with pytest.raises(ConfigError, match=r"^train.steps: Input should be a valid integer"):
+        load_config("tiny", ["train.steps=many"])
+    with pytest.raises(ConfigError, match=r"^model.no_such_knob: unknown key$"):
+        load_config("tiny", ["model.no_such_knob=1"])
+    with pytest.raises(ConfigError, match=r"expected key=value"):
+        load_config("tiny", ["train.steps"])
+
+
+def test_file_with_base(tmp_path):
+    (tmp_path / "parent.yml").write_text("base: tiny\ntrain:\n  steps: 170\n")
+    (tmp_path / "child.yml").write_text("base: parent.yml\nmodel:\n  hidden_size: 48\n")
+    cfg = load_config(str(tmp_path / "child.yml"))
+    assert (cfg.train.steps, cfg.model.hidden_size, cfg.model.num_hidden_layers) == (170, 48, 2)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"config 'nope': no such file"):
+        load_config("nope")
+    (tmp_path / "bad.yml").write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML"):
+        load_config(str(tmp_path / "bad.yml"))
+    (tmp_path / "loop.yml").write_text("base: loop.yml\n")
+    with pytest.raises(ConfigError, match=r"loops back"):
+        load_config(str(tmp_path / "loop.yml"))

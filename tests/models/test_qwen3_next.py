@@ -1,0 +1,100 @@
+"""The model on its own: cache consistency, remat policies, the GDN kernel
+switch, input errors."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gdnx.config import ModelConfig
+from gdnx.measure import relative_error
+from gdnx.models import Cache, Qwen3Next
+
+TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=48, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, gdn_chunk_size=16)
+
+
+def _model(**kw):
+    return Qwen3Next(ModelConfig(**{**TINY, **kw}), seed=1)
+
+
+def _tokens(b, t, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, TINY["vocab_size"], (b, t)), jnp.int32)
+
+
+def test_prefill_then_decode_equals_one_pass():
+    """Prefill 21 tokens into a cache, decode 6 one by one: the logits equal
+    a single pass over all 27 (fp32; 1e-5 relative)."""
+    model = _model()
+    toks = _tokens(2, 27)
+    full = model(toks)
+    cache = Cache.init(model, 2, 32)
+    out = model.forward(toks[:, :21], cache)
+    steps = [out.logits]
+    cache = out.cache
+    for t in range(21, 27):
+        out = model.forward(toks[:, t:t + 1], cache)
+        cache = out.cache
+        steps.append(out.logits)
+    assert int(cache.length) == 27
+    assert relative_error(jnp.concatenate(steps, axis=1), full) <= 1e-5
+
+
+def _grads(model, toks):
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p):
+        out = nnx.merge(graphdef, p).forward(toks)
+        return jnp.mean(out.logits ** 2) + out.aux_loss
+    return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
+
+
+@pytest.mark.parametrize("policy", ["full", "save_gdn_residuals"])
+def test_remat_policies_keep_gradients(policy):
+    toks = _tokens(2, 40)
+    ref = _grads(_model(), toks)
+    got = _grads(_model(remat_policy=policy), toks)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_kernel_on_and_off_agree_in_a_train_step():
+    """use_gdn_kernel=true (Pallas TPU kernel, interpret mode on CPU) and
+    false (XLA): same loss and gradients to 1e-5 relative (fp32)."""
+    toks = _tokens(1, 24)
+    with pytest.warns(UserWarning, match="interpret mode"):
+        on = _model(use_gdn_kernel=True, num_hidden_layers=2)
+    off = _model(use_gdn_kernel=False, num_hidden_layers=2)
+    assert on.layers[0].mixer.op_options["implementation"] == "pallas_tpu"
+    assert off.layers[0].mixer.op_options["implementation"] == "xla"
+    g_on, g_off = _grads(on, toks), _grads(off, toks)
+    for a, b in zip(g_on, g_off):
+        assert relative_error(a, b) <= 1e-5
+
+
+def test_auto_picks_no_kernel_on_cpu():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = _model(use_gdn_kernel="auto")
+    assert model.layers[0].mixer.op_options["implementation"] is None  # the op's default: xla on CPU
+
+
+def test_tied_embeddings_and_bf16():
+    model = _model(tie_word_embeddings=True, dtype="bfloat16")
+    assert model.lm_head is None
+    logits = model(_tokens(1, 9))
+    assert logits.dtype == jnp.float32 and logits.shape == (1, 9, TINY["vocab_size"])
+    assert bool(jnp.isfinite(logits).all())
+
+
+def test_token_errors():
+    model = _model()
+    with pytest.raises(TypeError, match=r"tokens: expected integer token ids \[B, T\]"):
+        model(jnp.zeros((2, 3), jnp.float32))
+    with pytest.raises(TypeError, match=r"tokens"):
+        model(jnp.zeros((3,), jnp.int32))
