@@ -12,6 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from gdnx.checkpoints.files import atomic_write
+
 PLOT_FILE = "metrics.png"
 
 
@@ -44,9 +46,9 @@ class Reporter:
 
     def eval(self, step: int, metrics: dict) -> None:
         elapsed = time.perf_counter() - self.t_start
-        self.console.print(f"step {step:>6}  eval loss {metrics['loss']:.4f}  answer accuracy "
-                           f"{100 * metrics['accuracy']:6.2f}%  first-query {100 * metrics['first_query_accuracy']:6.2f}%"
-                           f"  ({elapsed:.0f} s)")
+        acc, first = 100 * metrics["accuracy"], 100 * metrics["first_query_accuracy"]
+        self.console.print(f"step {step:>5}  eval loss {metrics['loss']:.4f}  answers {acc:6.2f}%  "
+                           f"first queries {first:6.2f}%  {elapsed:4.0f} s", highlight=False)
 
     def plot(self, out: Path, metrics_file: Path) -> None:
         write_plot(metrics_file, out / PLOT_FILE)
@@ -80,7 +82,5 @@ def write_plot(metrics_file: Path, png: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    atomic_write(png, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
-    tmp.replace(png)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from gdnx.checkpoints.files import atomic_write_text
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
 from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source
@@ -94,7 +95,7 @@ def _rewrite_metrics(path: Path, upto: int) -> None:
     if not path.is_file():
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto]
-    path.write_text("".join(line + "\n" for line in keep))
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
 def train(cfg: Config, *, console=None) -> dict:

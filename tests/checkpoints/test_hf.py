@@ -81,7 +81,8 @@ def test_overrides_and_load_errors(tmp_path):
         Qwen3Next.from_pretrained(tmp_path / "in", gdn_chunk_size=48)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         Qwen3Next.from_pretrained(tmp_path / "nothing")
-    with pytest.raises(ValueError, match=r"model.layers.0.linear_attn.conv1d.weight: expected shape \(64, 4\) for this config, got \(96, 4\)"):
+    shape_error = r"model.layers.0.linear_attn.conv1d.weight: expected shape \(64, 4\) for this config, got \(96, 4\)"
+    with pytest.raises(ValueError, match=shape_error):
         Qwen3Next.from_pretrained(tmp_path / "in", linear_value_head_dim=8)
     sd = {k: v for k, v in hf_state_dict(model).items() if "lm_head" not in k}
     sd["model.extra.weight"] = jnp.zeros(3)

@@ -11,9 +11,7 @@ and written per expert, which every transformers version reads. mtp.*
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import jax
@@ -22,6 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
+from gdnx.checkpoints.files import atomic_write, atomic_write_text
 from gdnx.checkpoints.hf_config import hf_config_from_model, model_config_from_hf
 
 IGNORED = re.compile(r"^mtp\.|rotary_emb\.inv_freq$")
@@ -151,17 +150,6 @@ def hf_state_dict(model) -> dict[str, jax.Array]:
     return out
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def save_pretrained(model, path, *, shard_bytes: int = SHARD_BYTES) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
@@ -176,12 +164,11 @@ def save_pretrained(model, path, *, shard_bytes: int = SHARD_BYTES) -> None:
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        _atomic_write(directory / name, lambda tmp, s=shard: save_file(s, tmp, metadata={"format": "pt"}))
+        atomic_write(directory / name, lambda tmp, s=shard: save_file(s, tmp, metadata={"format": "pt"}))
     if len(shards) > 1:
         index = {"metadata": {"total_size": int(sum(v.nbytes for v in tensors.values()))},
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
-        _atomic_write(directory / "model.safetensors.index.json",
-                      lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
+        atomic_write_text(directory / "model.safetensors.index.json", json.dumps(index, indent=2))
     config = hf_config_from_model(model.config)
-    _atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2)))
+    atomic_write_text(directory / "config.json", json.dumps(config, indent=2))
 

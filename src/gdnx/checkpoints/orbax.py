@@ -9,6 +9,7 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
+from gdnx.checkpoints.files import atomic_write_text
 from gdnx.config.loading import ConfigError
 from gdnx.config.schema import Config
 
@@ -38,7 +39,7 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(
             self.dir.resolve(), options=ocp.CheckpointManagerOptions(
                 max_to_keep=cfg.train.keep_checkpoints, create=True, enable_async_checkpointing=False))
-        (out_dir / CONFIG_FILE).write_text(cfg.model_dump_json(indent=2))
+        atomic_write_text(out_dir / CONFIG_FILE, cfg.model_dump_json(indent=2))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

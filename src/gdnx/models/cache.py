@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from gdnx.layers.attention import KVCache
-from gdnx.layers.gated_deltanet import GDNState
 
 
 class Cache(NamedTuple):

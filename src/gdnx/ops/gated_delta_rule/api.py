@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gdnx.ops.checks import check_cu_seqlens
 from gdnx.ops.gated_delta_rule import chunk_math
