@@ -54,6 +54,10 @@ class DecoderLayer(nnx.Module):
         return x + h, cache, stats
 
 
+def _run_layer(layer, *args):
+    return layer(*args)
+
+
 def _remat_policy(name: str):
     if name == "save_gdn_residuals":
         return jax.checkpoint_policies.save_only_these_names(*GDN_RESIDUAL_NAMES)
@@ -106,14 +110,12 @@ class Qwen3Next(nnx.Module):
         x = self.embed_tokens(tokens)
         stats: list[RouterStats] = []
         new_layers = []
+        run = _run_layer
+        if cfg.remat_policy != "none" and cache is None:  # remat is for training; decoding keeps nothing
+            run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat_policy))
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layers[i]
-            call = layer
-            if cfg.remat_policy != "none" and cache is None:
-                call = nnx.remat(lambda mod, *a: mod(*a), policy=_remat_policy(cfg.remat_policy))
-                x, layer_cache, s = call(layer, x, (cos, sin), positions, layer_cache, start)
-            else:
-                x, layer_cache, s = call(x, (cos, sin), positions, layer_cache, start)
+            x, layer_cache, s = run(layer, x, (cos, sin), positions, layer_cache, start)
             new_layers.append(layer_cache)
             if s is not None:
                 stats.append(s)
