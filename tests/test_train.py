@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from gdnx.config import load_config
-from gdnx.train import train
+from gdnx.train import Trainer, train
 
 SMALL = ["model.hidden_size=32", "model.intermediate_size=32", "data.seq_len=40", "data.num_pairs=4",
          "data.num_keys=16", "data.num_values=16", "model.vocab_size=32", "train.batch_size=4",
@@ -91,3 +91,15 @@ def test_train_step_with_kernel_on_and_off(tmp_path, kernel):
     else:
         result = train(cfg)
     assert result["step"] == 4 and np.isfinite(result["loss"])
+
+
+def test_a_run_that_reached_its_target_is_not_extended(tmp_path, capsys, monkeypatch):
+    overrides = SMALL + ["train.steps=20", f"train.out_dir={tmp_path}"]
+    assert train(load_config("tiny", overrides + ["train.steps=4"]))["step"] == 4
+    capsys.readouterr()
+    # the evaluation of the restored parameters says the target is met
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, params: {"loss": 0.1, "accuracy": 0.995,
+                                                                    "first_query_accuracy": 0.99})
+    again = train(load_config("tiny", overrides + ["train.target_accuracy=0.99"]))
+    assert again["step"] == 4 and "nothing to do" in capsys.readouterr().err
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [4]

@@ -110,13 +110,22 @@ def train(cfg: Config, *, console=None) -> dict:
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
     start = ckpt.latest_step() or 0
     report = Reporter(cfg, console=console)
+    last_eval: dict = {}
     if start:
         params, opt_state = ckpt.restore(start, params, opt_state)
         report.note(f"resumed from the checkpoint at step {start} in {ckpt.dir}")
+        if t_cfg.target_accuracy is not None:
+            # a run that already reached its target is finished, not extended
+            last_eval = trainer.evaluate(params)
+            if last_eval["accuracy"] >= t_cfg.target_accuracy:
+                report.note(f"already at {100 * last_eval['accuracy']:.2f}% answer accuracy (target "
+                            f"{100 * t_cfg.target_accuracy:.0f}%); nothing to do. Raise train.target_accuracy "
+                            "or use another train.out_dir to train further.")
+                ckpt.close()
+                return {"step": start, **last_eval}
     metrics_file = out / "metrics.jsonl"
     _rewrite_metrics(metrics_file, start)
     tokens_per_step = t_cfg.batch_size * cfg.data.seq_len
-    last_eval: dict = {}
     step = start
     with report.progress(start, t_cfg.steps) as bar, metrics_file.open("a") as log:
         t0, since = time.perf_counter(), start
