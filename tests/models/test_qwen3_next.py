@@ -100,3 +100,13 @@ def test_token_errors():
         model(jnp.zeros((2, 3), jnp.float32))
     with pytest.raises(TypeError, match=r"tokens"):
         model(jnp.zeros((3,), jnp.int32))
+
+
+def test_published_config_builds_the_80b_model():
+    """The bundled qwen3-next-80b-a3b config, built abstractly (no memory):
+    79.67 billion parameters, the published 80B without the multi-token
+    prediction head."""
+    model = nnx.eval_shape(lambda: Qwen3Next(load_config("qwen3-next-80b-a3b").model))
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert count == 79_674_391_296
+    assert [layer.layer_type for layer in model.layers[:4]] == ["linear_attention"] * 3 + ["full_attention"]
