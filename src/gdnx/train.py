@@ -62,10 +62,9 @@ class Trainer:
         model = Qwen3Next(cfg.model, seed=cfg.train.seed)
         self.graphdef, self.params = nnx.split(model, nnx.Param)
         self.tx = make_optimizer(cfg.train)
-        self.batch_fn, self.tokenizer = make_source(cfg.data, cfg.train.batch_size, cfg.train.seed,
-                                                    cfg.model.vocab_size)
-        self.eval_fn, _ = make_source(cfg.data, cfg.train.batch_size, cfg.train.seed + 1_000_003,
-                                      cfg.model.vocab_size)
+        batches, self.tokenizer = make_source(cfg.data, cfg.train.batch_size, cfg.model.vocab_size)
+        self.batch_fn = batches(cfg.train.seed)
+        self.eval_fn = batches(cfg.train.seed + 1_000_003)
         aux = cfg.model.router_aux_loss_coef if cfg.model.num_experts else 0.0
 
         def step_fn(params, opt_state, step):

@@ -28,8 +28,10 @@ def test_rows_recall_their_context():
 
 def test_batches_depend_on_step_only():
     cfg = load_config("tiny")
-    fn, tok = make_source(cfg.data, 4, seed=0, vocab_size=cfg.model.vocab_size)
+    batches, tok = make_source(cfg.data, 4, vocab_size=cfg.model.vocab_size)
     assert tok is None
-    a, b, c = fn(5), fn(5), fn(6)
+    fn = batches(0)
+    a, b, c = fn(5), batches(0)(5), fn(6)
     np.testing.assert_array_equal(a.inputs, b.inputs)
     assert not np.array_equal(a.inputs, c.inputs)
+    assert not np.array_equal(a.inputs, batches(1)(5).inputs)

@@ -21,27 +21,37 @@ class Batch(NamedTuple):
     first: jax.Array    # bool [B, T]: MQAR first queries (all of mask for text)
 
 
-def make_source(data_cfg, batch_size: int, seed: int, vocab_size: int):
-    """batch_fn(step) -> Batch, jit-able in step; and the tokenizer (None for MQAR)."""
-    base = jax.random.fold_in(jax.random.key(seed), 0x5EED)
+def make_source(data_cfg, batch_size: int, vocab_size: int):
+    """(batches, tokenizer): batches(seed) -> batch_fn(step) -> Batch, jit-able
+    in step. The data (a tokenized file) is prepared once for every seed;
+    the tokenizer is None for MQAR."""
     if data_cfg.source == "mqar":
-        def batch_fn(step):
-            return Batch(*mqar_batch(jax.random.fold_in(base, step), batch_size, data_cfg.seq_len,
-                                     data_cfg.num_pairs, data_cfg.num_keys, data_cfg.num_values))
-        return batch_fn, None
+        def batches(seed):
+            base = jax.random.fold_in(jax.random.key(seed), 0x5EED)
+
+            def batch_fn(step):
+                return Batch(*mqar_batch(jax.random.fold_in(base, step), batch_size, data_cfg.seq_len,
+                                         data_cfg.num_pairs, data_cfg.num_keys, data_cfg.num_values))
+            return batch_fn
+        return batches, None
     tokenizer = make_tokenizer(data_cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(f"model.vocab_size: the tokenizer has {tokenizer.vocab_size} tokens, "
-                         f"the model {vocab_size}")
+                          f"the model {vocab_size}")
     stream = jnp.asarray(token_stream(Path(data_cfg.path), tokenizer))
     span = data_cfg.seq_len + 1
     if stream.shape[0] < span:
         raise ConfigError(f"data.path: {data_cfg.path} has {stream.shape[0]} tokens, fewer than "
-                         f"data.seq_len + 1 = {span}")
+                          f"data.seq_len + 1 = {span}")
 
-    def batch_fn(step):
-        starts = jax.random.randint(jax.random.fold_in(base, step), (batch_size,), 0, stream.shape[0] - span + 1)
-        rows = jax.vmap(lambda s: jax.lax.dynamic_slice(stream, (s,), (span,)))(starts)
-        ones = jnp.ones((batch_size, data_cfg.seq_len), bool)
-        return Batch(rows[:, :-1], rows[:, 1:], ones, ones)
-    return batch_fn, tokenizer
+    def batches(seed):
+        base = jax.random.fold_in(jax.random.key(seed), 0x5EED)
+
+        def batch_fn(step):
+            starts = jax.random.randint(jax.random.fold_in(base, step), (batch_size,), 0,
+                                        stream.shape[0] - span + 1)
+            rows = jax.vmap(lambda s: jax.lax.dynamic_slice(stream, (s,), (span,)))(starts)
+            ones = jnp.ones((batch_size, data_cfg.seq_len), bool)
+            return Batch(rows[:, :-1], rows[:, 1:], ones, ones)
+        return batch_fn
+    return batches, tokenizer
