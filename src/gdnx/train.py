@@ -8,6 +8,7 @@ restarting continues the same run: no step lost or repeated.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source
 from gdnx.layers.gated_deltanet import check_platform
 from gdnx.models import Qwen3Next
+from gdnx.parallel import constrain, make_mesh, shard
 from gdnx.progress import Reporter
 
 EVAL_BATCHES = 4
@@ -43,7 +45,9 @@ def loss_and_metrics(model, batch: Batch, aux_coef: float):
     """Cross-entropy over the masked positions (+ the MoE balancing loss)."""
     out = model.forward(batch.inputs)
     logp = jax.nn.log_softmax(out.logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch.targets[..., None], axis=-1)[..., 0]
+    # a one-hot product, not a gather: it needs no placement stated when the
+    # vocabulary is split over tensor on an Explicit mesh
+    nll = -jnp.sum(logp * jax.nn.one_hot(batch.targets, logp.shape[-1], dtype=logp.dtype), axis=-1)
     mask = batch.mask.astype(jnp.float32)
     loss = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
     hit = (jnp.argmax(out.logits, axis=-1) == batch.targets).astype(jnp.float32)
@@ -53,14 +57,22 @@ def loss_and_metrics(model, batch: Batch, aux_coef: float):
     return loss + aux_coef * out.aux_loss, metrics
 
 
-class Trainer:
-    """Holds the compiled step functions; state is passed in and out."""
+def _place_batch(batch: Batch) -> Batch:
+    return Batch(*(constrain(x, ("batch", "length")) for x in batch))
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        check_platform(cfg.model)
+
+class Trainer:
+    """Holds the compiled step functions; state is passed in and out. With a
+    mesh, parameters and optimizer state are sharded per gdnx.parallel and
+    every step runs under it."""
+
+    def __init__(self, cfg: Config, *, mesh=None, platform: str | None = None):
+        self.cfg, self.mesh = cfg, mesh
+        check_platform(cfg.model, platform)
         model = Qwen3Next(cfg.model, seed=cfg.train.seed)
         self.graphdef, self.params = nnx.split(model, nnx.Param)
+        if mesh is not None:
+            self.params = shard(self.params, cfg.model, mesh)
         self.tx = make_optimizer(cfg.train)
         batches, self.tokenizer = make_source(cfg.data, cfg.train.batch_size, cfg.model.vocab_size)
         self.batch_fn = batches(cfg.train.seed)
@@ -69,23 +81,33 @@ class Trainer:
 
         def step_fn(params, opt_state, step):
             def loss_fn(p):
-                return loss_and_metrics(nnx.merge(self.graphdef, p), self.batch_fn(step), aux)
+                return loss_and_metrics(nnx.merge(self.graphdef, p), _place_batch(self.batch_fn(step)), aux)
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             metrics["grad_norm"] = optax.tree.norm(grads)
             return optax.apply_updates(params, updates), opt_state, metrics
 
         def eval_fn(params, index):
-            return loss_and_metrics(nnx.merge(self.graphdef, params), self.eval_fn(index), aux)[1]
+            return loss_and_metrics(nnx.merge(self.graphdef, params), _place_batch(self.eval_fn(index)), aux)[1]
 
-        self.step = jax.jit(step_fn, donate_argnums=(0, 1))
+        self.step_fn = jax.jit(step_fn, donate_argnums=(0, 1))
         self.evaluate_one = jax.jit(eval_fn)
 
+    def on_mesh(self):
+        """The context the step functions trace and run in."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def step(self, params, opt_state, step):
+        with self.on_mesh():
+            return self.step_fn(params, opt_state, step)
+
     def init_opt_state(self, params):
-        return self.tx.init(params)
+        opt_state = self.tx.init(params)
+        return opt_state if self.mesh is None else shard(opt_state, self.cfg.model, self.mesh)
 
     def evaluate(self, params) -> dict:
-        runs = [self.evaluate_one(params, i) for i in range(EVAL_BATCHES)]
+        with self.on_mesh():
+            runs = [self.evaluate_one(params, i) for i in range(EVAL_BATCHES)]
         return {k: float(sum(r[k] for r in runs) / EVAL_BATCHES) for k in runs[0]}
 
 
@@ -104,11 +126,14 @@ def train(cfg: Config, *, console=None) -> dict:
     out = Path(t_cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check_compatible(out, cfg)
-    trainer = Trainer(cfg)
+    mesh = make_mesh(cfg.parallel)
+    trainer = Trainer(cfg, mesh=mesh if mesh.size > 1 else None)
     ckpt = Checkpoints(out, cfg)
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
     start = ckpt.latest_step() or 0
     report = Reporter(cfg, console=console)
+    if mesh.size > 1:
+        report.note("mesh " + " x ".join(f"{n}={s}" for n, s in mesh.shape.items()) + f" ({cfg.parallel.shard_mode})")
     last_eval: dict = {}
     if start:
         params, opt_state = ckpt.restore(start, params, opt_state)

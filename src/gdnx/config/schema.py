@@ -196,10 +196,35 @@ class TrainConfig(_Strict):
         return self
 
 
+class ParallelConfig(_Strict):
+    """The device mesh (docs/sharding.md): axis sizes, -1 for "the rest"."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    context: int = 1
+    shard_mode: Literal["auto", "explicit"] = "auto"
+
+    @field_validator("data", "fsdp", "tensor", "context")
+    @classmethod
+    def _size(cls, v):
+        if v != -1 and v < 1:
+            raise ValueError(f"expected a positive axis size or -1 (the devices the other axes leave), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_rest(self):
+        rest = [a for a in ("data", "fsdp", "tensor", "context") if getattr(self, a) == -1]
+        if len(rest) > 1:
+            raise ValueError(f"{rest[1]}: only one axis can be -1, and {rest[0]} already is")
+        return self
+
+
 class Config(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @model_validator(mode="after")
     def _vocab(self):

@@ -12,6 +12,7 @@ from flax import nnx
 from gdnx.layers.linear import linear
 from gdnx.layers.norms import RMSNorm
 from gdnx.layers.rope import apply_rope
+from gdnx.parallel.rules import HIDDEN, constrain, out_sharding, spec
 
 
 class KVCache(NamedTuple):
@@ -26,13 +27,20 @@ def causal_attention(q, k, v, q_pos, k_pos):
     cache slots not yet written carry positions past every query)."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, h // hkv, d)
+    # on a mesh: tensor goes to the kv-head groups when it divides them, else
+    # to the query heads within a group (k and v then stay whole)
+    grouped = ("batch", "length", "kv_heads", "heads", None)
+    qg = jnp.reshape(q, (b, t, hkv, h // hkv, d), out_sharding=out_sharding(grouped, (b, t, hkv, h // hkv, d)))
+    kv_spec = spec(grouped, qg.shape)
+    kv_axes = ("batch", None, "kv_heads" if kv_spec[2] else None, None)
+    k, v = constrain(k, kv_axes), constrain(v, kv_axes)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
     visible = k_pos[None, :] <= q_pos[:, None]
     scores = jnp.where(visible, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bgrts,bsgd->btgrd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    return jnp.reshape(out, (b, t, h, d), out_sharding=out_sharding(("batch", "length", "heads", None),
+                                                                   (b, t, h, d))).astype(q.dtype)
 
 
 class GatedAttention(nnx.Module):
@@ -54,12 +62,15 @@ class GatedAttention(nnx.Module):
         queries see everything before them. Returns (y, new cache or None)."""
         b, t, _ = x.shape
         d = self.head_dim
-        qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * d)
+        qg = constrain(self.q_proj(x).reshape(b, t, self.num_heads, 2 * d), ("batch", "length", "heads", None))
         q, gate = qg[..., :d], qg[..., d:].reshape(b, t, self.num_heads * d)
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), *rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
         if cache is None:
+            # Under a context axis each shard keeps its queries and gathers every
+            # key and value (causal_attention; the mask hides the later ones):
+            # simple, and full attention is one layer in four.
             out = causal_attention(q, k, v, positions, positions)
         else:
             zero = jnp.zeros((), jnp.int32)  # one index dtype, also under x64
@@ -69,4 +80,4 @@ class GatedAttention(nnx.Module):
             slots = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
             out = causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots)
         out = out.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(gate)
-        return self.o_proj(out), cache
+        return self.o_proj(out, out_sharding=out_sharding(HIDDEN, x.shape)), cache

@@ -4,9 +4,11 @@ in_proj_qkvz and in_proj_ba keep Hugging Face's per-key-head interleaved
 layout (for key head i: [q_i | k_i | v of its G value heads | z of them],
 and [b of its G value heads | a of them]), so weights load as they are and a
 key head's group stays contiguous for tensor sharding. Then a depthwise
-causal conv + SiLU over [q | k | v] (its own op), beta = sigmoid(b),
+causal conv + SiLU over q, k, v (its own op; channels taken per key head,
+the conv weight regrouped to match), beta = sigmoid(b),
 g = -exp(A_log) * softplus(a + dt_bias) in float32, the delta rule with
-l2-normalised q and k, a gated RMSNorm with z, and out_proj.
+l2-normalised q and k, a gated RMSNorm with z, and out_proj. On a mesh the
+conv and the delta rule run under shard_map (gdnx.parallel.gdn).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdnx.layers.linear import linear
-from gdnx.ops import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_rmsnorm
-from gdnx.ops import recurrent_gated_delta_rule
+from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, recurrent_gated_delta_rule
+from gdnx.parallel.context import context_causal_conv1d, context_gated_delta_rule
+from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
+from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
 
 
 class GDNState(NamedTuple):
@@ -90,43 +94,78 @@ class GatedDeltaNet(nnx.Module):
         return GDNState(jnp.zeros((batch, self.conv_dim, self.width - 1), dtype),
                         jnp.zeros((batch, self.hv, self.dk, self.dv), self.op_options["state_dtype"]))
 
-    def _split_projections(self, x):
-        b, t, _ = x.shape
-        grp = self.hv // self.hk
-        qkvz = self.in_proj_qkvz(x).reshape(b, t, self.hk, 2 * self.dk + 2 * grp * self.dv)
-        q, k, v, z = jnp.split(qkvz, [self.dk, 2 * self.dk, 2 * self.dk + grp * self.dv], axis=-1)
-        ba = self.in_proj_ba(x).reshape(b, t, self.hk, 2 * grp)
-        bb, a = ba[..., :grp].reshape(b, t, self.hv), ba[..., grp:].reshape(b, t, self.hv)
-        mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
-        return mixed, z.reshape(b, t, self.hv, self.dv), bb, a
+    def _group_channels(self, a, axis: int):
+        """Conv channels along `axis` from Hugging Face's [q | k | v] order to
+        [HK, dk + dk + G dv] (per key head: its q, its k, its value heads'
+        v), so that a key head's channels stay together on a tensor shard."""
+        a = jnp.moveaxis(a, axis, -1)
+        kd, lead = self.hk * self.dk, a.shape[:-1]
+        parts = (a[..., :kd].reshape(*lead, self.hk, self.dk), a[..., kd:2 * kd].reshape(*lead, self.hk, self.dk),
+                 a[..., 2 * kd:].reshape(*lead, self.hk, -1))
+        return jnp.moveaxis(jnp.concatenate(parts, axis=-1), (-2, -1), (axis, axis + 1))
+
+    def _ungroup_channels(self, a, axis: int):
+        a = jnp.moveaxis(a, (axis, axis + 1), (-2, -1))
+        lead = a.shape[:-2]
+        parts = (a[..., :self.dk], a[..., self.dk:2 * self.dk], a[..., 2 * self.dk:])
+        return jnp.moveaxis(jnp.concatenate([x.reshape(*lead, -1) for x in parts], axis=-1), -1, axis)
+
+    def _core(self, mixed, conv_weight, g, beta, conv_state, state, context_axis):
+        """conv + delta rule on one shard: mixed [B, T, HK, dk + dk + G dv]
+        (this shard's key heads), conv_weight [HK, ., W], g and beta
+        [B, T, HV], states grouped likewise or None. The sequence is split
+        over `context_axis` when one is given."""
+        b, t, hk, width = mixed.shape
+        flat, w = mixed.reshape(b, t, hk * width), conv_weight.reshape(hk * width, self.width)
+        conv0 = None if conv_state is None else conv_state.reshape(b, hk * width, self.width - 1)
+        keep = state is not None
+        if context_axis:
+            y, conv1 = context_causal_conv1d(flat, w, axis=context_axis, initial_state=conv0, output_final_state=keep)
+        else:
+            y, conv1 = causal_conv1d(flat, w, initial_state=conv0, output_final_state=keep)
+        y = y.reshape(b, t, hk, width)
+        q, k = y[..., :self.dk], y[..., self.dk:2 * self.dk]
+        v = y[..., 2 * self.dk:].reshape(b, t, -1, self.dv)
+        common = dict(initial_state=state, output_final_state=keep, use_qk_l2norm=True,
+                      state_dtype=self.op_options["state_dtype"], decay_dtype=self.op_options["decay_dtype"])
+        extra = {key: val for key, val in self.op_options.items() if key not in common}
+        if keep and t == 1:
+            o, rec = recurrent_gated_delta_rule(q, k, v, g, beta, **common)
+        elif context_axis:
+            o, rec = context_gated_delta_rule(q, k, v, g, beta, axis=context_axis, **common, **extra)
+        else:
+            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, **common, **extra)
+        return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec
 
     def __call__(self, x, state: GDNState | None = None):
         """x [B, T, hidden]. With a state: continue from it and return the new
         one; T == 1 takes the decode path (conv update + recurrent op).
         Returns (y [B, T, hidden], new state or None)."""
         b, t, _ = x.shape
-        mixed, z, bb, a = self._split_projections(x)
-        w = self.conv_weight[...]
-        if state is not None and t == 1:
-            y, conv_state = causal_conv1d_update(mixed[:, 0], state.conv, w)
-            mixed = y[:, None]
-        else:
-            mixed, conv_state = causal_conv1d(mixed, w, initial_state=None if state is None else state.conv,
-                                              output_final_state=state is not None)
-        kd = self.hk * self.dk
-        q = mixed[..., :kd].reshape(b, t, self.hk, self.dk)
-        k = mixed[..., kd:2 * kd].reshape(b, t, self.hk, self.dk)
-        v = mixed[..., 2 * kd:].reshape(b, t, self.hv, self.dv)
+        grp = self.hv // self.hk
+        width = 2 * self.dk + grp * self.dv
+        units = {"key_heads": self.hk, "value_heads": self.hk}
+        # in_proj_qkvz's columns are already grouped per key head: [q_i | k_i | v_i | z_i]
+        qkvz = self.in_proj_qkvz(x).reshape(b, t, self.hk, width + grp * self.dv)
+        qkvz = constrain(qkvz, ("batch", "length", "key_heads", None), units=units)
+        mixed = qkvz[..., :width]
+        z = jnp.reshape(qkvz[..., width:], (b, t, self.hv, self.dv),
+                        out_sharding=out_sharding(OUT, (b, t, self.hv, self.dv), units=units))
+        ba = constrain(self.in_proj_ba(x).reshape(b, t, self.hk, 2 * grp), ("batch", "length", "key_heads", None),
+                       units=units)
+        gate_sharding = out_sharding(GATE, (b, t, self.hv), units=units)
+        bb = jnp.reshape(ba[..., :grp], (b, t, self.hv), out_sharding=gate_sharding)
+        a = jnp.reshape(ba[..., grp:], (b, t, self.hv), out_sharding=gate_sharding)
         beta = jax.nn.sigmoid(bb)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
-        h0 = None if state is None else state.recurrent
-        common = dict(initial_state=h0, output_final_state=state is not None, use_qk_l2norm=True,
-                      state_dtype=self.op_options["state_dtype"], decay_dtype=self.op_options["decay_dtype"])
-        if state is not None and t == 1:
-            o, rec = recurrent_gated_delta_rule(q, k, v, g, beta, **common)
-        else:
-            extra = {key: val for key, val in self.op_options.items() if key not in common}
-            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, **common, **extra)
+        conv_state = None if state is None else self._group_channels(state.conv, 1)
+        o, conv_state, rec = run_gdn_core(
+            self._core, mixed, self._group_channels(self.conv_weight[...], 0), g, beta, conv_state,
+            None if state is None else state.recurrent, num_key_heads=self.hk, kernel_size=self.width)
         o = gated_rmsnorm(o, z, self.norm_weight[...], eps=self.eps)
-        y = self.out_proj(o.reshape(b, t, self.hv * self.dv))
-        return y, None if state is None else GDNState(conv_state.astype(state.conv.dtype), rec)
+        o = jnp.reshape(o, (b, t, self.hv * self.dv), out_sharding=out_sharding(
+            ("batch", "length", "value_heads"), (b, t, self.hv * self.dv), units=units))
+        y = self.out_proj(o, out_sharding=out_sharding(HIDDEN, (b, t, x.shape[-1])))
+        if state is None:
+            return y, None
+        return y, GDNState(self._ungroup_channels(conv_state, 1).astype(state.conv.dtype), rec)

@@ -6,6 +6,7 @@ import jax
 from flax import nnx
 
 from gdnx.layers.linear import linear
+from gdnx.parallel.rules import HIDDEN, out_sharding
 
 
 class MLP(nnx.Module):
@@ -17,4 +18,5 @@ class MLP(nnx.Module):
         self.down_proj = linear(intermediate, hidden, dtype, param_dtype, init_std, rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h, out_sharding=out_sharding(HIDDEN, x.shape))

@@ -16,6 +16,7 @@ from flax import nnx
 
 from gdnx.layers.linear import linear
 from gdnx.layers.mlp import MLP
+from gdnx.parallel.moe import run_experts
 
 
 class RouterStats(NamedTuple):
@@ -52,25 +53,36 @@ class SparseMoE(nnx.Module):
         self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs)
 
     def __call__(self, x):
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        n = x.shape[0]
+        """x [B, T, hidden] -> (y, RouterStats)."""
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
         top_p, top_i = jax.lax.top_k(probs, self.top_k)
         if self.norm_topk_prob:
             top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-        # token copies sorted by expert -> grouped matmuls -> weighted sum back per token
+        routed, counts = run_experts(self._routed, x, top_p, top_i, self.experts_gate[...], self.experts_up[...],
+                                     self.experts_down[...])
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        tokens = jnp.asarray(x.shape[0] * x.shape[1], jnp.float32)
+        return routed + shared, RouterStats(counts, jnp.sum(probs, axis=(0, 1)), tokens)
+
+    def _routed(self, x, top_p, top_i, w_gate, w_up, w_down, width_axes, token_axes):
+        """The routed experts on one shard's tokens (all of them without a
+        mesh): token copies sorted by expert -> grouped matmuls -> weighted
+        sum back per token. Returns (y, top-k counts per expert)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
         flat_e = top_i.reshape(-1)
         order = jnp.argsort(flat_e, stable=True)
-        rows = (order // self.top_k)
+        rows = order // self.top_k
         sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)
         xs = x[rows]
-        wd = lambda p: p[...].astype(x.dtype)  # noqa: E731
-        act = jax.nn.silu(jax.lax.ragged_dot(xs, wd(self.experts_gate), sizes)) * \
-            jax.lax.ragged_dot(xs, wd(self.experts_up), sizes)
-        ys = jax.lax.ragged_dot(act, wd(self.experts_down), sizes)
+        wd = lambda w: w.astype(x.dtype)  # noqa: E731
+        act = jax.nn.silu(jax.lax.ragged_dot(xs, wd(w_gate), sizes)) * jax.lax.ragged_dot(xs, wd(w_up), sizes)
+        ys = jax.lax.ragged_dot(act, wd(w_down), sizes)
         ys = ys * top_p.reshape(-1)[order][:, None].astype(ys.dtype)
         routed = jnp.zeros_like(x).at[rows].add(ys)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        stats = RouterStats(sizes.astype(jnp.float32), jnp.sum(probs, axis=0), jnp.asarray(n, jnp.float32))
-        return (routed + shared).reshape(shape), stats
+        if width_axes:  # each shard summed over its slice of the expert width
+            routed = jax.lax.psum(routed, width_axes)
+        counts = sizes.astype(jnp.float32)
+        if token_axes:
+            counts = jax.lax.psum(counts, token_axes)
+        return routed.reshape(shape), counts

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from gdnx.config.schema import ModelConfig
 from gdnx.layers.attention import GatedAttention
@@ -21,6 +22,7 @@ from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.norms import RMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.cache import Cache
+from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
 
 GDN_RESIDUAL_NAMES = ("gdn_chunk_states", "gdn_chunk_inverse")
 
@@ -48,10 +50,10 @@ class DecoderLayer(nnx.Module):
             h, cache = self.mixer(h, rope, positions, cache, start)
         else:
             h, cache = self.mixer(h, cache)
-        x = x + h
+        x = constrain(x + h, HIDDEN)
         h = self.mlp(self.post_attention_layernorm(x))
         h, stats = h if self.is_moe else (h, None)
-        return x + h, cache, stats
+        return constrain(x + h, HIDDEN), cache, stats
 
 
 def _run_layer(layer, *args):
@@ -98,6 +100,15 @@ class Qwen3Next(nnx.Module):
     def __call__(self, tokens):
         return self.forward(tokens).logits
 
+    def _embed(self, tokens):
+        place = out_sharding(HIDDEN, (*tokens.shape, self.config.hidden_size))
+        if place is None:
+            return constrain(self.embed_tokens(tokens), HIDDEN)
+        # An Explicit mesh wants the gather's result placement stated, and a
+        # whole table to gather from (FSDP all-gathers it anyway).
+        table = jax.sharding.reshard(self.embed_tokens.embedding[...], P())
+        return table.at[tokens].get(out_sharding=place).astype(self.embed_tokens.dtype)
+
     def forward(self, tokens, cache: Cache | None = None) -> ModelOutput:
         if not hasattr(tokens, "ndim") or tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens: expected integer token ids [B, T], got "
@@ -107,7 +118,7 @@ class Qwen3Next(nnx.Module):
         start = jnp.zeros((), jnp.int32) if cache is None else cache.length
         positions = start + jnp.arange(t, dtype=jnp.int32)
         cos, sin = rope_tables(positions[None], rotary_dim(cfg.head_dim, cfg.partial_rotary_factor), cfg.rope_theta)
-        x = self.embed_tokens(tokens)
+        x = self._embed(constrain(tokens, ("batch", "length")))
         stats: list[RouterStats] = []
         new_layers = []
         run = _run_layer
@@ -120,9 +131,10 @@ class Qwen3Next(nnx.Module):
             if s is not None:
                 stats.append(s)
         x = self.norm(x)
+        vocab = out_sharding(("batch", "length", "vocab"), (*x.shape[:2], cfg.vocab_size))
         if self.lm_head is None:
-            logits = self.embed_tokens.attend(x)
+            logits = self.embed_tokens.attend(x, out_sharding=vocab)
         else:
-            logits = self.lm_head(x)
+            logits = self.lm_head(x, out_sharding=vocab)
         new_cache = None if cache is None else Cache(tuple(new_layers), cache.length + t)
         return ModelOutput(logits.astype(jnp.float32), new_cache, load_balancing_loss(stats, cfg.num_experts))

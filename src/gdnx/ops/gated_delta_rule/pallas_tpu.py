@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AxisType
 
 from gdnx.ops.gated_delta_rule import chunk_math, pallas_common
 
@@ -166,8 +167,20 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, budget, head_ti
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=min(max(MIN_VMEM_LIMIT, 2 * budget), MAX_VMEM_LIMIT)),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=_tpu_interpreter() if interpret else False,
     )(*(f.reshape(-1) for f in flags), *args)  # flags indexed chunk * rows + row
+
+
+def _tpu_interpreter():
+    """The TPU interpreter (TPU memory semantics: VMEM, out-of-bounds reads,
+    uninitialised memory), except inside shard_map over several devices:
+    there it opens every kernel call with a barrier across all devices that
+    deadlocks against XLA's CPU collectives (context parallelism), so the
+    same kernel runs in the generic Pallas interpreter instead."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1 and any(t == AxisType.Manual for t in mesh.axis_types):
+        return True
+    return pltpu.InterpretParams()
 
 
 def _check_tile(hk, head_tile):

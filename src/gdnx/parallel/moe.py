@@ -1,0 +1,49 @@
+"""The routed experts under jax.shard_map.
+
+Routing is per token, so each batch / sequence shard routes and runs its
+own tokens: no global sort, no token exchange. Every shard holds all experts
+with the expert width split over tensor (gathered from fsdp); the down
+projections' partial sums meet in a psum over tensor, and the routing
+counts in a psum over the token axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from gdnx.parallel.rules import current_mesh, is_explicit, spec
+
+TOKENS = ("batch", "length", None)  # x [B, T, hidden], top-k ids / weights [B, T, k]
+
+
+def _names(entries) -> tuple[str, ...]:
+    out: list[str] = []
+    for e in entries:
+        if e is not None:
+            out.extend((e,) if isinstance(e, str) else e)
+    return tuple(out)
+
+
+def run_experts(local: Callable, x, top_p, top_i, w_gate, w_up, w_down):
+    """local(x, top_p, top_i, w_gate, w_up, w_down, width_axes, token_axes)
+    -> (y [B, T, hidden], counts [E]) on each shard; width_axes / token_axes
+    name the mesh axes to psum the partial outputs / counts over."""
+    mesh = current_mesh()
+    if mesh is None:
+        return local(x, top_p, top_i, w_gate, w_up, w_down, (), ())
+    tok = spec(TOKENS, x.shape, mesh=mesh)
+    gate_up = spec((None, None, "mlp"), w_gate.shape, mesh=mesh)
+    down = P(None, gate_up[2], None)
+    specs = (tok, P(*tok[:2], None), P(*tok[:2], None), gate_up, gate_up, down)
+    args = (x, top_p, top_i, w_gate, w_up, w_down)
+    if is_explicit(mesh):
+        args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs, strict=True))
+    width_axes, token_axes = _names([gate_up[2]]), _names(tok[:2])
+
+    def body(*xs):
+        return local(*xs, width_axes, token_axes)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tok, P()))(*args)

@@ -1,0 +1,76 @@
+"""Where each parameter lives on the mesh.
+
+Parameter names follow Hugging Face's, so one table keyed by a parameter's
+name (and its module's) gives its logical axes. Matrices are split over
+fsdp on the model width and over tensor on heads / the MLP width; columns
+that belong to a head group (a GDN key head's q|k|v|z, an attention head's
+q|gate) are split by whole groups. Norm weights and the conv taps stay whole.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+
+from gdnx.parallel.rules import spec
+
+# (module name, parameter name) -> logical axes; "*" matches any module
+_TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("in_proj_qkvz", "kernel"): ("embed", "key_heads"),
+    ("in_proj_ba", "kernel"): ("embed", "key_heads"),
+    ("mixer", "A_log"): ("value_heads",),
+    ("mixer", "dt_bias"): ("value_heads",),
+    ("out_proj", "kernel"): ("value_heads", "embed"),
+    ("q_proj", "kernel"): ("embed", "heads"),
+    ("q_proj", "bias"): ("heads",),
+    ("k_proj", "kernel"): ("embed", "kv_heads"),
+    ("k_proj", "bias"): ("kv_heads",),
+    ("v_proj", "kernel"): ("embed", "kv_heads"),
+    ("v_proj", "bias"): ("kv_heads",),
+    ("o_proj", "kernel"): ("heads", "embed"),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("up_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+    ("mlp", "experts_gate"): (None, "embed", "mlp"),
+    ("mlp", "experts_up"): (None, "embed", "mlp"),
+    ("mlp", "experts_down"): (None, "mlp", "embed"),
+    ("gate", "kernel"): ("embed", None),
+    ("shared_expert_gate", "kernel"): ("embed", None),
+}
+
+
+def head_units(cfg) -> dict[str, int]:
+    """Group counts of the head-shaped dims: a mesh axis must divide these."""
+    return {"key_heads": cfg.linear_num_key_heads, "value_heads": cfg.linear_num_key_heads,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads}
+
+
+def _names(key_path) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in key_path
+            if not (hasattr(k, "name") and k.name == "value")]
+
+
+def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
+    """The logical axes of the parameter at this path (module names then its
+    own name); whole for anything the table does not name."""
+    axes = _TABLE.get(tuple(names[-2:])) if len(names) >= 2 else None
+    if axes is None or len(axes) != ndim:
+        return (None,) * ndim  # norm weights, conv taps, scalars: small, kept whole
+    return axes
+
+
+def shardings(tree, cfg, mesh):
+    """A NamedSharding per array leaf of `tree`: the parameters, or any tree
+    that holds them under their names (the optimizer's moments)."""
+    units = head_units(cfg)
+
+    def one(key_path, x):
+        return NamedSharding(mesh, spec(logical_axes(_names(key_path), x.ndim), x.shape, units=units, mesh=mesh))
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def shard(tree, cfg, mesh):
+    """`tree` placed on `mesh` per `shardings`."""
+    return jax.device_put(tree, shardings(tree, cfg, mesh))

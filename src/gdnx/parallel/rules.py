@@ -1,0 +1,106 @@
+"""Logical axis rules: names for the dims of parameters and activations, and
+the mesh axes each name is split over.
+
+The model never names a mesh axis. It names what a dim holds ("batch",
+"length", "key_heads", ...) and asks for the spec on the ambient mesh
+(`jax.set_mesh`). A mesh axis that does not divide a dim, or that the mesh
+lacks, is dropped from that dim's spec instead of failing: a microbatch of
+2 on a data axis of 8 runs replicated over that axis. Without a mesh every
+helper here is the identity, so single-device code pays nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "context")
+
+# logical name -> mesh axes, in order of preference (later axes are dropped first)
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "length": ("context",),
+    "hidden": (),            # the model width of activations stays whole
+    "embed": ("fsdp",),      # ... and of parameters is split for FSDP
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "key_heads": ("tensor",),    # GDN key heads; a key head's value heads go with it
+    "value_heads": ("tensor",),
+    "mlp": ("tensor",),
+}
+
+
+def current_mesh():
+    """The ambient abstract mesh when it has any of gdnx's axes, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) & set(mesh.axis_names):
+        return None
+    if any(t == AxisType.Manual for t in mesh.axis_types):
+        return None  # inside shard_map: values are per-shard, nothing to place
+    return mesh
+
+
+def is_explicit(mesh) -> bool:
+    return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def spec(axes: Sequence[str | None], shape: Sequence[int], *, units: dict[str, int] | None = None, mesh=None) -> P:
+    """PartitionSpec for a value of `shape` whose dims hold the logical `axes`.
+
+    units: for dims made of whole groups (the columns of a key head), the
+    number of groups, which is what a mesh axis must divide."""
+    mesh = mesh or current_mesh()
+    if mesh is None:
+        return P(*([None] * len(shape)))
+    sizes = dict(mesh.shape)
+    used: set[str] = set()
+    out = []
+    for name, dim in zip(axes, shape, strict=True):
+        count = (units or {}).get(name, dim) if name else dim
+        kept: list[str] = []
+        for axis in RULES[name] if name else ():
+            size = sizes.get(axis, 1)
+            if size == 1 or axis in used or count % (math.prod(sizes[a] for a in kept) * size):
+                continue
+            kept.append(axis)
+        used.update(kept)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return P(*out)
+
+
+def axis_size(spec_entry, mesh) -> int:
+    if spec_entry is None:
+        return 1
+    names = (spec_entry,) if isinstance(spec_entry, str) else spec_entry
+    sizes = dict(mesh.shape)
+    return math.prod(sizes[n] for n in names)
+
+
+def constrain(x, axes: Sequence[str | None], *, units: dict[str, int] | None = None):
+    """Place x per its logical axes: jax.sharding.reshard on an Explicit mesh,
+    a sharding constraint on an Auto one, nothing without a mesh."""
+    mesh = current_mesh()
+    if mesh is None:
+        return x
+    s = spec(axes, x.shape, units=units, mesh=mesh)
+    if is_explicit(mesh):
+        return jax.sharding.reshard(x, s)
+    return jax.lax.with_sharding_constraint(x, s)
+
+
+def out_sharding(axes: Sequence[str | None], shape: Sequence[int], *, units: dict[str, int] | None = None):
+    """The `out_sharding` argument for an op whose result has these logical
+    axes: a spec on an Explicit mesh (where jax cannot always infer one),
+    None otherwise. axes may name the trailing dims only."""
+    axes = tuple(axes)[-len(shape):] if len(axes) > len(shape) else tuple(axes)
+    mesh = current_mesh()
+    if mesh is None or not is_explicit(mesh):
+        return None
+    return spec(axes, shape, units=units, mesh=mesh)
+
+HIDDEN = ("batch", "length", "hidden")  # the residual stream [B, T, hidden]
