@@ -22,7 +22,10 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"a YAML file or a bundled config ({', '.join(bundled_names())}); "
                             f"default {DEFAULT_CONFIG}. A key=value here is taken as an override.")
     train.add_argument("overrides", nargs="*", metavar="key=value",
-                       help="config overrides, e.g. train.steps=100 model.use_gdn_kernel=false")
+                       help="config overrides, e.g. train.steps=100 parallel.tensor=4")
+    train.add_argument("--distributed", action="store_true",
+                       help="multi-host: call jax.distributed.initialize() first (run the same command on every "
+                            "host; docs/sharding.md)")
     gen = sub.add_parser("generate", help="generate from a gdnx checkpoint or a Hugging Face directory")
     gen.add_argument("--checkpoint", required=True, help="a gdnx train.out_dir or a Hugging Face Qwen3-Next dir")
     gen.add_argument("--prompt", required=True, help="text (token ids separated by spaces for MQAR models)")
@@ -45,6 +48,10 @@ def _run(args) -> int:
         from gdnx.train import train
 
         overrides = list(args.overrides)
+        if args.distributed:
+            import jax
+
+            jax.distributed.initialize()  # coordinator etc. from the cluster's environment
         name = args.config
         if name is not None and "=" in name:
             name, overrides = None, [name] + overrides

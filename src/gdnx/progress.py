@@ -28,9 +28,9 @@ class _Bar:
 
 
 class Reporter:
-    def __init__(self, cfg, console: Console | None = None):
+    def __init__(self, cfg, console: Console | None = None, *, quiet: bool = False):
         self.cfg = cfg
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, quiet=quiet)
         self.t_start = time.perf_counter()
 
     def note(self, text: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -131,7 +132,8 @@ def train(cfg: Config, *, console=None) -> dict:
     ckpt = Checkpoints(out, cfg)
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
     start = ckpt.latest_step() or 0
-    report = Reporter(cfg, console=console)
+    primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
+    report = Reporter(cfg, console=console, quiet=not primary)
     if mesh.size > 1:
         report.note("mesh " + " x ".join(f"{n}={s}" for n, s in mesh.shape.items()) + f" ({cfg.parallel.shard_mode})")
     last_eval: dict = {}
@@ -148,10 +150,12 @@ def train(cfg: Config, *, console=None) -> dict:
                 ckpt.close()
                 return {"step": start, **last_eval}
     metrics_file = out / "metrics.jsonl"
-    _rewrite_metrics(metrics_file, start)
+    if primary:
+        _rewrite_metrics(metrics_file, start)
     tokens_per_step = t_cfg.batch_size * cfg.data.seq_len
     step = start
-    with report.progress(start, t_cfg.steps) as bar, metrics_file.open("a") as log:
+    log_path = metrics_file if primary else Path(os.devnull)
+    with report.progress(start, t_cfg.steps) as bar, log_path.open("a") as log:
         t0, since = time.perf_counter(), start
         while step < t_cfg.steps:
             params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(step, jnp.int32))
@@ -174,7 +178,8 @@ def train(cfg: Config, *, console=None) -> dict:
             if step % t_cfg.checkpoint_every == 0 or done or reached:
                 log.flush()
                 ckpt.save(step, params, opt_state)
-                report.plot(out, metrics_file)
+                if primary:
+                    report.plot(out, metrics_file)
             if reached:
                 report.note(f"reached {100 * last_eval['accuracy']:.2f}% answer accuracy "
                             f"(target {100 * t_cfg.target_accuracy:.0f}%) at step {step}")

@@ -11,7 +11,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from gdnx.config.schema import ModelConfig
 from gdnx.layers.attention import GatedAttention
@@ -22,7 +21,7 @@ from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.norms import RMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.cache import Cache
-from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
+from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
 
 GDN_RESIDUAL_NAMES = ("gdn_chunk_states", "gdn_chunk_inverse")
 
@@ -101,13 +100,15 @@ class Qwen3Next(nnx.Module):
         return self.forward(tokens).logits
 
     def _embed(self, tokens):
+        if current_mesh() is None:
+            return self.embed_tokens(tokens)
+        # On a mesh: gather from the whole table (FSDP all-gathers it anyway;
+        # XLA's partitioner otherwise replicates the gather's result to reshard
+        # it), and an Explicit mesh wants the result's placement stated.
+        table = constrain(self.embed_tokens.embedding[...], (None, None))
         place = out_sharding(HIDDEN, (*tokens.shape, self.config.hidden_size))
-        if place is None:
-            return constrain(self.embed_tokens(tokens), HIDDEN)
-        # An Explicit mesh wants the gather's result placement stated, and a
-        # whole table to gather from (FSDP all-gathers it anyway).
-        table = jax.sharding.reshard(self.embed_tokens.embedding[...], P())
-        return table.at[tokens].get(out_sharding=place).astype(self.embed_tokens.dtype)
+        x = table[tokens] if place is None else table.at[tokens].get(out_sharding=place)
+        return constrain(x.astype(self.embed_tokens.dtype), HIDDEN)
 
     def forward(self, tokens, cache: Cache | None = None) -> ModelOutput:
         if not hasattr(tokens, "ndim") or tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
