@@ -16,6 +16,14 @@ small matmuls, for C shards.
 Conv. Each shard needs the kernel_size - 1 inputs before its first token:
 the previous shard sends its last ones (ppermute); the first shard uses
 the layer's conv state.
+
+Packed sequences (cu_seqlens, global offsets, one row): each shard runs the
+op on its slice of the packing with local offsets. Only the sequence that
+crosses into the shard continues from the previous shards: it alone gets
+the halo (masked to its own tokens, its conv state before them) and the
+identity block, so a shard that holds a sequence start passes on P = 0 and
+the fold restarts there by itself. Each sequence's final state comes from
+the shard holding its last token.
 """
 
 from __future__ import annotations
@@ -36,10 +44,35 @@ def _from_last(x, axis):
     return jax.lax.psum(jnp.where(last, x, jnp.zeros_like(x)), axis)
 
 
-def context_causal_conv1d(x, weight, *, axis, initial_state=None, output_final_state=False):
+class _Packing:
+    """This shard's view of global packed offsets cu [N + 1] (B = 1)."""
+
+    def __init__(self, cu, axis, local_len):
+        cu = cu.astype(jnp.int32)
+        me = jax.lax.axis_index(axis)
+        self.offset = me * local_len
+        self.local = jnp.clip(cu - self.offset, 0, local_len)       # sequences elsewhere become empty here
+        self.first = jnp.searchsorted(cu, self.offset, side="right").astype(jnp.int32) - 1
+        self.first_start = cu[self.first]
+        self.continues = self.first_start < self.offset               # the first sequence began before this shard
+        last_tok = jnp.maximum(cu[1:] - 1, 0)
+        # the shard that holds each sequence's last token (shard 0 for empty ones: their state passes through)
+        self.owner = jnp.where(cu[1:] > cu[:-1], last_tok // local_len, 0)
+        self.me = me
+
+    def pick_final(self, final, axis):
+        """Each sequence's final state [N, ...] from its owner shard."""
+        mine = (self.owner == self.me).reshape((-1,) + (1,) * (final.ndim - 1))
+        return jax.lax.psum(jnp.where(mine, final, jnp.zeros_like(final)), axis)
+
+
+def context_causal_conv1d(x, weight, *, axis, initial_state=None, output_final_state=False, cu_seqlens=None):
     """causal_conv1d over a sequence split on `axis`; x [B, T_local, D] with
-    T_local >= kernel_size - 1. Returns (y, final state of the whole
-    sequence or None)."""
+    T_local >= kernel_size - 1. cu_seqlens: global offsets of sequences
+    packed in one row (B = 1), initial_state then [N, D, W - 1]. Returns
+    (y, final state of the whole sequence(s) or None)."""
+    if cu_seqlens is not None:
+        return _packed_conv(x, weight, axis, initial_state, output_final_state, cu_seqlens)
     hist = weight.shape[1] - 1
     n = jax.lax.axis_size(axis)
     tail = jnp.swapaxes(x[:, x.shape[1] - hist:], 1, 2)            # [B, D, W - 1], oldest first
@@ -50,10 +83,31 @@ def context_causal_conv1d(x, weight, *, axis, initial_state=None, output_final_s
     return y, (_from_last(final, axis) if output_final_state else None)
 
 
-def context_gated_delta_rule(q, k, v, g, beta, *, axis, initial_state=None, output_final_state=False, **op_kw):
+def _packed_conv(x, weight, axis, initial_state, output_final_state, cu):
+    hist, d = weight.shape[1] - 1, x.shape[-1]
+    n_seq = cu.shape[0] - 1
+    pk = _Packing(cu, axis, x.shape[1])
+    n = jax.lax.axis_size(axis)
+    init = jnp.zeros((n_seq, d, hist), x.dtype) if initial_state is None else initial_state.astype(x.dtype)
+    tail = jnp.swapaxes(x[:, x.shape[1] - hist:], 1, 2)[0]           # [D, W - 1]
+    halo = jax.lax.ppermute(tail, axis, [(i, i + 1) for i in range(n - 1)])
+    # halo slot i holds global position offset - hist + i; before the sequence's start, its conv state
+    pos = pk.offset - hist + jnp.arange(hist, dtype=jnp.int32)
+    own = init[pk.first][:, jnp.clip(pos - pk.first_start + hist, 0, hist - 1)]
+    halo = jnp.where(pos[None, :] >= pk.first_start, halo, own)
+    start = jnp.where(pk.continues, halo, init[pk.first])
+    y, final = causal_conv1d(x, weight, initial_state=init.at[pk.first].set(start),
+                             output_final_state=output_final_state, cu_seqlens=pk.local)
+    return y, (pk.pick_final(final, axis) if output_final_state else None)
+
+
+def context_gated_delta_rule(q, k, v, g, beta, *, axis, initial_state=None, output_final_state=False,
+                             cu_seqlens=None, **op_kw):
     """chunk_gated_delta_rule over a sequence split on `axis` (same
-    arguments, local shards of [B, T, ...]). Returns (o, final state of the
-    whole sequence or None)."""
+    arguments, local shards of [B, T, ...]; cu_seqlens global). Returns
+    (o, final state of the whole sequence(s) or None)."""
+    if cu_seqlens is not None:
+        return _packed_delta_rule(q, k, v, g, beta, axis, initial_state, output_final_state, cu_seqlens, op_kw)
     b, _, hv, dv = v.shape
     dk = q.shape[-1]
     state_dtype = jnp.dtype(op_kw.get("state_dtype", jnp.float32))
@@ -75,3 +129,36 @@ def context_gated_delta_rule(q, k, v, g, beta, *, axis, initial_state=None, outp
     carry = jnp.einsum("bthk,bhkv->bthv", oq.astype(state_dtype), s_in, precision=hp)
     o = (o0.astype(state_dtype) + carry).astype(o0.dtype)
     return o, (s if output_final_state else None)
+
+
+def _packed_delta_rule(q, k, v, g, beta, axis, initial_state, output_final_state, cu, op_kw):
+    _, tl, hv, dv = v.shape
+    dk = q.shape[-1]
+    n_seq = cu.shape[0] - 1
+    pk = _Packing(cu, axis, tl)
+    state_dtype = jnp.dtype(op_kw.get("state_dtype", jnp.float32))
+    h0 = jnp.zeros((n_seq, hv, dk, dv), state_dtype) if initial_state is None else initial_state.astype(state_dtype)
+    wide_h0 = jnp.concatenate([h0, jnp.zeros((n_seq, hv, dk, dk), state_dtype)], axis=-1)
+    carried = jnp.concatenate([jnp.zeros((hv, dk, dv), state_dtype),
+                               jnp.broadcast_to(jnp.eye(dk, dtype=state_dtype), (hv, dk, dk))], axis=-1)
+    wide_h0 = wide_h0.at[pk.first].set(jnp.where(pk.continues, carried, wide_h0[pk.first]))
+    wide_v = jnp.concatenate([v, jnp.zeros(v.shape[:3] + (dk,), v.dtype)], axis=-1)
+    o_wide, s_wide = chunk_gated_delta_rule(q, k, wide_v, g, beta, initial_state=wide_h0, output_final_state=True,
+                                            cu_seqlens=pk.local, **op_kw)
+    o0, oq = o_wide[..., :dv], o_wide[..., dv:]
+    # the map this shard passes on: that of the sequence holding its last token
+    last = jnp.searchsorted(cu.astype(jnp.int32), pk.offset + tl - 1, side="right").astype(jnp.int32) - 1
+    maps = jax.lax.all_gather(s_wide[last][..., dv:], axis)          # [C, HV, K, K]
+    offsets = jax.lax.all_gather(s_wide[last][..., :dv], axis)       # [C, HV, K, V]
+    hp = jax.lax.Precision.HIGHEST
+    s = jnp.zeros((hv, dk, dv), state_dtype)
+    s_in = jnp.zeros_like(s)
+    for j in range(maps.shape[0]):
+        s_in = jnp.where(pk.me == j, s, s_in)
+        s = jnp.einsum("hij,hjv->hiv", maps[j], s, precision=hp) + offsets[j]
+    # Q is zero outside the continuing sequence (its identity block is)
+    o = (o0.astype(state_dtype) + jnp.einsum("bthk,hkv->bthv", oq.astype(state_dtype), s_in, precision=hp))
+    if not output_final_state:
+        return o.astype(o0.dtype), None
+    finals = s_wide[..., :dv] + jnp.einsum("nhij,hjv->nhiv", s_wide[..., dv:], s_in, precision=hp)
+    return o.astype(o0.dtype), pk.pick_final(finals, axis)
