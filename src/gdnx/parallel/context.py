@@ -9,9 +9,10 @@ state [0 | I], returns both at once: the first V columns are the outputs
 O0 and final state B of a zero start, the last K columns are P itself and
 Q = scale P_t^T q_t per token. The (P, B) of every shard are all-gathered
 and folded in shard order, which gives each shard its incoming state S_in,
-and its outputs are O0 + Q S_in. Cost: the op at V + K instead of V (twice
-the work for K = V), one all-gather of C states of size K (V + K), and C
-small matmuls, for C shards.
+and its outputs are O0 + Q S_in. Cost: the op at V + K instead of V (at
+most twice the work for K = V; 1.31x measured, docs/sharding.md), one
+all-gather of C states of size K (V + K), and C small matmuls, for C
+shards.
 
 Conv. Each shard needs the kernel_size - 1 inputs before its first token:
 the previous shard sends its last ones (ppermute); the first shard uses
