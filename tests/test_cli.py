@@ -32,10 +32,13 @@ def _error(capsys, argv) -> str:
     (["generate", "--checkpoint", ".", "--prompt", "1", "--temperature", "-1"],
      "gdnx generate: error: --temperature: expected >= 0"),
     (["bench", "--seq-len", "0"], "gdnx bench: error: --seq-len: expected a positive integer"),
+    (["train", "tiny", "parallel.tensor=2"], "gdnx train: error: parallel: the fixed axis sizes multiply to 2"),
+    (["train", "tiny", "parallel.context=0"], "gdnx train: error: parallel.context: expected a positive axis size"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)
     assert _error(capsys, argv).startswith(expected)
+    assert not (tmp_path / "runs").exists()  # nothing written for a refused run
 
 
 def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path):

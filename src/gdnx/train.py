@@ -125,10 +125,11 @@ def train(cfg: Config, *, console=None) -> dict:
     last evaluation."""
     t_cfg = cfg.train
     out = Path(t_cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    check_compatible(out, cfg)
+    # everything that can refuse the run does so before anything is written
     mesh = make_mesh(cfg.parallel)
+    check_compatible(out, cfg)
     trainer = Trainer(cfg, mesh=mesh if mesh.size > 1 else None)
+    out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoints(out, cfg)
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
     start = ckpt.latest_step() or 0
