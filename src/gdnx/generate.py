@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdnx.models.cache import Cache
+from gdnx.parallel.rules import constrain
 
 
 def sample(logits, key, *, temperature: float = 0.0, top_p: float = 1.0):
@@ -53,7 +54,8 @@ def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, to
     @jax.jit
     def step(state, tokens, cache):
         out = nnx.merge(graphdef, state).forward(tokens, cache)
-        return out.logits[:, -1], out.cache
+        # on a context-split mesh the last position lives on one shard: gather the length first
+        return constrain(out.logits, ("batch", None, "vocab"))[:, -1], out.cache
 
     cache = Cache.init(model, prompt.shape[0], prompt.shape[1] + max_new_tokens)
     logits, cache = step(state, prompt, cache)

@@ -3,6 +3,7 @@ gate, RMSNorm on q and k per head, partial RoPE, grouped-query attention."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -75,8 +76,10 @@ class GatedAttention(nnx.Module):
         else:
             zero = jnp.zeros((), jnp.int32)  # one index dtype, also under x64
             at = (zero, jnp.asarray(start, jnp.int32), zero, zero)
-            cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at),
-                            jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at))
+            # on a mesh the cache keeps its length whole (writes land at any offset)
+            place = functools.partial(constrain, axes=("batch", None, "kv_heads", None))
+            cache = KVCache(jax.lax.dynamic_update_slice(place(cache.k), place(k.astype(cache.k.dtype)), at),
+                            jax.lax.dynamic_update_slice(place(cache.v), place(v.astype(cache.v.dtype)), at))
             slots = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
             out = causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots)
         out = out.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(gate)
