@@ -35,6 +35,9 @@ import jax.numpy as jnp
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule
 
 
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
 def _is_first(axis):
     return jax.lax.axis_index(axis) == 0
 
@@ -43,6 +46,38 @@ def _from_last(x, axis):
     """x of the last shard, on every shard."""
     last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
     return jax.lax.psum(jnp.where(last, x, jnp.zeros_like(x)), axis)
+
+
+def _halo(x, axis, hist):
+    """The previous shard's last `hist` inputs [B, D, hist], oldest first
+    (zeros on the first shard)."""
+    tail = jnp.swapaxes(x[:, x.shape[1] - hist:], 1, 2)
+    n = jax.lax.axis_size(axis)
+    return jax.lax.ppermute(tail, axis, [(i, i + 1) for i in range(n - 1)])
+
+
+def _widen(v, dk):
+    """Values [v | 0]: the op then also carries the K identity columns."""
+    return jnp.concatenate([v, jnp.zeros(v.shape[:3] + (dk,), v.dtype)], axis=-1)
+
+
+def _fold(maps, offsets, s0, axis):
+    """All-gather every shard's (P, B) and fold them in shard order from s0:
+    (this shard's incoming state, the state after the last shard)."""
+    maps, offsets = jax.lax.all_gather(maps, axis), jax.lax.all_gather(offsets, axis)
+    me = jax.lax.axis_index(axis)
+    s, s_in = s0, jnp.zeros_like(s0)
+    for j in range(maps.shape[0]):
+        s_in = jnp.where(me == j, s, s_in)
+        s = jnp.einsum("...ij,...jv->...iv", maps[j], s, precision=HIGHEST) + offsets[j]
+    return s_in, s
+
+
+def _outputs(o_wide, dv, s_in):
+    """O0 + Q S_in from the widened outputs [B, T, HV, V + K], S_in [B, HV, K, V]."""
+    o0, oq = o_wide[..., :dv], o_wide[..., dv:]
+    carry = jnp.einsum("bthk,bhkv->bthv", oq.astype(s_in.dtype), s_in, precision=HIGHEST)
+    return (o0.astype(s_in.dtype) + carry).astype(o0.dtype)
 
 
 class _Packing:
@@ -56,6 +91,8 @@ class _Packing:
         self.first = jnp.searchsorted(cu, self.offset, side="right").astype(jnp.int32) - 1
         self.first_start = cu[self.first]
         self.continues = self.first_start < self.offset               # the first sequence began before this shard
+        # the sequence holding this shard's last token: its map is the one passed on
+        self.last = jnp.searchsorted(cu, self.offset + local_len - 1, side="right").astype(jnp.int32) - 1
         last_tok = jnp.maximum(cu[1:] - 1, 0)
         # the shard that holds each sequence's last token (shard 0 for empty ones: their state passes through)
         self.owner = jnp.where(cu[1:] > cu[:-1], last_tok // local_len, 0)
@@ -74,10 +111,7 @@ def context_causal_conv1d(x, weight, *, axis, initial_state=None, output_final_s
     (y, final state of the whole sequence(s) or None)."""
     if cu_seqlens is not None:
         return _packed_conv(x, weight, axis, initial_state, output_final_state, cu_seqlens)
-    hist = weight.shape[1] - 1
-    n = jax.lax.axis_size(axis)
-    tail = jnp.swapaxes(x[:, x.shape[1] - hist:], 1, 2)            # [B, D, W - 1], oldest first
-    halo = jax.lax.ppermute(tail, axis, [(i, i + 1) for i in range(n - 1)])
+    halo = _halo(x, axis, weight.shape[1] - 1)
     start = jnp.zeros_like(halo) if initial_state is None else initial_state.astype(halo.dtype)
     halo = jnp.where(_is_first(axis), start, halo)
     y, final = causal_conv1d(x, weight, initial_state=halo, output_final_state=output_final_state)
@@ -86,12 +120,9 @@ def context_causal_conv1d(x, weight, *, axis, initial_state=None, output_final_s
 
 def _packed_conv(x, weight, axis, initial_state, output_final_state, cu):
     hist, d = weight.shape[1] - 1, x.shape[-1]
-    n_seq = cu.shape[0] - 1
     pk = _Packing(cu, axis, x.shape[1])
-    n = jax.lax.axis_size(axis)
-    init = jnp.zeros((n_seq, d, hist), x.dtype) if initial_state is None else initial_state.astype(x.dtype)
-    tail = jnp.swapaxes(x[:, x.shape[1] - hist:], 1, 2)[0]           # [D, W - 1]
-    halo = jax.lax.ppermute(tail, axis, [(i, i + 1) for i in range(n - 1)])
+    init = jnp.zeros((cu.shape[0] - 1, d, hist), x.dtype) if initial_state is None else initial_state.astype(x.dtype)
+    halo = _halo(x, axis, hist)[0]                                    # [D, W - 1]
     # halo slot i holds global position offset - hist + i; before the sequence's start, its conv state
     pos = pk.offset - hist + jnp.arange(hist, dtype=jnp.int32)
     own = init[pk.first][:, jnp.clip(pos - pk.first_start + hist, 0, hist - 1)]
@@ -113,53 +144,32 @@ def context_gated_delta_rule(q, k, v, g, beta, *, axis, initial_state=None, outp
     dk = q.shape[-1]
     state_dtype = jnp.dtype(op_kw.get("state_dtype", jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=state_dtype), (b, hv, dk, dk))
-    wide_v = jnp.concatenate([v, jnp.zeros(v.shape[:3] + (dk,), v.dtype)], axis=-1)
     wide_h0 = jnp.concatenate([jnp.zeros((b, hv, dk, dv), state_dtype), eye], axis=-1)
-    o_wide, s_wide = chunk_gated_delta_rule(q, k, wide_v, g, beta, initial_state=wide_h0, output_final_state=True,
-                                            **op_kw)
-    o0, oq = o_wide[..., :dv], o_wide[..., dv:]
-    maps = jax.lax.all_gather(s_wide[..., dv:], axis)             # P of every shard  [C, B, HV, K, K]
-    offsets = jax.lax.all_gather(s_wide[..., :dv], axis)          # B of every shard  [C, B, HV, K, V]
-    me = jax.lax.axis_index(axis)
-    hp = jax.lax.Precision.HIGHEST
-    s = jnp.zeros((b, hv, dk, dv), state_dtype) if initial_state is None else initial_state.astype(state_dtype)
-    s_in = jnp.zeros_like(s)
-    for j in range(maps.shape[0]):
-        s_in = jnp.where(me == j, s, s_in)
-        s = jnp.einsum("bhij,bhjv->bhiv", maps[j], s, precision=hp) + offsets[j]
-    carry = jnp.einsum("bthk,bhkv->bthv", oq.astype(state_dtype), s_in, precision=hp)
-    o = (o0.astype(state_dtype) + carry).astype(o0.dtype)
-    return o, (s if output_final_state else None)
+    o_wide, s_wide = chunk_gated_delta_rule(q, k, _widen(v, dk), g, beta, initial_state=wide_h0,
+                                            output_final_state=True, **op_kw)
+    s0 = jnp.zeros((b, hv, dk, dv), state_dtype) if initial_state is None else initial_state.astype(state_dtype)
+    s_in, final = _fold(s_wide[..., dv:], s_wide[..., :dv], s0, axis)
+    return _outputs(o_wide, dv, s_in), (final if output_final_state else None)
 
 
 def _packed_delta_rule(q, k, v, g, beta, axis, initial_state, output_final_state, cu, op_kw):
-    _, tl, hv, dv = v.shape
+    hv, dv = v.shape[2:]
     dk = q.shape[-1]
     n_seq = cu.shape[0] - 1
-    pk = _Packing(cu, axis, tl)
+    pk = _Packing(cu, axis, v.shape[1])
     state_dtype = jnp.dtype(op_kw.get("state_dtype", jnp.float32))
     h0 = jnp.zeros((n_seq, hv, dk, dv), state_dtype) if initial_state is None else initial_state.astype(state_dtype)
     wide_h0 = jnp.concatenate([h0, jnp.zeros((n_seq, hv, dk, dk), state_dtype)], axis=-1)
     carried = jnp.concatenate([jnp.zeros((hv, dk, dv), state_dtype),
                                jnp.broadcast_to(jnp.eye(dk, dtype=state_dtype), (hv, dk, dk))], axis=-1)
     wide_h0 = wide_h0.at[pk.first].set(jnp.where(pk.continues, carried, wide_h0[pk.first]))
-    wide_v = jnp.concatenate([v, jnp.zeros(v.shape[:3] + (dk,), v.dtype)], axis=-1)
-    o_wide, s_wide = chunk_gated_delta_rule(q, k, wide_v, g, beta, initial_state=wide_h0, output_final_state=True,
-                                            cu_seqlens=pk.local, **op_kw)
-    o0, oq = o_wide[..., :dv], o_wide[..., dv:]
-    # the map this shard passes on: that of the sequence holding its last token
-    last = jnp.searchsorted(cu.astype(jnp.int32), pk.offset + tl - 1, side="right").astype(jnp.int32) - 1
-    maps = jax.lax.all_gather(s_wide[last][..., dv:], axis)          # [C, HV, K, K]
-    offsets = jax.lax.all_gather(s_wide[last][..., :dv], axis)       # [C, HV, K, V]
-    hp = jax.lax.Precision.HIGHEST
-    s = jnp.zeros((hv, dk, dv), state_dtype)
-    s_in = jnp.zeros_like(s)
-    for j in range(maps.shape[0]):
-        s_in = jnp.where(pk.me == j, s, s_in)
-        s = jnp.einsum("hij,hjv->hiv", maps[j], s, precision=hp) + offsets[j]
+    o_wide, s_wide = chunk_gated_delta_rule(q, k, _widen(v, dk), g, beta, initial_state=wide_h0,
+                                            output_final_state=True, cu_seqlens=pk.local, **op_kw)
+    passed = s_wide[pk.last]
+    s_in, _ = _fold(passed[..., dv:], passed[..., :dv], jnp.zeros((hv, dk, dv), state_dtype), axis)
     # Q is zero outside the continuing sequence (its identity block is)
-    o = (o0.astype(state_dtype) + jnp.einsum("bthk,hkv->bthv", oq.astype(state_dtype), s_in, precision=hp))
+    o = _outputs(o_wide, dv, s_in[None])
     if not output_final_state:
-        return o.astype(o0.dtype), None
-    finals = s_wide[..., :dv] + jnp.einsum("nhij,hjv->nhiv", s_wide[..., dv:], s_in, precision=hp)
-    return o.astype(o0.dtype), pk.pick_final(finals, axis)
+        return o, None
+    finals = s_wide[..., :dv] + jnp.einsum("nhij,hjv->nhiv", s_wide[..., dv:], s_in, precision=HIGHEST)
+    return o, pk.pick_final(finals, axis)
