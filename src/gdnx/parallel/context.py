@@ -34,7 +34,6 @@ import jax.numpy as jnp
 
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule
 
-
 HIGHEST = jax.lax.Precision.HIGHEST
 
 

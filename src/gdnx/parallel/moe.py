@@ -14,17 +14,9 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from gdnx.parallel.rules import current_mesh, is_explicit, spec
+from gdnx.parallel.rules import current_mesh, is_explicit, mesh_axes, spec
 
 TOKENS = ("batch", "length", None)  # x [B, T, hidden], top-k ids / weights [B, T, k]
-
-
-def _names(entries) -> tuple[str, ...]:
-    out: list[str] = []
-    for e in entries:
-        if e is not None:
-            out.extend((e,) if isinstance(e, str) else e)
-    return tuple(out)
 
 
 def run_experts(local: Callable, x, top_p, top_i, w_gate, w_up, w_down):
@@ -41,7 +33,7 @@ def run_experts(local: Callable, x, top_p, top_i, w_gate, w_up, w_down):
     args = (x, top_p, top_i, w_gate, w_up, w_down)
     if is_explicit(mesh):
         args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs, strict=True))
-    width_axes, token_axes = _names([gate_up[2]]), _names(tok[:2])
+    width_axes, token_axes = mesh_axes(gate_up[2]), mesh_axes(*tok[:2])
 
     def body(*xs):
         return local(*xs, width_axes, token_axes)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 
 from gdnx.parallel.rules import spec
 
-# (module name, parameter name) -> logical axes; "*" matches any module
+# (module name, parameter name) -> logical axes
 _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("embed_tokens", "embedding"): ("vocab", "embed"),
     ("lm_head", "kernel"): ("embed", "vocab"),

@@ -73,12 +73,19 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], *, units: dict[str, i
     return P(*out)
 
 
+def mesh_axes(*entries) -> tuple[str, ...]:
+    """The mesh axis names in these PartitionSpec entries (None, a name, or
+    a tuple of names)."""
+    out: list[str] = []
+    for e in entries:
+        if e is not None:
+            out.extend((e,) if isinstance(e, str) else e)
+    return tuple(out)
+
+
 def axis_size(spec_entry, mesh) -> int:
-    if spec_entry is None:
-        return 1
-    names = (spec_entry,) if isinstance(spec_entry, str) else spec_entry
     sizes = dict(mesh.shape)
-    return math.prod(sizes[n] for n in names)
+    return math.prod(sizes[n] for n in mesh_axes(spec_entry))
 
 
 def constrain(x, axes: Sequence[str | None], *, units: dict[str, int] | None = None):
