@@ -1,10 +1,10 @@
 """Meshes and comparisons shared by the sharding tests."""
 
 import jax
-import numpy as np
 
 from gdnx.config.schema import ParallelConfig
 from gdnx.parallel import make_mesh
+from tests.ops.gated_delta_rule.oracle import rel_err
 
 # the meshes the sharding contract is checked on (8 devices)
 MESHES = {
@@ -18,11 +18,6 @@ MESHES = {
 
 def mesh(mode: str, **axes):
     return make_mesh(ParallelConfig(shard_mode=mode, **axes))
-
-
-def rel_err(x, ref) -> float:
-    x, ref = np.asarray(jax.device_get(x), np.float64), np.asarray(jax.device_get(ref), np.float64)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def worst_rel_err(tree, ref_tree) -> tuple[float, str]:
