@@ -20,7 +20,7 @@ class Case:
     h0: bool = True
     l2norm: bool = False
     cu_seqlens: tuple | None = None
-    gates: str = "random"  # random | edges
+    gates: str = "random"  # random | edges | strong | vanishing
 
     def __str__(self):
         return self.name
@@ -43,6 +43,14 @@ def make_inputs(case: Case, seed: int = 0):
         # full write (beta = 1), in every combination.
         g = rng.choice([0.0, -30.0, -0.5], size=(b, t, case.hv))
         beta = rng.choice([0.0, 1.0, 0.5], size=(b, t, case.hv))
+    elif case.gates in ("strong", "vanishing"):
+        # Gates far below zero: a chunk's cumulative sums reach -1000s, where
+        # float32 cannot resolve a difference of two of them. "strong" sets
+        # half the gates to 0 (decays of exactly 1 between strong ones).
+        g = rng.uniform(-69.0, -31.0, size=(b, t, case.hv))
+        if case.gates == "strong":
+            g[rng.random(g.shape) < 0.5] = 0.0
+        beta = rng.uniform(0.0, 1.0, size=(b, t, case.hv))
     else:
         g = np.log(rng.uniform(0.6, 1.0, size=(b, t, case.hv)))
         beta = rng.uniform(0.0, 1.0, size=(b, t, case.hv))
@@ -62,6 +70,14 @@ CASES = [
     Case("packed", b=1, t=130, chunk=32, cu_seqlens=(0, 5, 5, 70, 130)),
     Case("packed_short_c64", b=1, t=90, chunk=64, cu_seqlens=(0, 40, 47, 90), h0=False, l2norm=True),
     Case("edges", t=80, chunk=16, gates="edges"),
+    Case("strong_c64", b=1, t=128, chunk=64, gates="strong"),
+    Case("vanishing_c32", b=1, t=96, chunk=32, gates="vanishing"),
     Case("bf16", t=100, chunk=64, dtype="bfloat16", l2norm=True),
     Case("bf16_packed", b=1, t=100, chunk=16, dtype="bfloat16", cu_seqlens=(0, 33, 100)),
 ]
+
+
+def by_name(cases, *names):
+    """The cases of these names, in this order."""
+    table = {c.name: c for c in cases}
+    return [table[n] for n in names]

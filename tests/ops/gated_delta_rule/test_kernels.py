@@ -15,7 +15,7 @@ import pytest
 
 from gdnx.ops import chunk_gated_delta_rule
 from gdnx.ops.gated_delta_rule.api import default_chunk_implementation
-from tests.ops.gated_delta_rule.cases import Case, make_inputs
+from tests.ops.gated_delta_rule.cases import Case, by_name, make_inputs
 from tests.ops.gated_delta_rule.oracle import rel_err
 from tests.ops.gated_delta_rule.test_numerics import check_against_oracle, run_oracle
 
@@ -25,6 +25,7 @@ KERNEL_CASES = [
     Case("k64_v128_packed_l2", b=1, t=130, dk=64, dv=128, chunk=32, cu_seqlens=(0, 5, 5, 70, 130), l2norm=True),
     Case("k128_v64_bf16_l2", b=1, t=128, dk=128, dv=64, chunk=64, dtype="bfloat16", l2norm=True),
     Case("edges_c16", b=1, t=48, dk=64, dv=64, chunk=16, gates="edges", h0=False),
+    Case("strong_c64", b=1, t=128, dk=64, dv=64, chunk=64, gates="strong"),
 ]
 
 
@@ -35,7 +36,7 @@ def test_kernel_matches_oracle(case, implementation):
 
 
 @pytest.mark.parametrize("implementation", KERNELS)
-@pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[2]], ids=str)
+@pytest.mark.parametrize("case", by_name(KERNEL_CASES, "k64_v128_packed_l2", "k128_v64_bf16_l2"), ids=str)
 def test_kernel_recompute_policy(case, implementation):
     check_against_oracle(case, implementation, residuals="recompute")
 

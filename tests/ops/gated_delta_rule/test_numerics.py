@@ -10,6 +10,11 @@ Tolerances:
 - bfloat16 inputs, float32 state: 2e-2. The output and the gradients are
   rounded to bfloat16 (relative step 2^-8 = 3.9e-3); the state is not.
 - float64 everywhere: 1e-10, the algebra itself.
+
+A tensor whose reference norm is below FLOOR = 1e-6 is judged by its
+absolute error against tol * FLOOR (with gates <= -30 everywhere, dg is
+~1e-14 and float32 leaves ~1e-14 of absolute error in it). The inputs'
+gradients are O(1..100) otherwise, so the floor never loosens them.
 """
 
 import jax
@@ -19,11 +24,12 @@ import numpy as np
 import pytest
 
 from gdnx.ops import chunk_gated_delta_rule
-from tests.ops.gated_delta_rule.cases import CASES, Case, make_inputs
+from tests.ops.gated_delta_rule.cases import CASES, Case, by_name, make_inputs
 from tests.ops.gated_delta_rule.oracle import oracle, oracle_packed, rel_err
 
 IMPLEMENTATIONS = ["xla", "reference"]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-10}
+FLOOR = 1e-6
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
@@ -76,8 +82,8 @@ def check_against_oracle(case: Case, implementation: str, state_dtype="float32",
 
     assert o.dtype == args[0].dtype
     assert final.dtype == jnp.dtype(state_dtype)
-    errs = {"o": rel_err(o, ref_o), "final": rel_err(final, ref_final)}
-    errs.update({f"d{n}": rel_err(grads[n], ref_grads[n]) for n in grads})
+    errs = {"o": rel_err(o, ref_o, FLOOR), "final": rel_err(final, ref_final, FLOOR)}
+    errs.update({f"d{n}": rel_err(grads[n], ref_grads[n], FLOOR) for n in grads})
     bad = {n: e for n, e in errs.items() if not e <= tol}
     assert not bad, f"{case} {implementation}: relative errors above {tol}: {bad} (all: {errs})"
     return errs
@@ -89,9 +95,17 @@ def test_matches_oracle(case, implementation):
     check_against_oracle(case, implementation)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[6], CASES[9]], ids=str)
+@pytest.mark.parametrize("case", by_name(CASES, "gva2_T63_c16", "packed", "bf16"), ids=str)
 def test_recompute_policy_matches_oracle(case):
     check_against_oracle(case, "xla", residuals="recompute")
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64, 128])
+def test_strong_decays_every_chunk_size(chunk):
+    """Gates in [-69, -31] mixed with zeros keep float32 at 1e-5 at any chunk
+    size: pairwise decays come from segment sums, not differences of large
+    cumulative sums (which measured 1e-4 at chunk 64)."""
+    check_against_oracle(Case(f"strong_c{chunk}", b=1, t=2 * chunk, chunk=chunk, gates="strong"), "xla")
 
 
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128])

@@ -15,7 +15,8 @@ Cumulative sums, transposes of vectors and row extraction are written with
 iotas, masks and reductions: no cumsum, slicing or reshapes, which kernel
 lowerings do not all have.
 
-Forward of one chunk (DESIGN.md), G = cumsum(g), D_ij = exp(G_i - G_j):
+Forward of one chunk, G = cumsum(g), D_ij = exp(G_i - G_j) (from the
+segment sums, see `segment_sums`):
 
     A  = strict_tril(beta_i (k_i . k_j) D_ij)      T = (I + A)^-1
     U  = T (beta v)                                W = T (beta exp(G) k)
@@ -47,10 +48,13 @@ INVERSE_BLOCK = 16
 def _dot(a, b, contract, operands):
     # operands: None keeps the accumulation dtype; a dtype (bfloat16) rounds
     # both operands to it, accumulating in the accumulation dtype all the same.
+    # HIGHEST asks for full float32 products (several MXU passes); on operands
+    # of 16 bits or fewer there is nothing to split and Mosaic refuses it.
     acc = a.dtype
     if operands is not None:
         a, b = a.astype(operands), b.astype(operands)
-    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=HIGHEST, preferred_element_type=acc)
+    precision = HIGHEST if a.dtype.itemsize >= 4 else jax.lax.Precision.DEFAULT
+    return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=acc)
 
 
 def mm(a, b, operands=None):
@@ -140,6 +144,24 @@ def unit_lower_inverse_rows(a):
     return t
 
 
+def segment_sums(g):
+    """[1, C] gates -> [C, C] with entry (i, j) = sum_{j < l <= i} g_l for
+    i >= j (zero above the diagonal).
+
+    The pairwise log decay G_i - G_j, summed over its own segment: a
+    difference of two cumulative sums cancels when both are large (gates far
+    below zero before the segment), leaving float32 an absolute error of
+    eps |G| in a decay near 1. As a matmul with a 0/1 matrix, every output
+    is a sum of terms of one sign.
+    """
+    c = g.shape[-1]
+    r, j = iotas(c)
+    tril = (j <= r).astype(g.dtype)                          # [i, l]: l <= i
+    after = jnp.where(r > j, jnp.broadcast_to(row_to_col(g), (c, c)), 0)  # [l, j]: g_l for l > j
+    return jax.lax.dot_general(tril, after, (((1,), (0,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=g.dtype)
+
+
 L2NORM_EPS = 1e-6
 
 
@@ -179,12 +201,14 @@ def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=
     c = q.shape[0]
     r, j = iotas(c)
     g = g.astype(decay_dtype)
-    # G_i = sum_{j <= i} g_j, as a column and as a row
-    gcum = jnp.sum(jnp.where(j <= r, jnp.broadcast_to(g, (c, c)), 0), axis=1, keepdims=True)
-    gcum_row = col_to_row(gcum)
+    gb = jnp.broadcast_to(g, (c, c))
+    # G_i = sum_{j <= i} g_j, and the sums after i up to the chunk's end:
+    # each a sum of terms of one sign, so nothing cancels.
+    gcum = jnp.sum(jnp.where(j <= r, gb, 0), axis=1, keepdims=True)
+    gtail = jnp.sum(jnp.where(j > r, gb, 0), axis=1, keepdims=True)
     glast = jnp.sum(g, axis=1, keepdims=True)
-    # Mask before the exponential: above the diagonal G_i - G_j >= 0 may overflow.
-    dm = jnp.exp(jnp.where(r >= j, gcum - gcum_row, -jnp.inf))
+    # Mask before the exponential: above the diagonal the sums are >= 0 and may overflow.
+    dm = jnp.exp(jnp.where(r >= j, segment_sums(g), -jnp.inf))
     dma = dm.astype(acc)
     eg = jnp.exp(gcum).astype(acc)
     beta = row_to_col(beta.astype(acc))
@@ -195,7 +219,7 @@ def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=
     return Prepared(
         gcum=gcum, dm=dm, beta=beta, tinv=tinv, u=u, w=w,
         p=scale * qk * dma, eq=scale * eg,
-        ek=jnp.exp(glast - gcum).astype(acc), gamma=jnp.exp(glast).astype(acc),
+        ek=jnp.exp(gtail).astype(acc), gamma=jnp.exp(glast).astype(acc),
     )
 
 
