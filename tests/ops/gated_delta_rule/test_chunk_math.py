@@ -6,7 +6,7 @@ import pytest
 from gdnx.ops.gated_delta_rule import chunk_math
 
 
-@pytest.mark.parametrize("inverse", [chunk_math.unit_lower_inverse, chunk_math.unit_lower_inverse_rows])
+@pytest.mark.parametrize("inverse", [chunk_math.unit_lower_inverse, chunk_math.unit_lower_inverse_masked])
 @pytest.mark.parametrize("c", [16, 32, 64, 128])
 def test_unit_lower_inverse_is_exact(inverse, c):
     rng = np.random.default_rng(c)
@@ -35,6 +35,20 @@ def test_decay_is_masked_before_exp():
     qk, kk = chunk_math.key_products(q, q)
     prep = chunk_math.prepare(q, q, jnp.zeros((c, 4)), g, jnp.ones((1, c)), qk, kk, scale=1.0,
                               decay_dtype=jnp.float32)
-    assert np.all(np.isfinite(prep.dm)) and np.all(np.triu(np.asarray(prep.dm), 1) == 0)
-    np.testing.assert_allclose(np.diagonal(np.asarray(prep.dm)), 1.0)
-    np.testing.assert_allclose(prep.gcum[:, 0], -100.0 * np.arange(1, c + 1))
+    assert np.all(np.isfinite(prep.dec.dm)) and np.all(np.triu(np.asarray(prep.dec.dm), 1) == 0)
+    np.testing.assert_allclose(np.diagonal(np.asarray(prep.dec.dm)), 1.0)
+    np.testing.assert_allclose(prep.dec.gcum[:, 0], -100.0 * np.arange(1, c + 1))
+
+
+@pytest.mark.parametrize("c", [16, 64])
+def test_segment_sums_do_not_cancel(c):
+    """Entry (i, j) is sum_{j < l <= i} g_l to float32 rounding of that sum
+    itself, however large the cumulative sums before the segment."""
+    rng = np.random.default_rng(c)
+    g = rng.uniform(-69.0, -31.0, size=(1, c))
+    g[rng.random(g.shape) < 0.5] = 0.0
+    seg = np.asarray(chunk_math.segment_sums(jnp.asarray(g, jnp.float32)), np.float64)
+    cum = np.concatenate([[0.0], np.cumsum(g[0])])
+    ref = np.tril(cum[1:, None] - cum[None, 1:])
+    scale = np.maximum(np.abs(ref), 1.0)
+    assert np.max(np.abs(seg - ref) / scale) < 1e-6

@@ -24,9 +24,11 @@ segment sums, see `segment_sums`):
     O  = eq * (q S) + P Vn       eq = scale exp(G),  P = scale tril(QK^T * D)
     S' = gamma S + k^T (ek * Vn)  gamma = exp(G_last), ek = exp(G_last - G)
 
-`prepare` needs no state, `step` is the sequential update; their adjoints
-`step_bwd`, `step_grads`, `prepare_bwd` and `key_products_bwd` make the
-backward. `operands` (None or a dtype such as bfloat16) rounds the operands
+`prepare` needs no state (`decays`, `chunk_inverse`, `wy`, `output_mix`
+are its parts, for kernels that split the work into phases), `step` is the
+sequential update; their adjoints `step_bwd`, `value_sums` (the terms that
+sum over V, so a kernel may add them up block by block), `prepare_bwd` and
+`key_products_bwd` make the backward. `operands` (None or a dtype such as bfloat16) rounds the operands
 of every matmul outside the chunk inverse to that dtype, accumulating in the
 accumulation dtype all the same: what a single bf16 MXU or tensor-core pass
 does, made explicit so that its cost can be measured anywhere.
@@ -97,7 +99,7 @@ def unit_lower_inverse(a):
     Blocked forward substitution: invert the diagonal blocks row by row, then
     merge neighbouring blocks with inv21 = -inv22 a21 inv11 until one block
     covers the chunk. Static slices and concatenation: fine for XLA, not for
-    every kernel lowering (see `unit_lower_inverse_rows`).
+    every kernel lowering (see `unit_lower_inverse_masked`).
     """
     c = a.shape[-1]
     b = min(INVERSE_BLOCK, c)
@@ -126,21 +128,32 @@ def unit_lower_inverse(a):
     return inv[0]
 
 
-def unit_lower_inverse_rows(a):
+def unit_lower_inverse_masked(a):
     """Exact (I + a)^-1 for strictly lower triangular a [C, C] (kernels).
 
-    Forward substitution one row at a time with masks and reductions only:
-    row i of T is e_i - sum_j a[i, j] T[j], and rows j < i are final.
+    The algebra of `unit_lower_inverse` written with masks and whole-tile
+    matmuls, which every kernel lowering has: forward substitution fixes
+    row i of every diagonal block at once (INVERSE_BLOCK - 1 steps, not
+    C - 1), then each level merges pairs of blocks as T - T L T, where L
+    holds the block of a below each pair's diagonal (T block diagonal, so
+    T L T is exactly inv22 a21 inv11 in each pair's lower-left block).
+    A few dozen operations for any C: short to compile, unlike one step
+    per row.
     """
     c = a.shape[-1]
+    b = min(INVERSE_BLOCK, c)
     r, j = iotas(c)
-    col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
-    t = (r == j).astype(a.dtype)
-    at = jnp.transpose(a)
-    for i in range(1, c):
-        a_i = jnp.sum(jnp.where(j == i, at, 0), axis=1, keepdims=True)  # a[i, :] as a column
-        row = (col == i).astype(a.dtype) - jnp.sum(a_i * t, axis=0, keepdims=True)
-        t = jnp.where(r == i, row, t)
+    eye = (r == j).astype(a.dtype)
+    diag = jnp.where(r // b == j // b, a, 0)
+    t = eye
+    for i in range(1, b):
+        # rows < i of every block are final, and diag[row, col >= row] = 0
+        t = jnp.where(r % b == i, eye - mm(diag, t), t)
+    size = b
+    while size < c:
+        lower = (r // (2 * size) == j // (2 * size)) & (r // size == j // size + 1)
+        t = t - mm(t, mm(jnp.where(lower, a, 0), t))
+        size *= 2
     return t
 
 
@@ -175,30 +188,19 @@ def key_products(q, k, *, operands=None):
     return mm_nt(q, k, operands=operands), mm_nt(k, k, operands=operands)
 
 
-class Prepared(NamedTuple):
-    """One value head's chunk quantities that do not depend on the state."""
+class Decays(NamedTuple):
+    """One value head's decay factors in a chunk (state- and value-free)."""
 
     gcum: jax.Array   # [C, 1]  G, decay dtype
     dm: jax.Array     # [C, C]  exp(G_i - G_j) on and below the diagonal, decay dtype
-    beta: jax.Array   # [C, 1]
-    tinv: jax.Array   # [C, C]  (I + A)^-1
-    u: jax.Array      # [C, V]
-    w: jax.Array      # [C, K]
-    p: jax.Array      # [C, C]  scale tril(QK^T * D)
-    eq: jax.Array     # [C, 1]  scale exp(G)
+    eg: jax.Array     # [C, 1]  exp(G)
     ek: jax.Array     # [C, 1]  exp(G_last - G)
     gamma: jax.Array  # [1, 1]  exp(G_last)
 
 
-def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse,
-            operands=None):
-    """Everything one value head's chunk needs before it sees the state.
-
-    q, k, v, qk, kk come in the accumulation dtype; g and beta as [1, C] rows
-    in any float dtype. Pass `tinv` (a saved (I + A)^-1) to skip the inverse.
-    """
-    acc = q.dtype
-    c = q.shape[0]
+def decays(g, *, acc_dtype, decay_dtype) -> Decays:
+    """Decay factors from [1, C] gates; eg, ek and gamma in acc_dtype."""
+    c = g.shape[-1]
     r, j = iotas(c)
     g = g.astype(decay_dtype)
     gb = jnp.broadcast_to(g, (c, c))
@@ -209,53 +211,102 @@ def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=
     glast = jnp.sum(g, axis=1, keepdims=True)
     # Mask before the exponential: above the diagonal the sums are >= 0 and may overflow.
     dm = jnp.exp(jnp.where(r >= j, segment_sums(g), -jnp.inf))
-    dma = dm.astype(acc)
-    eg = jnp.exp(gcum).astype(acc)
+    return Decays(gcum=gcum, dm=dm, eg=jnp.exp(gcum).astype(acc_dtype), ek=jnp.exp(gtail).astype(acc_dtype),
+                  gamma=jnp.exp(glast).astype(acc_dtype))
+
+
+def output_mix(qk, dec: Decays, *, scale):
+    """P = scale tril(QK^T * D), the intra-chunk output weights [C, C]."""
+    return scale * qk * dec.dm.astype(qk.dtype)
+
+
+def chunk_inverse(kk, beta_col, dec: Decays, *, inverse=unit_lower_inverse):
+    """(I + A)^-1 with A = strict_tril(beta_i (k_i . k_j) D_ij)."""
+    c = kk.shape[0]
+    r, j = iotas(c)
+    return inverse(jnp.where(r > j, beta_col * kk * dec.dm.astype(kk.dtype), 0))
+
+
+def wy(tinv, k, v, beta_col, dec: Decays, *, operands=None):
+    """U = T (beta v) [C, V] and W = T (beta exp(G) k) [C, K]."""
+    return mm(tinv, beta_col * v, operands=operands), mm(tinv, (beta_col * dec.eg) * k, operands=operands)
+
+
+class Prepared(NamedTuple):
+    """One value head's chunk quantities that do not depend on the state."""
+
+    dec: Decays
+    beta: jax.Array   # [C, 1]
+    tinv: jax.Array   # [C, C]  (I + A)^-1
+    u: jax.Array      # [C, V]
+    w: jax.Array      # [C, K]
+    p: jax.Array      # [C, C]  scale tril(QK^T * D)
+    eq: jax.Array     # [C, 1]  scale exp(G)
+
+
+def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse,
+            operands=None):
+    """Everything one value head's chunk needs before it sees the state.
+
+    q, k, v, qk, kk come in the accumulation dtype; g and beta as [1, C] rows
+    in any float dtype. Pass `tinv` (a saved (I + A)^-1) to skip the inverse.
+    """
+    acc = q.dtype
+    dec = decays(g, acc_dtype=acc, decay_dtype=decay_dtype)
     beta = row_to_col(beta.astype(acc))
     if tinv is None:
-        tinv = inverse(jnp.where(r > j, beta * kk * dma, 0))
-    u = mm(tinv, beta * v, operands=operands)
-    w = mm(tinv, (beta * eg) * k, operands=operands)
-    return Prepared(
-        gcum=gcum, dm=dm, beta=beta, tinv=tinv, u=u, w=w,
-        p=scale * qk * dma, eq=scale * eg,
-        ek=jnp.exp(gtail).astype(acc), gamma=jnp.exp(glast).astype(acc),
-    )
+        tinv = chunk_inverse(kk, beta, dec, inverse=inverse)
+    u, w = wy(tinv, k, v, beta, dec, operands=operands)
+    return Prepared(dec=dec, beta=beta, tinv=tinv, u=u, w=w, p=output_mix(qk, dec, scale=scale),
+                    eq=scale * dec.eg)
 
 
 def step(state, q, k, prep: Prepared, *, operands=None):
     """One chunk's output [C, V] and outgoing state [K, V]."""
     vn = prep.u - mm(prep.w, state, operands=operands)
     o = prep.eq * mm(q, state, operands=operands) + mm(prep.p, vn, operands=operands)
-    return o, prep.gamma * state + mm_tn(k, prep.ek * vn, operands=operands)
+    return o, prep.dec.gamma * state + mm_tn(k, prep.dec.ek * vn, operands=operands)
 
 
 def step_bwd(do, dstate_out, q, k, prep: Prepared, *, operands=None):
     """Adjoint of `step` along the state path: (dVn, dS_in)."""
-    dvn = mm_tn(prep.p, do, operands=operands) + prep.ek * mm(k, dstate_out, operands=operands)
-    dstate_in = (mm_tn(q, prep.eq * do, operands=operands) + prep.gamma * dstate_out
+    dvn = mm_tn(prep.p, do, operands=operands) + prep.dec.ek * mm(k, dstate_out, operands=operands)
+    dstate_in = (mm_tn(q, prep.eq * do, operands=operands) + prep.dec.gamma * dstate_out
                  - mm_tn(prep.w, dvn, operands=operands))
     return dvn, dstate_in
 
 
-class StepGrads(NamedTuple):
-    """Cotangents from the state pass, for one value head's chunk."""
+class ValueSums(NamedTuple):
+    """The backward's terms that sum over the value dim, for one value head's
+    chunk: a kernel may add them up over V blocks."""
 
-    du: jax.Array      # of U                       [C, V]
-    dw: jax.Array      # of W                       [C, K]
-    dp: jax.Array      # of P                       [C, C]
+    dw: jax.Array      # of W: -dVn S^T             [C, K]
+    dp: jax.Array      # of P: dO Vn^T              [C, C]
     dqs: jax.Array     # dO S^T (q S's cotangent)   [C, K]
     dks: jax.Array     # Vn dS'^T                   [C, K]
-    dgamma: jax.Array  # of gamma                   [1, 1]
+    dgamma: jax.Array  # of gamma: <S, dS'>         [1, 1]
+    dbv_u: jax.Array   # (T^T dU) U^T               [C, C]
+    v_dbv: jax.Array   # rows of v * (T^T dU)       [C, 1]
 
 
-def step_grads(state, dstate_out, do, dvn, prep: Prepared, *, operands=None) -> StepGrads:
-    vn = prep.u - mm(prep.w, state, operands=operands)
-    return StepGrads(
-        du=dvn, dw=-mm_nt(dvn, state, operands=operands), dp=mm_nt(do, vn, operands=operands),
+def value_sums(state, dstate_out, do, dvn, u, v, w, tinv, beta_col, *, operands=None):
+    """`ValueSums` of one V block (or all of V), and that block's dv.
+
+    state, dstate_out [K, BV]; do, dvn, u, v [C, BV]; w [C, K]; tinv [C, C].
+    """
+    vn = u - mm(w, state, operands=operands)
+    dbv = mm_tn(tinv, dvn, operands=operands)   # dU = dVn
+    sums = ValueSums(
+        dw=-mm_nt(dvn, state, operands=operands), dp=mm_nt(do, vn, operands=operands),
         dqs=mm_nt(do, state, operands=operands), dks=mm_nt(vn, dstate_out, operands=operands),
         dgamma=jnp.sum(jnp.sum(state * dstate_out, axis=1, keepdims=True), axis=0, keepdims=True),
+        dbv_u=mm_nt(dbv, u, operands=operands), v_dbv=jnp.sum(v * dbv, axis=1, keepdims=True),
     )
+    return sums, beta_col * dbv
+
+
+def add_sums(a: ValueSums, b: ValueSums) -> ValueSums:
+    return ValueSums(*(x + y for x, y in zip(a, b)))
 
 
 class PreparedGrads(NamedTuple):
@@ -263,15 +314,16 @@ class PreparedGrads(NamedTuple):
 
     dq: jax.Array    # [C, K]
     dk: jax.Array    # [C, K]
-    dv: jax.Array    # [C, V]
     dg: jax.Array    # [1, C]
     dbeta: jax.Array  # [1, C]
     dqk: jax.Array   # [C, C]  to sum over the key head's value heads
     dkk: jax.Array   # [C, C]
 
 
-def prepare_bwd(q, k, v, qk, kk, prep: Prepared, grads: StepGrads, *, scale, operands=None) -> PreparedGrads:
-    """Adjoint of `prepare` for one value head.
+def prepare_bwd(q, k, qk, kk, dec: Decays, beta, tinv, w, sums: ValueSums, *, scale,
+                operands=None) -> PreparedGrads:
+    """Adjoint of `prepare` for one value head, from the V sums (dv comes
+    with them, from `value_sums`).
 
     The inverse is not differentiated through: with X = beta exp(G) k,
     dA = -T^T (dU (beta v)^T + dW X^T) T^T = -(T^T dU) U^T - (T^T dW) W^T.
@@ -279,38 +331,35 @@ def prepare_bwd(q, k, v, qk, kk, prep: Prepared, grads: StepGrads, *, scale, ope
     acc = q.dtype
     c = q.shape[0]
     r, j = iotas(c)
-    dm = prep.dm.astype(acc)
-    eg = jnp.exp(prep.gcum).astype(acc)
-    beta = prep.beta
+    dm = dec.dm.astype(acc)
+    eg, eq = dec.eg, scale * dec.eg
 
-    # U = T (beta v),  W = T (beta exp(G) k)
-    dbv = mm_tn(prep.tinv, grads.du, operands=operands)
-    dx = mm_tn(prep.tinv, grads.dw, operands=operands)
-    da = jnp.where(r > j, -(mm_nt(dbv, prep.u, operands=operands) + mm_nt(dx, prep.w, operands=operands)), 0)
+    # W = T (beta exp(G) k)
+    dx = mm_tn(tinv, sums.dw, operands=operands)
+    da = jnp.where(r > j, -(sums.dbv_u + mm_nt(dx, w, operands=operands)), 0)
     kdx = jnp.sum(k * dx, axis=1, keepdims=True)
-    dv = beta * dbv
     dk = (beta * eg) * dx
     # A = strict_tril(beta_i kk_ij D_ij)
-    dbeta = jnp.sum(v * dbv, axis=1, keepdims=True) + eg * kdx + jnp.sum(da * kk * dm, axis=1, keepdims=True)
+    dbeta = sums.v_dbv + eg * kdx + jnp.sum(da * kk * dm, axis=1, keepdims=True)
     dgcum = beta * eg * kdx
     dkk = da * beta * dm
     # P = scale tril(qk * D)   (D is already 0 above the diagonal)
-    dqk = scale * grads.dp * dm
-    m = (da * beta * kk + scale * grads.dp * qk) * dm
+    dqk = scale * sums.dp * dm
+    m = (da * beta * kk + scale * sums.dp * qk) * dm
     # D_ij = exp(G_i - G_j)
     dgcum = dgcum + jnp.sum(m, axis=1, keepdims=True) - row_to_col(jnp.sum(m, axis=0, keepdims=True))
     # q S scaled by eq = scale exp(G)
-    dq = prep.eq * grads.dqs
-    dgcum = dgcum + prep.eq * jnp.sum(grads.dqs * q, axis=1, keepdims=True)
+    dq = eq * sums.dqs
+    dgcum = dgcum + eq * jnp.sum(sums.dqs * q, axis=1, keepdims=True)
     # k^T (ek Vn), ek = exp(G_last - G);  gamma = exp(G_last)
-    rk = prep.ek * jnp.sum(grads.dks * k, axis=1, keepdims=True)
-    dk = dk + prep.ek * grads.dks
-    dlast = jnp.sum(rk, axis=0, keepdims=True) + prep.gamma * grads.dgamma
+    rk = dec.ek * jnp.sum(sums.dks * k, axis=1, keepdims=True)
+    dk = dk + dec.ek * sums.dks
+    dlast = jnp.sum(rk, axis=0, keepdims=True) + dec.gamma * sums.dgamma
     last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
     dgcum = dgcum - rk + jnp.where(last_row, dlast, 0)
     # G = cumsum(g): dg_j = sum_{i >= j} dG_i
     dg = jnp.sum(jnp.where(r >= j, jnp.broadcast_to(dgcum, (c, c)), 0), axis=0, keepdims=True)
-    return PreparedGrads(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=col_to_row(dbeta), dqk=dqk, dkk=dkk)
+    return PreparedGrads(dq=dq, dk=dk, dg=dg, dbeta=col_to_row(dbeta), dqk=dqk, dkk=dkk)
 
 
 def key_products_bwd(q, k, dqk, dkk, *, operands=None):
@@ -346,6 +395,6 @@ def value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_out, *
     incoming state, the output cotangent and the outgoing state's cotangent."""
     prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv, operands=operands)
     dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep, operands=operands)
-    grads = step_grads(state, dstate_out, do, dvn, prep, operands=operands)
-    pg = prepare_bwd(q, k, v, qk, kk, prep, grads, scale=scale, operands=operands)
-    return ValueHeadGrads(pg.dv, pg.dg, pg.dbeta, pg.dq, pg.dk, pg.dqk, pg.dkk, dstate_in)
+    sums, dv = value_sums(state, dstate_out, do, dvn, prep.u, v, prep.w, prep.tinv, prep.beta, operands=operands)
+    pg = prepare_bwd(q, k, qk, kk, prep.dec, prep.beta, prep.tinv, prep.w, sums, scale=scale, operands=operands)
+    return ValueHeadGrads(dv, pg.dg, pg.dbeta, pg.dq, pg.dk, pg.dqk, pg.dkk, dstate_in)

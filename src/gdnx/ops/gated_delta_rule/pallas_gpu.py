@@ -60,7 +60,7 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
             state = jnp.where(reset, h0_ref[seq, 0, j].astype(acc_dtype), states[j])
             o, new_state, tinv = chunk_math.value_head_forward(
                 q, k, v_ref[c, 0, 0, j].astype(acc_dtype), g_ref[c, 0, 0, j], b_ref[c, 0, 0, j], qk, kk, state,
-                inverse=chunk_math.unit_lower_inverse_rows, **cfg.algebra())
+                inverse=chunk_math.unit_lower_inverse_masked, **cfg.algebra())
             o_ref[c, 0, 0, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs

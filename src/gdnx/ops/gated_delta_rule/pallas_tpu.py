@@ -74,7 +74,7 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
             state = state_ref[i, j]
             o, new_state, tinv = chunk_math.value_head_forward(
                 q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk, state,
-                inverse=chunk_math.unit_lower_inverse_rows, **cfg.algebra())
+                inverse=chunk_math.unit_lower_inverse_masked, **cfg.algebra())
             o_ref[0, 0, i, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs
