@@ -1,6 +1,8 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+AOT_VENV := .venv-aot
+AOT_STAMP := $(AOT_VENV)/.installed
 
 .PHONY: demo test bench clean
 
@@ -10,24 +12,31 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+$(AOT_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(AOT_VENV)
+	$(AOT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(AOT_VENV)/bin/python -m pip install --quiet -e '.[aot]'
+	touch $(AOT_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/gdnx train
 
-# Three pytest processes: the op tests; the sharding tests, on 8 virtual CPU
-# devices (XLA reads that flag once per process); then the rest, which
-# imports torch for the transformers parity tests. With torch loaded in the
-# same process, XLA's CPU compiler segfaulted (jax 0.10.2) compiling an op
-# test's autodiff scan. pytest exits 5 when it collects nothing: that is a
-# failure too, said plainly.
-test: $(STAMP)
-	@for args in "tests/ops" "tests/parallel" "tests --ignore=tests/ops --ignore=tests/parallel"; do \
-		$(VENV)/bin/python -m pytest $$args; rc=$$?; \
-		if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests in $$args" >&2; fi; \
-		if [ $$rc -ne 0 ]; then exit $$rc; fi; \
-	done
+# Four pytest processes: the op tests; the sharding tests, on 8 virtual CPU
+# devices (XLA reads that flag once per process); the rest, which imports
+# torch for the transformers parity tests (with torch loaded in the same
+# process, XLA's CPU compiler segfaulted (jax 0.10.2) compiling an op test's
+# autodiff scan); and the deviceless compilation for TPU and GPU targets, in
+# .venv-aot with libtpu and the CUDA plugin. pytest exits 5 when it collects
+# nothing: that is a failure too, said plainly.
+test: $(STAMP) $(AOT_STAMP)
+	@run() { "$$@" || { rc=$$?; [ $$rc -eq 5 ] && echo "make test: pytest collected no tests: $$*" >&2; exit $$rc; }; }; \
+	run $(VENV)/bin/python -m pytest tests/ops -m "not deviceless" && \
+	run $(VENV)/bin/python -m pytest tests/parallel && \
+	run $(VENV)/bin/python -m pytest tests --ignore=tests/ops --ignore=tests/parallel && \
+	run env JAX_PLATFORMS=cpu TPU_WORKER_HOSTNAMES=localhost $(AOT_VENV)/bin/python -m pytest tests/ops -m deviceless
 
 bench: $(STAMP)
 	$(VENV)/bin/gdnx bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(AOT_VENV) .pytest_cache

@@ -52,7 +52,11 @@ def _dot(a, b, contract, operands):
     # both operands to it, accumulating in the accumulation dtype all the same.
     # HIGHEST asks for full float32 products (several MXU passes); on operands
     # of 16 bits or fewer there is nothing to split and Mosaic refuses it.
+    # A DotAlgorithmPreset keeps the operands and names the algorithm (a
+    # kernel that lowers float32 products to tensor-core passes).
     acc = a.dtype
+    if isinstance(operands, jax.lax.DotAlgorithmPreset):
+        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=operands, preferred_element_type=acc)
     if operands is not None:
         a, b = a.astype(operands), b.astype(operands)
     precision = HIGHEST if a.dtype.itemsize >= 4 else jax.lax.Precision.DEFAULT
@@ -99,7 +103,7 @@ def unit_lower_inverse(a):
     Blocked forward substitution: invert the diagonal blocks row by row, then
     merge neighbouring blocks with inv21 = -inv22 a21 inv11 until one block
     covers the chunk. Static slices and concatenation: fine for XLA, not for
-    every kernel lowering (see `unit_lower_inverse_masked`).
+    every kernel lowering (see `unit_lower_inverse_loop`).
     """
     c = a.shape[-1]
     b = min(INVERSE_BLOCK, c)
@@ -128,33 +132,28 @@ def unit_lower_inverse(a):
     return inv[0]
 
 
-def unit_lower_inverse_masked(a):
+def unit_lower_inverse_loop(a):
     """Exact (I + a)^-1 for strictly lower triangular a [C, C] (kernels).
 
-    The algebra of `unit_lower_inverse` written with masks and whole-tile
-    matmuls, which every kernel lowering has: forward substitution fixes
-    row i of every diagonal block at once (INVERSE_BLOCK - 1 steps, not
-    C - 1), then each level merges pairs of blocks as T - T L T, where L
-    holds the block of a below each pair's diagonal (T block diagonal, so
-    T L T is exactly inv22 a21 inv11 in each pair's lower-left block).
-    A few dozen operations for any C: short to compile, unlike one step
-    per row.
+    Forward substitution one row at a time, row i of T being
+    e_i - sum_j a[i, j] T[j] (rows j < i final), written with masks and
+    reductions in a loop that is not unrolled: every kernel lowering has
+    these, and the kernel holds one step's code whatever C is, so it
+    compiles quickly (matmul-based forms multiplied Triton's compile time:
+    each float32 matmul becomes thousands of FMAs per thread).
     """
     c = a.shape[-1]
-    b = min(INVERSE_BLOCK, c)
     r, j = iotas(c)
-    eye = (r == j).astype(a.dtype)
-    diag = jnp.where(r // b == j // b, a, 0)
-    t = eye
-    for i in range(1, b):
-        # rows < i of every block are final, and diag[row, col >= row] = 0
-        t = jnp.where(r % b == i, eye - mm(diag, t), t)
-    size = b
-    while size < c:
-        lower = (r // (2 * size) == j // (2 * size)) & (r // size == j // size + 1)
-        t = t - mm(t, mm(jnp.where(lower, a, 0), t))
-        size *= 2
-    return t
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
+    at = jnp.transpose(a)
+
+    def row(i, t):
+        a_i = jnp.sum(jnp.where(j == i, at, 0), axis=1, keepdims=True)  # a[i, :] as a column
+        new = (col == i).astype(a.dtype) - jnp.sum(a_i * t, axis=0, keepdims=True)
+        return jnp.where(r == i, new, t)
+
+    # int32 bounds: an int64 loop index (under x64) is one Mosaic cannot lower
+    return jax.lax.fori_loop(jnp.int32(1), jnp.int32(c), row, (r == j).astype(a.dtype))
 
 
 def segment_sums(g):

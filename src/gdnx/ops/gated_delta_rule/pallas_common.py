@@ -25,15 +25,57 @@ and reruns the forward kernel in the backward.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from gdnx.ops.gated_delta_rule import chunk_math
 from gdnx.ops.gated_delta_rule.xla import Config, run_in_blocks, save_residuals, select
 
 MAX_HEAD_DIM = 256
+
+
+def matmul_flops(m: int, k: int, n: int) -> int:
+    return 2 * m * k * n
+
+
+def chunk_flops(c: int, dk: int, dv: int) -> dict[str, int]:
+    """Analytic FLOPs of the chunk algebra per chunk and value head, by part
+    (matmuls and the C^3 terms; the O(C^2) elementwise work is left out).
+
+    key_products   QK^T and KK^T, once per key head
+    prepare        segment sums, inverse (C rows of C x C), U, W
+    state          Vn = U - W S, S' = gamma S + K^T (ek Vn)
+    output         (eq Q) S + P Vn
+    state_bwd      P^T dO, K dS', Q^T (eq dO), W^T dVn
+    grads          the V sums (7 matmuls), the rest of the prepare adjoint,
+                   U and W again
+    key_grads      through QK^T and KK^T, once per key head
+    """
+    mm = matmul_flops
+    return {
+        "key_products": 2 * mm(c, dk, c),
+        "prepare": 2 * mm(c, c, c) + mm(c, c, dv) + mm(c, c, dk),
+        "state": 2 * mm(c, dk, dv),
+        "output": mm(c, dk, dv) + mm(c, c, dv),
+        "state_bwd": mm(c, c, dv) + 3 * mm(c, dk, dv),
+        "grads": 5 * mm(c, dk, dv) + 3 * mm(c, c, dv) + 2 * mm(c, c, dk) + mm(c, c, c) + mm(c, c, dv) + mm(c, c, dk),
+        "key_grads": 4 * mm(c, c, dk),
+    }
+
+
+def transcendentals(c: int) -> int:
+    """exp of the decays per chunk and value head: C x C pairwise, 2 C, 1."""
+    return c * c + 2 * c + 1
+
+
+def cost(flops: int, exps: int, arrays) -> pl.CostEstimate:
+    """A kernel's cost estimate: bytes are every input and output once."""
+    nbytes = sum(int(math.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in arrays)
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(exps), bytes_accessed=nbytes)
 
 
 def check_dims(name: str, dk: int, dv: int):

@@ -74,7 +74,7 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
             state = state_ref[i, j]
             o, new_state, tinv = chunk_math.value_head_forward(
                 q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk, state,
-                inverse=chunk_math.unit_lower_inverse_masked, **cfg.algebra())
+                inverse=chunk_math.unit_lower_inverse_loop, **cfg.algebra())
             o_ref[0, 0, i, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs
@@ -155,7 +155,16 @@ class _Specs:
         self.inverse = pl.BlockSpec((1, 1, ht, grp, c, c), per_chunk)
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, budget, head_tile, interpret, flags, *args):
+def _cost(grid, head_tile, grp, c, dk, dv, parts, key_parts, arrays):
+    """Estimate over the grid: per step, the key head parts once per key head
+    of the tile and the value head parts once per value head."""
+    f = pallas_common.chunk_flops(c, dk, dv)
+    steps = grid[0] * grid[1] * grid[2] * head_tile
+    flops = steps * (sum(f[p] for p in key_parts) + grp * sum(f[p] for p in parts))
+    return pallas_common.cost(flops, steps * grp * pallas_common.transcendentals(c), arrays)
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, budget, head_tile, interpret, cost, flags, *args):
     if budget > MAX_VMEM_BUDGET:
         raise ValueError(f"implementation='pallas_tpu': head_tile={head_tile} needs ~{budget / 2**20:.0f} MiB of "
                          f"VMEM, over the {MAX_VMEM_BUDGET // 2**20} MiB budget; use a smaller head_tile")
@@ -168,6 +177,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, budget, head_ti
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=min(max(MIN_VMEM_LIMIT, 2 * budget), MAX_VMEM_LIMIT)),
         interpret=_tpu_interpreter() if interpret else False,
+        cost_estimate=cost,
     )(*(f.reshape(-1) for f in flags), *args)  # flags indexed chunk * rows + row
 
 
@@ -201,11 +211,13 @@ def forward(q, k, v, g, beta, h0, flags, *, cfg, save_residuals, interpret, head
         out_specs += [sp.chunk_state, sp.inverse]
     kernel = functools.partial(_fwd_kernel, rows=rows, head_tile=head_tile, grp=grp, cfg=cfg,
                                save_residuals=save_residuals)
-    return _call(kernel, (rows, hk // head_tile, nc), [sp.keys, sp.keys, sp.values, sp.gates, sp.gates,
-                                                        sp.sequence_state],
+    grid = (rows, hk // head_tile, nc)
+    cost = _cost(grid, head_tile, grp, c, dk, dv, ("prepare", "state", "output"), ("key_products",),
+                 (q, k, v, g, beta, h0, *out_shape))
+    return _call(kernel, grid, [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state],
                  out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), cfg.acc_dtype)],
                  vmem_bytes(head_tile, grp, c, dk, dv, q.dtype.itemsize, save_residuals), head_tile, interpret,
-                 flags, q, k, v, g, beta, h0)
+                 cost, flags, q, k, v, g, beta, h0)
 
 
 def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpret, head_tile=1):
@@ -221,11 +233,14 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpre
     kernel = functools.partial(_bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, cfg=cfg)
     # Inputs, residuals and cotangents in, gradients out: about twice the forward's blocks.
     budget = 2 * vmem_bytes(head_tile, grp, c, dk, dv, max(q.dtype.itemsize, 4), True)
-    return _call(kernel, (rows, hk // head_tile, nc),
+    grid = (rows, hk // head_tile, nc)
+    cost = _cost(grid, head_tile, grp, c, dk, dv, ("prepare", "state_bwd", "grads"), ("key_products", "key_grads"),
+                 (q, k, v, g, beta, tinv, states, do, dfinal, *out_shape))
+    return _call(kernel, grid,
                  [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.inverse, sp.chunk_state, sp.values,
                   sp.sequence_state],
                  out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), acc_dtype)], budget, head_tile, interpret,
-                 flags, q, k, v, g, beta, tinv, states, do, dfinal)
+                 cost, flags, q, k, v, g, beta, tinv, states, do, dfinal)
 
 
 def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, h0, *, interpret=None, head_tile=1, **kw):

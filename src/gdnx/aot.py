@@ -1,0 +1,117 @@
+"""Deviceless ahead-of-time compilation for real TPUs and GPUs, from any host.
+
+A target names a device that need not be attached: libtpu compiles for a TPU
+topology, the CUDA plugin (Triton -> PTX -> ptxas) for a GPU described by
+its target config. The compiled program reports its memory and cost, so a
+kernel that overflows VMEM or shared memory, or that a compiler rejects,
+fails here, before anyone reaches the hardware.
+
+    from gdnx import aot
+    sharding = aot.sharding("h100")
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for ...]
+    compiled = jax.jit(f).lower(*args).compile()
+
+Needs the compilers in the environment: `jax[tpu]` (libtpu) for TPU
+targets, `jax[cuda12-local]` plus `nvidia-cuda-nvcc-cu12` (ptxas) for GPU
+targets; `make test` installs both into `.venv-aot`. Run with
+JAX_PLATFORMS=cpu so that neither plugin looks for a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax.experimental import topologies
+
+# The smallest slice of each generation; one chip compiles the same kernels.
+TPU_TOPOLOGIES = {"tpu_v4": "v4:2x2x1", "tpu_v5e": "v5e:2x2", "tpu_v5p": "v5p:2x2x1", "tpu_v6e": "v6e:2x2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """What the GPU compiler needs to know about a device (NVIDIA's
+    published figures)."""
+
+    description: str
+    compute_capability: tuple[int, int]
+    sm_count: int
+    shared_memory_per_block_optin: int   # bytes a kernel may ask for
+    shared_memory_per_sm: int
+    memory_bytes: int
+    memory_bandwidth: int                # bytes / s
+    l2_cache_bytes: int
+    clock_ghz: float
+
+
+GPU_SPECS = {
+    "h100": GpuSpec("NVIDIA H100 80GB HBM3", (9, 0), 132, 232_448, 233_472, 80 * 2**30, 3_350 * 10**9,
+                    50 * 2**20, 1.98),
+    "h200": GpuSpec("NVIDIA H200", (9, 0), 132, 232_448, 233_472, 141 * 10**9, 4_800 * 10**9, 50 * 2**20, 1.98),
+    "a100": GpuSpec("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166_912, 167_936, 80 * 2**30, 2_039 * 10**9,
+                    40 * 2**20, 1.41),
+}
+TARGETS = tuple(TPU_TOPOLOGIES) + tuple(GPU_SPECS)
+
+
+def gpu_target_config(spec: GpuSpec) -> str:
+    """A GpuTargetConfigProto in text form, with the fields compilation reads."""
+    major, minor = spec.compute_capability
+    return f"""
+gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {spec.shared_memory_per_sm}
+  threads_per_core_limit: 2048
+  core_count: {spec.sm_count}
+  fpus_per_core: {128 if major >= 9 else 64}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {spec.memory_bandwidth}
+  l2_cache_size: {spec.l2_cache_bytes}
+  clock_rate_ghz: {spec.clock_ghz}
+  device_memory_size: {spec.memory_bytes}
+  shared_memory_per_block_optin: {spec.shared_memory_per_block_optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+device_description_str: "{spec.description}"
+"""
+
+
+def platform(target: str) -> str:
+    """"tpu" or "cuda"."""
+    _check(target)
+    return "tpu" if target in TPU_TOPOLOGIES else "cuda"
+
+
+def _check(target: str):
+    if target not in TARGETS:
+        raise ValueError(f"target: expected one of {TARGETS}, got {target!r}")
+
+
+@functools.cache
+def device(target: str) -> jax.Device:
+    """An abstract device of the target (first chip of the topology)."""
+    _check(target)
+    try:
+        if target in TPU_TOPOLOGIES:
+            topo = topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[target], platform="tpu")
+        else:
+            topo = topologies.get_topology_desc(platform="cuda", topology_name="", topology="1x1x1",
+                                                target_config=gpu_target_config(GPU_SPECS[target]))
+    except Exception as e:  # the plugin is missing or refuses: say which
+        need = "jax[tpu]" if target in TPU_TOPOLOGIES else "jax[cuda12-local] and nvidia-cuda-nvcc-cu12"
+        raise RuntimeError(f"target {target!r}: no compiler for it in this environment (install {need}): {e}") from e
+    return topo.devices[0]
+
+
+def sharding(target: str) -> jax.sharding.Sharding:
+    """Place abstract arguments (ShapeDtypeStruct(..., sharding=...)) on the target."""
+    return jax.sharding.SingleDeviceSharding(device(target))
