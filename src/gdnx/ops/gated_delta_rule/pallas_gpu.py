@@ -56,7 +56,7 @@ class Tiles:
     """Launch parameters of the GPU kernels."""
 
     block_v: int = DEFAULT_BLOCK_V  # V block of the sequential and output kernels
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
 
 
@@ -393,10 +393,12 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpre
     return (dq.sum(3)[..., :kd], dk.sum(3)[..., :kd], dv[..., :vd], dg, dbeta, dh0[..., :kd, :vd])
 
 
-def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, h0, *, interpret=None, block_v=DEFAULT_BLOCK_V,
-                                      num_warps=4, num_stages=2, **kw):
+def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, h0, *, interpret=None, block_v: int | None = None,
+                                      num_warps: int | None = None, num_stages: int | None = None, **kw):
+    """Knobs left None take the `Tiles` defaults."""
     pallas_common.check_dims("pallas_gpu", q.shape[-1], v.shape[-1])
+    given = dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages)
     knobs = dict(interpret=pallas_common.resolve_interpret(interpret),
-                 tiles=Tiles(block_v=block_v, num_warps=num_warps, num_stages=num_stages))
+                 tiles=Tiles(**{name: x for name, x in given.items() if x is not None}))
     kernels = pallas_common.Kernels(functools.partial(forward, **knobs), functools.partial(backward, **knobs))
     return pallas_common.run(kernels, q, k, v, g, beta, h0, **kw)
