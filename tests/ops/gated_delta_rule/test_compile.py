@@ -11,7 +11,9 @@ its residuals, then the backward), at Qwen3-Next's GDN shape (B=2, T=4096,
 HK=16, HV=32, K=V=128, bfloat16, l2norm); each knob varied once from there
 (matmul operands bfloat16, residuals recomputed, K=V=64, packed sequences,
 value-head groups of 3 and 4 as in Qwen3.5), and one long sequence
-(B=1, T=32768) with bfloat16 operands, the packed-training shape.
+(B=1, T=32768) with bfloat16 operands, the packed-training shape. Each
+target compiles with its entry of the tiles table (TPU v4 too, at the base
+shape), so every entry is compiled.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 
 from gdnx import aot
 from gdnx.ops import chunk_gated_delta_rule
+from gdnx.ops.gated_delta_rule import tiles_for
 
 pytestmark = pytest.mark.deviceless
 
@@ -84,11 +87,12 @@ def build(program: Program, target: str):
             sd((p.b, p.t, p.hv, p.dim), jnp.bfloat16), sd((p.b, p.t, p.hv), jnp.float32),
             sd((p.b, p.t, p.hv), jnp.bfloat16), sd((n, p.hv, p.dim, p.dim), jnp.float32)]
     cu = sd((n + 1,), jnp.int32) if p.packed else None
+    impl = KERNEL[aot.platform(target)]
 
     def op(q, k, v, g, beta, h0, cu_seqlens=None):
         return chunk_gated_delta_rule(
             q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
-            use_qk_l2norm=True, implementation=KERNEL[aot.platform(target)], interpret=False,
+            use_qk_l2norm=True, implementation=impl, interpret=False, tiles=tiles_for(impl, aot.device(target)),
             matmul_dtype=p.matmul_dtype, residuals=p.residuals)
 
     fn = op
@@ -108,6 +112,13 @@ def test_compiles(target, program):
     compiled = jax.jit(fn).lower(*args).compile()
     mem = compiled.memory_analysis()
     assert mem is not None and mem.argument_size_in_bytes > 0
+
+
+@pytest.mark.parametrize("program", [p for p in PROGRAMS if p.name in ("forward", "grad")], ids=str)
+def test_compiles_for_tpu_v4(program):
+    """The fourth TPU generation of the tiles table, at the base shape."""
+    fn, args = build(program, "tpu_v4")
+    assert jax.jit(fn).lower(*args).compile().memory_analysis() is not None
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])

@@ -6,5 +6,7 @@ from gdnx.ops.gated_delta_rule.api import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, tiles_for
 
-__all__ = ["CHUNK_IMPLEMENTATIONS", "CHUNK_SIZES", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["CHUNK_IMPLEMENTATIONS", "CHUNK_SIZES", "GpuTiles", "TpuTiles", "chunk_gated_delta_rule",
+           "recurrent_gated_delta_rule", "tiles_for"]

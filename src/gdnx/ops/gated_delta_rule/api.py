@@ -9,6 +9,7 @@ Shapes (docs/ops.md has the full contract):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 from collections.abc import Callable
@@ -18,33 +19,49 @@ import jax.numpy as jnp
 
 from gdnx.ops.checks import check_cu_seqlens
 from gdnx.ops.gated_delta_rule import chunk_math
+from gdnx.ops.gated_delta_rule.chunked import RESIDUAL_POLICIES
 from gdnx.ops.gated_delta_rule.pallas_gpu import chunk_gated_delta_rule_pallas_gpu
 from gdnx.ops.gated_delta_rule.pallas_tpu import chunk_gated_delta_rule_pallas_tpu
 from gdnx.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
-from gdnx.ops.gated_delta_rule.xla import RESIDUAL_POLICIES, chunk_gated_delta_rule_xla
+from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, check_tiles
+from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
 
 CHUNK_SIZES = (16, 32, 64, 128)
 
 
-def _chunk_reference(q, k, v, g, beta, h0, *, chunk_size, **kw):
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One implementation of the op and what it takes.
+
+    run(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype, decay_dtype,
+        [chunk_size, use_qk_l2norm, residuals, matmul_dtype,] [interpret,])
+        -> (o, final)
+    """
+
+    name: str
+    run: Callable
+    # Chunked with a hand-written VJP (chunked.run): takes chunk_size, a
+    # residual policy and matmul_dtype, and applies l2norm itself.
+    chunked: bool
+    # A Pallas kernel: takes `interpret`.
+    kernel: bool = False
+
+
+def _reference(q, k, v, g, beta, h0, *, chunk_size=None, **kw):
     del chunk_size  # the token recurrence has no chunks
     return recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, **kw)
 
 
-CHUNK_IMPLEMENTATIONS: dict[str, Callable] = {
-    "xla": chunk_gated_delta_rule_xla,
-    "reference": _chunk_reference,
-    "pallas_tpu": chunk_gated_delta_rule_pallas_tpu,
-    "pallas_gpu": chunk_gated_delta_rule_pallas_gpu,
+IMPLEMENTATIONS = {
+    impl.name: impl for impl in (
+        Implementation("xla", chunk_gated_delta_rule_xla, chunked=True),
+        Implementation("pallas_tpu", chunk_gated_delta_rule_pallas_tpu, chunked=True, kernel=True),
+        Implementation("pallas_gpu", chunk_gated_delta_rule_pallas_gpu, chunked=True, kernel=True),
+        Implementation("reference", _reference, chunked=False),
+    )
 }
-RECURRENT_IMPLEMENTATIONS: dict[str, Callable] = {
-    "reference": recurrent_gated_delta_rule_reference,
-}
-# Kernels: they apply l2norm themselves (fused) and take `interpret`.
-PALLAS_IMPLEMENTATIONS = frozenset({"pallas_tpu", "pallas_gpu"})
-# The chunked implementations with hand-written VJPs: they take a residual
-# policy and a matmul operand dtype (the reference is plain autodiff).
-HAND_WRITTEN_VJP = PALLAS_IMPLEMENTATIONS | {"xla"}
+CHUNK_IMPLEMENTATIONS = tuple(IMPLEMENTATIONS)
+RECURRENT_IMPLEMENTATIONS = ("reference",)
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
@@ -114,29 +131,33 @@ def l2norm(x: jax.Array) -> jax.Array:
     return chunk_math.l2norm(x.astype(jnp.promote_types(x.dtype, jnp.float32))).astype(x.dtype)
 
 
-def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state, output_final_state,
-         cu_seqlens, use_qk_l2norm, state_dtype, decay_dtype, interpret=None, **extra):
-    if implementation not in table:
-        raise ValueError(f"implementation: expected None or one of {sorted(table)} for {kind}, got {implementation!r}")
-    if implementation in PALLAS_IMPLEMENTATIONS:
+def _run(allowed, kind, name, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
+         use_qk_l2norm, state_dtype, decay_dtype, chunk_size=None, interpret=None, tiles=None, residuals="save",
+         matmul_dtype=None):
+    if name not in allowed:
+        raise ValueError(f"implementation: expected None or one of {sorted(allowed)} for {kind}, got {name!r}")
+    impl = IMPLEMENTATIONS[name]
+    knobs = {}
+    if impl.kernel:
         if interpret is not None and not isinstance(interpret, bool):
             raise TypeError(f"interpret: expected None or a bool, got {type(interpret).__name__}")
-        extra["interpret"] = interpret
-    elif interpret is not None:
-        raise ValueError(f"interpret: applies to the Pallas implementations {sorted(PALLAS_IMPLEMENTATIONS)}, "
-                         f"not to {implementation!r}")
-    residuals = extra.pop("residuals", "save")
+        knobs.update(interpret=interpret, tiles=check_tiles(name, tiles))
+    else:
+        kernels = sorted(n for n, i in IMPLEMENTATIONS.items() if i.kernel)
+        for what, x in (("interpret", interpret), ("tiles", tiles)):
+            if x is not None:
+                raise ValueError(f"{what}: applies to the Pallas implementations {kernels}, not to {name!r}")
     if residuals not in RESIDUAL_POLICIES:
         raise ValueError(f"residuals: expected one of {RESIDUAL_POLICIES}, got {residuals!r}")
-    matmul_dtype = extra.pop("matmul_dtype", None)
     if matmul_dtype is not None:
         matmul_dtype = _resolve_dtype("matmul_dtype", matmul_dtype)
-    if implementation in HAND_WRITTEN_VJP:
-        extra.update(residuals=residuals, matmul_dtype=matmul_dtype)
+    if impl.chunked:
+        knobs.update(chunk_size=chunk_size, residuals=residuals, matmul_dtype=matmul_dtype,
+                     use_qk_l2norm=use_qk_l2norm)
     elif residuals != "save" or matmul_dtype is not None:
-        name = "residuals" if residuals != "save" else "matmul_dtype"
-        raise ValueError(f"{name}: applies to the chunked implementations {sorted(HAND_WRITTEN_VJP)}, not to "
-                         f"{implementation!r}")
+        what = "residuals" if residuals != "save" else "matmul_dtype"
+        chunked = sorted(n for n, i in IMPLEMENTATIONS.items() if i.chunked)
+        raise ValueError(f"{what}: applies to the chunked implementations {chunked}, not to {name!r}")
     n = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     state_dtype = _resolve_dtype("state_dtype", state_dtype)
     decay_dtype = _resolve_dtype("decay_dtype", decay_dtype)
@@ -150,20 +171,16 @@ def _run(table, kind, implementation, q, k, v, g, beta, *, scale, initial_state,
         h0 = jnp.asarray(initial_state).astype(state_dtype)
     cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens).astype(jnp.int32)
     q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-    if implementation in PALLAS_IMPLEMENTATIONS:
-        extra["use_qk_l2norm"] = use_qk_l2norm  # kernels fuse it
-    elif use_qk_l2norm:
-        extra["l2norm_inputs"] = True
-    o, final = _dispatch(q, k, v, g, beta, h0, cu, fn=table[implementation], scale=scale, state_dtype=state_dtype,
-                         decay_dtype=decay_dtype, **extra)
+    o, final = _dispatch(q, k, v, g, beta, h0, cu, fn=impl.run, l2norm_inputs=use_qk_l2norm and not impl.chunked,
+                         scale=scale, state_dtype=state_dtype, decay_dtype=decay_dtype, **knobs)
     return o, (final if output_final_state else None)
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "l2norm_inputs", "use_qk_l2norm", "scale", "state_dtype",
-                                             "decay_dtype", "chunk_size", "interpret", "residuals", "matmul_dtype"))
+                                             "decay_dtype", "chunk_size", "interpret", "tiles", "residuals", "matmul_dtype"))
 def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, l2norm_inputs=False, **kw):
     # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
-    if l2norm_inputs:
+    if l2norm_inputs:  # implementations that do not apply l2norm themselves
         q, k = l2norm(q), l2norm(k)
     o, final = fn(q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, **kw)
     return o, final.astype(kw["state_dtype"])
@@ -172,7 +189,8 @@ def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, l2norm_inputs=False, **kw
 def chunk_gated_delta_rule(
     q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm=False, chunk_size=64, state_dtype=jnp.float32, decay_dtype=jnp.float32,
-    implementation=None, interpret=None, residuals="save", matmul_dtype=None,
+    implementation=None, interpret=None, tiles: GpuTiles | TpuTiles | None = None, residuals="save",
+    matmul_dtype=None,
 ):
     """Gated delta rule over whole sequences, chunk by chunk.
 
@@ -222,8 +240,8 @@ def chunk_gated_delta_rule(
     return _run(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", implementation, q, k, v, g, beta,
                 scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
-                decay_dtype=decay_dtype, chunk_size=chunk_size, interpret=interpret, residuals=residuals,
-                matmul_dtype=matmul_dtype)
+                decay_dtype=decay_dtype, chunk_size=chunk_size, interpret=interpret, tiles=tiles,
+                residuals=residuals, matmul_dtype=matmul_dtype)
 
 
 def recurrent_gated_delta_rule(

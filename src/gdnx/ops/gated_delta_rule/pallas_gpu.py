@@ -24,7 +24,6 @@ touch the real ones), C is one already, and BV is a power of two.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -32,9 +31,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gdnx.ops.gated_delta_rule import chunk_math, pallas_common
+from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
+from gdnx.ops.gated_delta_rule.tiles import GpuTiles, check_tiles
 
-DEFAULT_BLOCK_V = 32
 # Custom-call targets of a Triton kernel (the name moved between JAX
 # versions). jax.export refuses them unless told: they carry no
 # compatibility guarantee, so export for the GPU you will run on.
@@ -51,15 +50,6 @@ def _pad(x, axis, to):
     return jnp.pad(x, pads)
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Launch parameters of the GPU kernels."""
-
-    block_v: int = DEFAULT_BLOCK_V  # V block of the sequential and output kernels
-    num_warps: int = 8
-    num_stages: int = 2
-
-
 class _Layout:
     """Padded sizes and the block specs of the three grid shapes."""
 
@@ -68,8 +58,6 @@ class _Layout:
         self.grp, self.dv = v.shape[3], v.shape[5]
         self.kp, self.vp = _pow2(self.dk), _pow2(self.dv)
         self.bv = min(block_v, self.vp)
-        if self.bv != _pow2(self.bv):
-            raise ValueError(f"block_v={block_v} must be a power of two")
         self.nvb = self.vp // self.bv
         self.num_seqs = num_seqs
 
@@ -132,13 +120,13 @@ class _Layout:
 FLOAT32_PRODUCTS = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _hardware(cfg, interpret: bool):
-    if interpret or cfg.operands is not None or cfg.acc_dtype != jnp.float32:
-        return cfg
-    return cfg._replace(operands=FLOAT32_PRODUCTS)
+def _hardware(opts, interpret: bool):
+    if interpret or opts.operands is not None or opts.acc_dtype != jnp.float32:
+        return opts
+    return opts._replace(operands=FLOAT32_PRODUCTS)
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, tiles: Tiles, interpret, flops, exps, *args):
+def _call(kernel, grid, in_specs, out_specs, out_shape, tiles: GpuTiles, interpret, flops, exps, *args):
     outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -153,51 +141,52 @@ def _costs(lay) -> tuple[int, dict[str, int], int]:
     return heads, pallas_common.chunk_flops(lay.c, lay.kp, lay.vp), pallas_common.transcendentals(lay.c)
 
 
-def _keys(ref, idx, cfg, l2norm):
-    x = ref[idx].astype(cfg.acc_dtype)
-    return chunk_math.l2norm(x) if l2norm else x
+def _keys(ref, idx, opts):
+    """q or k of a chunk in the accumulation dtype, normalised when opts.l2norm."""
+    x = ref[idx].astype(opts.acc_dtype)
+    return chunk_math.l2norm(x) if opts.l2norm else x
 
 
-def _decays(g_ref, idx, cfg):
-    return chunk_math.decays(g_ref[idx], acc_dtype=cfg.acc_dtype, decay_dtype=cfg.decay_dtype)
+def _decays(g_ref, idx, opts):
+    return chunk_math.decays(g_ref[idx], acc_dtype=opts.acc_dtype, decay_dtype=opts.decay_dtype)
 
 
 # --- forward ---------------------------------------------------------------
 
-def _prepare_kernel(k_ref, v_ref, g_ref, b_ref, *refs, cfg, l2norm, given_inverse):
+def _prepare_kernel(k_ref, v_ref, g_ref, b_ref, *refs, opts, given_inverse):
     """U, W (and the inverse, unless given) of one value head's chunk."""
-    acc = cfg.acc_dtype
+    acc = opts.acc_dtype
     head = (0, 0, 0, 0)
-    k = _keys(k_ref, (0, 0, 0), cfg, l2norm)
-    dec = _decays(g_ref, head, cfg)
+    k = _keys(k_ref, (0, 0, 0), opts)
+    dec = _decays(g_ref, head, opts)
     beta = chunk_math.row_to_col(b_ref[head].astype(acc))
     if given_inverse:
         tinv_ref, u_ref, w_ref = refs
         tinv = tinv_ref[head]
     else:
         u_ref, w_ref, tinv_ref = refs
-        kk = chunk_math.mm_nt(k, k, operands=cfg.operands)
+        kk = chunk_math.mm_nt(k, k, operands=opts.operands)
         tinv = chunk_math.chunk_inverse(kk, beta, dec, inverse=chunk_math.unit_lower_inverse_loop)
         tinv_ref[head] = tinv
-    u, w = chunk_math.wy(tinv, k, v_ref[head].astype(acc), beta, dec, operands=cfg.operands)
+    u, w = chunk_math.wy(tinv, k, v_ref[head].astype(acc), beta, dec, operands=opts.operands)
     u_ref[head] = u
     w_ref[head] = w
 
 
 def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, vn_ref, states_ref, final_ref,
-                  *, num_chunks, cfg, l2norm):
+                  *, num_chunks, opts):
     """Walk a row's chunks: Vn = U - W S, S' = gamma S + k^T (ek Vn)."""
-    acc = cfg.acc_dtype
+    acc = opts.acc_dtype
 
     def chunk(c, state):
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
         state = jnp.where(reset, h0_ref[seq, 0, 0].astype(acc), state)
         states_ref[c, 0, 0, 0] = state
-        k = _keys(k_ref, (c, 0, 0), cfg, l2norm)
-        dec = _decays(g_ref, (c, 0, 0, 0), cfg)
-        vn = u_ref[c, 0, 0, 0] - chunk_math.mm(w_ref[c, 0, 0, 0], state, operands=cfg.operands)
+        k = _keys(k_ref, (c, 0, 0), opts)
+        dec = _decays(g_ref, (c, 0, 0, 0), opts)
+        vn = u_ref[c, 0, 0, 0] - chunk_math.mm(w_ref[c, 0, 0, 0], state, operands=opts.operands)
         vn_ref[c, 0, 0, 0] = vn
-        state = dec.gamma * state + chunk_math.mm_tn(k, dec.ek * vn, operands=cfg.operands)
+        state = dec.gamma * state + chunk_math.mm_tn(k, dec.ek * vn, operands=opts.operands)
 
         @pl.when(last)
         def _():
@@ -208,26 +197,26 @@ def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, w_ref, u_ref, g_ref, h0_r
     jax.lax.fori_loop(0, num_chunks, chunk, jnp.zeros(h0_ref.shape[-2:], acc))
 
 
-def _output_kernel(q_ref, k_ref, g_ref, states_ref, vn_ref, o_ref, *, cfg, l2norm):
+def _output_kernel(q_ref, k_ref, g_ref, states_ref, vn_ref, o_ref, *, opts):
     """O = scale exp(G) q S + P Vn for one (chunk, value head, V block)."""
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    q, k = _keys(q_ref, key, cfg, l2norm), _keys(k_ref, key, cfg, l2norm)
-    dec = _decays(g_ref, head, cfg)
-    p = chunk_math.output_mix(chunk_math.mm_nt(q, k, operands=cfg.operands), dec, scale=cfg.scale)
-    o = (cfg.scale * dec.eg) * chunk_math.mm(q, states_ref[head], operands=cfg.operands) \
-        + chunk_math.mm(p, vn_ref[head], operands=cfg.operands)
+    q, k = _keys(q_ref, key, opts), _keys(k_ref, key, opts)
+    dec = _decays(g_ref, head, opts)
+    p = chunk_math.output_mix(chunk_math.mm_nt(q, k, operands=opts.operands), dec, scale=opts.scale)
+    o = (opts.scale * dec.eg) * chunk_math.mm(q, states_ref[head], operands=opts.operands) \
+        + chunk_math.mm(p, vn_ref[head], operands=opts.operands)
     o_ref[head] = o.astype(o_ref.dtype)
 
 
-def _prepare(lay, k, v, g, beta, tinv, cfg, tiles, interpret, l2norm):
+def _prepare(lay, k, v, g, beta, tinv, opts, tiles, interpret):
     """(u, w, tinv): U [.., C, Vp] and W [.., C, Kp] per value head, chunk-parallel."""
-    acc = cfg.acc_dtype
+    acc = opts.acc_dtype
     c = lay.c
     shape = lay.head_grid[:2] + (lay.hk, lay.grp)
     u_shape = jax.ShapeDtypeStruct(shape + (c, lay.vp), acc)
     w_shape = jax.ShapeDtypeStruct(shape + (c, lay.kp), acc)
     in_specs = [lay.head_spec(None, lay.kp), lay.head_spec(c, lay.vp), lay.head_spec(1, c), lay.head_spec(1, c)]
-    kernel = functools.partial(_prepare_kernel, cfg=cfg, l2norm=l2norm, given_inverse=tinv is not None)
+    kernel = functools.partial(_prepare_kernel, opts=opts, given_inverse=tinv is not None)
     heads, f, exps = _costs(lay)
     flops = heads * (f["key_products"] // 2 + f["prepare"])
     if tinv is not None:
@@ -241,18 +230,18 @@ def _prepare(lay, k, v, g, beta, tinv, cfg, tiles, interpret, l2norm):
                  flops, heads * exps, k, v, g, beta)
 
 
-def forward(q, k, v, g, beta, h0, flags, *, cfg, save_residuals, interpret, tiles: Tiles = Tiles()):
+def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret, tiles: GpuTiles):
     lay = _Layout(q, v, h0.shape[0], tiles.block_v)
-    cfg = _hardware(cfg, interpret)
-    acc = cfg.acc_dtype
+    opts = _hardware(opts, interpret)
+    acc = opts.acc_dtype
     q, k, v, h0 = lay.pad_keys(q), lay.pad_keys(k), lay.pad_values(v), lay.pad_state(h0)
-    u, w, tinv = _prepare(lay, k, v, g, beta, None, cfg, tiles, interpret, cfg.l2norm)
+    u, w, tinv = _prepare(lay, k, v, g, beta, None, opts, tiles, interpret)
 
     c, bv = lay.c, lay.bv
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     heads, f, exps = _costs(lay)
     vn, states, final = _call(
-        functools.partial(_state_kernel, num_chunks=lay.nc, cfg=cfg, l2norm=cfg.l2norm), lay.seq_grid,
+        functools.partial(_state_kernel, num_chunks=lay.nc, opts=opts), lay.seq_grid,
         [lay.flag_spec()] * 3 + [lay.seq_spec(c, None), lay.seq_spec(c, lay.kp, False), lay.seq_spec(c, bv),
                                  lay.seq_spec(1, c, False), lay.seq_state_spec()],
         [lay.seq_spec(c, bv), lay.seq_spec(lay.kp, bv), lay.seq_state_spec()],
@@ -260,7 +249,7 @@ def forward(q, k, v, g, beta, h0, flags, *, cfg, save_residuals, interpret, tile
          jax.ShapeDtypeStruct(h0.shape, h0.dtype)],
         tiles, interpret, heads * f["state"], heads * lay.nvb * exps, *flags, k, w, u, g, h0)
 
-    o = _call(functools.partial(_output_kernel, cfg=cfg, l2norm=cfg.l2norm), lay.block_grid,
+    o = _call(functools.partial(_output_kernel, opts=opts), lay.block_grid,
               [lay.block_spec(c, None), lay.block_spec(c, None), lay.block_spec(1, c, False),
                lay.block_spec(lay.kp, bv), lay.block_spec(c, bv)],
               lay.block_spec(c, bv), jax.ShapeDtypeStruct(shape + (c, lay.vp), q.dtype), tiles, interpret,
@@ -273,33 +262,33 @@ def forward(q, k, v, g, beta, h0, flags, *, cfg, save_residuals, interpret, tile
 
 # --- backward --------------------------------------------------------------
 
-def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dvl_ref, *, cfg):
+def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dvl_ref, *, opts):
     """P^T dO: the part of dVn that needs no state."""
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    q, k = q_ref[key], k_ref[key]
-    dec = _decays(g_ref, head, cfg)
-    p = chunk_math.output_mix(chunk_math.mm_nt(q, k, operands=cfg.operands), dec, scale=cfg.scale)
-    dvl_ref[head] = chunk_math.mm_tn(p, do_ref[head].astype(cfg.acc_dtype), operands=cfg.operands)
+    q, k = _keys(q_ref, key, opts), _keys(k_ref, key, opts)
+    dec = _decays(g_ref, head, opts)
+    p = chunk_math.output_mix(chunk_math.mm_nt(q, k, operands=opts.operands), dec, scale=opts.scale)
+    dvl_ref[head] = chunk_math.mm_tn(p, do_ref[head].astype(opts.acc_dtype), operands=opts.operands)
 
 
 def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
-                   dvn_ref, dstates_ref, dh0_ref, *, num_chunks, cfg):
+                   dvn_ref, dstates_ref, dh0_ref, *, num_chunks, opts):
     """Walk a row's chunks in reverse carrying dS: dVn = P^T dO + ek (k dS'),
     dS = gamma dS' + q^T (eq dO) - W^T dVn."""
-    acc = cfg.acc_dtype
+    acc = opts.acc_dtype
 
     def chunk(step, dstate):
         c = num_chunks - 1 - step
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
         dstate = dstate + jnp.where(last, dfinal_ref[seq, 0, 0].astype(acc), 0.0)
         dstates_ref[c, 0, 0, 0] = dstate
-        q, k = q_ref[c, 0, 0], k_ref[c, 0, 0]
-        dec = _decays(g_ref, (c, 0, 0, 0), cfg)
+        q, k = _keys(q_ref, (c, 0, 0), opts), _keys(k_ref, (c, 0, 0), opts)
+        dec = _decays(g_ref, (c, 0, 0, 0), opts)
         do = do_ref[c, 0, 0, 0].astype(acc)
-        dvn = dvl_ref[c, 0, 0, 0] + dec.ek * chunk_math.mm(k, dstate, operands=cfg.operands)
+        dvn = dvl_ref[c, 0, 0, 0] + dec.ek * chunk_math.mm(k, dstate, operands=opts.operands)
         dvn_ref[c, 0, 0, 0] = dvn
-        dstate_in = (chunk_math.mm_tn(q, (cfg.scale * dec.eg) * do, operands=cfg.operands) + dec.gamma * dstate
-                     - chunk_math.mm_tn(w_ref[c, 0, 0, 0], dvn, operands=cfg.operands))
+        dstate_in = (chunk_math.mm_tn(q, (opts.scale * dec.eg) * do, operands=opts.operands) + dec.gamma * dstate
+                     - chunk_math.mm_tn(w_ref[c, 0, 0, 0], dvn, operands=opts.operands))
 
         @pl.when(reset)
         def _():
@@ -311,13 +300,13 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, w_ref, g_ref, do_
 
 
 def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, states_ref, dstates_ref, do_ref,
-                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, cfg, block_v):
+                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, opts, block_v):
     """Every input gradient of one value head's chunk; the V sums are added
     up block by block."""
-    acc = cfg.acc_dtype
+    acc = opts.acc_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    q, k = q_ref[key], k_ref[key]
-    dec = _decays(g_ref, head, cfg)
+    q, k = _keys(q_ref, key, opts), _keys(k_ref, key, opts)
+    dec = _decays(g_ref, head, opts)
     beta = chunk_math.row_to_col(b_ref[head].astype(acc))
     tinv, w = tinv_ref[head], w_ref[head]
     def v_block(vb, sums):
@@ -325,7 +314,7 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, sta
         cols = head + (slice(None), pl.ds(pl.multiple_of(vb * block_v, block_v), block_v))
         part, dv = chunk_math.value_sums(
             states_ref[cols], dstates_ref[cols], do_ref[cols].astype(acc), dvn_ref[cols], u_ref[cols],
-            v_ref[cols].astype(acc), w, tinv, beta, operands=cfg.operands)
+            v_ref[cols].astype(acc), w, tinv, beta, operands=opts.operands)
         dv_ref[cols] = dv.astype(dv_ref.dtype)
         return chunk_math.add_sums(sums, part)
 
@@ -335,38 +324,36 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, sta
         dks=jnp.zeros((c, kp), acc), dgamma=jnp.zeros((1, 1), acc), dbv_u=jnp.zeros((c, c), acc),
         v_dbv=jnp.zeros((c, 1), acc))
     sums = jax.lax.fori_loop(0, v_ref.shape[-1] // block_v, v_block, zeros)
-    qk = chunk_math.mm_nt(q, k, operands=cfg.operands)
-    kk = chunk_math.mm_nt(k, k, operands=cfg.operands)
-    pg = chunk_math.prepare_bwd(q, k, qk, kk, dec, beta, tinv, w, sums, scale=cfg.scale, operands=cfg.operands)
-    dq_k, dk_k = chunk_math.key_products_bwd(q, k, pg.dqk, pg.dkk, operands=cfg.operands)
+    qk = chunk_math.mm_nt(q, k, operands=opts.operands)
+    kk = chunk_math.mm_nt(k, k, operands=opts.operands)
+    pg = chunk_math.prepare_bwd(q, k, qk, kk, dec, beta, tinv, w, sums, scale=opts.scale, operands=opts.operands)
+    dq_k, dk_k = chunk_math.key_products_bwd(q, k, pg.dqk, pg.dkk, operands=opts.operands)
     dq_ref[head] = pg.dq + dq_k
     dk_ref[head] = pg.dk + dk_k
     dg_ref[head] = pg.dg.astype(dg_ref.dtype)
     db_ref[head] = pg.dbeta.astype(db_ref.dtype)
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpret, tiles: Tiles = Tiles()):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret, tiles: GpuTiles):
     lay = _Layout(q, v, dfinal.shape[0], tiles.block_v)
-    cfg = _hardware(cfg, interpret)
-    acc = cfg.acc_dtype
-    if cfg.l2norm:  # the kernels take the normalised q, k; the caller chains dq, dk through l2norm
-        q, k = chunk_math.l2norm(q.astype(acc)), chunk_math.l2norm(k.astype(acc))
-    q, k = lay.pad_keys(q.astype(acc)), lay.pad_keys(k.astype(acc))
+    opts = _hardware(opts, interpret)
+    acc = opts.acc_dtype
+    q, k = lay.pad_keys(q), lay.pad_keys(k)
     v, do = lay.pad_values(v), lay.pad_values(do)
     states, dfinal = lay.pad_state(states.astype(acc)), lay.pad_state(dfinal)
-    u, w, _ = _prepare(lay, k, v, g, beta, tinv, cfg, tiles, interpret, False)
+    u, w, _ = _prepare(lay, k, v, g, beta, tinv, opts, tiles, interpret)
 
     c, bv = lay.c, lay.bv
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     heads, f, exps = _costs(lay)
     mm = pallas_common.matmul_flops
-    dvl = _call(functools.partial(_dv_local_kernel, cfg=cfg), lay.block_grid,
+    dvl = _call(functools.partial(_dv_local_kernel, opts=opts), lay.block_grid,
                 [lay.block_spec(c, None), lay.block_spec(c, None), lay.block_spec(1, c, False),
                  lay.block_spec(c, bv)],
                 lay.block_spec(c, bv), jax.ShapeDtypeStruct(shape + (c, lay.vp), acc), tiles, interpret,
                 heads * (mm(c, c, lay.vp) + lay.nvb * f["key_products"] // 2), heads * lay.nvb * exps, q, k, g, do)
     dvn, dstates, dh0 = _call(
-        functools.partial(_dstate_kernel, num_chunks=lay.nc, cfg=cfg), lay.seq_grid,
+        functools.partial(_dstate_kernel, num_chunks=lay.nc, opts=opts), lay.seq_grid,
         [lay.flag_spec()] * 3 + [lay.seq_spec(c, None), lay.seq_spec(c, None), lay.seq_spec(c, lay.kp, False),
                                  lay.seq_spec(1, c, False), lay.seq_spec(c, bv), lay.seq_spec(c, bv),
                                  lay.seq_state_spec()],
@@ -378,7 +365,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpre
 
     vp, kp = lay.vp, lay.kp
     dq, dk, dv, dg, dbeta = _call(
-        functools.partial(_grads_kernel, cfg=cfg, block_v=bv), lay.head_grid,
+        functools.partial(_grads_kernel, opts=opts, block_v=bv), lay.head_grid,
         [lay.head_spec(None, kp), lay.head_spec(None, kp), lay.head_spec(c, vp), lay.head_spec(1, c),
          lay.head_spec(1, c), lay.head_spec(c, c), lay.head_spec(c, vp), lay.head_spec(c, kp),
          lay.head_spec(kp, vp), lay.head_spec(kp, vp), lay.head_spec(c, vp), lay.head_spec(c, vp)],
@@ -393,12 +380,12 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpre
     return (dq.sum(3)[..., :kd], dk.sum(3)[..., :kd], dv[..., :vd], dg, dbeta, dh0[..., :kd, :vd])
 
 
-def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, h0, *, interpret=None, block_v: int | None = None,
-                                      num_warps: int | None = None, num_stages: int | None = None, **kw):
-    """Knobs left None take the `Tiles` defaults."""
+def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, h0, *, interpret: bool | None = None,
+                                      tiles: GpuTiles | None = None, **kw):
+    """Validated [B, T, H, D] inputs in, (o, final) out; `chunked.run`'s
+    keywords. tiles None: the table's entry for the device (`tiles.py`)."""
     pallas_common.check_dims("pallas_gpu", q.shape[-1], v.shape[-1])
-    given = dict(block_v=block_v, num_warps=num_warps, num_stages=num_stages)
-    knobs = dict(interpret=pallas_common.resolve_interpret(interpret),
-                 tiles=Tiles(**{name: x for name, x in given.items() if x is not None}))
-    kernels = pallas_common.Kernels(functools.partial(forward, **knobs), functools.partial(backward, **knobs))
-    return pallas_common.run(kernels, q, k, v, g, beta, h0, **kw)
+    knobs = dict(interpret=pallas_common.resolve_interpret(interpret), tiles=check_tiles("pallas_gpu", tiles))
+    backend = chunked.Backend(functools.partial(forward, **knobs), functools.partial(backward, **knobs),
+                              fold_batch=True)
+    return chunked.run(backend, q, k, v, g, beta, h0, **kw)

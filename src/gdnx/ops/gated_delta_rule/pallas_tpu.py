@@ -27,6 +27,7 @@ refused with an error that says so.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 
-from gdnx.ops.gated_delta_rule import chunk_math, pallas_common
+from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
+from gdnx.ops.gated_delta_rule.tiles import TpuTiles, check_tiles, tiles_for
 
 MIN_VMEM_LIMIT = 16 * 2**20
 MAX_VMEM_LIMIT = 64 * 2**20
@@ -58,9 +60,9 @@ def _load_keys(q_ref, k_ref, i, acc_dtype, l2norm):
 
 
 def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref, *rest,
-                rows, head_tile, grp, cfg, save_residuals):
+                rows, head_tile, grp, opts, save_residuals):
     *residual_refs, state_ref = rest
-    acc_dtype = cfg.acc_dtype
+    acc_dtype = opts.acc_dtype
     idx = pl.program_id(2) * rows + pl.program_id(0)
 
     @pl.when(reset_ref[idx] != 0)
@@ -68,13 +70,13 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         state_ref[...] = h0_ref[0].astype(acc_dtype)
 
     for i in range(head_tile):
-        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, cfg.l2norm)
-        qk, kk = chunk_math.key_products(q, k, operands=cfg.operands)
+        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, opts.l2norm)
+        qk, kk = chunk_math.key_products(q, k, operands=opts.operands)
         for j in range(grp):
             state = state_ref[i, j]
             o, new_state, tinv = chunk_math.value_head_forward(
                 q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk, state,
-                inverse=chunk_math.unit_lower_inverse_loop, **cfg.algebra())
+                inverse=chunk_math.unit_lower_inverse_loop, **opts.algebra())
             o_ref[0, 0, i, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs
@@ -89,8 +91,8 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
 def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, states_ref, do_ref,
                 dfinal_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dstate_ref, *,
-                rows, num_chunks, head_tile, grp, cfg):
-    acc_dtype = cfg.acc_dtype
+                rows, num_chunks, head_tile, grp, opts):
+    acc_dtype = opts.acc_dtype
     step = pl.program_id(2)
     idx = (num_chunks - 1 - step) * rows + pl.program_id(0)
 
@@ -103,20 +105,20 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         dstate_ref[...] = dstate_ref[...] + dfinal_ref[0].astype(acc_dtype)
 
     for i in range(head_tile):
-        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, cfg.l2norm)
-        qk, kk = chunk_math.key_products(q, k, operands=cfg.operands)
+        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, opts.l2norm)
+        qk, kk = chunk_math.key_products(q, k, operands=opts.operands)
         dq = dk = dqk = dkk = 0.0
         for j in range(grp):
             vg = chunk_math.value_head_backward(
                 q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk,
                 tinv_ref[0, 0, i, j].astype(acc_dtype), states_ref[0, 0, i, j].astype(acc_dtype),
-                do_ref[0, 0, i, j].astype(acc_dtype), dstate_ref[i, j], **cfg.algebra())
+                do_ref[0, 0, i, j].astype(acc_dtype), dstate_ref[i, j], **opts.algebra())
             dv_ref[0, 0, i, j] = vg.dv.astype(dv_ref.dtype)
             dg_ref[0, 0, i, j] = vg.dg.astype(dg_ref.dtype)
             db_ref[0, 0, i, j] = vg.dbeta.astype(db_ref.dtype)
             dstate_ref[i, j] = vg.dstate_in
             dq, dk, dqk, dkk = dq + vg.dq, dk + vg.dk, dqk + vg.dqk, dkk + vg.dkk
-        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk, operands=cfg.operands)
+        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk, operands=opts.operands)
         dq_ref[0, 0, i] = (dq + dq_k).astype(dq_ref.dtype)
         dk_ref[0, 0, i] = (dk + dk_k).astype(dk_ref.dtype)
 
@@ -198,7 +200,7 @@ def _check_tile(hk, head_tile):
         raise ValueError(f"head_tile={head_tile} must divide the key heads HK={hk}")
 
 
-def forward(q, k, v, g, beta, h0, flags, *, cfg, save_residuals, interpret, head_tile=1):
+def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret, head_tile=1):
     nc, rows, hk, c, dk = q.shape
     grp, dv = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
@@ -207,30 +209,30 @@ def forward(q, k, v, g, beta, h0, flags, *, cfg, save_residuals, interpret, head
     out_specs = [sp.values, sp.sequence_state]
     if save_residuals:
         out_shape += [jax.ShapeDtypeStruct((nc, rows, hk, grp, dk, dv), h0.dtype),
-                      jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), cfg.acc_dtype)]
+                      jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), opts.acc_dtype)]
         out_specs += [sp.chunk_state, sp.inverse]
-    kernel = functools.partial(_fwd_kernel, rows=rows, head_tile=head_tile, grp=grp, cfg=cfg,
+    kernel = functools.partial(_fwd_kernel, rows=rows, head_tile=head_tile, grp=grp, opts=opts,
                                save_residuals=save_residuals)
     grid = (rows, hk // head_tile, nc)
     cost = _cost(grid, head_tile, grp, c, dk, dv, ("prepare", "state", "output"), ("key_products",),
                  (q, k, v, g, beta, h0, *out_shape))
     return _call(kernel, grid, [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state],
-                 out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), cfg.acc_dtype)],
+                 out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), opts.acc_dtype)],
                  vmem_bytes(head_tile, grp, c, dk, dv, q.dtype.itemsize, save_residuals), head_tile, interpret,
                  cost, flags, q, k, v, g, beta, h0)
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpret, head_tile=1):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret, head_tile=1):
     nc, rows, hk, c, dk = q.shape
     grp, dv = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
     sp = _Specs(q, v, rows, head_tile, reverse=True)
-    acc_dtype = cfg.acc_dtype
+    acc_dtype = opts.acc_dtype
     out_shape = [jax.ShapeDtypeStruct(q.shape, acc_dtype), jax.ShapeDtypeStruct(k.shape, acc_dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
                  jax.ShapeDtypeStruct(beta.shape, beta.dtype), jax.ShapeDtypeStruct(dfinal.shape, acc_dtype)]
     out_specs = [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state]
-    kernel = functools.partial(_bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, cfg=cfg)
+    kernel = functools.partial(_bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, opts=opts)
     # Inputs, residuals and cotangents in, gradients out: about twice the forward's blocks.
     budget = 2 * vmem_bytes(head_tile, grp, c, dk, dv, max(q.dtype.itemsize, 4), True)
     grid = (rows, hk // head_tile, nc)
@@ -243,8 +245,17 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, cfg, interpre
                  cost, flags, q, k, v, g, beta, tinv, states, do, dfinal)
 
 
-def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, h0, *, interpret=None, head_tile=1, **kw):
+def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, h0, *, interpret: bool | None = None,
+                                      tiles: TpuTiles | None = None, **kw):
+    """Validated [B, T, H, D] inputs in, (o, final) out; `chunked.run`'s
+    keywords. tiles None: the table's entry for the device (`tiles.py`),
+    its head tile cut to one that divides HK."""
     pallas_common.check_dims("pallas_tpu", q.shape[-1], v.shape[-1])
+    if tiles is None:
+        head_tile = math.gcd(tiles_for("pallas_tpu").head_tile, q.shape[2])
+    else:
+        head_tile = check_tiles("pallas_tpu", tiles).head_tile
     knobs = dict(interpret=pallas_common.resolve_interpret(interpret), head_tile=head_tile)
-    kernels = pallas_common.Kernels(functools.partial(forward, **knobs), functools.partial(backward, **knobs))
-    return pallas_common.run(kernels, q, k, v, g, beta, h0, **kw)
+    backend = chunked.Backend(functools.partial(forward, **knobs), functools.partial(backward, **knobs),
+                              fold_batch=True)
+    return chunked.run(backend, q, k, v, g, beta, h0, **kw)

@@ -1,0 +1,215 @@
+"""What every chunked implementation shares: its static options, the chunk
+block layout, and the one custom VJP they all run behind.
+
+A chunked implementation is a `Backend`, a pair of functions over chunk
+blocks ([NC, R, HK, (G,) C, D], gate rows [NC, R, HK, G, 1, C], packed
+sequences already re-laid by the chunk plan):
+
+    forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals)
+        -> (o, final[, states, tinv])
+    backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts)
+        -> (dq, dk, dv, dg, dbeta, dh0)
+
+flags are the plan's (reset, seq, last), int32 [NC, R]; states the incoming
+state of every chunk, tinv the chunk inverses. Every backend takes the same
+l2norm contract: q and k come raw, the backend normalises them itself when
+opts.l2norm, and its dq, dk are with respect to the normalised q, k (this
+module chains them through l2norm). A backend never visits an empty packed
+sequence; this module passes h0 to its final state and the final state's
+cotangent back to h0.
+
+Residual policy: "save" keeps states and tinv from the forward (named
+gdn_chunk_states and gdn_chunk_inverse for remat policies); "recompute"
+keeps only the inputs and reruns the forward in the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from gdnx.ops.gated_delta_rule import chunk_math
+from gdnx.ops.gated_delta_rule.layout import ChunkPlan, from_slots, make_plan, to_slots
+
+RESIDUAL_POLICIES = ("save", "recompute")
+
+
+class ChunkOptions(NamedTuple):
+    """Static settings of one call (hashable: custom_vjp's nondiff argument)."""
+
+    scale: float
+    acc_dtype: jnp.dtype            # state and accumulations
+    decay_dtype: jnp.dtype          # gate sums and decay factors
+    residuals: str = "save"         # RESIDUAL_POLICIES
+    operands: jnp.dtype | jax.lax.DotAlgorithmPreset | None = None  # matmul operands, see chunk_math
+    l2norm: bool = False            # normalise q, k inside
+
+    def algebra(self) -> dict:
+        """Keyword arguments of the chunk_math value-head functions."""
+        return dict(scale=self.scale, decay_dtype=self.decay_dtype, operands=self.operands)
+
+
+class Backend(NamedTuple):
+    forward: Callable
+    backward: Callable
+    # Kernels: a vmap rule folds a mapped axis into their rows (pallas_call's
+    # own batching rule adds a grid axis Mosaic's dimension semantics reject).
+    fold_batch: bool = False
+
+
+def select(mask, a, b):
+    """where(mask, a, b) with mask broadcast from the leading dims."""
+    return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim)), a, b)
+
+
+def save_residuals(states, tinv):
+    """Name the saved residuals so a remat policy can keep, drop or offload them."""
+    return checkpoint_name(states, "gdn_chunk_states"), checkpoint_name(tinv, "gdn_chunk_inverse")
+
+
+def to_blocks(q, k, v, g, beta, plan: ChunkPlan):
+    """[R, T, H, D] inputs -> [NC, R, HK, (G,) C, D] chunk blocks."""
+    r, _, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    grp = hv // hk
+    nc, c = plan.num_chunks, plan.chunk
+
+    def qk_blocks(x):
+        return to_slots(x, plan).reshape(r, nc, c, hk, dk).transpose(1, 0, 3, 2, 4)
+
+    vb = to_slots(v, plan).reshape(r, nc, c, hk, grp, dv).transpose(1, 0, 3, 4, 2, 5)
+
+    def gate_blocks(x):  # rows [1, C], as the chunk algebra takes them
+        return to_slots(x, plan).reshape(r, nc, c, hk, grp).transpose(1, 0, 3, 4, 2)[..., None, :]
+
+    return qk_blocks(q), qk_blocks(k), vb, gate_blocks(g), gate_blocks(beta)
+
+
+def from_blocks(o, plan: ChunkPlan):
+    """[NC, R, HK, G, C, V] -> [R, T, HV, V]."""
+    nc, r, hk, grp, c, dv = o.shape
+    o = o.transpose(1, 0, 4, 2, 3, 5).reshape(r, nc * c, hk * grp, dv)
+    return from_slots(o, plan)
+
+
+# How a backend argument or result is laid out, for the batch-folding rule:
+# chunk blocks with rows on axis 1, per-sequence states on axis 0, or the
+# flags (rows on axis 1; the sequence flag holds indices into the sequences).
+ROWS, SEQS, FLAG, SEQ_FLAG = "rows", "seqs", "flag", "seq_flag"
+FORWARD_ARGS = (ROWS,) * 5 + (SEQS, FLAG, SEQ_FLAG, FLAG)
+FORWARD_OUTS = (ROWS, SEQS, ROWS, ROWS)
+BACKWARD_ARGS = (ROWS,) * 8 + (SEQS, FLAG, SEQ_FLAG, FLAG)
+BACKWARD_OUTS = (ROWS,) * 5 + (SEQS,)
+
+
+def fold_batch(fn, arg_kinds, out_kinds):
+    """fn(*arrays) with a vmap rule that folds the mapped axis into the rows
+    (and the sequences), so one kernel launch serves the whole batch."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return tuple(fn(*args))
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape) for x, b in zip(args, in_batched)]
+        nseq = next(x.shape[1] for x, kind in zip(args, arg_kinds) if kind == SEQS)
+
+        def fold(x, kind):
+            if kind == SEQS:
+                return x.reshape((-1,) + x.shape[2:])
+            if kind == SEQ_FLAG:
+                x = x + (jnp.arange(axis_size, dtype=x.dtype) * nseq).reshape((-1,) + (1,) * (x.ndim - 1))
+            x = jnp.moveaxis(x, 0, 1)
+            return x.reshape(x.shape[:1] + (-1,) + x.shape[3:])
+
+        def unfold(y, kind):
+            if kind == SEQS:
+                return y.reshape((axis_size, -1) + y.shape[1:])
+            return jnp.moveaxis(y.reshape(y.shape[:1] + (axis_size, -1) + y.shape[2:]), 1, 0)
+
+        outs = call(*(fold(x, kind) for x, kind in zip(args, arg_kinds)))
+        return tuple(unfold(y, kind) for y, kind in zip(outs, out_kinds)), (True,) * len(outs)
+
+    return call
+
+
+def _int_flags(flags):
+    return tuple(f.astype(jnp.int32) for f in flags[:3])
+
+
+def _forward(backend: Backend, q, k, v, g, beta, h0, flags, opts: ChunkOptions, save: bool):
+    def fn(*args):
+        return backend.forward(*args[:6], args[6:], opts=opts, save_residuals=save)
+
+    if backend.fold_batch:
+        fn = fold_batch(fn, FORWARD_ARGS, FORWARD_OUTS)
+    out = fn(q, k, v, g, beta, h0, *_int_flags(flags))
+    # A backend never visits an empty packed sequence: its final state is h0.
+    return (out[0], select(flags[3], out[1], h0)) + tuple(out[2:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _chunk_scan(q, k, v, g, beta, h0, flags, backend: Backend, opts: ChunkOptions):
+    return _forward(backend, q, k, v, g, beta, h0, flags, opts, False)
+
+
+def _chunk_scan_fwd(q, k, v, g, beta, h0, flags, backend: Backend, opts: ChunkOptions):
+    save = opts.residuals == "save"
+    o, final, *saved = _forward(backend, q, k, v, g, beta, h0, flags, opts, save)
+    return (o, final), (q, k, v, g, beta, flags, save_residuals(*saved) if save else (h0,))
+
+
+def _chunk_scan_bwd(backend: Backend, opts: ChunkOptions, res, cts):
+    q, k, v, g, beta, flags, saved = res
+    if opts.residuals == "recompute":
+        _, _, *saved = _forward(backend, q, k, v, g, beta, saved[0], flags, opts, True)
+    states, tinv = saved
+    do, dfinal = cts
+
+    def fn(*args):
+        return backend.backward(*args[:9], args[9:], opts=opts)
+
+    if backend.fold_batch:
+        fn = fold_batch(fn, BACKWARD_ARGS, BACKWARD_OUTS)
+    dq, dk, dv, dg, dbeta, dh0 = fn(q, k, v, g, beta, tinv, states, do, dfinal, *_int_flags(flags))
+    if opts.l2norm:
+        def l2(a, b):
+            return chunk_math.l2norm(a.astype(opts.acc_dtype)), chunk_math.l2norm(b.astype(opts.acc_dtype))
+
+        dq, dk = jax.vjp(l2, q, k)[1]((dq.astype(opts.acc_dtype), dk.astype(opts.acc_dtype)))
+    # An empty packed sequence passes h0 straight to its final state.
+    dh0 = select(flags[3], dh0, dfinal.astype(dh0.dtype))
+    grads = (dq, dk, dv, dg, dbeta)
+    return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta))) + (dh0, None)
+
+
+_chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
+
+
+def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, scale: float, state_dtype,
+        decay_dtype, use_qk_l2norm: bool, residuals: str = "save", matmul_dtype=None, custom_vjp: bool = True):
+    """Validated [B, T, H, D] inputs in, (o [B, T, HV, V], final [N, HV, K, V]) out.
+
+    custom_vjp=False differentiates the backend's forward with plain
+    autodiff (only for a backend written in plain JAX: the baseline the
+    gradient tests and benchmarks compare with).
+    """
+    opts = ChunkOptions(scale, jnp.dtype(state_dtype), jnp.dtype(decay_dtype), residuals, matmul_dtype, use_qk_l2norm)
+    r, t, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    plan = make_plan(r, t, chunk_size, cu_seqlens)
+    # The VJP returns dh0 in the accumulation dtype, so h0 comes in in it.
+    h0b = h0.astype(opts.acc_dtype).reshape(h0.shape[0], hk, hv // hk, dk, dv)
+    flags = (plan.reset, plan.seq, plan.last, plan.nonempty)
+    blocks = to_blocks(q, k, v, g, beta, plan)
+    if custom_vjp:
+        o, final = _chunk_scan(*blocks, h0b, flags, backend, opts)
+    else:
+        o, final = _forward(backend, *blocks, h0b, flags, opts, False)
+    return from_blocks(o, plan), final.reshape(h0.shape)

@@ -1,0 +1,87 @@
+"""Tile sizes of the Pallas kernels, per target, with a fallback.
+
+`chunk_gated_delta_rule(..., tiles=None)` looks up the table of the kernel
+for the device the op runs on (TPU by device kind, GPU by compute
+capability) and falls back to the default entry for a device it does not
+list, or when the kernel is compiled from a host without that device
+(deviceless compilation: pass `tiles_for(implementation, device)` of the
+target device). Every entry is compiled for its target in the test suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTiles:
+    """Launch parameters of the pallas_gpu kernels."""
+
+    block_v: int = 32     # V block of the sequential, output and V-sum loops; a power of two
+    num_warps: int = 8
+    num_stages: int = 2   # software pipelining depth of the loops' loads
+
+    def __post_init__(self):
+        for name in ("block_v", "num_warps", "num_stages"):
+            x = getattr(self, name)
+            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                raise ValueError(f"tiles.{name}: expected a positive int, got {x!r}")
+        if self.block_v & (self.block_v - 1):
+            raise ValueError(f"tiles.block_v: expected a power of two, got {self.block_v}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTiles:
+    """Grid parameters of the pallas_tpu kernels."""
+
+    head_tile: int = 1    # key heads per grid step; must divide HK
+
+    def __post_init__(self):
+        if not isinstance(self.head_tile, int) or isinstance(self.head_tile, bool) or self.head_tile < 1:
+            raise ValueError(f"tiles.head_tile: expected a positive int, got {self.head_tile!r}")
+
+
+# GPU by compute capability. Both fit the SM's shared memory with two stages
+# (H100/H200: 232,448 B per block, A100: 166,912 B; the state kernels ask
+# for ~156 KiB at K=128, BV=32): docs/benchmarks.md has what each compiles to.
+GPU_TILES = {
+    "9.0": GpuTiles(block_v=32, num_warps=8, num_stages=2),
+    "8.0": GpuTiles(block_v=32, num_warps=8, num_stages=2),
+}
+GPU_FALLBACK = GpuTiles()
+# TPU by device kind. v5p and v6e have the VMEM for two key heads per step
+# (Qwen3-Next with residuals: ~2.9 MB), halving the grid steps.
+TPU_TILES = {
+    "TPU v4": TpuTiles(head_tile=1),
+    "TPU v5 lite": TpuTiles(head_tile=1),
+    "TPU v5": TpuTiles(head_tile=2),
+    "TPU v6 lite": TpuTiles(head_tile=2),
+}
+TPU_FALLBACK = TpuTiles()
+KERNEL_PLATFORMS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+
+
+def tiles_for(implementation: str, device: jax.Device | None = None) -> GpuTiles | TpuTiles:
+    """The table's tiles of `implementation` ("pallas_gpu" or "pallas_tpu")
+    for `device` (default: the first device of the default backend)."""
+    if implementation not in KERNEL_PLATFORMS:
+        raise ValueError(f"implementation: expected one of {sorted(KERNEL_PLATFORMS)}, got {implementation!r}")
+    device = jax.devices()[0] if device is None else device
+    on_target = device.platform == KERNEL_PLATFORMS[implementation]
+    if implementation == "pallas_gpu":
+        key = str(getattr(device, "compute_capability", ""))
+        return GPU_TILES.get(key, GPU_FALLBACK) if on_target else GPU_FALLBACK
+    return TPU_TILES.get(device.device_kind, TPU_FALLBACK) if on_target else TPU_FALLBACK
+
+
+def check_tiles(implementation: str, tiles) -> GpuTiles | TpuTiles:
+    """`tiles` (None: from the table) as the kind the implementation takes."""
+    if tiles is None:
+        return tiles_for(implementation)
+    kind = GpuTiles if implementation == "pallas_gpu" else TpuTiles
+    if not isinstance(tiles, kind):
+        raise TypeError(f"tiles: implementation={implementation!r} takes {kind.__name__} or None, "
+                        f"got {type(tiles).__name__}")
+    return tiles
