@@ -1,15 +1,21 @@
-"""Gated delta rule on a GPU: pallas_gpu against xla, in one run.
+"""Gated delta rule on a GPU: pallas_gpu against xla and fla, in one run.
 
     python benchmarks/ops_gpu.py [--batch 4] [--length 4096] [--out FILE]
+    python benchmarks/ops_gpu.py --batch 1 --length 32768     # the published anchors' shape
 
-Shape of the issue's target: B=4, T=4096, HK=16, HV=32, K=V=128, bfloat16
-inputs, float32 state, use_qk_l2norm. For each implementation prints the
+Qwen3-Next's GDN shape: HK=16, HV=32, K=V=128, bfloat16 inputs, float32
+state, use_qk_l2norm. For each implementation prints the
 relative error of the output and final state against the float64 token
 recurrence (on a shorter prefix, --check-length, to keep it quick), and the
 median forward and forward+backward times and the peak memory of the
 forward+backward program (XLA's buffer assignment), for xla, pallas_gpu, and
-pallas_gpu with bfloat16 matmul operands or recomputed residuals. A variant that fails prints its error and the run
-goes on, so one bad configuration does not cost the whole device slot.
+pallas_gpu with bfloat16 matmul operands or recomputed residuals; then
+flash-linear-attention's Triton kernels (`fla-core` 0.6.0 with torch, its
+q and k repeated to the value heads) at the same shape, timed with CUDA
+events. TFLOP/s use the analytic FLOPs of the chunk algebra
+(pallas_common.chunk_flops) for every row, so they compare as time does.
+A variant that fails prints its error and the run goes on, so one bad
+configuration does not cost the whole device slot.
 """
 
 from __future__ import annotations
@@ -19,14 +25,59 @@ import datetime
 import traceback
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-jax.config.update("jax_enable_x64", True)  # the float64 reference only
+from gdnx.measure import compiled_peak_bytes, median_ms, relative_error as rel
+from gdnx.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from gdnx.ops.gated_delta_rule.pallas_common import chunk_flops
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
-from gdnx.measure import compiled_peak_bytes, median_ms, relative_error as rel  # noqa: E402
-from gdnx.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
+def analytic_tflop(b, t, hk, hv, d, chunk=64):
+    """(forward, backward) TFLOP of the chunk algebra at this shape."""
+    f = chunk_flops(chunk, d, d)
+    chunks, grp = b * (-(-t // chunk)) * hk, hv // hk
+    fwd = chunks * (f["key_products"] + grp * (f["prepare"] + f["state"] + f["output"]))
+    bwd = chunks * (f["key_products"] + f["key_grads"] + grp * (f["prepare"] + f["state_bwd"] + f["grads"]))
+    return fwd / 1e12, bwd / 1e12
+
+
+def time_fla(args, hk, hv, repeats):
+    """(forward ms, fwd+bwd ms) of fla's chunk_gated_delta_rule, CUDA events, medians."""
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    def to_torch(x):
+        return torch.from_dlpack(x).clone()
+
+    q, k, v, g, beta = (to_torch(x) for x in args)
+    q, k = q.repeat_interleave(hv // hk, 2), k.repeat_interleave(hv // hk, 2)
+    for x in (q, k, v, g, beta):
+        x.requires_grad_(True)
+
+    def fwd():
+        return fla_chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
+
+    def fwd_bwd():
+        o, s = fwd()
+        (o.float().pow(2).sum() + s.pow(2).sum()).backward()
+
+    def median(fn):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return float(np.median(times))
+
+    with torch.no_grad():
+        f_ms = median(fwd)
+    return f_ms, median(fwd_bwd)
 
 
 def make_inputs(b, t, hk, hv, d, seed=0):
@@ -57,13 +108,21 @@ def main():
     dev = jax.devices()[0]
     lines = [f"# gated delta rule on {dev.device_kind}: B={b} T={t} HK={hk} HV={hv} K=V={d} bf16, chunk 64, "
              f"l2norm; {datetime.date.today()}, jax {jax.__version__}",
-             "| implementation | rel err o | rel err state | forward ms | fwd+bwd ms | fwd+bwd peak GiB |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| implementation | rel err o | rel err state | forward ms | fwd+bwd ms | fwd+bwd peak GiB | "
+             "fwd TFLOP/s | bwd TFLOP/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    tf_fwd, tf_bwd = analytic_tflop(b, t, hk, hv, d)
+
+    def rates(f_ms, fb_ms):
+        return f"{tf_fwd / (f_ms / 1e3):.1f} | {tf_bwd / (max(fb_ms - f_ms, 1e-9) / 1e3):.1f}"
     print("\n".join(lines), flush=True)
     args = make_inputs(b, t, hk, hv, d)
     short = tuple(x[:1, :a.check_length] for x in args)
-    ref_o, ref_s = recurrent_gated_delta_rule(*(x.astype(jnp.float64) for x in short), use_qk_l2norm=True,
-                                              output_final_state=True, state_dtype="float64", decay_dtype="float64")
+    with jax.enable_x64(True):  # the float64 reference only: the kernels run as a model runs them
+        ref_o, ref_s = recurrent_gated_delta_rule(*(x.astype(jnp.float64) for x in short), use_qk_l2norm=True,
+                                                  output_final_state=True, state_dtype="float64",
+                                                  decay_dtype="float64")
+        ref_o, ref_s = np.asarray(ref_o), np.asarray(ref_s)
     rows = {}
     for name, kw in VARIANTS.items():
         try:
@@ -80,17 +139,28 @@ def main():
             bwd_ms = median_ms(grad, args, a.repeats)
             peak = compiled_peak_bytes(grad, args) / 2**30
             rows[name] = (fwd_ms, bwd_ms, peak)
-            line = f"| {name} | {err_o:.1e} | {err_s:.1e} | {fwd_ms:.2f} | {bwd_ms:.2f} | {peak:.2f} |"
+            line = (f"| {name} | {err_o:.1e} | {err_s:.1e} | {fwd_ms:.2f} | {bwd_ms:.2f} | {peak:.2f} | "
+                    f"{rates(fwd_ms, bwd_ms)} |")
         except Exception as e:  # report and keep going: device time is scarce
             traceback.print_exc()
-            line = f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | |"
+            line = f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | | | |"
         lines.append(line)
         print(line, flush=True)
+    try:
+        f_ms, fb_ms = time_fla(args, hk, hv, a.repeats)
+        rows["fla"] = (f_ms, fb_ms, float("nan"))
+        line = f"| fla 0.6.0 (Triton, torch) | | | {f_ms:.2f} | {fb_ms:.2f} | | {rates(f_ms, fb_ms)} |"
+    except Exception as e:  # fla is carried as a wheel; say so if it is missing
+        traceback.print_exc()
+        line = f"| fla 0.6.0 | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | | | |"
+    lines.append(line)
+    print(line, flush=True)
     if "xla" in rows:
         for name, (f, fb, m) in rows.items():
             if name != "xla":
                 x = rows["xla"]
-                line = f"| {name} / xla | | | {x[0] / f:.2f}x faster | {x[1] / fb:.2f}x faster | {m / x[2]:.2f}x memory |"
+                line = (f"| {name} / xla | | | {x[0] / f:.2f}x faster | {x[1] / fb:.2f}x faster | "
+                        f"{m / x[2]:.2f}x memory | | |")
                 lines.append(line)
                 print(line, flush=True)
     if a.out:
