@@ -71,6 +71,34 @@ def tpu_kernels(program) -> str:
     return text
 
 
+def phase_table(c: int = 64, d: int = 128, grp: int = 2, in_bytes: int = 2) -> list[str]:
+    """FLOPs and HBM bytes per token and value head of each pallas_gpu phase,
+    K = V = d, chunk c, inputs of in_bytes, float32 between phases."""
+    from gdnx.ops.gated_delta_rule.pallas_common import chunk_flops, matmul_flops
+
+    f = chunk_flops(c, d, d)
+    nvb = d // 32  # V blocks of the output-side kernels (GpuTiles.block_v = 32)
+    key, val, gate, f32_cv, f32_ck, f32_kv, tinv = c * d * in_bytes, c * d * in_bytes, 2 * c * 4, c * d * 4, \
+        c * d * 4, d * d * 4, c * c * 4
+    phases = [
+        # name, flops per value-head chunk, bytes read + written per value-head chunk
+        ("forward prepare", f["key_products"] // 2 + f["prepare"], key + val + gate + f32_cv + f32_ck + tinv),
+        ("forward state", f["state"], key + f32_ck + f32_cv + gate + f32_cv + f32_kv),
+        ("forward output", f["output"] + nvb * f["key_products"] // 2, nvb * 2 * key + gate + f32_kv + f32_cv + val),
+        ("backward prepare", f["key_products"] // 2 + f["prepare"], key + val + gate + tinv + f32_cv + f32_ck),
+        ("backward dv_local", matmul_flops(c, c, d) + nvb * f["key_products"] // 2, nvb * 2 * key + gate + val + f32_cv),
+        ("backward dstate", 3 * matmul_flops(c, d, d), 2 * key + f32_ck + gate + val + f32_cv + 2 * f32_cv + f32_kv),
+        ("backward grads", f["grads"] + f["key_grads"] + f["key_products"],
+         2 * key + val + gate + tinv + f32_cv + f32_ck + 2 * f32_kv + val + f32_cv + 2 * f32_ck + val + gate),
+    ]
+    rows = [f"pallas_gpu phases per token and value head (K=V={d}, chunk {c}, bf16 inputs; "
+            f"x HV for a token of the layer):", "", "| phase | FLOPs / token | HBM bytes / token | FLOPs / byte |",
+            "|---|---:|---:|---:|"]
+    for name, flops, nbytes in phases:
+        rows.append(f"| {name} | {flops / c:,.0f} | {nbytes / c:,.0f} | {flops / nbytes:.1f} |")
+    return rows
+
+
 def main():
     import jax
 
@@ -81,7 +109,11 @@ def main():
     p.add_argument("--targets", nargs="*", default=list(COMPILE_TARGETS))
     p.add_argument("--programs", nargs="*", default=[x.name for x in PROGRAMS])
     p.add_argument("--out", default=None)
+    p.add_argument("--phases", action="store_true", help="print the per-phase FLOPs and bytes table and stop")
     a = p.parse_args()
+    if a.phases:
+        print("\n".join(phase_table()))
+        return
     lines = [f"Deviceless compilation, {datetime.date.today()}, jax {jax.__version__}, this host "
              f"({os.cpu_count()} cores); command: `JAX_PLATFORMS=cpu .venv-aot/bin/python benchmarks/compile.py`",
              "", "| target | program | compile s | kernels (grid: shared memory, registers, spills / VMEM) |",
