@@ -338,6 +338,12 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpr
     lay = _Layout(q, v, dfinal.shape[0], tiles.block_v)
     opts = _hardware(opts, interpret)
     acc = opts.acc_dtype
+    if opts.l2norm:
+        # Normalised once here, in float32, not in each kernel: the grads
+        # kernel that normalised its own q, k asked Triton for 256 KiB of
+        # shared memory (over the H100's 227 KiB) with float32 products.
+        q, k = chunk_math.l2norm(q.astype(acc)), chunk_math.l2norm(k.astype(acc))
+        opts = opts._replace(l2norm=False)
     q, k = lay.pad_keys(q), lay.pad_keys(k)
     v, do = lay.pad_values(v), lay.pad_values(do)
     states, dfinal = lay.pad_state(states.astype(acc)), lay.pad_state(dfinal)
