@@ -59,15 +59,19 @@ def gpu_kernels(dump: pathlib.Path, arch: str) -> list[str]:
     return rows
 
 
-def tpu_kernels(program) -> str:
-    """The VMEM budget each Mosaic kernel declares (pallas_tpu.vmem_bytes)."""
+def tpu_kernels(program, target: str) -> str:
+    """The VMEM budget each Mosaic kernel declares (pallas_tpu.vmem_bytes),
+    at the target's head tile."""
+    from gdnx import aot
+    from gdnx.ops.gated_delta_rule import tiles_for
     from gdnx.ops.gated_delta_rule.pallas_tpu import vmem_bytes
 
+    ht = tiles_for("pallas_tpu", aot.device(target)).head_tile
     grp, d = program.hv // program.hk, program.dim
-    fwd = vmem_bytes(1, grp, 64, d, d, 2, program.grad)
-    text = f"forward: {fwd / 2**20:.1f} MiB VMEM"
+    fwd = vmem_bytes(ht, grp, 64, d, d, 2, program.grad)
+    text = f"head tile {ht}; forward: {fwd / 2**20:.1f} MiB VMEM"
     if program.grad:
-        text += f"; backward: {2 * vmem_bytes(1, grp, 64, d, d, 4, True) / 2**20:.1f} MiB VMEM"
+        text += f"; backward: {2 * vmem_bytes(ht, grp, 64, d, d, 4, True) / 2**20:.1f} MiB VMEM"
     return text
 
 
@@ -134,7 +138,7 @@ def main():
                     t0 = time.perf_counter()
                     jax.jit(fn).lower(*args).compile()
                     secs = time.perf_counter() - t0
-                    row = f"| {target} | {name} | {secs:.1f} | {tpu_kernels(programs[name])} |"
+                    row = f"| {target} | {name} | {secs:.1f} | {tpu_kernels(programs[name], target)} |"
             print(row, flush=True)
             lines.append(row)
     if a.out:
