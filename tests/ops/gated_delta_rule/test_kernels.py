@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from gdnx.ops import chunk_gated_delta_rule
-from gdnx.ops.gated_delta_rule import GpuTiles, TpuTiles, tiles_for
+from gdnx.ops.gated_delta_rule import GpuTiles, TpuTiles
 from gdnx.ops.gated_delta_rule.api import default_chunk_implementation
 from tests.ops.gated_delta_rule.cases import Case, by_name, make_inputs
 from tests.ops.gated_delta_rule.oracle import rel_err
@@ -101,25 +101,6 @@ def test_kernel_tiles(implementation, tiles):
     """Two key heads per TPU grid step; four V blocks per GPU value head."""
     case = Case("tiles", b=1, t=40, dk=64, dv=64, chunk=16)
     check_against_oracle(case, implementation, tiles=tiles)
-
-
-def test_tiles_are_checked():
-    q, k, v, g, beta, _ = make_inputs(Case("ht", b=1, t=16, dk=16, dv=16, hk=2, hv=4, chunk=16))
-    with pytest.raises(ValueError, match="head_tile=3 must divide the key heads HK=2"):
-        chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas_tpu", tiles=TpuTiles(3))
-    with pytest.raises(TypeError, match="tiles: implementation='pallas_gpu' takes GpuTiles or None, got TpuTiles"):
-        chunk_gated_delta_rule(q, k, v, g, beta, implementation="pallas_gpu", tiles=TpuTiles(1))
-    with pytest.raises(ValueError, match="tiles: applies to the Pallas implementations"):
-        chunk_gated_delta_rule(q, k, v, g, beta, implementation="xla", tiles=GpuTiles())
-    with pytest.raises(ValueError, match="tiles.block_v: expected a power of two, got 48"):
-        GpuTiles(block_v=48)
-
-
-def test_tiles_table_falls_back_off_target():
-    """On the CPU both kernels take their fallback entries."""
-    from gdnx.ops.gated_delta_rule.tiles import GPU_FALLBACK, TPU_FALLBACK
-
-    assert tiles_for("pallas_gpu") == GPU_FALLBACK and tiles_for("pallas_tpu") == TPU_FALLBACK
 
 
 @pytest.mark.parametrize("implementation", KERNELS + ["xla"])
