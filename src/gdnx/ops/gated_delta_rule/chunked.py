@@ -49,6 +49,11 @@ class ChunkOptions(NamedTuple):
     operands: jnp.dtype | jax.lax.DotAlgorithmPreset | None = None  # matmul operands, see chunk_math
     l2norm: bool = False            # normalise q, k inside
 
+    def keys(self, x):
+        """q or k of a chunk in the accumulation dtype, normalised when l2norm."""
+        x = x.astype(self.acc_dtype)
+        return chunk_math.l2norm(x) if self.l2norm else x
+
     def algebra(self) -> dict:
         """Keyword arguments of the chunk_math value-head functions."""
         return dict(scale=self.scale, decay_dtype=self.decay_dtype, operands=self.operands)

@@ -141,10 +141,12 @@ def _costs(lay) -> tuple[int, dict[str, int], int]:
     return heads, pallas_common.chunk_flops(lay.c, lay.kp, lay.vp), pallas_common.transcendentals(lay.c)
 
 
-def _keys(ref, idx, opts):
-    """q or k of a chunk in the accumulation dtype, normalised when opts.l2norm."""
-    x = ref[idx].astype(opts.acc_dtype)
-    return chunk_math.l2norm(x) if opts.l2norm else x
+def _output_mix(q_ref, k_ref, g_ref, opts):
+    """(P = scale tril(QK^T * D), decays) of one value head's chunk."""
+    key, head = (0, 0, 0), (0, 0, 0, 0)
+    q, k = opts.keys(q_ref[key]), opts.keys(k_ref[key])
+    dec = _decays(g_ref, head, opts)
+    return chunk_math.output_mix(chunk_math.mm_nt(q, k, operands=opts.operands), dec, scale=opts.scale), dec, q
 
 
 def _decays(g_ref, idx, opts):
@@ -157,7 +159,7 @@ def _prepare_kernel(k_ref, v_ref, g_ref, b_ref, *refs, opts, given_inverse):
     """U, W (and the inverse, unless given) of one value head's chunk."""
     acc = opts.acc_dtype
     head = (0, 0, 0, 0)
-    k = _keys(k_ref, (0, 0, 0), opts)
+    k = opts.keys(k_ref[0, 0, 0])
     dec = _decays(g_ref, head, opts)
     beta = chunk_math.row_to_col(b_ref[head].astype(acc))
     if given_inverse:
@@ -182,7 +184,7 @@ def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, w_ref, u_ref, g_ref, h0_r
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
         state = jnp.where(reset, h0_ref[seq, 0, 0].astype(acc), state)
         states_ref[c, 0, 0, 0] = state
-        k = _keys(k_ref, (c, 0, 0), opts)
+        k = opts.keys(k_ref[c, 0, 0])
         dec = _decays(g_ref, (c, 0, 0, 0), opts)
         vn = u_ref[c, 0, 0, 0] - chunk_math.mm(w_ref[c, 0, 0, 0], state, operands=opts.operands)
         vn_ref[c, 0, 0, 0] = vn
@@ -199,10 +201,8 @@ def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, w_ref, u_ref, g_ref, h0_r
 
 def _output_kernel(q_ref, k_ref, g_ref, states_ref, vn_ref, o_ref, *, opts):
     """O = scale exp(G) q S + P Vn for one (chunk, value head, V block)."""
-    key, head = (0, 0, 0), (0, 0, 0, 0)
-    q, k = _keys(q_ref, key, opts), _keys(k_ref, key, opts)
-    dec = _decays(g_ref, head, opts)
-    p = chunk_math.output_mix(chunk_math.mm_nt(q, k, operands=opts.operands), dec, scale=opts.scale)
+    head = (0, 0, 0, 0)
+    p, dec, q = _output_mix(q_ref, k_ref, g_ref, opts)
     o = (opts.scale * dec.eg) * chunk_math.mm(q, states_ref[head], operands=opts.operands) \
         + chunk_math.mm(p, vn_ref[head], operands=opts.operands)
     o_ref[head] = o.astype(o_ref.dtype)
@@ -264,10 +264,8 @@ def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret, til
 
 def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dvl_ref, *, opts):
     """P^T dO: the part of dVn that needs no state."""
-    key, head = (0, 0, 0), (0, 0, 0, 0)
-    q, k = _keys(q_ref, key, opts), _keys(k_ref, key, opts)
-    dec = _decays(g_ref, head, opts)
-    p = chunk_math.output_mix(chunk_math.mm_nt(q, k, operands=opts.operands), dec, scale=opts.scale)
+    head = (0, 0, 0, 0)
+    p, _, _ = _output_mix(q_ref, k_ref, g_ref, opts)
     dvl_ref[head] = chunk_math.mm_tn(p, do_ref[head].astype(opts.acc_dtype), operands=opts.operands)
 
 
@@ -282,7 +280,7 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, w_ref, g_ref, do_
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
         dstate = dstate + jnp.where(last, dfinal_ref[seq, 0, 0].astype(acc), 0.0)
         dstates_ref[c, 0, 0, 0] = dstate
-        q, k = _keys(q_ref, (c, 0, 0), opts), _keys(k_ref, (c, 0, 0), opts)
+        q, k = opts.keys(q_ref[c, 0, 0]), opts.keys(k_ref[c, 0, 0])
         dec = _decays(g_ref, (c, 0, 0, 0), opts)
         do = do_ref[c, 0, 0, 0].astype(acc)
         dvn = dvl_ref[c, 0, 0, 0] + dec.ek * chunk_math.mm(k, dstate, operands=opts.operands)
@@ -305,7 +303,7 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, sta
     up block by block."""
     acc = opts.acc_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    q, k = _keys(q_ref, key, opts), _keys(k_ref, key, opts)
+    q, k = opts.keys(q_ref[key]), opts.keys(k_ref[key])
     dec = _decays(g_ref, head, opts)
     beta = chunk_math.row_to_col(b_ref[head].astype(acc))
     tinv, w = tinv_ref[head], w_ref[head]
@@ -324,8 +322,7 @@ def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, sta
         dks=jnp.zeros((c, kp), acc), dgamma=jnp.zeros((1, 1), acc), dbv_u=jnp.zeros((c, c), acc),
         v_dbv=jnp.zeros((c, 1), acc))
     sums = jax.lax.fori_loop(0, v_ref.shape[-1] // block_v, v_block, zeros)
-    qk = chunk_math.mm_nt(q, k, operands=opts.operands)
-    kk = chunk_math.mm_nt(k, k, operands=opts.operands)
+    qk, kk = chunk_math.key_products(q, k, operands=opts.operands)
     pg = chunk_math.prepare_bwd(q, k, qk, kk, dec, beta, tinv, w, sums, scale=opts.scale, operands=opts.operands)
     dq_k, dk_k = chunk_math.key_products_bwd(q, k, pg.dqk, pg.dkk, operands=opts.operands)
     dq_ref[head] = pg.dq + dq_k
@@ -342,7 +339,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpr
         # Normalised once here, in float32, not in each kernel: the grads
         # kernel that normalised its own q, k asked Triton for 256 KiB of
         # shared memory (over the H100's 227 KiB) with float32 products.
-        q, k = chunk_math.l2norm(q.astype(acc)), chunk_math.l2norm(k.astype(acc))
+        q, k = opts.keys(q), opts.keys(k)
         opts = opts._replace(l2norm=False)
     q, k = lay.pad_keys(q), lay.pad_keys(k)
     v, do = lay.pad_values(v), lay.pad_values(do)

@@ -51,14 +51,6 @@ def vmem_bytes(head_tile, grp, c, dk, dv, in_bytes, save_residuals):
     return per_tile + scratch + residuals + temporaries
 
 
-def _load_keys(q_ref, k_ref, i, acc_dtype, l2norm):
-    q = q_ref[0, 0, i].astype(acc_dtype)
-    k = k_ref[0, 0, i].astype(acc_dtype)
-    if l2norm:
-        q, k = chunk_math.l2norm(q), chunk_math.l2norm(k)
-    return q, k
-
-
 def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref, *rest,
                 rows, head_tile, grp, opts, save_residuals):
     *residual_refs, state_ref = rest
@@ -70,7 +62,7 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         state_ref[...] = h0_ref[0].astype(acc_dtype)
 
     for i in range(head_tile):
-        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, opts.l2norm)
+        q, k = opts.keys(q_ref[0, 0, i]), opts.keys(k_ref[0, 0, i])
         qk, kk = chunk_math.key_products(q, k, operands=opts.operands)
         for j in range(grp):
             state = state_ref[i, j]
@@ -105,7 +97,7 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         dstate_ref[...] = dstate_ref[...] + dfinal_ref[0].astype(acc_dtype)
 
     for i in range(head_tile):
-        q, k = _load_keys(q_ref, k_ref, i, acc_dtype, opts.l2norm)
+        q, k = opts.keys(q_ref[0, 0, i]), opts.keys(k_ref[0, 0, i])
         qk, kk = chunk_math.key_products(q, k, operands=opts.operands)
         dq = dk = dqk = dkk = 0.0
         for j in range(grp):

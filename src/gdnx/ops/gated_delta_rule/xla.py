@@ -42,13 +42,6 @@ def _values(fn, in_axes):
     return jax.vmap(jax.vmap(jax.vmap(fn, in_axes=in_axes)))
 
 
-def _load_keys(qc, kc, opts: ChunkOptions):
-    qa, ka = qc.astype(opts.acc_dtype), kc.astype(opts.acc_dtype)
-    if opts.l2norm:
-        qa, ka = chunk_math.l2norm(qa), chunk_math.l2norm(ka)
-    return qa, ka
-
-
 def forward(q, k, v, g, beta, h0, flags, *, opts: ChunkOptions, save_residuals: bool):
     """Forward over chunk blocks: (o, final), plus the incoming state of every
     chunk and the chunk inverses when `save_residuals`."""
@@ -60,7 +53,7 @@ def forward(q, k, v, g, beta, h0, flags, *, opts: ChunkOptions, save_residuals: 
     def body(carry, xs):
         state, final = carry
         qc, kc, vc, gc, bc, rs, sq, ls = xs
-        qa, ka = _load_keys(qc, kc, opts)
+        qa, ka = opts.keys(qc), opts.keys(kc)
         qk, kk = _keys(key_products)(qa, ka)
         state = select(rs, h0[sq], state)
         o, new_state, tinv = _values(fwd, (None, None, 0, 0, 0, None, None, 0))(
@@ -85,7 +78,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts: ChunkOp
     def body(carry, xs):
         dstate, dh0 = carry
         qc, kc, vc, gc, bc, tc, state, do_c, rs, sq, ls = xs
-        qa, ka = _load_keys(qc, kc, opts)
+        qa, ka = opts.keys(qc), opts.keys(kc)
         qk, kk = _keys(key_products)(qa, ka)
         dstate_out = dstate + select(ls, dfinal[sq], jnp.zeros_like(dstate))
         vg = _values(bwd, (None, None, 0, 0, 0, None, None, 0, 0, 0, 0))(
