@@ -75,31 +75,49 @@ def tpu_kernels(program, target: str) -> str:
     return text
 
 
-def phase_table(c: int = 64, d: int = 128, grp: int = 2, in_bytes: int = 2) -> list[str]:
-    """FLOPs and HBM bytes per token and value head of each pallas_gpu phase,
-    K = V = d, chunk c, inputs of in_bytes, float32 between phases."""
-    from gdnx.ops.gated_delta_rule.pallas_common import chunk_flops, matmul_flops
+def _pallas_calls(jaxpr) -> list:
+    """Every pallas_call equation in a jaxpr, nested jaxprs included, in order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _pallas_calls(inner)
+    return found
 
-    f = chunk_flops(c, d, d)
-    nvb = d // 32  # V blocks of the output-side kernels (GpuTiles.block_v = 32)
-    key, val, gate, f32_cv, f32_ck, f32_kv, tinv = c * d * in_bytes, c * d * in_bytes, 2 * c * 4, c * d * 4, \
-        c * d * 4, d * d * 4, c * c * 4
-    phases = [
-        # name, flops per value-head chunk, bytes read + written per value-head chunk
-        ("forward prepare", f["key_products"] // 2 + f["prepare"], key + val + gate + f32_cv + f32_ck + tinv),
-        ("forward state", f["state"], key + f32_ck + f32_cv + gate + f32_cv + f32_kv),
-        ("forward output", f["output"] + nvb * f["key_products"] // 2, nvb * 2 * key + gate + f32_kv + f32_cv + val),
-        ("backward prepare", f["key_products"] // 2 + f["prepare"], key + val + gate + tinv + f32_cv + f32_ck),
-        ("backward dv_local", matmul_flops(c, c, d) + nvb * f["key_products"] // 2, nvb * 2 * key + gate + val + f32_cv),
-        ("backward dstate", 3 * matmul_flops(c, d, d), 2 * key + f32_ck + gate + val + f32_cv + 2 * f32_cv + f32_kv),
-        ("backward grads", f["grads"] + f["key_grads"] + f["key_products"],
-         2 * key + val + gate + tinv + f32_cv + f32_ck + 2 * f32_kv + val + f32_cv + 2 * f32_ck + val + gate),
-    ]
-    rows = [f"pallas_gpu phases per token and value head (K=V={d}, chunk {c}, bf16 inputs; "
-            f"x HV for a token of the layer):", "", "| phase | FLOPs / token | HBM bytes / token | FLOPs / byte |",
-            "|---|---:|---:|---:|"]
-    for name, flops, nbytes in phases:
-        rows.append(f"| {name} | {flops / c:,.0f} | {nbytes / c:,.0f} | {flops / nbytes:.1f} |")
+
+def phase_table(t: int = 4096, hk: int = 16, hv: int = 32, d: int = 128) -> list[str]:
+    """FLOPs and HBM bytes per token and value head of each pallas_gpu kernel,
+    read from the cost estimates the kernels declare (one gradient step:
+    forward with residuals, then backward)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gdnx.ops import chunk_gated_delta_rule
+    from gdnx.ops.gated_delta_rule import GpuTiles
+
+    sd = jax.ShapeDtypeStruct
+    args = [sd((1, t, hk, d), jnp.bfloat16)] * 2 + [sd((1, t, hv, d), jnp.bfloat16), sd((1, t, hv), jnp.float32),
+                                                     sd((1, t, hv), jnp.bfloat16)]
+
+    def loss(*xs):
+        o, _ = chunk_gated_delta_rule(*xs, use_qk_l2norm=True, implementation="pallas_gpu", interpret=False,
+                                      tiles=GpuTiles())
+        return jnp.sum(o.astype(jnp.float32))
+
+    calls = _pallas_calls(jax.make_jaxpr(jax.grad(loss, argnums=range(5)))(*args).jaxpr)
+    per = t * hv
+    rows = [f"pallas_gpu kernels of one gradient step, per token and value head (K=V={d}, chunk 64, bf16 inputs, "
+            f"default GpuTiles; from the kernels' declared cost estimates):", "",
+            "| kernel | FLOPs / token | HBM bytes / token | FLOPs / byte |", "|---|---:|---:|---:|"]
+    for eqn in calls:
+        cost = eqn.params["cost_estimate"]
+        name = eqn.params["jaxpr"].debug_info.func_src_info.split()[0].removesuffix("_kernel").lstrip("_")
+        rows.append(f"| {name} | {cost.flops / per:,.0f} | {cost.bytes_accessed / per:,.0f} | "
+                    f"{cost.flops / cost.bytes_accessed:.1f} |")
     return rows
 
 

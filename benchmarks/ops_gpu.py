@@ -13,7 +13,7 @@ pallas_gpu with bfloat16 matmul operands or recomputed residuals; then
 flash-linear-attention's Triton kernels (`fla-core` 0.6.0 with torch, its
 q and k repeated to the value heads) at the same shape, timed with CUDA
 events. TFLOP/s use the analytic FLOPs of the chunk algebra
-(pallas_common.chunk_flops) for every row, so they compare as time does.
+(pallas_common.op_flops) for every row, so they compare as time does.
 A variant that fails prints its error and the run goes on, so one bad
 configuration does not cost the whole device slot.
 """
@@ -30,15 +30,12 @@ import numpy as np
 
 from gdnx.measure import compiled_peak_bytes, median_ms, relative_error as rel
 from gdnx.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from gdnx.ops.gated_delta_rule.pallas_common import chunk_flops
+from gdnx.ops.gated_delta_rule.pallas_common import op_flops
 
 
 def analytic_tflop(b, t, hk, hv, d, chunk=64):
     """(forward, backward) TFLOP of the chunk algebra at this shape."""
-    f = chunk_flops(chunk, d, d)
-    chunks, grp = b * (-(-t // chunk)) * hk, hv // hk
-    fwd = chunks * (f["key_products"] + grp * (f["prepare"] + f["state"] + f["output"]))
-    bwd = chunks * (f["key_products"] + f["key_grads"] + grp * (f["prepare"] + f["state_bwd"] + f["grads"]))
+    fwd, bwd = op_flops(b, t, hk, hv, d, d, chunk)
     return fwd / 1e12, bwd / 1e12
 
 

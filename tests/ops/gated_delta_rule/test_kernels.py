@@ -96,9 +96,10 @@ def test_interpret_is_for_kernels_only():
 
 
 @pytest.mark.parametrize("implementation, tiles", [("pallas_tpu", TpuTiles(head_tile=2)),
-                                                   ("pallas_gpu", GpuTiles(block_v=16, num_warps=4))])
+                                                   ("pallas_gpu", GpuTiles(block_k=16, block_v=32, num_warps=4))])
 def test_kernel_tiles(implementation, tiles):
-    """Two key heads per TPU grid step; four V blocks per GPU value head."""
+    """Two key heads per TPU grid step; on the GPU four K blocks and two V
+    blocks per value head (the default tiles make two and four)."""
     case = Case("tiles", b=1, t=40, dk=64, dv=64, chunk=16)
     check_against_oracle(case, implementation, tiles=tiles)
 

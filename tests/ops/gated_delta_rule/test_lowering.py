@@ -21,7 +21,7 @@ from gdnx.ops.gated_delta_rule.pallas_gpu import TRITON_CUSTOM_CALL_TARGETS
 
 PLATFORMS = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
 FORWARD_KERNELS = {"tpu": 1, "cuda": 3}
-BACKWARD_KERNELS = {"tpu": 1, "cuda": 4}
+BACKWARD_KERNELS = {"tpu": 1, "cuda": 5}
 DISABLED = [export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CUSTOM_CALL_TARGETS]
 
 

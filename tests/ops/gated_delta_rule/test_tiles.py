@@ -16,8 +16,10 @@ def test_tiles_are_checked():
         chunk_gated_delta_rule(q, k, v, g, beta, implementation="pallas_gpu", tiles=TpuTiles(1))
     with pytest.raises(ValueError, match="tiles: applies to the Pallas implementations"):
         chunk_gated_delta_rule(q, k, v, g, beta, implementation="xla", tiles=GpuTiles())
-    with pytest.raises(ValueError, match="tiles.block_v: expected a power of two, got 48"):
+    with pytest.raises(ValueError, match="tiles.block_v: expected a power of two >= 16, got 48"):
         GpuTiles(block_v=48)
+    with pytest.raises(ValueError, match="tiles.block_k: expected a power of two >= 16, got 8"):
+        GpuTiles(block_k=8)
 
 
 def test_tiles_table_falls_back_off_target():

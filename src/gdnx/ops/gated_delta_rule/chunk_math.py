@@ -26,9 +26,10 @@ segment sums, see `segment_sums`):
 
 `prepare` needs no state (`decays`, `chunk_inverse`, `wy`, `output_mix`
 are its parts, for kernels that split the work into phases), `step` is the
-sequential update; their adjoints `step_bwd`, `value_sums` (the terms that
-sum over V, so a kernel may add them up block by block), `prepare_bwd` and
-`key_products_bwd` make the backward. `operands` (None or a dtype such as bfloat16) rounds the operands
+sequential update. The backward comes in parts a kernel may run on blocks
+of K and V: `step_bwd` (the state path), `value_grads` and `state_sums`
+(sums over V), `key_grads` (sums over K), `gate_terms` and `gate_grads`
+(the [C, C] algebra of the gates and beta), `key_products_bwd`. `operands` (None or a dtype such as bfloat16) rounds the operands
 of every matmul outside the chunk inverse to that dtype, accumulating in the
 accumulation dtype all the same: what a single bf16 MXU or tensor-core pass
 does, made explicit so that its cost can be measured anywhere.
@@ -156,7 +157,7 @@ def unit_lower_inverse_loop(a):
     return jax.lax.fori_loop(jnp.int32(1), jnp.int32(c), row, (r == j).astype(a.dtype))
 
 
-def segment_sums(g):
+def segment_sums(g, *, split=False):
     """[1, C] gates -> [C, C] with entry (i, j) = sum_{j < l <= i} g_l for
     i >= j (zero above the diagonal).
 
@@ -165,21 +166,39 @@ def segment_sums(g):
     below zero before the segment), leaving float32 an absolute error of
     eps |G| in a decay near 1. As a matmul with a 0/1 matrix, every output
     is a sum of terms of one sign.
+
+    split: float32 gates as three bfloat16 parts (8 bits of mantissa each),
+    one bfloat16 matmul per part with float32 sums: products with 0/1 are
+    exact, so this matches the float32 matmul, and it fits in a GPU
+    kernel's registers where a float32 FMA dot of [C, C] tiles does not.
     """
     c = g.shape[-1]
     r, j = iotas(c)
     tril = (j <= r).astype(g.dtype)                          # [i, l]: l <= i
     after = jnp.where(r > j, jnp.broadcast_to(row_to_col(g), (c, c)), 0)  # [l, j]: g_l for l > j
-    return jax.lax.dot_general(tril, after, (((1,), (0,)), ((), ())), precision=HIGHEST,
-                               preferred_element_type=g.dtype)
+    if not split:
+        return jax.lax.dot_general(tril, after, (((1,), (0,)), ((), ())), precision=HIGHEST,
+                                   preferred_element_type=g.dtype)
+    tril = tril.astype(jnp.bfloat16)
+    sums = jnp.zeros((c, c), g.dtype)
+    for _ in range(3):
+        part = after.astype(jnp.bfloat16)
+        sums = sums + jax.lax.dot_general(tril, part, (((1,), (0,)), ((), ())), preferred_element_type=g.dtype)
+        after = after - part.astype(g.dtype)
+    return sums
 
 
 L2NORM_EPS = 1e-6
 
 
+def l2norm_scale(x):
+    """1 / sqrt(sum x^2 + 1e-6) over the last axis (keepdims), in x's dtype."""
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
 def l2norm(x):
     """x / sqrt(sum x^2 + 1e-6) over the last axis, in x's dtype."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+    return x * l2norm_scale(x)
 
 
 def key_products(q, k, *, operands=None):
@@ -197,8 +216,9 @@ class Decays(NamedTuple):
     gamma: jax.Array  # [1, 1]  exp(G_last)
 
 
-def decays(g, *, acc_dtype, decay_dtype) -> Decays:
-    """Decay factors from [1, C] gates; eg, ek and gamma in acc_dtype."""
+def decays(g, *, acc_dtype, decay_dtype, split_segments=False) -> Decays:
+    """Decay factors from [1, C] gates; eg, ek and gamma in acc_dtype
+    (`split_segments`: see `segment_sums`)."""
     c = g.shape[-1]
     r, j = iotas(c)
     g = g.astype(decay_dtype)
@@ -209,7 +229,7 @@ def decays(g, *, acc_dtype, decay_dtype) -> Decays:
     gtail = jnp.sum(jnp.where(j > r, gb, 0), axis=1, keepdims=True)
     glast = jnp.sum(g, axis=1, keepdims=True)
     # Mask before the exponential: above the diagonal the sums are >= 0 and may overflow.
-    dm = jnp.exp(jnp.where(r >= j, segment_sums(g), -jnp.inf))
+    dm = jnp.exp(jnp.where(r >= j, segment_sums(g, split=split_segments), -jnp.inf))
     return Decays(gcum=gcum, dm=dm, eg=jnp.exp(gcum).astype(acc_dtype), ek=jnp.exp(gtail).astype(acc_dtype),
                   gamma=jnp.exp(glast).astype(acc_dtype))
 
@@ -228,7 +248,17 @@ def chunk_inverse(kk, beta_col, dec: Decays, *, inverse=unit_lower_inverse):
 
 def wy(tinv, k, v, beta_col, dec: Decays, *, operands=None):
     """U = T (beta v) [C, V] and W = T (beta exp(G) k) [C, K]."""
-    return mm(tinv, beta_col * v, operands=operands), mm(tinv, (beta_col * dec.eg) * k, operands=operands)
+    return wy_values(tinv, v, beta_col, operands=operands), wy_keys(tinv, k, beta_col, dec, operands=operands)
+
+
+def wy_values(tinv, v, beta_col, *, operands=None):
+    """U = T (beta v), for any columns of v."""
+    return mm(tinv, beta_col * v, operands=operands)
+
+
+def wy_keys(tinv, k, beta_col, dec: Decays, *, operands=None):
+    """W = T (beta exp(G) k), for any columns of k."""
+    return mm(tinv, (beta_col * dec.eg) * k, operands=operands)
 
 
 class Prepared(NamedTuple):
@@ -276,95 +306,130 @@ def step_bwd(do, dstate_out, q, k, prep: Prepared, *, operands=None):
 
 
 class ValueSums(NamedTuple):
-    """The backward's terms that sum over the value dim, for one value head's
-    chunk: a kernel may add them up over V blocks."""
+    """Backward terms of one value head's chunk that sum over the value dim
+    into [C, C] and [C, 1]: a kernel may add them up over V blocks."""
 
-    dw: jax.Array      # of W: -dVn S^T             [C, K]
     dp: jax.Array      # of P: dO Vn^T              [C, C]
-    dqs: jax.Array     # dO S^T (q S's cotangent)   [C, K]
-    dks: jax.Array     # Vn dS'^T                   [C, K]
-    dgamma: jax.Array  # of gamma: <S, dS'>         [1, 1]
     dbv_u: jax.Array   # (T^T dU) U^T               [C, C]
     v_dbv: jax.Array   # rows of v * (T^T dU)       [C, 1]
 
 
-def value_sums(state, dstate_out, do, dvn, u, v, w, tinv, beta_col, *, operands=None):
-    """`ValueSums` of one V block (or all of V), and that block's dv.
+def value_grads(do, dvn, vn, u, v, tinv, beta_col, *, operands=None):
+    """(dv, `ValueSums`) of one V block (or all of V); dU = dVn.
 
-    state, dstate_out [K, BV]; do, dvn, u, v [C, BV]; w [C, K]; tinv [C, C].
+    do, dvn, vn, u, v [C, BV]; tinv [C, C].
     """
-    vn = u - mm(w, state, operands=operands)
-    dbv = mm_tn(tinv, dvn, operands=operands)   # dU = dVn
-    sums = ValueSums(
-        dw=-mm_nt(dvn, state, operands=operands), dp=mm_nt(do, vn, operands=operands),
-        dqs=mm_nt(do, state, operands=operands), dks=mm_nt(vn, dstate_out, operands=operands),
-        dgamma=jnp.sum(jnp.sum(state * dstate_out, axis=1, keepdims=True), axis=0, keepdims=True),
-        dbv_u=mm_nt(dbv, u, operands=operands), v_dbv=jnp.sum(v * dbv, axis=1, keepdims=True),
-    )
-    return sums, beta_col * dbv
+    dbv = mm_tn(tinv, dvn, operands=operands)
+    sums = ValueSums(dp=mm_nt(do, vn, operands=operands), dbv_u=mm_nt(dbv, u, operands=operands),
+                     v_dbv=jnp.sum(v * dbv, axis=1, keepdims=True))
+    return beta_col * dbv, sums
 
 
-def add_sums(a: ValueSums, b: ValueSums) -> ValueSums:
-    return ValueSums(*(x + y for x, y in zip(a, b)))
+class StateSums(NamedTuple):
+    """Backward terms that contract the state over the value dim, for some
+    rows of K: a kernel may add them up over V blocks, K block by K block."""
+
+    dw: jax.Array      # of W: -dVn S^T             [C, BK]
+    dqs: jax.Array     # dO S^T (q S's cotangent)   [C, BK]
+    dks: jax.Array     # Vn dS'^T                   [C, BK]
+    dgamma: jax.Array  # of gamma: <S, dS'>         [1, 1]
 
 
-class PreparedGrads(NamedTuple):
-    """One value head's input cotangents; dq, dk still miss the QK^T, KK^T terms."""
-
-    dq: jax.Array    # [C, K]
-    dk: jax.Array    # [C, K]
-    dg: jax.Array    # [1, C]
-    dbeta: jax.Array  # [1, C]
-    dqk: jax.Array   # [C, C]  to sum over the key head's value heads
-    dkk: jax.Array   # [C, C]
+def state_sums(state, dstate_out, do, dvn, vn, *, operands=None) -> StateSums:
+    """`StateSums` of a [BK, BV] block of the incoming state and of the
+    outgoing state's cotangent; do, dvn, vn [C, BV]."""
+    return StateSums(
+        dw=-mm_nt(dvn, state, operands=operands), dqs=mm_nt(do, state, operands=operands),
+        dks=mm_nt(vn, dstate_out, operands=operands),
+        dgamma=jnp.sum(jnp.sum(state * dstate_out, axis=1, keepdims=True), axis=0, keepdims=True))
 
 
-def prepare_bwd(q, k, qk, kk, dec: Decays, beta, tinv, w, sums: ValueSums, *, scale,
-                operands=None) -> PreparedGrads:
-    """Adjoint of `prepare` for one value head, from the V sums (dv comes
-    with them, from `value_sums`).
+def add_sums(a, b):
+    """Elementwise sum of two `ValueSums`, `StateSums` or `KeySums`."""
+    return type(a)(*(x + y for x, y in zip(a, b)))
+
+
+class KeySums(NamedTuple):
+    """Key-side backward terms of one value head's chunk that sum over the
+    key dim: a kernel may add them up over K blocks."""
+
+    dxw: jax.Array   # (T^T dW) W^T               [C, C]
+    kdx: jax.Array   # rows of k * T^T dW         [C, 1]
+    qdqs: jax.Array  # rows of q * dO S^T         [C, 1]
+    kdks: jax.Array  # rows of k * Vn dS'^T       [C, 1]
+
+
+def key_grads(q, k, w, sums: StateSums, tinv, beta_col, dec: Decays, *, scale, operands=None):
+    """(dq, dk, `KeySums`) of some columns of K (or all of K); dq and dk
+    still miss the QK^T and KK^T terms (`key_products_bwd`).
+
+    q, k, w and the sums' dw, dqs, dks: the same [C, BK] columns.
+    """
+    dx = mm_tn(tinv, sums.dw, operands=operands)  # of X = beta exp(G) k, through W = T X
+    dq = (scale * dec.eg) * sums.dqs
+    dk = (beta_col * dec.eg) * dx + dec.ek * sums.dks
+    return dq, dk, KeySums(dxw=mm_nt(dx, w, operands=operands), kdx=jnp.sum(k * dx, axis=1, keepdims=True),
+                           qdqs=jnp.sum(q * sums.dqs, axis=1, keepdims=True),
+                           kdks=jnp.sum(k * sums.dks, axis=1, keepdims=True))
+
+
+class GateTerms(NamedTuple):
+    """What the gate and beta gradients of one value head's chunk need
+    besides QK^T and KK^T."""
+
+    da: jax.Array     # of A = strict_tril(beta_i kk_ij D_ij)   [C, C]
+    dp: jax.Array     # of P                                    [C, C]
+    dbeta: jax.Array  # without A's term                        [C, 1]
+    dgcum: jax.Array  # of G, without the D_ij term             [C, 1]
+
+
+def gate_terms(dec: Decays, beta_col, vsums: ValueSums, ksums: KeySums, dgamma, *, scale) -> GateTerms:
+    """The sums over V and K combined into `GateTerms`.
 
     The inverse is not differentiated through: with X = beta exp(G) k,
     dA = -T^T (dU (beta v)^T + dW X^T) T^T = -(T^T dU) U^T - (T^T dW) W^T.
     """
-    acc = q.dtype
-    c = q.shape[0]
+    c = beta_col.shape[0]
     r, j = iotas(c)
-    dm = dec.dm.astype(acc)
-    eg, eq = dec.eg, scale * dec.eg
-
-    # W = T (beta exp(G) k)
-    dx = mm_tn(tinv, sums.dw, operands=operands)
-    da = jnp.where(r > j, -(sums.dbv_u + mm_nt(dx, w, operands=operands)), 0)
-    kdx = jnp.sum(k * dx, axis=1, keepdims=True)
-    dk = (beta * eg) * dx
-    # A = strict_tril(beta_i kk_ij D_ij)
-    dbeta = sums.v_dbv + eg * kdx + jnp.sum(da * kk * dm, axis=1, keepdims=True)
-    dgcum = beta * eg * kdx
-    dkk = da * beta * dm
-    # P = scale tril(qk * D)   (D is already 0 above the diagonal)
-    dqk = scale * sums.dp * dm
-    m = (da * beta * kk + scale * sums.dp * qk) * dm
-    # D_ij = exp(G_i - G_j)
-    dgcum = dgcum + jnp.sum(m, axis=1, keepdims=True) - row_to_col(jnp.sum(m, axis=0, keepdims=True))
-    # q S scaled by eq = scale exp(G)
-    dq = eq * sums.dqs
-    dgcum = dgcum + eq * jnp.sum(sums.dqs * q, axis=1, keepdims=True)
+    da = jnp.where(r > j, -(vsums.dbv_u + ksums.dxw), 0)
     # k^T (ek Vn), ek = exp(G_last - G);  gamma = exp(G_last)
-    rk = dec.ek * jnp.sum(sums.dks * k, axis=1, keepdims=True)
-    dk = dk + dec.ek * sums.dks
-    dlast = jnp.sum(rk, axis=0, keepdims=True) + dec.gamma * sums.dgamma
+    rk = dec.ek * ksums.kdks
+    dlast = jnp.sum(rk, axis=0, keepdims=True) + dec.gamma * dgamma
     last_row = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
-    dgcum = dgcum - rk + jnp.where(last_row, dlast, 0)
+    # X = beta exp(G) k;  q S scaled by eq = scale exp(G)
+    dgcum = beta_col * dec.eg * ksums.kdx + (scale * dec.eg) * ksums.qdqs - rk + jnp.where(last_row, dlast, 0)
+    return GateTerms(da=da, dp=vsums.dp, dbeta=vsums.v_dbv + dec.eg * ksums.kdx, dgcum=dgcum)
+
+
+class GateGrads(NamedTuple):
+    dg: jax.Array     # [1, C]
+    dbeta: jax.Array  # [1, C]
+    dqk: jax.Array    # [C, C]  to sum over the key head's value heads
+    dkk: jax.Array    # [C, C]
+
+
+def gate_grads(qk, kk, dec: Decays, beta_col, terms: GateTerms, *, scale) -> GateGrads:
+    """dg and dbeta of one value head's chunk, and the cotangents of QK^T
+    and KK^T, from its `GateTerms`."""
+    c = qk.shape[0]
+    r, j = iotas(c)
+    dm = dec.dm.astype(qk.dtype)
+    dbeta = terms.dbeta + jnp.sum(terms.da * kk * dm, axis=1, keepdims=True)
+    # P = scale tril(qk * D)   (D is already 0 above the diagonal)
+    dqk = scale * terms.dp * dm
+    dkk = terms.da * beta_col * dm
+    # D_ij = exp(G_i - G_j)
+    m = (terms.da * beta_col * kk + scale * terms.dp * qk) * dm
+    dgcum = terms.dgcum + jnp.sum(m, axis=1, keepdims=True) - row_to_col(jnp.sum(m, axis=0, keepdims=True))
     # G = cumsum(g): dg_j = sum_{i >= j} dG_i
     dg = jnp.sum(jnp.where(r >= j, jnp.broadcast_to(dgcum, (c, c)), 0), axis=0, keepdims=True)
-    return PreparedGrads(dq=dq, dk=dk, dg=dg, dbeta=col_to_row(dbeta), dqk=dqk, dkk=dkk)
+    return GateGrads(dg=dg, dbeta=col_to_row(dbeta), dqk=dqk, dkk=dkk)
 
 
 def key_products_bwd(q, k, dqk, dkk, *, operands=None):
     """(dq, dk) through QK^T and KK^T, with dqk, dkk summed over value heads."""
     dq = mm(dqk, k, operands=operands)
-    dk = mm_tn(dqk, q, operands=operands) + mm(dkk, k, operands=operands) + mm_tn(dkk, k, operands=operands)
+    dk = mm_tn(dqk, q, operands=operands) + mm(dkk + jnp.transpose(dkk), k, operands=operands)
     return dq, dk
 
 
@@ -393,7 +458,11 @@ def value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_out, *
     """Adjoint of `value_head_forward` given the chunk's saved inverse and
     incoming state, the output cotangent and the outgoing state's cotangent."""
     prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv, operands=operands)
+    vn = prep.u - mm(prep.w, state, operands=operands)
     dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep, operands=operands)
-    sums, dv = value_sums(state, dstate_out, do, dvn, prep.u, v, prep.w, prep.tinv, prep.beta, operands=operands)
-    pg = prepare_bwd(q, k, qk, kk, prep.dec, prep.beta, prep.tinv, prep.w, sums, scale=scale, operands=operands)
-    return ValueHeadGrads(dv, pg.dg, pg.dbeta, pg.dq, pg.dk, pg.dqk, pg.dkk, dstate_in)
+    dv, vsums = value_grads(do, dvn, vn, prep.u, v, prep.tinv, prep.beta, operands=operands)
+    ssums = state_sums(state, dstate_out, do, dvn, vn, operands=operands)
+    dq, dk, ksums = key_grads(q, k, prep.w, ssums, prep.tinv, prep.beta, prep.dec, scale=scale, operands=operands)
+    terms = gate_terms(prep.dec, prep.beta, vsums, ksums, ssums.dgamma, scale=scale)
+    gg = gate_grads(qk, kk, prep.dec, prep.beta, terms, scale=scale)
+    return ValueHeadGrads(dv, gg.dg, gg.dbeta, dq, dk, gg.dqk, gg.dkk, dstate_in)

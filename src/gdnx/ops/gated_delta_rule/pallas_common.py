@@ -43,6 +43,16 @@ def chunk_flops(c: int, dk: int, dv: int) -> dict[str, int]:
     }
 
 
+def op_flops(b: int, t: int, hk: int, hv: int, dk: int, dv: int, chunk: int = 64) -> tuple[int, int]:
+    """(forward, backward) analytic FLOPs of the op on [B, T] tokens with HK
+    key and HV value heads: `chunk_flops` over every chunk and head."""
+    f = chunk_flops(chunk, dk, dv)
+    chunks, grp = b * (-(-t // chunk)) * hk, hv // hk
+    fwd = chunks * (f["key_products"] + grp * (f["prepare"] + f["state"] + f["output"]))
+    bwd = chunks * (f["key_products"] + f["key_grads"] + grp * (f["prepare"] + f["state_bwd"] + f["grads"]))
+    return fwd, bwd
+
+
 def transcendentals(c: int) -> int:
     """exp of the decays per chunk and value head: C x C pairwise, 2 C, 1."""
     return c * c + 2 * c + 1

@@ -3,23 +3,35 @@
 Only the state recursion is sequential; everything else runs chunk-parallel,
 so a single long sequence still fills the GPU:
 
-    forward   prepare  (chunk, row, value head)        decays, (I + A)^-1, U, W
-              state    (row, value head, V block)       sequential: Vn, chunk states
-              output   (chunk, row, value head x V block)   O = eq q S + P Vn
-    backward  prepare  again, with the saved inverse       U, W
-              dv_local (chunk, row, value head x V block)   P^T dO
-              dstate   (row, value head, V block)       reverse sequential: dS, dVn
-              grads    (chunk, row, value head)         dq, dk, dv, dg, dbeta
+    forward   prepare    (chunk, row, value head)           decays, (I + A)^-1, U, W
+              state      (row, value head, V block)         sequential: Vn, chunk states
+              output     (chunk, row, value head x V block) O = eq q S + P Vn
+    backward  prepare    again, with the saved inverse      U, W
+              dv_local   (chunk, row, value head x V block) P^T dO, Vn
+              dstate     (row, value head, V block)         reverse sequential: dS, dVn
+              grads      (chunk, row, value head)           dv; dq, dk but for QK^T, KK^T;
+                                                            the gates' [C, C] terms
+              gate_grads (chunk, row, value head)           dg, dbeta; dq, dk
 
-The sequential kernels walk the chunks of one row in a loop and carry one
-float32 state block [K, BV] in registers; packed sequences arrive re-laid by
-the chunk plan, with per-chunk flags (reset, seq, last) read from int32
-arrays. dq and dk come out per value head and are summed over each key
-head's group outside the kernel.
+Register pressure decides the shape of every kernel: a thread of 8 warps
+holds 1/256 of each tile, so a float32 [C, K] tile at C = 64, K = 128
+costs 32 of its 255 registers. Every kernel therefore walks
+K in blocks of BK columns and V in blocks of BV (loops, not unrolled: the
+kernel holds one block's code); what is summed over K or V is carried as
+[C, C] or narrower, and what a later pass needs over all of K (dq, dk
+before the QK^T, KK^T terms) goes through memory to the next kernel. The
+sequential kernels carry the [K, BV] state as K/BK blocks. Packed
+sequences arrive re-laid by the chunk plan, with per-chunk flags (reset,
+seq, last) read from int32 arrays. dq and dk come out per value head and
+are summed over each key head's group outside the kernels.
+
+q and k reach the kernels raw; with l2norm, the scale 1 / |x| of every
+row is computed once outside (a [C] row per chunk and key head) and each
+kernel multiplies the key blocks it loads by it.
 
 Triton needs every loaded or stored array to have a power-of-two size: K and
 V are zero-padded to powers of two (inert: zero key and value columns never
-touch the real ones), C is one already, and BV is a power of two.
+touch the real ones), C is one already, and BK, BV are powers of two.
 """
 
 from __future__ import annotations
@@ -51,13 +63,19 @@ def _pad(x, axis, to):
 
 
 class _Layout:
-    """Padded sizes and the block specs of the three grid shapes."""
+    """Padded sizes and the block specs of the three grid shapes.
 
-    def __init__(self, q, v, num_seqs, block_v):
+    Key-head arrays are [NC, R, HK, rows, cols], value-head arrays
+    [NC, R, HK, G, rows, cols]; `key=True` picks the key head of the
+    program's value head.
+    """
+
+    def __init__(self, q, v, num_seqs, tiles: GpuTiles):
         self.nc, self.rows, self.hk, self.c, self.dk = q.shape
         self.grp, self.dv = v.shape[3], v.shape[5]
         self.kp, self.vp = _pow2(self.dk), _pow2(self.dv)
-        self.bv = min(block_v, self.vp)
+        self.bk, self.bv = min(tiles.block_k, self.kp), min(tiles.block_v, self.vp)
+        self.sbk = min(tiles.state_block_k, self.kp)
         self.nvb = self.vp // self.bv
         self.num_seqs = num_seqs
 
@@ -66,21 +84,21 @@ class _Layout:
     def head_grid(self):
         return (self.nc, self.rows, self.hk * self.grp)
 
-    def head_spec(self, *tail):
+    def head_spec(self, rows, cols, key=False):
         g = self.grp
-        if len(tail) == 2 and tail[0] is None:  # a key head's block
-            return pl.BlockSpec((1, 1, 1, self.c, tail[1]), lambda c, r, h: (c, r, h // g, 0, 0))
-        return pl.BlockSpec((1, 1, 1, 1) + tail, lambda c, r, h: (c, r, h // g, h % g, 0, 0))
+        if key:
+            return pl.BlockSpec((1, 1, 1, rows, cols), lambda c, r, h: (c, r, h // g, 0, 0))
+        return pl.BlockSpec((1, 1, 1, 1, rows, cols), lambda c, r, h: (c, r, h // g, h % g, 0, 0))
 
     # chunk-parallel, one program per (chunk, row, value head, V block)
     @property
     def block_grid(self):
         return (self.nc, self.rows, self.hk * self.grp * self.nvb)
 
-    def block_spec(self, rows, cols, v_blocked=True):
+    def block_spec(self, rows, cols, key=False, v_blocked=True):
         g, n = self.grp, self.nvb
-        if cols is None:  # a key head's [C, K] block
-            return pl.BlockSpec((1, 1, 1, rows, self.kp), lambda c, r, x: (c, r, x // n // g, 0, 0))
+        if key:
+            return pl.BlockSpec((1, 1, 1, rows, cols), lambda c, r, x: (c, r, x // n // g, 0, 0))
         return pl.BlockSpec((1, 1, 1, 1, rows, cols),
                             lambda c, r, x: (c, r, x // n // g, x // n % g, 0, x % n if v_blocked else 0))
 
@@ -89,10 +107,10 @@ class _Layout:
     def seq_grid(self):
         return (self.rows, self.hk * self.grp, self.nvb)
 
-    def seq_spec(self, rows, cols, v_blocked=True):
+    def seq_spec(self, rows, cols, key=False, v_blocked=True):
         g, nc = self.grp, self.nc
-        if cols is None:
-            return pl.BlockSpec((nc, 1, 1, rows, self.kp), lambda r, h, vb: (0, r, h // g, 0, 0))
+        if key:
+            return pl.BlockSpec((nc, 1, 1, rows, cols), lambda r, h, vb: (0, r, h // g, 0, 0))
         return pl.BlockSpec((nc, 1, 1, 1, rows, cols),
                             lambda r, h, vb: (0, r, h // g, h % g, 0, vb if v_blocked else 0))
 
@@ -126,6 +144,14 @@ def _hardware(opts, interpret: bool):
     return opts._replace(operands=FLOAT32_PRODUCTS)
 
 
+def _norm_rows(x, opts):
+    """[NC, R, HK, C, K] q or k -> [NC, R, HK, 1, C]: the l2norm scale of
+    every row (ones without l2norm), in the accumulation dtype."""
+    if not opts.l2norm:
+        return jnp.ones(x.shape[:3] + (1, x.shape[3]), opts.acc_dtype)
+    return jnp.swapaxes(chunk_math.l2norm_scale(x.astype(opts.acc_dtype)), -1, -2)
+
+
 def _call(kernel, grid, in_specs, out_specs, out_shape, tiles: GpuTiles, interpret, flops, exps, *args):
     outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
     return pl.pallas_call(
@@ -141,119 +167,210 @@ def _costs(lay) -> tuple[int, dict[str, int], int]:
     return heads, pallas_common.chunk_flops(lay.c, lay.kp, lay.vp), pallas_common.transcendentals(lay.c)
 
 
-def _output_mix(q_ref, k_ref, g_ref, opts):
-    """(P = scale tril(QK^T * D), decays) of one value head's chunk."""
-    key, head = (0, 0, 0), (0, 0, 0, 0)
-    q, k = opts.keys(q_ref[key]), opts.keys(k_ref[key])
-    dec = _decays(g_ref, head, opts)
-    return chunk_math.output_mix(chunk_math.mm_nt(q, k, operands=opts.operands), dec, scale=opts.scale), dec, q
+# --- blocks inside a kernel ------------------------------------------------
+
+def _ds(i, size):
+    """Block i of `size` along an axis (i a Python int or a loop index)."""
+    if isinstance(i, int):
+        return pl.ds(i * size, size)
+    return pl.ds(pl.multiple_of(i * size, size), size)
+
+
+def _cols(idx, i, size):
+    """Index of column block i of the [rows, cols] tile at idx."""
+    return idx + (slice(None), _ds(i, size))
+
+
+def _keys(ref, idx, kb, bk, scale_col, opts):
+    """Column block kb of q or k at idx, in the accumulation dtype, its rows
+    scaled by scale_col (the l2norm scale; None: raw, for a kernel that
+    scales the other factor of its products instead)."""
+    x = ref[_cols(idx, kb, bk)].astype(opts.acc_dtype)
+    return x if scale_col is None else x * scale_col
+
+
+def _blocks(n, body, init):
+    """fori_loop over n blocks; the kernel holds one block's code."""
+    return jax.lax.fori_loop(0, n, body, init)
+
+
+def _each_block(n, body):
+    """body(i) for i < n, in a loop, for its stores."""
+    def step(i, carry):
+        body(i)
+        return carry
+
+    jax.lax.fori_loop(0, n, step, jnp.int32(0))
 
 
 def _decays(g_ref, idx, opts):
-    return chunk_math.decays(g_ref[idx], acc_dtype=opts.acc_dtype, decay_dtype=opts.decay_dtype)
+    # A float32 FMA dot of the segment sums holds a C-long row and column
+    # per output in registers (255 registers and spills at C = 64); three
+    # bfloat16 passes are as exact (see chunk_math.segment_sums).
+    return chunk_math.decays(g_ref[idx], acc_dtype=opts.acc_dtype, decay_dtype=opts.decay_dtype,
+                             split_segments=opts.decay_dtype == jnp.float32)
+
+
+def _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk):
+    """P = scale tril(QK^T * D) of one value head's chunk, QK^T summed over K blocks."""
+    key = (0, 0, 0)
+    rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
+
+    def block(kb, qk):
+        q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
+        return qk + chunk_math.mm_nt(q, k, operands=opts.operands)
+
+    c = q_ref.shape[-2]
+    qk = _blocks(q_ref.shape[-1] // bk, block, jnp.zeros((c, c), opts.acc_dtype))
+    return chunk_math.output_mix(qk, dec, scale=opts.scale)
+
+
+def _state_times(ref, idx, state, bk, opts):
+    """sum over K blocks of ref[idx][:, block] @ state[block]: [C, BV]."""
+    return sum(chunk_math.mm(ref[_cols(idx, kb, bk)].astype(opts.acc_dtype), s, operands=opts.operands)
+               for kb, s in enumerate(state))
 
 
 # --- forward ---------------------------------------------------------------
 
-def _prepare_kernel(k_ref, v_ref, g_ref, b_ref, *refs, opts, given_inverse):
+def _prepare_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, *refs, opts, bk, bv, given_inverse):
     """U, W (and the inverse, unless given) of one value head's chunk."""
     acc = opts.acc_dtype
-    head = (0, 0, 0, 0)
-    k = opts.keys(k_ref[0, 0, 0])
+    key, head = (0, 0, 0), (0, 0, 0, 0)
+    rk = chunk_math.row_to_col(rk_ref[key])
     dec = _decays(g_ref, head, opts)
     beta = chunk_math.row_to_col(b_ref[head].astype(acc))
+    nkb = k_ref.shape[-1] // bk
     if given_inverse:
         tinv_ref, u_ref, w_ref = refs
         tinv = tinv_ref[head]
     else:
         u_ref, w_ref, tinv_ref = refs
-        kk = chunk_math.mm_nt(k, k, operands=opts.operands)
+
+        def kk_block(kb, kk):
+            k = _keys(k_ref, key, kb, bk, rk, opts)
+            return kk + chunk_math.mm_nt(k, k, operands=opts.operands)
+
+        c = k_ref.shape[-2]
+        kk = _blocks(nkb, kk_block, jnp.zeros((c, c), acc))
         tinv = chunk_math.chunk_inverse(kk, beta, dec, inverse=chunk_math.unit_lower_inverse_loop)
         tinv_ref[head] = tinv
-    u, w = chunk_math.wy(tinv, k, v_ref[head].astype(acc), beta, dec, operands=opts.operands)
-    u_ref[head] = u
-    w_ref[head] = w
+
+    def u_block(vb):
+        cols = _cols(head, vb, bv)
+        u_ref[cols] = chunk_math.wy_values(tinv, v_ref[cols].astype(acc), beta, operands=opts.operands)
+
+    def w_block(kb):
+        k = _keys(k_ref, key, kb, bk, rk, opts)
+        w_ref[_cols(head, kb, bk)] = chunk_math.wy_keys(tinv, k, beta, dec, operands=opts.operands)
+
+    _each_block(v_ref.shape[-1] // bv, u_block)
+    _each_block(nkb, w_block)
 
 
-def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, w_ref, u_ref, g_ref, h0_ref, vn_ref, states_ref, final_ref,
-                  *, num_chunks, opts):
-    """Walk a row's chunks: Vn = U - W S, S' = gamma S + k^T (ek Vn)."""
+def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, rk_ref, w_ref, u_ref, g_ref, h0_ref, vn_ref, states_ref,
+                  final_ref, *, num_chunks, opts, bk):
+    """Walk a row's chunks: Vn = U - W S, S' = gamma S + k^T (ek Vn); the
+    state [K, BV] is carried as K/BK blocks."""
     acc = opts.acc_dtype
+    nkb = k_ref.shape[-1] // bk
+
+    def rows(idx, kb):
+        return idx + (_ds(kb, bk), slice(None))
 
     def chunk(c, state):
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
-        state = jnp.where(reset, h0_ref[seq, 0, 0].astype(acc), state)
-        states_ref[c, 0, 0, 0] = state
-        k = opts.keys(k_ref[c, 0, 0])
+        state = tuple(jnp.where(reset, h0_ref[rows((seq, 0, 0), kb)].astype(acc), s) for kb, s in enumerate(state))
+        for kb, s in enumerate(state):
+            states_ref[rows((c, 0, 0, 0), kb)] = s
+        rk = chunk_math.row_to_col(rk_ref[c, 0, 0])
         dec = _decays(g_ref, (c, 0, 0, 0), opts)
-        vn = u_ref[c, 0, 0, 0] - chunk_math.mm(w_ref[c, 0, 0, 0], state, operands=opts.operands)
+        vn = u_ref[c, 0, 0, 0] - _state_times(w_ref, (c, 0, 0, 0), state, bk, opts)
         vn_ref[c, 0, 0, 0] = vn
-        state = dec.gamma * state + chunk_math.mm_tn(k, dec.ek * vn, operands=opts.operands)
+        # (rk k)^T (ek Vn) = k^T (rk ek Vn): the key blocks stay as loaded
+        ekvn = (rk * dec.ek) * vn
+        state = tuple(dec.gamma * s + chunk_math.mm_tn(_keys(k_ref, (c, 0, 0), kb, bk, None, opts), ekvn,
+                                                       operands=opts.operands)
+                      for kb, s in enumerate(state))
 
         @pl.when(last)
         def _():
-            final_ref[seq, 0, 0] = state.astype(final_ref.dtype)
+            for kb, s in enumerate(state):
+                final_ref[rows((seq, 0, 0), kb)] = s.astype(final_ref.dtype)
 
         return state
 
-    jax.lax.fori_loop(0, num_chunks, chunk, jnp.zeros(h0_ref.shape[-2:], acc))
+    bv = h0_ref.shape[-1]
+    jax.lax.fori_loop(0, num_chunks, chunk, tuple(jnp.zeros((bk, bv), acc) for _ in range(nkb)))
 
 
-def _output_kernel(q_ref, k_ref, g_ref, states_ref, vn_ref, o_ref, *, opts):
+def _output_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, states_ref, vn_ref, o_ref, *, opts, bk):
     """O = scale exp(G) q S + P Vn for one (chunk, value head, V block)."""
-    head = (0, 0, 0, 0)
-    p, dec, q = _output_mix(q_ref, k_ref, g_ref, opts)
-    o = (opts.scale * dec.eg) * chunk_math.mm(q, states_ref[head], operands=opts.operands) \
-        + chunk_math.mm(p, vn_ref[head], operands=opts.operands)
+    key, head = (0, 0, 0), (0, 0, 0, 0)
+    dec = _decays(g_ref, head, opts)
+    p = _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk)
+    rq = chunk_math.row_to_col(rq_ref[key])
+
+    def qs_block(kb, qs):
+        q = _keys(q_ref, key, kb, bk, rq, opts)
+        return qs + chunk_math.mm(q, states_ref[head + (_ds(kb, bk), slice(None))], operands=opts.operands)
+
+    qs = _blocks(q_ref.shape[-1] // bk, qs_block, jnp.zeros(o_ref.shape[-2:], opts.acc_dtype))
+    o = (opts.scale * dec.eg) * qs + chunk_math.mm(p, vn_ref[head], operands=opts.operands)
     o_ref[head] = o.astype(o_ref.dtype)
 
 
-def _prepare(lay, k, v, g, beta, tinv, opts, tiles, interpret):
+def _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret):
     """(u, w, tinv): U [.., C, Vp] and W [.., C, Kp] per value head, chunk-parallel."""
     acc = opts.acc_dtype
     c = lay.c
     shape = lay.head_grid[:2] + (lay.hk, lay.grp)
     u_shape = jax.ShapeDtypeStruct(shape + (c, lay.vp), acc)
     w_shape = jax.ShapeDtypeStruct(shape + (c, lay.kp), acc)
-    in_specs = [lay.head_spec(None, lay.kp), lay.head_spec(c, lay.vp), lay.head_spec(1, c), lay.head_spec(1, c)]
-    kernel = functools.partial(_prepare_kernel, opts=opts, given_inverse=tinv is not None)
+    in_specs = [lay.head_spec(c, lay.kp, key=True), lay.head_spec(1, c, key=True), lay.head_spec(c, lay.vp),
+                lay.head_spec(1, c), lay.head_spec(1, c)]
+    kernel = functools.partial(_prepare_kernel, opts=opts, bk=lay.bk, bv=lay.bv, given_inverse=tinv is not None)
     heads, f, exps = _costs(lay)
     flops = heads * (f["key_products"] // 2 + f["prepare"])
     if tinv is not None:
         u, w = _call(kernel, lay.head_grid, in_specs + [lay.head_spec(c, c)],
                      [lay.head_spec(c, lay.vp), lay.head_spec(c, lay.kp)], [u_shape, w_shape], tiles, interpret,
-                     flops, heads * exps, k, v, g, beta, tinv)
+                     flops, heads * exps, k, rk, v, g, beta, tinv)
         return u, w, tinv
     return _call(kernel, lay.head_grid, in_specs,
                  [lay.head_spec(c, lay.vp), lay.head_spec(c, lay.kp), lay.head_spec(c, c)],
                  [u_shape, w_shape, jax.ShapeDtypeStruct(shape + (c, c), acc)], tiles, interpret,
-                 flops, heads * exps, k, v, g, beta)
+                 flops, heads * exps, k, rk, v, g, beta)
 
 
 def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret, tiles: GpuTiles):
-    lay = _Layout(q, v, h0.shape[0], tiles.block_v)
+    lay = _Layout(q, v, h0.shape[0], tiles)
     opts = _hardware(opts, interpret)
     acc = opts.acc_dtype
+    rq, rk = _norm_rows(q, opts), _norm_rows(k, opts)
     q, k, v, h0 = lay.pad_keys(q), lay.pad_keys(k), lay.pad_values(v), lay.pad_state(h0)
-    u, w, tinv = _prepare(lay, k, v, g, beta, None, opts, tiles, interpret)
+    u, w, tinv = _prepare(lay, k, rk, v, g, beta, None, opts, tiles, interpret)
 
-    c, bv = lay.c, lay.bv
+    c, bv, kp = lay.c, lay.bv, lay.kp
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     heads, f, exps = _costs(lay)
     vn, states, final = _call(
-        functools.partial(_state_kernel, num_chunks=lay.nc, opts=opts), lay.seq_grid,
-        [lay.flag_spec()] * 3 + [lay.seq_spec(c, None), lay.seq_spec(c, lay.kp, False), lay.seq_spec(c, bv),
-                                 lay.seq_spec(1, c, False), lay.seq_state_spec()],
-        [lay.seq_spec(c, bv), lay.seq_spec(lay.kp, bv), lay.seq_state_spec()],
-        [jax.ShapeDtypeStruct(shape + (c, lay.vp), acc), jax.ShapeDtypeStruct(shape + (lay.kp, lay.vp), acc),
+        functools.partial(_state_kernel, num_chunks=lay.nc, opts=opts, bk=lay.sbk), lay.seq_grid,
+        [lay.flag_spec()] * 3 + [lay.seq_spec(c, kp, key=True), lay.seq_spec(1, c, key=True),
+                                 lay.seq_spec(c, kp, v_blocked=False), lay.seq_spec(c, bv),
+                                 lay.seq_spec(1, c, v_blocked=False), lay.seq_state_spec()],
+        [lay.seq_spec(c, bv), lay.seq_spec(kp, bv), lay.seq_state_spec()],
+        [jax.ShapeDtypeStruct(shape + (c, lay.vp), acc), jax.ShapeDtypeStruct(shape + (kp, lay.vp), acc),
          jax.ShapeDtypeStruct(h0.shape, h0.dtype)],
-        tiles, interpret, heads * f["state"], heads * lay.nvb * exps, *flags, k, w, u, g, h0)
+        tiles, interpret, heads * f["state"], heads * lay.nvb * exps, *flags, k, rk, w, u, g, h0)
 
-    o = _call(functools.partial(_output_kernel, opts=opts), lay.block_grid,
-              [lay.block_spec(c, None), lay.block_spec(c, None), lay.block_spec(1, c, False),
-               lay.block_spec(lay.kp, bv), lay.block_spec(c, bv)],
+    o = _call(functools.partial(_output_kernel, opts=opts, bk=lay.bk), lay.block_grid,
+              [lay.block_spec(c, kp, key=True), lay.block_spec(c, kp, key=True), lay.block_spec(1, c, key=True),
+               lay.block_spec(1, c, key=True), lay.block_spec(1, c, v_blocked=False), lay.block_spec(kp, bv),
+               lay.block_spec(c, bv)],
               lay.block_spec(c, bv), jax.ShapeDtypeStruct(shape + (c, lay.vp), q.dtype), tiles, interpret,
-              heads * (f["output"] + lay.nvb * f["key_products"] // 2), heads * lay.nvb * exps, q, k, g, states, vn)
+              heads * (f["output"] + lay.nvb * f["key_products"] // 2), heads * lay.nvb * exps,
+              q, k, rq, rk, g, states, vn)
     o, final = o[..., :lay.dv], final[..., :lay.dk, :lay.dv]
     if save_residuals:
         return o, final, states[..., :lay.dk, :lay.dv].astype(h0.dtype), tinv
@@ -262,123 +379,202 @@ def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret, til
 
 # --- backward --------------------------------------------------------------
 
-def _dv_local_kernel(q_ref, k_ref, g_ref, do_ref, dvl_ref, *, opts):
-    """P^T dO: the part of dVn that needs no state."""
+def _dv_local_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, do_ref, u_ref, w_ref, states_ref, dvl_ref, vn_ref, *,
+                     opts, bk):
+    """P^T dO (the part of dVn that needs no dS) and Vn = U - W S."""
     head = (0, 0, 0, 0)
-    p, _, _ = _output_mix(q_ref, k_ref, g_ref, opts)
+    p = _output_mix(q_ref, k_ref, rq_ref, rk_ref, _decays(g_ref, head, opts), opts, bk)
     dvl_ref[head] = chunk_math.mm_tn(p, do_ref[head].astype(opts.acc_dtype), operands=opts.operands)
 
+    def ws_block(kb, ws):
+        w = w_ref[_cols(head, kb, bk)]
+        return ws + chunk_math.mm(w, states_ref[head + (_ds(kb, bk), slice(None))], operands=opts.operands)
 
-def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, w_ref, g_ref, do_ref, dvl_ref, dfinal_ref,
-                   dvn_ref, dstates_ref, dh0_ref, *, num_chunks, opts):
-    """Walk a row's chunks in reverse carrying dS: dVn = P^T dO + ek (k dS'),
-    dS = gamma dS' + q^T (eq dO) - W^T dVn."""
+    vn_ref[head] = u_ref[head] - _blocks(w_ref.shape[-1] // bk, ws_block, jnp.zeros(vn_ref.shape[-2:],
+                                                                                     opts.acc_dtype))
+
+
+def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w_ref, g_ref, do_ref, dvl_ref,
+                   dfinal_ref, dvn_ref, dstates_ref, dh0_ref, *, num_chunks, opts, bk):
+    """Walk a row's chunks in reverse carrying dS (as K/BK blocks):
+    dVn = P^T dO + ek (k dS'), dS = gamma dS' + q^T (eq dO) - W^T dVn."""
     acc = opts.acc_dtype
+    nkb = k_ref.shape[-1] // bk
+
+    def rows(idx, kb):
+        return idx + (_ds(kb, bk), slice(None))
 
     def chunk(step, dstate):
         c = num_chunks - 1 - step
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
-        dstate = dstate + jnp.where(last, dfinal_ref[seq, 0, 0].astype(acc), 0.0)
-        dstates_ref[c, 0, 0, 0] = dstate
-        q, k = opts.keys(q_ref[c, 0, 0]), opts.keys(k_ref[c, 0, 0])
-        dec = _decays(g_ref, (c, 0, 0, 0), opts)
-        do = do_ref[c, 0, 0, 0].astype(acc)
-        dvn = dvl_ref[c, 0, 0, 0] + dec.ek * chunk_math.mm(k, dstate, operands=opts.operands)
-        dvn_ref[c, 0, 0, 0] = dvn
-        dstate_in = (chunk_math.mm_tn(q, (opts.scale * dec.eg) * do, operands=opts.operands) + dec.gamma * dstate
-                     - chunk_math.mm_tn(w_ref[c, 0, 0, 0], dvn, operands=opts.operands))
+        dstate = tuple(s + jnp.where(last, dfinal_ref[rows((seq, 0, 0), kb)].astype(acc), 0.0)
+                       for kb, s in enumerate(dstate))
+        for kb, s in enumerate(dstate):
+            dstates_ref[rows((c, 0, 0, 0), kb)] = s
+        key, head = (c, 0, 0), (c, 0, 0, 0)
+        rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
+        dec = _decays(g_ref, head, opts)
+        # the l2norm scales multiply the [C, BV] factors, not the key blocks
+        k_ds = sum(chunk_math.mm(_keys(k_ref, key, kb, bk, None, opts), s, operands=opts.operands)
+                   for kb, s in enumerate(dstate))
+        dvn = dvl_ref[head] + (rk * dec.ek) * k_ds
+        dvn_ref[head] = dvn
+        eq_do = (rq * opts.scale * dec.eg) * do_ref[head].astype(acc)
+        dstate_in = tuple(
+            chunk_math.mm_tn(_keys(q_ref, key, kb, bk, None, opts), eq_do, operands=opts.operands) + dec.gamma * s
+            - chunk_math.mm_tn(w_ref[_cols(head, kb, bk)], dvn, operands=opts.operands)
+            for kb, s in enumerate(dstate))
 
         @pl.when(reset)
         def _():
-            dh0_ref[seq, 0, 0] = dstate_in.astype(dh0_ref.dtype)
+            for kb, s in enumerate(dstate_in):
+                dh0_ref[rows((seq, 0, 0), kb)] = s.astype(dh0_ref.dtype)
 
-        return jnp.where(reset, 0.0, dstate_in)
+        return tuple(jnp.where(reset, 0.0, s) for s in dstate_in)
 
-    jax.lax.fori_loop(0, num_chunks, chunk, jnp.zeros(dh0_ref.shape[-2:], acc))
+    bv = dh0_ref.shape[-1]
+    jax.lax.fori_loop(0, num_chunks, chunk, tuple(jnp.zeros((bk, bv), acc) for _ in range(nkb)))
 
 
-def _grads_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, states_ref, dstates_ref, do_ref,
-                  dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, opts, block_v):
-    """Every input gradient of one value head's chunk; the V sums are added
-    up block by block."""
+def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, vn_ref, states_ref,
+                  dstates_ref, do_ref, dvn_ref, dq_ref, dk_ref, dv_ref, da_ref, dp_ref, dbeta_ref, dgcum_ref, *,
+                  opts, bk, bv):
+    """dv; dq, dk but for the QK^T, KK^T terms; the [C, C] gate terms.
+
+    Sums over V are added up block by block; the state sums, per K block,
+    over the V blocks of that block's rows of S and dS'.
+    """
     acc = opts.acc_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    q, k = opts.keys(q_ref[key]), opts.keys(k_ref[key])
+    rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
     dec = _decays(g_ref, head, opts)
     beta = chunk_math.row_to_col(b_ref[head].astype(acc))
-    tinv, w = tinv_ref[head], w_ref[head]
-    def v_block(vb, sums):
-        # a loop, not unrolled: the kernel holds one block's matmuls
-        cols = head + (slice(None), pl.ds(pl.multiple_of(vb * block_v, block_v), block_v))
-        part, dv = chunk_math.value_sums(
-            states_ref[cols], dstates_ref[cols], do_ref[cols].astype(acc), dvn_ref[cols], u_ref[cols],
-            v_ref[cols].astype(acc), w, tinv, beta, operands=opts.operands)
+    tinv = tinv_ref[head]
+    c = q_ref.shape[-2]
+    nkb, nvb = q_ref.shape[-1] // bk, v_ref.shape[-1] // bv
+
+    def value_block(vb, sums):
+        cols = _cols(head, vb, bv)
+        dv, part = chunk_math.value_grads(do_ref[cols].astype(acc), dvn_ref[cols], vn_ref[cols], u_ref[cols],
+                                          v_ref[cols].astype(acc), tinv, beta, operands=opts.operands)
         dv_ref[cols] = dv.astype(dv_ref.dtype)
         return chunk_math.add_sums(sums, part)
 
-    c, kp = k.shape
-    zeros = chunk_math.ValueSums(
-        dw=jnp.zeros((c, kp), acc), dp=jnp.zeros((c, c), acc), dqs=jnp.zeros((c, kp), acc),
-        dks=jnp.zeros((c, kp), acc), dgamma=jnp.zeros((1, 1), acc), dbv_u=jnp.zeros((c, c), acc),
-        v_dbv=jnp.zeros((c, 1), acc))
-    sums = jax.lax.fori_loop(0, v_ref.shape[-1] // block_v, v_block, zeros)
-    qk, kk = chunk_math.key_products(q, k, operands=opts.operands)
-    pg = chunk_math.prepare_bwd(q, k, qk, kk, dec, beta, tinv, w, sums, scale=opts.scale, operands=opts.operands)
-    dq_k, dk_k = chunk_math.key_products_bwd(q, k, pg.dqk, pg.dkk, operands=opts.operands)
-    dq_ref[head] = pg.dq + dq_k
-    dk_ref[head] = pg.dk + dk_k
-    dg_ref[head] = pg.dg.astype(dg_ref.dtype)
-    db_ref[head] = pg.dbeta.astype(db_ref.dtype)
+    zeros_cc, zeros_c1 = jnp.zeros((c, c), acc), jnp.zeros((c, 1), acc)
+    vsums = _blocks(nvb, value_block, chunk_math.ValueSums(dp=zeros_cc, dbv_u=zeros_cc, v_dbv=zeros_c1))
+    dp_ref[head] = vsums.dp
+
+    def key_block(kb, carry):
+        ksums, dgamma = carry
+
+        def state_block(vb, sums):
+            cols, block = _cols(head, vb, bv), head + (_ds(kb, bk), _ds(vb, bv))
+            return chunk_math.add_sums(sums, chunk_math.state_sums(
+                states_ref[block], dstates_ref[block], do_ref[cols].astype(acc), dvn_ref[cols], vn_ref[cols],
+                operands=opts.operands))
+
+        zeros_ck = jnp.zeros((c, bk), acc)
+        ssums = _blocks(nvb, state_block, chunk_math.StateSums(zeros_ck, zeros_ck, zeros_ck, jnp.zeros((1, 1), acc)))
+        cols = _cols(head, kb, bk)
+        dq, dk, part = chunk_math.key_grads(
+            _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts), w_ref[cols], ssums,
+            tinv, beta, dec, scale=opts.scale, operands=opts.operands)
+        dq_ref[cols] = dq
+        dk_ref[cols] = dk
+        return chunk_math.add_sums(ksums, part), dgamma + ssums.dgamma
+
+    # dA's two [C, C] terms are carried as one sum: one tile fewer in registers
+    ksums, dgamma = _blocks(nkb, key_block, (chunk_math.KeySums(vsums.dbv_u, zeros_c1, zeros_c1, zeros_c1),
+                                             jnp.zeros((1, 1), acc)))
+    terms = chunk_math.gate_terms(dec, beta, vsums._replace(dbv_u=zeros_cc), ksums, dgamma, scale=opts.scale)
+    da_ref[head] = terms.da
+    dbeta_ref[head] = chunk_math.col_to_row(terms.dbeta)
+    dgcum_ref[head] = chunk_math.col_to_row(terms.dgcum)
+
+
+def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_ref, dbeta_ref, dgcum_ref, dqv_ref,
+                       dkv_ref, dq_ref, dk_ref, dg_ref, db_ref, *, opts, bk):
+    """dg, dbeta, and dq, dk with the QK^T, KK^T terms added."""
+    acc = opts.acc_dtype
+    key, head = (0, 0, 0), (0, 0, 0, 0)
+    rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
+    dec = _decays(g_ref, head, opts)
+    beta = chunk_math.row_to_col(b_ref[head].astype(acc))
+    nkb = q_ref.shape[-1] // bk
+
+    def products(kb, qk_kk):
+        q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
+        return tuple(a + b for a, b in zip(qk_kk, chunk_math.key_products(q, k, operands=opts.operands)))
+
+    c = q_ref.shape[-2]
+    qk, kk = _blocks(nkb, products, (jnp.zeros((c, c), acc),) * 2)
+    terms = chunk_math.GateTerms(da=da_ref[head], dp=dp_ref[head], dbeta=chunk_math.row_to_col(dbeta_ref[head]),
+                                 dgcum=chunk_math.row_to_col(dgcum_ref[head]))
+    gg = chunk_math.gate_grads(qk, kk, dec, beta, terms, scale=opts.scale)
+    dg_ref[head] = gg.dg.astype(dg_ref.dtype)
+    db_ref[head] = gg.dbeta.astype(db_ref.dtype)
+
+    def key_block(kb):
+        cols = _cols(head, kb, bk)
+        q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
+        dq, dk = chunk_math.key_products_bwd(q, k, gg.dqk, gg.dkk, operands=opts.operands)
+        dq_ref[cols] = dqv_ref[cols] + dq
+        dk_ref[cols] = dkv_ref[cols] + dk
+
+    _each_block(nkb, key_block)
 
 
 def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret, tiles: GpuTiles):
-    lay = _Layout(q, v, dfinal.shape[0], tiles.block_v)
+    lay = _Layout(q, v, dfinal.shape[0], tiles)
     opts = _hardware(opts, interpret)
     acc = opts.acc_dtype
-    if opts.l2norm:
-        # Normalised once here, in float32, not in each kernel: the grads
-        # kernel that normalised its own q, k asked Triton for 256 KiB of
-        # shared memory (over the H100's 227 KiB) with float32 products.
-        q, k = opts.keys(q), opts.keys(k)
-        opts = opts._replace(l2norm=False)
+    rq, rk = _norm_rows(q, opts), _norm_rows(k, opts)
     q, k = lay.pad_keys(q), lay.pad_keys(k)
     v, do = lay.pad_values(v), lay.pad_values(do)
     states, dfinal = lay.pad_state(states.astype(acc)), lay.pad_state(dfinal)
-    u, w, _ = _prepare(lay, k, v, g, beta, tinv, opts, tiles, interpret)
+    u, w, _ = _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret)
 
-    c, bv = lay.c, lay.bv
+    c, bv, kp, vp, bk = lay.c, lay.bv, lay.kp, lay.vp, lay.bk
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     heads, f, exps = _costs(lay)
     mm = pallas_common.matmul_flops
-    dvl = _call(functools.partial(_dv_local_kernel, opts=opts), lay.block_grid,
-                [lay.block_spec(c, None), lay.block_spec(c, None), lay.block_spec(1, c, False),
-                 lay.block_spec(c, bv)],
-                lay.block_spec(c, bv), jax.ShapeDtypeStruct(shape + (c, lay.vp), acc), tiles, interpret,
-                heads * (mm(c, c, lay.vp) + lay.nvb * f["key_products"] // 2), heads * lay.nvb * exps, q, k, g, do)
+    cv, ck, cc = (jax.ShapeDtypeStruct(shape + dims, acc) for dims in ((c, vp), (c, kp), (c, c)))
+    keys = [lay.block_spec(c, kp, key=True)] * 2 + [lay.block_spec(1, c, key=True)] * 2
+    dvl, vn = _call(functools.partial(_dv_local_kernel, opts=opts, bk=bk), lay.block_grid,
+                    keys + [lay.block_spec(1, c, v_blocked=False), lay.block_spec(c, bv), lay.block_spec(c, bv),
+                            lay.block_spec(c, kp, v_blocked=False), lay.block_spec(kp, bv)],
+                    [lay.block_spec(c, bv)] * 2, [cv, cv], tiles, interpret,
+                    heads * (mm(c, c, vp) + mm(c, kp, vp) + lay.nvb * f["key_products"] // 2),
+                    heads * lay.nvb * exps, q, k, rq, rk, g, do, u, w, states)
     dvn, dstates, dh0 = _call(
-        functools.partial(_dstate_kernel, num_chunks=lay.nc, opts=opts), lay.seq_grid,
-        [lay.flag_spec()] * 3 + [lay.seq_spec(c, None), lay.seq_spec(c, None), lay.seq_spec(c, lay.kp, False),
-                                 lay.seq_spec(1, c, False), lay.seq_spec(c, bv), lay.seq_spec(c, bv),
-                                 lay.seq_state_spec()],
-        [lay.seq_spec(c, bv), lay.seq_spec(lay.kp, bv), lay.seq_state_spec()],
-        [jax.ShapeDtypeStruct(shape + (c, lay.vp), acc), jax.ShapeDtypeStruct(shape + (lay.kp, lay.vp), acc),
-         jax.ShapeDtypeStruct(dfinal.shape, acc)],
-        tiles, interpret, heads * 3 * mm(c, lay.kp, lay.vp), heads * lay.nvb * exps, *flags, q, k, w, g, do, dvl,
+        functools.partial(_dstate_kernel, num_chunks=lay.nc, opts=opts, bk=lay.sbk), lay.seq_grid,
+        [lay.flag_spec()] * 3 + [lay.seq_spec(c, kp, key=True)] * 2 + [lay.seq_spec(1, c, key=True)] * 2
+        + [lay.seq_spec(c, kp, v_blocked=False), lay.seq_spec(1, c, v_blocked=False), lay.seq_spec(c, bv),
+           lay.seq_spec(c, bv), lay.seq_state_spec()],
+        [lay.seq_spec(c, bv), lay.seq_spec(kp, bv), lay.seq_state_spec()],
+        [cv, jax.ShapeDtypeStruct(shape + (kp, vp), acc), jax.ShapeDtypeStruct(dfinal.shape, acc)],
+        tiles, interpret, heads * 3 * mm(c, kp, vp), heads * lay.nvb * exps, *flags, q, k, rq, rk, w, g, do, dvl,
         dfinal)
 
-    vp, kp = lay.vp, lay.kp
-    dq, dk, dv, dg, dbeta = _call(
-        functools.partial(_grads_kernel, opts=opts, block_v=bv), lay.head_grid,
-        [lay.head_spec(None, kp), lay.head_spec(None, kp), lay.head_spec(c, vp), lay.head_spec(1, c),
-         lay.head_spec(1, c), lay.head_spec(c, c), lay.head_spec(c, vp), lay.head_spec(c, kp),
-         lay.head_spec(kp, vp), lay.head_spec(kp, vp), lay.head_spec(c, vp), lay.head_spec(c, vp)],
-        [lay.head_spec(c, kp), lay.head_spec(c, kp), lay.head_spec(c, vp), lay.head_spec(1, c),
-         lay.head_spec(1, c)],
-        [jax.ShapeDtypeStruct(shape + (c, kp), acc), jax.ShapeDtypeStruct(shape + (c, kp), acc),
-         jax.ShapeDtypeStruct(shape + (c, vp), v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
-         jax.ShapeDtypeStruct(beta.shape, beta.dtype)],
-        tiles, interpret, heads * (f["grads"] + f["key_grads"] + f["key_products"]), heads * exps,
-        q, k, v, g, beta, tinv, u, w, states, dstates, do, dvn)
+    keys = [lay.head_spec(c, kp, key=True)] * 2 + [lay.head_spec(1, c, key=True)] * 2
+    rows = [lay.head_spec(1, c)] * 2
+    row_shape = jax.ShapeDtypeStruct(g.shape, acc)
+    dqv, dkv, dv, da, dp, dbeta_part, dgcum = _call(
+        functools.partial(_grads_kernel, opts=opts, bk=bk, bv=bv), lay.head_grid,
+        keys + [lay.head_spec(c, vp)] + rows + [lay.head_spec(c, c), lay.head_spec(c, vp), lay.head_spec(c, kp),
+                                                lay.head_spec(c, vp), lay.head_spec(kp, vp), lay.head_spec(kp, vp),
+                                                lay.head_spec(c, vp), lay.head_spec(c, vp)],
+        [lay.head_spec(c, kp)] * 2 + [lay.head_spec(c, vp)] + [lay.head_spec(c, c)] * 2 + rows,
+        [ck, ck, jax.ShapeDtypeStruct(shape + (c, vp), v.dtype), cc, cc, row_shape, row_shape],
+        tiles, interpret, heads * (3 * mm(c, c, vp) + 3 * mm(c, vp, kp) + 2 * mm(c, c, kp)), heads * exps,
+        q, k, rq, rk, v, g, beta, tinv, u, w, vn, states, dstates, do, dvn)
+    dq, dk, dg, dbeta = _call(
+        functools.partial(_gate_grads_kernel, opts=opts, bk=bk), lay.head_grid,
+        keys + rows + [lay.head_spec(c, c)] * 2 + rows + [lay.head_spec(c, kp)] * 2,
+        [lay.head_spec(c, kp)] * 2 + rows,
+        [ck, ck, jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(beta.shape, beta.dtype)],
+        tiles, interpret, heads * (f["key_products"] + f["key_grads"]), heads * exps,
+        q, k, rq, rk, g, beta, da, dp, dbeta_part, dgcum, dqv, dkv)
     kd, vd = lay.dk, lay.dv
     return (dq.sum(3)[..., :kd], dk.sum(3)[..., :kd], dv[..., :vd], dg, dbeta, dh0[..., :kd, :vd])
 

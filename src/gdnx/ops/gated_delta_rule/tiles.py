@@ -19,17 +19,22 @@ import jax
 class GpuTiles:
     """Launch parameters of the pallas_gpu kernels."""
 
-    block_v: int = 32     # V block of the sequential, output and V-sum loops; a power of two
+    block_k: int = 16        # K block of the chunk-parallel kernels' loops over the key dim
+    state_block_k: int = 32  # rows of K per block of the state the sequential kernels carry
+    block_v: int = 16        # V block of the sequential kernels' grid and of every loop over V
     num_warps: int = 8
     num_stages: int = 2   # software pipelining depth of the loops' loads
 
     def __post_init__(self):
-        for name in ("block_v", "num_warps", "num_stages"):
+        for name in ("block_k", "state_block_k", "block_v", "num_warps", "num_stages"):
             x = getattr(self, name)
             if not isinstance(x, int) or isinstance(x, bool) or x < 1:
                 raise ValueError(f"tiles.{name}: expected a positive int, got {x!r}")
-        if self.block_v & (self.block_v - 1):
-            raise ValueError(f"tiles.block_v: expected a power of two, got {self.block_v}")
+        for name in ("block_k", "state_block_k", "block_v"):
+            x = getattr(self, name)
+            # powers of two (Triton's arrays); Triton's dot takes no dim under 16
+            if x < 16 or x & (x - 1):
+                raise ValueError(f"tiles.{name}: expected a power of two >= 16, got {x}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +48,14 @@ class TpuTiles:
             raise ValueError(f"tiles.head_tile: expected a positive int, got {self.head_tile!r}")
 
 
-# GPU by compute capability. Both fit the SM's shared memory with two stages
-# (H100/H200: 232,448 B per block, A100: 166,912 B; the state kernels ask
-# for ~156 KiB at K=128, BV=32): docs/benchmarks.md has what each compiles to.
+# GPU by compute capability. K blocks of 16 in the chunk-parallel loops and
+# of 32 in the carried state measured fewest spilled registers on both
+# (ptxas, docs/benchmarks.md); at K = V = 128 every kernel asks for at most
+# ~100 KiB of shared memory with two stages (H100/H200 give a block
+# 232,448 B, A100 166,912 B).
 GPU_TILES = {
-    "9.0": GpuTiles(block_v=32, num_warps=8, num_stages=2),
-    "8.0": GpuTiles(block_v=32, num_warps=8, num_stages=2),
+    "9.0": GpuTiles(block_k=16, state_block_k=32, block_v=16, num_warps=8, num_stages=2),
+    "8.0": GpuTiles(block_k=16, state_block_k=32, block_v=16, num_warps=8, num_stages=2),
 }
 GPU_FALLBACK = GpuTiles()
 # TPU by device kind. v5p and v6e have the VMEM for two key heads per step
