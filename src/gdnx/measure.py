@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
+from numpy.typing import ArrayLike
 
 
-def median_ms(fn, args, repeats: int = 5) -> float:
+def median_ms(fn: Callable, args: Sequence, repeats: int = 5) -> float:
     """Median wall time of fn(*args) in milliseconds, after one warm-up call."""
     jax.block_until_ready(fn(*args))
     times = []
@@ -19,13 +22,16 @@ def median_ms(fn, args, repeats: int = 5) -> float:
     return 1e3 * float(np.median(times))
 
 
-def relative_error(x, ref) -> float:
-    """||x - ref|| / ||ref||, in float64."""
+def relative_error(x: ArrayLike, ref: ArrayLike, floor: float = 1e-300) -> float:
+    """||x - ref|| / max(||ref||, floor), in float64.
+
+    The floor makes a tensor that is ~0 (a gradient through decays of
+    exp(-30) and less is ~1e-14) judged by its absolute error instead."""
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+    return float(np.linalg.norm(x - ref) / max(float(np.linalg.norm(ref)), floor))
 
 
-def compiled_peak_bytes(jitted, args) -> int:
+def compiled_peak_bytes(jitted: Any, args: Sequence) -> int:
     """Arguments + outputs + temporaries of the compiled program (XLA's buffer
     assignment: static, so not noisy)."""
     m = jitted.lower(*args).compile().memory_analysis()

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from gdnx.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
-from tests.ops.gated_delta_rule.oracle import rel_err
+from gdnx.measure import relative_error
+
+pytestmark = pytest.mark.usefixtures("x64")  # float64 references
 
 
 def naive(x, w, b, state, cu, silu=True):
@@ -42,7 +44,7 @@ def test_matches_loop_and_grads(cu, width):
     cu_arr = jnp.asarray(cu, jnp.int32)
     y, f = causal_conv1d(x, w, b, initial_state=s, output_final_state=True, cu_seqlens=cu_arr)
     ref_y, ref_f = naive(x[0], w, b, s, cu)
-    assert rel_err(y[0], ref_y) < 1e-12 and rel_err(f, ref_f) < 1e-12
+    assert relative_error(y[0], ref_y) < 1e-12 and relative_error(f, ref_f) < 1e-12
 
     # the hand-written backward against autodiff of a plain-JAX version of the same loop
     def plain(x, w, b, s):
@@ -65,7 +67,7 @@ def test_matches_loop_and_grads(cu, width):
         argnums=range(4))(x, w, b, s)
     want = jax.grad(loss(plain), argnums=range(4))(x, w, b, s)
     for name, g1, g2 in zip(("x", "weight", "bias", "state"), got, want):
-        assert rel_err(g1, g2) < 1e-12, name
+        assert relative_error(g1, g2) < 1e-12, name
 
 
 def test_batch_rows_and_no_activation():
@@ -75,7 +77,7 @@ def test_batch_rows_and_no_activation():
     y, f = causal_conv1d(x, w, activation=None, output_final_state=True)
     for r in range(2):
         ref_y, ref_f = naive(x[r], w, np.zeros(5), np.zeros((1, 5, 3)), (0, 7), silu=False)
-        assert rel_err(y[r], ref_y) < 1e-6 and rel_err(f[r], ref_f[0]) < 1e-6
+        assert relative_error(y[r], ref_y) < 1e-6 and relative_error(f[r], ref_f[0]) < 1e-6
     assert y.dtype == jnp.float32 and f.shape == (2, 5, 3)
 
 
@@ -87,7 +89,7 @@ def test_decode_steps_continue_the_prefill():
     for t in range(8, 12):
         yt, state = causal_conv1d_update(x[:, t], state, w, b)
         steps.append(yt)
-    assert rel_err(jnp.concatenate([y8, jnp.stack(steps, 1)], 1), y) < 1e-12
+    assert relative_error(jnp.concatenate([y8, jnp.stack(steps, 1)], 1), y) < 1e-12
 
 
 def test_packed_sequences_do_not_leak():

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from gdnx.ops.gated_rmsnorm import gated_rmsnorm
-from tests.ops.gated_delta_rule.oracle import rel_err
+from gdnx.measure import relative_error
 
 
 def test_matches_definition():
@@ -12,9 +12,9 @@ def test_matches_definition():
     w = rng.standard_normal(16)
     ref = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w * z / (1 + np.exp(-z))
     got = gated_rmsnorm(jnp.asarray(x, jnp.float32), jnp.asarray(z, jnp.float32), jnp.asarray(w, jnp.float32))
-    assert got.dtype == jnp.float32 and rel_err(got, ref) < 1e-6
+    assert got.dtype == jnp.float32 and relative_error(got, ref) < 1e-6
     got16 = gated_rmsnorm(*(jnp.asarray(a, jnp.bfloat16) for a in (x, z)), jnp.asarray(w, jnp.float32))
-    assert got16.dtype == jnp.bfloat16 and rel_err(got16, ref) < 2e-2
+    assert got16.dtype == jnp.bfloat16 and relative_error(got16, ref) < 2e-2
 
 
 def test_bad_shapes_are_named():

@@ -4,7 +4,7 @@ import jax
 
 from gdnx.config.schema import ParallelConfig
 from gdnx.parallel import make_mesh
-from tests.ops.gated_delta_rule.oracle import rel_err
+from gdnx.measure import relative_error
 
 # the meshes the sharding contract is checked on (8 devices)
 MESHES = {
@@ -20,9 +20,9 @@ def mesh(mode: str, **axes):
     return make_mesh(ParallelConfig(shard_mode=mode, **axes))
 
 
-def worst_rel_err(tree, ref_tree) -> tuple[float, str]:
+def worst_relative_error(tree, ref_tree) -> tuple[float, str]:
     """The largest relative error over matching leaves, and its path."""
     flat = jax.tree_util.tree_flatten_with_path(ref_tree)[0]
     got = jax.tree.leaves(tree)
-    errs = [(rel_err(g, r), jax.tree_util.keystr(p)) for (p, r), g in zip(flat, got, strict=True)]
+    errs = [(relative_error(g, r), jax.tree_util.keystr(p)) for (p, r), g in zip(flat, got, strict=True)]
     return max(errs)

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule
 from gdnx.parallel.context import context_causal_conv1d, context_gated_delta_rule
-from tests.parallel.helpers import mesh, rel_err, worst_rel_err
+from gdnx.measure import relative_error
+from tests.parallel.helpers import mesh, worst_relative_error
 
 TOL = 1e-5
 B, T, HK, HV, K, V, D, W = 2, 64, 2, 4, 16, 16, 12, 4
@@ -42,7 +43,7 @@ def _conv_inputs(batch, states):
 def _check(split, single, args, names):
     """Outputs, final state and the gradient of every argument agree."""
     (y, s), (ry, rs) = jax.jit(split)(*args), jax.jit(single)(*args)
-    assert rel_err(y, ry) <= TOL and rel_err(s, rs) <= TOL
+    assert relative_error(y, ry) <= TOL and relative_error(s, rs) <= TOL
 
     def loss(fn, *a):
         y, s = fn(*a)
@@ -51,7 +52,7 @@ def _check(split, single, args, names):
     argnums = tuple(range(len(args)))
     grads = jax.jit(jax.grad(functools.partial(loss, split), argnums=argnums))(*args)
     ref = jax.jit(jax.grad(functools.partial(loss, single), argnums=argnums))(*args)
-    err, where = worst_rel_err(grads, ref)
+    err, where = worst_relative_error(grads, ref)
     assert err <= TOL, f"gradient {where} ({names}): rel. error {err:.2e}"
 
 

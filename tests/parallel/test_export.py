@@ -20,7 +20,7 @@ from tests.parallel.test_model import MODEL
 @pytest.mark.parametrize("axes", [dict(data=2, fsdp=2, tensor=2), dict(data=2, context=4)],
                          ids=["data2_fsdp2_tensor2", "data2_context4"])
 def test_sharded_train_step_exports_for_tpu(mode, axes):
-    cfg = load_config("tiny", MODEL + ["model.use_gdn_kernel=true", "model.gdn_interpret=false",
+    cfg = load_config("tiny", MODEL + ["model.gdn_implementation=pallas_tpu", "model.gdn_interpret=false",
                                        "data.seq_len=64", "data.num_pairs=8", "train.batch_size=8"])
     m = mesh(mode, **axes)
     with warnings.catch_warnings():

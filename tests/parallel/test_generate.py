@@ -14,7 +14,8 @@ from gdnx.generate import generate
 from gdnx.models import Qwen3Next
 from gdnx.models.cache import Cache
 from gdnx.parallel import shard
-from tests.parallel.helpers import MESHES, mesh, rel_err, worst_rel_err
+from gdnx.measure import relative_error
+from tests.parallel.helpers import MESHES, mesh, worst_relative_error
 from tests.parallel.test_model import MODEL
 
 TOL = 1e-5
@@ -42,7 +43,7 @@ def test_prefill_and_greedy_decoding_on_a_mesh(model, mode, name):
         sharded = nnx.merge(graphdef, shard(params, model.config, m))
         logits, cache = jax.jit(prefill)(sharded)
         tokens = np.asarray(jax.device_get(generate(sharded, prompt, 6)))
-    assert rel_err(logits, ref_logits) <= TOL
-    err, where = worst_rel_err(cache, ref_cache)
+    assert relative_error(logits, ref_logits) <= TOL
+    err, where = worst_relative_error(cache, ref_cache)
     assert err <= TOL, f"cache {where}: rel. error {err:.2e}"
     np.testing.assert_array_equal(tokens, ref_tokens)

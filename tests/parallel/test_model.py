@@ -18,7 +18,7 @@ from gdnx.data import Batch
 from gdnx.models import Qwen3Next
 from gdnx.parallel import shard, spec
 from gdnx.train import loss_and_metrics
-from tests.parallel.helpers import MESHES, mesh, worst_rel_err
+from tests.parallel.helpers import MESHES, mesh, worst_relative_error
 
 TOL = 1e-5
 B, T = 8, 32
@@ -32,8 +32,8 @@ MODEL = ["model.vocab_size=256", "model.hidden_size=64", "model.num_hidden_layer
          "model.gdn_chunk_size=16"]
 
 
-def model_config(kernel: str):
-    return load_config("tiny", MODEL + [f"model.use_gdn_kernel={kernel}"]).model
+def model_config(implementation: str):
+    return load_config("tiny", MODEL + [f"model.gdn_implementation={implementation}"]).model
 
 
 def batch(b=B):
@@ -48,10 +48,10 @@ def loss_and_grads(graphdef, params, data, aux):
     return jax.jit(jax.value_and_grad(f))(params)
 
 
-@pytest.fixture(scope="module", params=["false", "true"], ids=["xla", "kernel"])
+@pytest.fixture(scope="module", params=["xla", "pallas_tpu"], ids=["xla", "kernel"])
 def setup(request):
     cfg = model_config(request.param)
-    with pytest.warns(UserWarning, match="interpret mode") if request.param == "true" else _nothing():
+    with pytest.warns(UserWarning, match="interpret mode") if request.param == "pallas_tpu" else _nothing():
         graphdef, params = nnx.split(Qwen3Next(cfg, seed=0), nnx.Param)
     refs = {b: loss_and_grads(graphdef, params, batch(b), cfg.router_aux_loss_coef) for b in (B, 2)}
     return cfg, graphdef, params, refs
@@ -76,5 +76,5 @@ def test_sharded_loss_and_grads_match_one_device(setup, mode, name, b):
         loss, grads = loss_and_grads(graphdef, shard(params, cfg, m), placed, cfg.router_aux_loss_coef)
     ref_loss, ref_grads = refs[b]
     assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
-    err, where = worst_rel_err(grads, ref_grads)
+    err, where = worst_relative_error(grads, ref_grads)
     assert err <= TOL, f"{name} {mode}: gradient {where} rel. error {err:.2e}"

@@ -120,8 +120,10 @@ def _check(x, weight, bias, activation):
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
 
 
-def causal_conv1d(x, weight, bias=None, *, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  activation="silu"):
+def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
+                  initial_state: jax.Array | None = None, output_final_state: bool = False,
+                  cu_seqlens: jax.Array | None = None, activation: str | None = "silu",
+                  ) -> tuple[jax.Array, jax.Array | None]:
     """Depthwise causal conv over [B, T, D] with SiLU (or none).
 
     Returns (y [B, T, D] in x's dtype, final conv state [N, D, W - 1] or None),
@@ -149,8 +151,10 @@ def causal_conv1d(x, weight, bias=None, *, initial_state=None, output_final_stat
     return y, jnp.swapaxes(_flat(x, initial_state)[final_index], 1, 2).astype(x.dtype)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias=None, *, activation="silu"):
+def causal_conv1d_update(x: jax.Array, conv_state: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
+                         activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
     """One decode step: x [B, D], conv_state [B, D, W - 1] -> (y [B, D], new state)."""
     y, state = causal_conv1d(x[:, None], weight, bias, initial_state=conv_state, output_final_state=True,
                              activation=activation)
+    assert state is not None  # asked for
     return y[:, 0], state

@@ -5,9 +5,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 
-def concrete(x):
+def float_dtype(value: DTypeLike | str) -> np.dtype:
+    """value (a dtype or its name) as a floating dtype; ValueError otherwise."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise ValueError(f"unknown dtype {value!r}; expected a floating dtype such as 'float32' or "
+                         f"'bfloat16'") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"expected a floating dtype such as 'float32' or 'bfloat16', got {value!r}")
+    return dtype
+
+
+def concrete(x: object) -> np.ndarray | None:
     """x as numpy when its value is known at trace time, else None."""
     try:
         return np.asarray(x)
@@ -15,7 +28,7 @@ def concrete(x):
         return None
 
 
-def check_cu_seqlens(cu, batch: int, length: int):
+def check_cu_seqlens(cu: jax.Array, batch: int, length: int) -> None:
     if not hasattr(cu, "shape") or not hasattr(cu, "dtype"):
         raise TypeError(f"cu_seqlens: expected an int32 array [N + 1], got {type(cu).__name__}")
     if not jnp.issubdtype(cu.dtype, jnp.integer):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 
-def gated_rmsnorm(x, z, weight, *, eps: float = 1e-6):
+def gated_rmsnorm(x: jax.Array, z: jax.Array, weight: jax.Array, *, eps: float = 1e-6) -> jax.Array:
     """x, z [..., V] (z the gate), weight [V]."""
     for name, arr in (("x", x), ("z", z), ("weight", weight)):
         if not hasattr(arr, "shape") or not jnp.issubdtype(arr.dtype, jnp.floating):

@@ -51,13 +51,3 @@ def oracle_packed(q, k, v, g, beta, h0, cu_seqlens, **kw):
         outs.append(o)
         finals.append(f)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(finals, axis=0)
-
-
-def rel_err(x, ref, floor: float = 1e-300) -> float:
-    """||x - ref|| / max(||ref||, floor) in float64.
-
-    The floor makes a tensor that is ~0 (a gradient through decays of
-    exp(-30) and less is ~1e-14) judged by its absolute error instead."""
-    x = np.asarray(x, np.float64)
-    ref = np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), floor))

@@ -7,7 +7,7 @@ import pytest
 
 from gdnx.ops import chunk_gated_delta_rule
 from tests.ops.gated_delta_rule.cases import Case, make_inputs
-from tests.ops.gated_delta_rule.oracle import rel_err
+from gdnx.measure import relative_error
 
 HAND_WRITTEN = ["xla", "pallas_tpu", "pallas_gpu"]
 CASE = Case("ad", b=2, t=20, dk=16, dv=16, chunk=16, l2norm=True)
@@ -32,7 +32,7 @@ def test_vmap_of_grad(implementation):
     batched = jax.jit(jax.vmap(grad))(*stacked)
     for i, row in enumerate(rows):
         for got, want in zip(batched, grad(*row)):
-            assert rel_err(got[i], want) < 1e-6
+            assert relative_error(got[i], want) < 1e-6
 
 
 @pytest.mark.parametrize("implementation", HAND_WRITTEN)
@@ -61,4 +61,4 @@ def test_remat_policy_by_name(policy):
     want = jax.grad(loss_fn("xla"), argnums=range(6))(*args)
     got = jax.jit(jax.grad(remat, argnums=range(6)))(*args)
     for x, y in zip(got, want):
-        assert rel_err(x, y) < 1e-6
+        assert relative_error(x, y) < 1e-6

@@ -5,6 +5,8 @@ import pytest
 
 from gdnx.ops.gated_delta_rule import chunk_math
 
+pytestmark = pytest.mark.usefixtures("x64")  # float64 references
+
 
 @pytest.mark.parametrize("inverse", [chunk_math.unit_lower_inverse, chunk_math.unit_lower_inverse_loop])
 @pytest.mark.parametrize("c", [16, 32, 64, 128])
@@ -67,7 +69,7 @@ def test_backward_parts_add_up_over_blocks():
     q, k, w, state, dstate = arr(c, dk), arr(c, dk), arr(c, dk), arr(dk, dv), arr(dk, dv)
     do, dvn, vn, u, v, tinv = arr(c, dv), arr(c, dv), arr(c, dv), arr(c, dv), arr(c, dv), arr(c, c)
     beta = jnp.asarray(rng.uniform(0, 1, (c, 1)))
-    dec = chunk_math.decays(jnp.asarray(rng.uniform(-1, 0, (1, c))), acc_dtype=jnp.float64,
+    dec = chunk_math.decays(jnp.asarray(rng.uniform(-1, 0, (1, c))), state_dtype=jnp.float64,
                             decay_dtype=jnp.float64)
     dv_all, vs_all = chunk_math.value_grads(do, dvn, vn, u, v, tinv, beta)
     parts = [chunk_math.value_grads(do[:, s], dvn[:, s], vn[:, s], u[:, s], v[:, s], tinv, beta)

@@ -30,15 +30,6 @@ from gdnx.ops.gated_delta_rule import tiles_for
 
 pytestmark = pytest.mark.deviceless
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_x64():
-    """Programs as a model builds them: the suite's float64 switch (for the
-    oracle) would give the kernels' index maps int64 constants."""
-    jax.config.update("jax_enable_x64", False)
-    yield
-    jax.config.update("jax_enable_x64", True)
-
 KERNEL = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
 COMPILE_TARGETS = ("tpu_v5e", "tpu_v6e", "tpu_v5p", "h100", "a100")
 

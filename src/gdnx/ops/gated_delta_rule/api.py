@@ -13,11 +13,14 @@ import dataclasses
 import functools
 import numbers
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
 
-from gdnx.ops.checks import check_cu_seqlens
+from gdnx.ops.checks import check_cu_seqlens, float_dtype
 from gdnx.ops.gated_delta_rule import chunk_math
 from gdnx.ops.gated_delta_rule.chunked import RESIDUAL_POLICIES
 from gdnx.ops.gated_delta_rule.pallas_gpu import chunk_gated_delta_rule_pallas_gpu
@@ -27,6 +30,27 @@ from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, check_tiles
 from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
 
 CHUNK_SIZES = (16, 32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaRuleOptions:
+    """The settings a model fixes once for every call of the op: keyword
+    arguments of `chunk_gated_delta_rule` (the recurrent op takes the two
+    dtypes). The op checks them at each call."""
+
+    implementation: str | None = None
+    chunk_size: int = 64
+    state_dtype: DTypeLike = jnp.float32
+    decay_dtype: DTypeLike = jnp.float32
+    residuals: str = "save"
+    matmul_dtype: DTypeLike | None = None
+    interpret: bool | None = None
+
+    def chunk_kwargs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def recurrent_kwargs(self) -> dict[str, Any]:
+        return dict(state_dtype=self.state_dtype, decay_dtype=self.decay_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +95,11 @@ def default_chunk_implementation(platform: str | None = None) -> str:
     return _AUTO.get(platform or jax.default_backend(), "xla")
 
 
-def _resolve_dtype(name: str, value) -> jnp.dtype:
+def _resolve_dtype(name: str, value: DTypeLike | str) -> np.dtype:
     try:
-        dtype = jnp.dtype(value)
-    except TypeError as e:
-        raise ValueError(f"{name}: unknown dtype {value!r}") from e
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{name}: expected a floating dtype such as 'float32', got {dtype}")
-    return dtype
+        return float_dtype(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _check_float_array(name: str, x, ndim: int, layout: str):
@@ -96,12 +117,12 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
     _check_float_array("v", v, 4, "[B, T, HV, V]")
     _check_float_array("g", g, 3, "[B, T, HV]")
     _check_float_array("beta", beta, 3, "[B, T, HV]")
-    b, t, hk, dk = q.shape
+    b, t, hk, k_dim = q.shape
     if k.shape != q.shape:
         raise ValueError(f"k: expected the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.shape[:2] != (b, t):
         raise ValueError(f"v: expected [B={b}, T={t}, HV, V], got {tuple(v.shape)}")
-    hv, dv = v.shape[2], v.shape[3]
+    hv, v_dim = v.shape[2], v.shape[3]
     if t < 1:
         raise ValueError("q: expected at least one token (T >= 1), got T=0")
     if hv % hk:
@@ -119,9 +140,9 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
         n = cu_seqlens.shape[0] - 1
     if initial_state is not None:
         _check_float_array("initial_state", initial_state, 4, "[N, HV, K, V]")
-        if initial_state.shape != (n, hv, dk, dv):
+        if initial_state.shape != (n, hv, k_dim, v_dim):
             raise ValueError(
-                f"initial_state: expected [N, HV, K, V] = {(n, hv, dk, dv)}, got {tuple(initial_state.shape)}")
+                f"initial_state: expected [N, HV, K, V] = {(n, hv, k_dim, v_dim)}, got {tuple(initial_state.shape)}")
     return n
 
 
@@ -163,10 +184,10 @@ def _run(allowed, kind, name, q, k, v, g, beta, *, scale, initial_state, output_
     decay_dtype = _resolve_dtype("decay_dtype", decay_dtype)
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state: expected a bool, got {type(output_final_state).__name__}")
-    dk, dv, hv = q.shape[3], v.shape[3], v.shape[2]
-    scale = float(dk ** -0.5 if scale is None else scale)
+    k_dim, v_dim, hv = q.shape[3], v.shape[3], v.shape[2]
+    scale = float(k_dim ** -0.5 if scale is None else scale)
     if initial_state is None:
-        h0 = jnp.zeros((n, hv, dk, dv), state_dtype)
+        h0 = jnp.zeros((n, hv, k_dim, v_dim), state_dtype)
     else:
         h0 = jnp.asarray(initial_state).astype(state_dtype)
     cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens).astype(jnp.int32)
@@ -177,7 +198,8 @@ def _run(allowed, kind, name, q, k, v, g, beta, *, scale, initial_state, output_
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "l2norm_inputs", "use_qk_l2norm", "scale", "state_dtype",
-                                             "decay_dtype", "chunk_size", "interpret", "tiles", "residuals", "matmul_dtype"))
+                                             "decay_dtype", "chunk_size", "interpret", "tiles", "residuals",
+                                             "matmul_dtype"))
 def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, l2norm_inputs=False, **kw):
     # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
     if l2norm_inputs:  # implementations that do not apply l2norm themselves
@@ -187,11 +209,12 @@ def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, l2norm_inputs=False, **kw
 
 
 def chunk_gated_delta_rule(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-    use_qk_l2norm=False, chunk_size=64, state_dtype=jnp.float32, decay_dtype=jnp.float32,
-    implementation=None, interpret=None, tiles: GpuTiles | TpuTiles | None = None, residuals="save",
-    matmul_dtype=None,
-):
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
+    initial_state: jax.Array | None = None, output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
+    use_qk_l2norm: bool = False, chunk_size: int = 64, state_dtype: DTypeLike = jnp.float32,
+    decay_dtype: DTypeLike = jnp.float32, implementation: str | None = None, interpret: bool | None = None,
+    tiles: GpuTiles | TpuTiles | None = None, residuals: str = "save", matmul_dtype: DTypeLike | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
     """Gated delta rule over whole sequences, chunk by chunk.
 
     Args:
@@ -245,9 +268,11 @@ def chunk_gated_delta_rule(
 
 
 def recurrent_gated_delta_rule(
-    q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-    use_qk_l2norm=False, state_dtype=jnp.float32, decay_dtype=jnp.float32, implementation=None,
-):
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
+    initial_state: jax.Array | None = None, output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
+    use_qk_l2norm: bool = False, state_dtype: DTypeLike = jnp.float32, decay_dtype: DTypeLike = jnp.float32,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
     """Gated delta rule token by token: decode steps, and the definition.
 
     Same arguments and results as `chunk_gated_delta_rule`, without

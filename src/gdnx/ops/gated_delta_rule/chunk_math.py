@@ -29,7 +29,8 @@ are its parts, for kernels that split the work into phases), `step` is the
 sequential update. The backward comes in parts a kernel may run on blocks
 of K and V: `step_bwd` (the state path), `value_grads` and `state_sums`
 (sums over V), `key_grads` (sums over K), `gate_terms` and `gate_grads`
-(the [C, C] algebra of the gates and beta), `key_products_bwd`. `operands` (None or a dtype such as bfloat16) rounds the operands
+(the [C, C] algebra of the gates and beta), `key_products_bwd`.
+`matmul_dtype` (None or a dtype such as bfloat16) rounds the operands
 of every matmul outside the chunk inverse to that dtype, accumulating in the
 accumulation dtype all the same: what a single bf16 MXU or tensor-core pass
 does, made explicit so that its cost can be measured anywhere.
@@ -48,35 +49,35 @@ HIGHEST = jax.lax.Precision.HIGHEST
 INVERSE_BLOCK = 16
 
 
-def _dot(a, b, contract, operands):
-    # operands: None keeps the accumulation dtype; a dtype (bfloat16) rounds
+def _dot(a, b, contract, matmul_dtype):
+    # matmul_dtype: None keeps the accumulation dtype; a dtype (bfloat16) rounds
     # both operands to it, accumulating in the accumulation dtype all the same.
     # HIGHEST asks for full float32 products (several MXU passes); on operands
     # of 16 bits or fewer there is nothing to split and Mosaic refuses it.
     # A DotAlgorithmPreset keeps the operands and names the algorithm (a
     # kernel that lowers float32 products to tensor-core passes).
     acc = a.dtype
-    if isinstance(operands, jax.lax.DotAlgorithmPreset):
-        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=operands, preferred_element_type=acc)
-    if operands is not None:
-        a, b = a.astype(operands), b.astype(operands)
+    if isinstance(matmul_dtype, jax.lax.DotAlgorithmPreset):
+        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=matmul_dtype, preferred_element_type=acc)
+    if matmul_dtype is not None:
+        a, b = a.astype(matmul_dtype), b.astype(matmul_dtype)
     precision = HIGHEST if a.dtype.itemsize >= 4 else jax.lax.Precision.DEFAULT
     return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=acc)
 
 
-def mm(a, b, operands=None):
+def mm(a, b, matmul_dtype=None):
     """a @ b."""
-    return _dot(a, b, ((1,), (0,)), operands)
+    return _dot(a, b, ((1,), (0,)), matmul_dtype)
 
 
-def mm_nt(a, b, operands=None):
+def mm_nt(a, b, matmul_dtype=None):
     """a @ b^T."""
-    return _dot(a, b, ((1,), (1,)), operands)
+    return _dot(a, b, ((1,), (1,)), matmul_dtype)
 
 
-def mm_tn(a, b, operands=None):
+def mm_tn(a, b, matmul_dtype=None):
     """a^T @ b."""
-    return _dot(a, b, ((0,), (0,)), operands)
+    return _dot(a, b, ((0,), (0,)), matmul_dtype)
 
 
 def iotas(c: int):
@@ -201,9 +202,9 @@ def l2norm(x):
     return x * l2norm_scale(x)
 
 
-def key_products(q, k, *, operands=None):
+def key_products(q, k, *, matmul_dtype=None):
     """(QK^T, KK^T) of one key head's chunk."""
-    return mm_nt(q, k, operands=operands), mm_nt(k, k, operands=operands)
+    return mm_nt(q, k, matmul_dtype=matmul_dtype), mm_nt(k, k, matmul_dtype=matmul_dtype)
 
 
 class Decays(NamedTuple):
@@ -216,8 +217,8 @@ class Decays(NamedTuple):
     gamma: jax.Array  # [1, 1]  exp(G_last)
 
 
-def decays(g, *, acc_dtype, decay_dtype, split_segments=False) -> Decays:
-    """Decay factors from [1, C] gates; eg, ek and gamma in acc_dtype
+def decays(g, *, state_dtype, decay_dtype, split_segments=False) -> Decays:
+    """Decay factors from [1, C] gates; eg, ek and gamma in state_dtype
     (`split_segments`: see `segment_sums`)."""
     c = g.shape[-1]
     r, j = iotas(c)
@@ -230,8 +231,8 @@ def decays(g, *, acc_dtype, decay_dtype, split_segments=False) -> Decays:
     glast = jnp.sum(g, axis=1, keepdims=True)
     # Mask before the exponential: above the diagonal the sums are >= 0 and may overflow.
     dm = jnp.exp(jnp.where(r >= j, segment_sums(g, split=split_segments), -jnp.inf))
-    return Decays(gcum=gcum, dm=dm, eg=jnp.exp(gcum).astype(acc_dtype), ek=jnp.exp(gtail).astype(acc_dtype),
-                  gamma=jnp.exp(glast).astype(acc_dtype))
+    return Decays(gcum=gcum, dm=dm, eg=jnp.exp(gcum).astype(state_dtype), ek=jnp.exp(gtail).astype(state_dtype),
+                  gamma=jnp.exp(glast).astype(state_dtype))
 
 
 def output_mix(qk, dec: Decays, *, scale):
@@ -246,19 +247,20 @@ def chunk_inverse(kk, beta_col, dec: Decays, *, inverse=unit_lower_inverse):
     return inverse(jnp.where(r > j, beta_col * kk * dec.dm.astype(kk.dtype), 0))
 
 
-def wy(tinv, k, v, beta_col, dec: Decays, *, operands=None):
+def wy(tinv, k, v, beta_col, dec: Decays, *, matmul_dtype=None):
     """U = T (beta v) [C, V] and W = T (beta exp(G) k) [C, K]."""
-    return wy_values(tinv, v, beta_col, operands=operands), wy_keys(tinv, k, beta_col, dec, operands=operands)
+    return (wy_values(tinv, v, beta_col, matmul_dtype=matmul_dtype),
+            wy_keys(tinv, k, beta_col, dec, matmul_dtype=matmul_dtype))
 
 
-def wy_values(tinv, v, beta_col, *, operands=None):
+def wy_values(tinv, v, beta_col, *, matmul_dtype=None):
     """U = T (beta v), for any columns of v."""
-    return mm(tinv, beta_col * v, operands=operands)
+    return mm(tinv, beta_col * v, matmul_dtype=matmul_dtype)
 
 
-def wy_keys(tinv, k, beta_col, dec: Decays, *, operands=None):
+def wy_keys(tinv, k, beta_col, dec: Decays, *, matmul_dtype=None):
     """W = T (beta exp(G) k), for any columns of k."""
-    return mm(tinv, (beta_col * dec.eg) * k, operands=operands)
+    return mm(tinv, (beta_col * dec.eg) * k, matmul_dtype=matmul_dtype)
 
 
 class Prepared(NamedTuple):
@@ -274,34 +276,34 @@ class Prepared(NamedTuple):
 
 
 def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse,
-            operands=None):
+            matmul_dtype=None):
     """Everything one value head's chunk needs before it sees the state.
 
     q, k, v, qk, kk come in the accumulation dtype; g and beta as [1, C] rows
     in any float dtype. Pass `tinv` (a saved (I + A)^-1) to skip the inverse.
     """
     acc = q.dtype
-    dec = decays(g, acc_dtype=acc, decay_dtype=decay_dtype)
+    dec = decays(g, state_dtype=acc, decay_dtype=decay_dtype)
     beta = row_to_col(beta.astype(acc))
     if tinv is None:
         tinv = chunk_inverse(kk, beta, dec, inverse=inverse)
-    u, w = wy(tinv, k, v, beta, dec, operands=operands)
+    u, w = wy(tinv, k, v, beta, dec, matmul_dtype=matmul_dtype)
     return Prepared(dec=dec, beta=beta, tinv=tinv, u=u, w=w, p=output_mix(qk, dec, scale=scale),
                     eq=scale * dec.eg)
 
 
-def step(state, q, k, prep: Prepared, *, operands=None):
+def step(state, q, k, prep: Prepared, *, matmul_dtype=None):
     """One chunk's output [C, V] and outgoing state [K, V]."""
-    vn = prep.u - mm(prep.w, state, operands=operands)
-    o = prep.eq * mm(q, state, operands=operands) + mm(prep.p, vn, operands=operands)
-    return o, prep.dec.gamma * state + mm_tn(k, prep.dec.ek * vn, operands=operands)
+    vn = prep.u - mm(prep.w, state, matmul_dtype=matmul_dtype)
+    o = prep.eq * mm(q, state, matmul_dtype=matmul_dtype) + mm(prep.p, vn, matmul_dtype=matmul_dtype)
+    return o, prep.dec.gamma * state + mm_tn(k, prep.dec.ek * vn, matmul_dtype=matmul_dtype)
 
 
-def step_bwd(do, dstate_out, q, k, prep: Prepared, *, operands=None):
+def step_bwd(do, dstate_out, q, k, prep: Prepared, *, matmul_dtype=None):
     """Adjoint of `step` along the state path: (dVn, dS_in)."""
-    dvn = mm_tn(prep.p, do, operands=operands) + prep.dec.ek * mm(k, dstate_out, operands=operands)
-    dstate_in = (mm_tn(q, prep.eq * do, operands=operands) + prep.dec.gamma * dstate_out
-                 - mm_tn(prep.w, dvn, operands=operands))
+    dvn = mm_tn(prep.p, do, matmul_dtype=matmul_dtype) + prep.dec.ek * mm(k, dstate_out, matmul_dtype=matmul_dtype)
+    dstate_in = (mm_tn(q, prep.eq * do, matmul_dtype=matmul_dtype) + prep.dec.gamma * dstate_out
+                 - mm_tn(prep.w, dvn, matmul_dtype=matmul_dtype))
     return dvn, dstate_in
 
 
@@ -314,13 +316,13 @@ class ValueSums(NamedTuple):
     v_dbv: jax.Array   # rows of v * (T^T dU)       [C, 1]
 
 
-def value_grads(do, dvn, vn, u, v, tinv, beta_col, *, operands=None):
+def value_grads(do, dvn, vn, u, v, tinv, beta_col, *, matmul_dtype=None):
     """(dv, `ValueSums`) of one V block (or all of V); dU = dVn.
 
     do, dvn, vn, u, v [C, BV]; tinv [C, C].
     """
-    dbv = mm_tn(tinv, dvn, operands=operands)
-    sums = ValueSums(dp=mm_nt(do, vn, operands=operands), dbv_u=mm_nt(dbv, u, operands=operands),
+    dbv = mm_tn(tinv, dvn, matmul_dtype=matmul_dtype)
+    sums = ValueSums(dp=mm_nt(do, vn, matmul_dtype=matmul_dtype), dbv_u=mm_nt(dbv, u, matmul_dtype=matmul_dtype),
                      v_dbv=jnp.sum(v * dbv, axis=1, keepdims=True))
     return beta_col * dbv, sums
 
@@ -335,12 +337,12 @@ class StateSums(NamedTuple):
     dgamma: jax.Array  # of gamma: <S, dS'>         [1, 1]
 
 
-def state_sums(state, dstate_out, do, dvn, vn, *, operands=None) -> StateSums:
+def state_sums(state, dstate_out, do, dvn, vn, *, matmul_dtype=None) -> StateSums:
     """`StateSums` of a [BK, BV] block of the incoming state and of the
     outgoing state's cotangent; do, dvn, vn [C, BV]."""
     return StateSums(
-        dw=-mm_nt(dvn, state, operands=operands), dqs=mm_nt(do, state, operands=operands),
-        dks=mm_nt(vn, dstate_out, operands=operands),
+        dw=-mm_nt(dvn, state, matmul_dtype=matmul_dtype), dqs=mm_nt(do, state, matmul_dtype=matmul_dtype),
+        dks=mm_nt(vn, dstate_out, matmul_dtype=matmul_dtype),
         dgamma=jnp.sum(jnp.sum(state * dstate_out, axis=1, keepdims=True), axis=0, keepdims=True))
 
 
@@ -359,16 +361,16 @@ class KeySums(NamedTuple):
     kdks: jax.Array  # rows of k * Vn dS'^T       [C, 1]
 
 
-def key_grads(q, k, w, sums: StateSums, tinv, beta_col, dec: Decays, *, scale, operands=None):
+def key_grads(q, k, w, sums: StateSums, tinv, beta_col, dec: Decays, *, scale, matmul_dtype=None):
     """(dq, dk, `KeySums`) of some columns of K (or all of K); dq and dk
     still miss the QK^T and KK^T terms (`key_products_bwd`).
 
     q, k, w and the sums' dw, dqs, dks: the same [C, BK] columns.
     """
-    dx = mm_tn(tinv, sums.dw, operands=operands)  # of X = beta exp(G) k, through W = T X
+    dx = mm_tn(tinv, sums.dw, matmul_dtype=matmul_dtype)  # of X = beta exp(G) k, through W = T X
     dq = (scale * dec.eg) * sums.dqs
     dk = (beta_col * dec.eg) * dx + dec.ek * sums.dks
-    return dq, dk, KeySums(dxw=mm_nt(dx, w, operands=operands), kdx=jnp.sum(k * dx, axis=1, keepdims=True),
+    return dq, dk, KeySums(dxw=mm_nt(dx, w, matmul_dtype=matmul_dtype), kdx=jnp.sum(k * dx, axis=1, keepdims=True),
                            qdqs=jnp.sum(q * sums.dqs, axis=1, keepdims=True),
                            kdks=jnp.sum(k * sums.dks, axis=1, keepdims=True))
 
@@ -426,19 +428,19 @@ def gate_grads(qk, kk, dec: Decays, beta_col, terms: GateTerms, *, scale) -> Gat
     return GateGrads(dg=dg, dbeta=col_to_row(dbeta), dqk=dqk, dkk=dkk)
 
 
-def key_products_bwd(q, k, dqk, dkk, *, operands=None):
+def key_products_bwd(q, k, dqk, dkk, *, matmul_dtype=None):
     """(dq, dk) through QK^T and KK^T, with dqk, dkk summed over value heads."""
-    dq = mm(dqk, k, operands=operands)
-    dk = mm_tn(dqk, q, operands=operands) + mm(dkk + jnp.transpose(dkk), k, operands=operands)
+    dq = mm(dqk, k, matmul_dtype=matmul_dtype)
+    dk = mm_tn(dqk, q, matmul_dtype=matmul_dtype) + mm(dkk + jnp.transpose(dkk), k, matmul_dtype=matmul_dtype)
     return dq, dk
 
 
 def value_head_forward(q, k, v, g, beta, qk, kk, state, *, scale, decay_dtype, inverse=unit_lower_inverse,
-                       operands=None):
+                       matmul_dtype=None):
     """One value head's chunk: (o [C, V], outgoing state [K, V], (I + A)^-1)."""
     prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, inverse=inverse,
-                   operands=operands)
-    o, new_state = step(state, q, k, prep, operands=operands)
+                   matmul_dtype=matmul_dtype)
+    o, new_state = step(state, q, k, prep, matmul_dtype=matmul_dtype)
     return o, new_state, prep.tinv
 
 
@@ -454,15 +456,16 @@ class ValueHeadGrads(NamedTuple):
 
 
 def value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_out, *, scale, decay_dtype,
-                        operands=None):
+                        matmul_dtype=None):
     """Adjoint of `value_head_forward` given the chunk's saved inverse and
     incoming state, the output cotangent and the outgoing state's cotangent."""
-    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv, operands=operands)
-    vn = prep.u - mm(prep.w, state, operands=operands)
-    dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep, operands=operands)
-    dv, vsums = value_grads(do, dvn, vn, prep.u, v, prep.tinv, prep.beta, operands=operands)
-    ssums = state_sums(state, dstate_out, do, dvn, vn, operands=operands)
-    dq, dk, ksums = key_grads(q, k, prep.w, ssums, prep.tinv, prep.beta, prep.dec, scale=scale, operands=operands)
+    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv, matmul_dtype=matmul_dtype)
+    vn = prep.u - mm(prep.w, state, matmul_dtype=matmul_dtype)
+    dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep, matmul_dtype=matmul_dtype)
+    dv, vsums = value_grads(do, dvn, vn, prep.u, v, prep.tinv, prep.beta, matmul_dtype=matmul_dtype)
+    ssums = state_sums(state, dstate_out, do, dvn, vn, matmul_dtype=matmul_dtype)
+    dq, dk, ksums = key_grads(q, k, prep.w, ssums, prep.tinv, prep.beta, prep.dec, scale=scale,
+                              matmul_dtype=matmul_dtype)
     terms = gate_terms(prep.dec, prep.beta, vsums, ksums, ssums.dgamma, scale=scale)
     gg = gate_grads(qk, kk, prep.dec, prep.beta, terms, scale=scale)
     return ValueHeadGrads(dv, gg.dg, gg.dbeta, dq, dk, gg.dqk, gg.dkk, dstate_in)

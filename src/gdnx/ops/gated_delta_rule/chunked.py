@@ -10,10 +10,10 @@ sequences already re-laid by the chunk plan):
     backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts)
         -> (dq, dk, dv, dg, dbeta, dh0)
 
-flags are the plan's (reset, seq, last), int32 [NC, R]; states the incoming
-state of every chunk, tinv the chunk inverses. Every backend takes the same
+flags are the plan's `ChunkFlags`, int32 [NC, R] (kernels take no bool
+arrays); states the incoming state of every chunk, tinv the chunk inverses. Every backend takes the same
 l2norm contract: q and k come raw, the backend normalises them itself when
-opts.l2norm, and its dq, dk are with respect to the normalised q, k (this
+opts.use_qk_l2norm, and its dq, dk are with respect to the normalised q, k (this
 module chains them through l2norm). A backend never visits an empty packed
 sequence; this module passes h0 to its final state and the final state's
 cotangent back to h0.
@@ -37,26 +37,36 @@ from gdnx.ops.gated_delta_rule import chunk_math
 from gdnx.ops.gated_delta_rule.layout import ChunkPlan, from_slots, make_plan, to_slots
 
 RESIDUAL_POLICIES = ("save", "recompute")
+# checkpoint_name of the saved residuals, for remat policies
+RESIDUAL_NAMES = ("gdn_chunk_states", "gdn_chunk_inverse")
 
 
 class ChunkOptions(NamedTuple):
     """Static settings of one call (hashable: custom_vjp's nondiff argument)."""
 
     scale: float
-    acc_dtype: jnp.dtype            # state and accumulations
+    state_dtype: jnp.dtype          # the state and every accumulation
     decay_dtype: jnp.dtype          # gate sums and decay factors
     residuals: str = "save"         # RESIDUAL_POLICIES
-    operands: jnp.dtype | jax.lax.DotAlgorithmPreset | None = None  # matmul operands, see chunk_math
-    l2norm: bool = False            # normalise q, k inside
+    matmul_dtype: jnp.dtype | jax.lax.DotAlgorithmPreset | None = None  # see chunk_math
+    use_qk_l2norm: bool = False     # normalise q, k inside
 
     def keys(self, x):
         """q or k of a chunk in the accumulation dtype, normalised when l2norm."""
-        x = x.astype(self.acc_dtype)
-        return chunk_math.l2norm(x) if self.l2norm else x
+        x = x.astype(self.state_dtype)
+        return chunk_math.l2norm(x) if self.use_qk_l2norm else x
 
     def algebra(self) -> dict:
         """Keyword arguments of the chunk_math value-head functions."""
-        return dict(scale=self.scale, decay_dtype=self.decay_dtype, operands=self.operands)
+        return dict(scale=self.scale, decay_dtype=self.decay_dtype, matmul_dtype=self.matmul_dtype)
+
+
+class ChunkFlags(NamedTuple):
+    """Per-chunk flags of the chunk plan, int32 [NC, R]."""
+
+    reset: jax.Array  # != 0: the chunk starts its sequence; its incoming state is h0[seq]
+    seq: jax.Array    # the chunk's sequence
+    last: jax.Array   # != 0: the chunk ends its sequence; its outgoing state is final[seq]
 
 
 class Backend(NamedTuple):
@@ -74,20 +84,20 @@ def select(mask, a, b):
 
 def save_residuals(states, tinv):
     """Name the saved residuals so a remat policy can keep, drop or offload them."""
-    return checkpoint_name(states, "gdn_chunk_states"), checkpoint_name(tinv, "gdn_chunk_inverse")
+    return checkpoint_name(states, RESIDUAL_NAMES[0]), checkpoint_name(tinv, RESIDUAL_NAMES[1])
 
 
-def to_blocks(q, k, v, g, beta, plan: ChunkPlan):
+def to_blocks(q, k, v, g, beta, plan: ChunkPlan) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """[R, T, H, D] inputs -> [NC, R, HK, (G,) C, D] chunk blocks."""
-    r, _, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
+    r, _, hk, k_dim = q.shape
+    hv, v_dim = v.shape[2], v.shape[3]
     grp = hv // hk
     nc, c = plan.num_chunks, plan.chunk
 
     def qk_blocks(x):
-        return to_slots(x, plan).reshape(r, nc, c, hk, dk).transpose(1, 0, 3, 2, 4)
+        return to_slots(x, plan).reshape(r, nc, c, hk, k_dim).transpose(1, 0, 3, 2, 4)
 
-    vb = to_slots(v, plan).reshape(r, nc, c, hk, grp, dv).transpose(1, 0, 3, 4, 2, 5)
+    vb = to_slots(v, plan).reshape(r, nc, c, hk, grp, v_dim).transpose(1, 0, 3, 4, 2, 5)
 
     def gate_blocks(x):  # rows [1, C], as the chunk algebra takes them
         return to_slots(x, plan).reshape(r, nc, c, hk, grp).transpose(1, 0, 3, 4, 2)[..., None, :]
@@ -144,54 +154,54 @@ def fold_batch(fn, arg_kinds, out_kinds):
     return call
 
 
-def _int_flags(flags):
-    return tuple(f.astype(jnp.int32) for f in flags[:3])
+def _flags(plan: ChunkPlan) -> ChunkFlags:
+    return ChunkFlags(*(f.astype(jnp.int32) for f in (plan.reset, plan.seq, plan.last)))
 
 
-def _forward(backend: Backend, q, k, v, g, beta, h0, flags, opts: ChunkOptions, save: bool):
+def _forward(backend: Backend, q, k, v, g, beta, h0, flags: ChunkFlags, nonempty, opts: ChunkOptions, save: bool):
     def fn(*args):
-        return backend.forward(*args[:6], args[6:], opts=opts, save_residuals=save)
+        return backend.forward(*args[:6], ChunkFlags(*args[6:]), opts=opts, save_residuals=save)
 
     if backend.fold_batch:
         fn = fold_batch(fn, FORWARD_ARGS, FORWARD_OUTS)
-    out = fn(q, k, v, g, beta, h0, *_int_flags(flags))
+    out = fn(q, k, v, g, beta, h0, *flags)
     # A backend never visits an empty packed sequence: its final state is h0.
-    return (out[0], select(flags[3], out[1], h0)) + tuple(out[2:])
+    return (out[0], select(nonempty, out[1], h0)) + tuple(out[2:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _chunk_scan(q, k, v, g, beta, h0, flags, backend: Backend, opts: ChunkOptions):
-    return _forward(backend, q, k, v, g, beta, h0, flags, opts, False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _chunk_scan(q, k, v, g, beta, h0, flags: ChunkFlags, nonempty, backend: Backend, opts: ChunkOptions):
+    return _forward(backend, q, k, v, g, beta, h0, flags, nonempty, opts, False)
 
 
-def _chunk_scan_fwd(q, k, v, g, beta, h0, flags, backend: Backend, opts: ChunkOptions):
+def _chunk_scan_fwd(q, k, v, g, beta, h0, flags: ChunkFlags, nonempty, backend: Backend, opts: ChunkOptions):
     save = opts.residuals == "save"
-    o, final, *saved = _forward(backend, q, k, v, g, beta, h0, flags, opts, save)
-    return (o, final), (q, k, v, g, beta, flags, save_residuals(*saved) if save else (h0,))
+    o, final, *saved = _forward(backend, q, k, v, g, beta, h0, flags, nonempty, opts, save)
+    return (o, final), (q, k, v, g, beta, flags, nonempty, save_residuals(*saved) if save else (h0,))
 
 
 def _chunk_scan_bwd(backend: Backend, opts: ChunkOptions, res, cts):
-    q, k, v, g, beta, flags, saved = res
+    q, k, v, g, beta, flags, nonempty, saved = res
     if opts.residuals == "recompute":
-        _, _, *saved = _forward(backend, q, k, v, g, beta, saved[0], flags, opts, True)
+        _, _, *saved = _forward(backend, q, k, v, g, beta, saved[0], flags, nonempty, opts, True)
     states, tinv = saved
     do, dfinal = cts
 
     def fn(*args):
-        return backend.backward(*args[:9], args[9:], opts=opts)
+        return backend.backward(*args[:9], ChunkFlags(*args[9:]), opts=opts)
 
     if backend.fold_batch:
         fn = fold_batch(fn, BACKWARD_ARGS, BACKWARD_OUTS)
-    dq, dk, dv, dg, dbeta, dh0 = fn(q, k, v, g, beta, tinv, states, do, dfinal, *_int_flags(flags))
-    if opts.l2norm:
+    dq, dk, dv, dg, dbeta, dh0 = fn(q, k, v, g, beta, tinv, states, do, dfinal, *flags)
+    if opts.use_qk_l2norm:
         def l2(a, b):
-            return chunk_math.l2norm(a.astype(opts.acc_dtype)), chunk_math.l2norm(b.astype(opts.acc_dtype))
+            return chunk_math.l2norm(a.astype(opts.state_dtype)), chunk_math.l2norm(b.astype(opts.state_dtype))
 
-        dq, dk = jax.vjp(l2, q, k)[1]((dq.astype(opts.acc_dtype), dk.astype(opts.acc_dtype)))
+        dq, dk = jax.vjp(l2, q, k)[1]((dq.astype(opts.state_dtype), dk.astype(opts.state_dtype)))
     # An empty packed sequence passes h0 straight to its final state.
-    dh0 = select(flags[3], dh0, dfinal.astype(dh0.dtype))
+    dh0 = select(nonempty, dh0, dfinal.astype(dh0.dtype))
     grads = (dq, dk, dv, dg, dbeta)
-    return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta))) + (dh0, None)
+    return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta))) + (dh0, None, None)
 
 
 _chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
@@ -205,16 +215,17 @@ def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, 
     autodiff (only for a backend written in plain JAX: the baseline the
     gradient tests and benchmarks compare with).
     """
-    opts = ChunkOptions(scale, jnp.dtype(state_dtype), jnp.dtype(decay_dtype), residuals, matmul_dtype, use_qk_l2norm)
-    r, t, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
+    opts = ChunkOptions(scale=scale, state_dtype=jnp.dtype(state_dtype), decay_dtype=jnp.dtype(decay_dtype),
+                        residuals=residuals, matmul_dtype=matmul_dtype, use_qk_l2norm=use_qk_l2norm)
+    r, t, hk, k_dim = q.shape
+    hv, v_dim = v.shape[2], v.shape[3]
     plan = make_plan(r, t, chunk_size, cu_seqlens)
     # The VJP returns dh0 in the accumulation dtype, so h0 comes in in it.
-    h0b = h0.astype(opts.acc_dtype).reshape(h0.shape[0], hk, hv // hk, dk, dv)
-    flags = (plan.reset, plan.seq, plan.last, plan.nonempty)
+    h0b = h0.astype(opts.state_dtype).reshape(h0.shape[0], hk, hv // hk, k_dim, v_dim)
+    flags = _flags(plan)
     blocks = to_blocks(q, k, v, g, beta, plan)
     if custom_vjp:
-        o, final = _chunk_scan(*blocks, h0b, flags, backend, opts)
+        o, final = _chunk_scan(*blocks, h0b, flags, plan.nonempty, backend, opts)
     else:
-        o, final = _forward(backend, *blocks, h0b, flags, opts, False)
+        o, final = _forward(backend, *blocks, h0b, flags, plan.nonempty, opts, False)
     return from_blocks(o, plan), final.reshape(h0.shape)

@@ -91,6 +91,7 @@ def to_slots(x: jax.Array, plan: ChunkPlan) -> jax.Array:
     if plan.gather is None:
         pad = [(0, 0), (0, plan.padded_length - plan.length)] + [(0, 0)] * (x.ndim - 2)
         return jnp.pad(x, pad)
+    assert plan.valid is not None  # a packed plan has both
     y = jnp.take(x, plan.gather, axis=1)
     mask = plan.valid.reshape((1, -1) + (1,) * (x.ndim - 2))
     return jnp.where(mask, y, jnp.zeros((), x.dtype))

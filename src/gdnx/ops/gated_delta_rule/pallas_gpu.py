@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
+from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions
 from gdnx.ops.gated_delta_rule.tiles import GpuTiles, check_tiles
 
 # Custom-call targets of a Triton kernel (the name moved between JAX
@@ -71,12 +72,13 @@ class _Layout:
     """
 
     def __init__(self, q, v, num_seqs, tiles: GpuTiles):
-        self.nc, self.rows, self.hk, self.c, self.dk = q.shape
-        self.grp, self.dv = v.shape[3], v.shape[5]
-        self.kp, self.vp = _pow2(self.dk), _pow2(self.dv)
+        self.nc, self.rows, self.hk, self.c, self.k_dim = q.shape
+        self.grp, self.v_dim = v.shape[3], v.shape[5]
+        self.kp, self.vp = _pow2(self.k_dim), _pow2(self.v_dim)
         self.bk, self.bv = min(tiles.block_k, self.kp), min(tiles.block_v, self.vp)
-        self.sbk = min(tiles.state_block_k, self.kp)
-        self.nvb = self.vp // self.bv
+        self.sbk, self.sbv = min(tiles.state_block_k, self.kp), min(tiles.state_block_v, self.vp)
+        self.obv = min(tiles.output_block_v, self.vp)
+        self.nob, self.snvb = self.vp // self.obv, self.vp // self.sbv
         self.num_seqs = num_seqs
 
     # chunk-parallel, one program per (chunk, row, value head)
@@ -93,10 +95,10 @@ class _Layout:
     # chunk-parallel, one program per (chunk, row, value head, V block)
     @property
     def block_grid(self):
-        return (self.nc, self.rows, self.hk * self.grp * self.nvb)
+        return (self.nc, self.rows, self.hk * self.grp * self.nob)
 
     def block_spec(self, rows, cols, key=False, v_blocked=True):
-        g, n = self.grp, self.nvb
+        g, n = self.grp, self.nob
         if key:
             return pl.BlockSpec((1, 1, 1, rows, cols), lambda c, r, x: (c, r, x // n // g, 0, 0))
         return pl.BlockSpec((1, 1, 1, 1, rows, cols),
@@ -105,7 +107,7 @@ class _Layout:
     # sequential, one program per (row, value head, V block), all chunks of the row
     @property
     def seq_grid(self):
-        return (self.rows, self.hk * self.grp, self.nvb)
+        return (self.rows, self.hk * self.grp, self.snvb)
 
     def seq_spec(self, rows, cols, key=False, v_blocked=True):
         g, nc = self.grp, self.nc
@@ -116,7 +118,7 @@ class _Layout:
 
     def seq_state_spec(self):
         g = self.grp
-        return pl.BlockSpec((self.num_seqs, 1, 1, self.kp, self.bv), lambda r, h, vb: (0, h // g, h % g, 0, vb))
+        return pl.BlockSpec((self.num_seqs, 1, 1, self.kp, self.sbv), lambda r, h, vb: (0, h // g, h % g, 0, vb))
 
     def flag_spec(self):
         return pl.BlockSpec((self.nc, 1), lambda r, h, vb: (0, r))
@@ -139,20 +141,21 @@ FLOAT32_PRODUCTS = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def _hardware(opts, interpret: bool):
-    if interpret or opts.operands is not None or opts.acc_dtype != jnp.float32:
+    if interpret or opts.matmul_dtype is not None or opts.state_dtype != jnp.float32:
         return opts
-    return opts._replace(operands=FLOAT32_PRODUCTS)
+    return opts._replace(matmul_dtype=FLOAT32_PRODUCTS)
 
 
 def _norm_rows(x, opts):
     """[NC, R, HK, C, K] q or k -> [NC, R, HK, 1, C]: the l2norm scale of
     every row (ones without l2norm), in the accumulation dtype."""
-    if not opts.l2norm:
-        return jnp.ones(x.shape[:3] + (1, x.shape[3]), opts.acc_dtype)
-    return jnp.swapaxes(chunk_math.l2norm_scale(x.astype(opts.acc_dtype)), -1, -2)
+    if not opts.use_qk_l2norm:
+        return jnp.ones(x.shape[:3] + (1, x.shape[3]), opts.state_dtype)
+    return jnp.swapaxes(chunk_math.l2norm_scale(x.astype(opts.state_dtype)), -1, -2)
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, tiles: GpuTiles, interpret, flops, exps, *args):
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, tiles: GpuTiles, interpret: bool, flops: int, exps: int,
+          args):
     outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -185,7 +188,7 @@ def _keys(ref, idx, kb, bk, scale_col, opts):
     """Column block kb of q or k at idx, in the accumulation dtype, its rows
     scaled by scale_col (the l2norm scale; None: raw, for a kernel that
     scales the other factor of its products instead)."""
-    x = ref[_cols(idx, kb, bk)].astype(opts.acc_dtype)
+    x = ref[_cols(idx, kb, bk)].astype(opts.state_dtype)
     return x if scale_col is None else x * scale_col
 
 
@@ -207,7 +210,7 @@ def _decays(g_ref, idx, opts):
     # A float32 FMA dot of the segment sums holds a C-long row and column
     # per output in registers (255 registers and spills at C = 64); three
     # bfloat16 passes are as exact (see chunk_math.segment_sums).
-    return chunk_math.decays(g_ref[idx], acc_dtype=opts.acc_dtype, decay_dtype=opts.decay_dtype,
+    return chunk_math.decays(g_ref[idx], state_dtype=opts.state_dtype, decay_dtype=opts.decay_dtype,
                              split_segments=opts.decay_dtype == jnp.float32)
 
 
@@ -218,16 +221,16 @@ def _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk):
 
     def block(kb, qk):
         q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
-        return qk + chunk_math.mm_nt(q, k, operands=opts.operands)
+        return qk + chunk_math.mm_nt(q, k, matmul_dtype=opts.matmul_dtype)
 
     c = q_ref.shape[-2]
-    qk = _blocks(q_ref.shape[-1] // bk, block, jnp.zeros((c, c), opts.acc_dtype))
+    qk = _blocks(q_ref.shape[-1] // bk, block, jnp.zeros((c, c), opts.state_dtype))
     return chunk_math.output_mix(qk, dec, scale=opts.scale)
 
 
 def _state_times(ref, idx, state, bk, opts):
     """sum over K blocks of ref[idx][:, block] @ state[block]: [C, BV]."""
-    return sum(chunk_math.mm(ref[_cols(idx, kb, bk)].astype(opts.acc_dtype), s, operands=opts.operands)
+    return sum(chunk_math.mm(ref[_cols(idx, kb, bk)].astype(opts.state_dtype), s, matmul_dtype=opts.matmul_dtype)
                for kb, s in enumerate(state))
 
 
@@ -235,7 +238,7 @@ def _state_times(ref, idx, state, bk, opts):
 
 def _prepare_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, *refs, opts, bk, bv, given_inverse):
     """U, W (and the inverse, unless given) of one value head's chunk."""
-    acc = opts.acc_dtype
+    acc = opts.state_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
     rk = chunk_math.row_to_col(rk_ref[key])
     dec = _decays(g_ref, head, opts)
@@ -249,7 +252,7 @@ def _prepare_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, *refs, opts, bk, bv, giv
 
         def kk_block(kb, kk):
             k = _keys(k_ref, key, kb, bk, rk, opts)
-            return kk + chunk_math.mm_nt(k, k, operands=opts.operands)
+            return kk + chunk_math.mm_nt(k, k, matmul_dtype=opts.matmul_dtype)
 
         c = k_ref.shape[-2]
         kk = _blocks(nkb, kk_block, jnp.zeros((c, c), acc))
@@ -258,11 +261,11 @@ def _prepare_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, *refs, opts, bk, bv, giv
 
     def u_block(vb):
         cols = _cols(head, vb, bv)
-        u_ref[cols] = chunk_math.wy_values(tinv, v_ref[cols].astype(acc), beta, operands=opts.operands)
+        u_ref[cols] = chunk_math.wy_values(tinv, v_ref[cols].astype(acc), beta, matmul_dtype=opts.matmul_dtype)
 
     def w_block(kb):
         k = _keys(k_ref, key, kb, bk, rk, opts)
-        w_ref[_cols(head, kb, bk)] = chunk_math.wy_keys(tinv, k, beta, dec, operands=opts.operands)
+        w_ref[_cols(head, kb, bk)] = chunk_math.wy_keys(tinv, k, beta, dec, matmul_dtype=opts.matmul_dtype)
 
     _each_block(v_ref.shape[-1] // bv, u_block)
     _each_block(nkb, w_block)
@@ -272,7 +275,7 @@ def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, rk_ref, w_ref, u_ref, g_r
                   final_ref, *, num_chunks, opts, bk):
     """Walk a row's chunks: Vn = U - W S, S' = gamma S + k^T (ek Vn); the
     state [K, BV] is carried as K/BK blocks."""
-    acc = opts.acc_dtype
+    acc = opts.state_dtype
     nkb = k_ref.shape[-1] // bk
 
     def rows(idx, kb):
@@ -290,7 +293,7 @@ def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, rk_ref, w_ref, u_ref, g_r
         # (rk k)^T (ek Vn) = k^T (rk ek Vn): the key blocks stay as loaded
         ekvn = (rk * dec.ek) * vn
         state = tuple(dec.gamma * s + chunk_math.mm_tn(_keys(k_ref, (c, 0, 0), kb, bk, None, opts), ekvn,
-                                                       operands=opts.operands)
+                                                       matmul_dtype=opts.matmul_dtype)
                       for kb, s in enumerate(state))
 
         @pl.when(last)
@@ -313,16 +316,16 @@ def _output_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, states_ref, vn_ref, o_re
 
     def qs_block(kb, qs):
         q = _keys(q_ref, key, kb, bk, rq, opts)
-        return qs + chunk_math.mm(q, states_ref[head + (_ds(kb, bk), slice(None))], operands=opts.operands)
+        return qs + chunk_math.mm(q, states_ref[head + (_ds(kb, bk), slice(None))], matmul_dtype=opts.matmul_dtype)
 
-    qs = _blocks(q_ref.shape[-1] // bk, qs_block, jnp.zeros(o_ref.shape[-2:], opts.acc_dtype))
-    o = (opts.scale * dec.eg) * qs + chunk_math.mm(p, vn_ref[head], operands=opts.operands)
+    qs = _blocks(q_ref.shape[-1] // bk, qs_block, jnp.zeros(o_ref.shape[-2:], opts.state_dtype))
+    o = (opts.scale * dec.eg) * qs + chunk_math.mm(p, vn_ref[head], matmul_dtype=opts.matmul_dtype)
     o_ref[head] = o.astype(o_ref.dtype)
 
 
 def _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret):
     """(u, w, tinv): U [.., C, Vp] and W [.., C, Kp] per value head, chunk-parallel."""
-    acc = opts.acc_dtype
+    acc = opts.state_dtype
     c = lay.c
     shape = lay.head_grid[:2] + (lay.hk, lay.grp)
     u_shape = jax.ShapeDtypeStruct(shape + (c, lay.vp), acc)
@@ -333,47 +336,50 @@ def _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret):
     heads, f, exps = _costs(lay)
     flops = heads * (f["key_products"] // 2 + f["prepare"])
     if tinv is not None:
-        u, w = _call(kernel, lay.head_grid, in_specs + [lay.head_spec(c, c)],
-                     [lay.head_spec(c, lay.vp), lay.head_spec(c, lay.kp)], [u_shape, w_shape], tiles, interpret,
-                     flops, heads * exps, k, rk, v, g, beta, tinv)
+        u, w = _call(kernel, grid=lay.head_grid, in_specs=in_specs + [lay.head_spec(c, c)],
+                     out_specs=[lay.head_spec(c, lay.vp), lay.head_spec(c, lay.kp)], out_shape=[u_shape, w_shape],
+                     tiles=tiles, interpret=interpret, flops=flops, exps=heads * exps,
+                     args=(k, rk, v, g, beta, tinv))
         return u, w, tinv
-    return _call(kernel, lay.head_grid, in_specs,
-                 [lay.head_spec(c, lay.vp), lay.head_spec(c, lay.kp), lay.head_spec(c, c)],
-                 [u_shape, w_shape, jax.ShapeDtypeStruct(shape + (c, c), acc)], tiles, interpret,
-                 flops, heads * exps, k, rk, v, g, beta)
+    return _call(kernel, grid=lay.head_grid, in_specs=in_specs,
+                 out_specs=[lay.head_spec(c, lay.vp), lay.head_spec(c, lay.kp), lay.head_spec(c, c)],
+                 out_shape=[u_shape, w_shape, jax.ShapeDtypeStruct(shape + (c, c), acc)], tiles=tiles,
+                 interpret=interpret, flops=flops, exps=heads * exps, args=(k, rk, v, g, beta))
 
 
-def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret, tiles: GpuTiles):
+def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool, interpret: bool,
+            tiles: GpuTiles):
     lay = _Layout(q, v, h0.shape[0], tiles)
     opts = _hardware(opts, interpret)
-    acc = opts.acc_dtype
+    acc = opts.state_dtype
     rq, rk = _norm_rows(q, opts), _norm_rows(k, opts)
     q, k, v, h0 = lay.pad_keys(q), lay.pad_keys(k), lay.pad_values(v), lay.pad_state(h0)
     u, w, tinv = _prepare(lay, k, rk, v, g, beta, None, opts, tiles, interpret)
 
-    c, bv, kp = lay.c, lay.bv, lay.kp
+    c, obv, sbv, kp = lay.c, lay.obv, lay.sbv, lay.kp
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     heads, f, exps = _costs(lay)
     vn, states, final = _call(
-        functools.partial(_state_kernel, num_chunks=lay.nc, opts=opts, bk=lay.sbk), lay.seq_grid,
-        [lay.flag_spec()] * 3 + [lay.seq_spec(c, kp, key=True), lay.seq_spec(1, c, key=True),
-                                 lay.seq_spec(c, kp, v_blocked=False), lay.seq_spec(c, bv),
-                                 lay.seq_spec(1, c, v_blocked=False), lay.seq_state_spec()],
-        [lay.seq_spec(c, bv), lay.seq_spec(kp, bv), lay.seq_state_spec()],
-        [jax.ShapeDtypeStruct(shape + (c, lay.vp), acc), jax.ShapeDtypeStruct(shape + (kp, lay.vp), acc),
-         jax.ShapeDtypeStruct(h0.shape, h0.dtype)],
-        tiles, interpret, heads * f["state"], heads * lay.nvb * exps, *flags, k, rk, w, u, g, h0)
+        functools.partial(_state_kernel, num_chunks=lay.nc, opts=opts, bk=lay.sbk), grid=lay.seq_grid,
+        in_specs=[lay.flag_spec()] * 3 + [lay.seq_spec(c, kp, key=True), lay.seq_spec(1, c, key=True),
+                                          lay.seq_spec(c, kp, v_blocked=False), lay.seq_spec(c, sbv),
+                                          lay.seq_spec(1, c, v_blocked=False), lay.seq_state_spec()],
+        out_specs=[lay.seq_spec(c, sbv), lay.seq_spec(kp, sbv), lay.seq_state_spec()],
+        out_shape=[jax.ShapeDtypeStruct(shape + (c, lay.vp), acc), jax.ShapeDtypeStruct(shape + (kp, lay.vp), acc),
+                   jax.ShapeDtypeStruct(h0.shape, h0.dtype)],
+        tiles=tiles, interpret=interpret, flops=heads * f["state"], exps=heads * lay.snvb * exps,
+        args=(*flags, k, rk, w, u, g, h0))
 
-    o = _call(functools.partial(_output_kernel, opts=opts, bk=lay.bk), lay.block_grid,
-              [lay.block_spec(c, kp, key=True), lay.block_spec(c, kp, key=True), lay.block_spec(1, c, key=True),
-               lay.block_spec(1, c, key=True), lay.block_spec(1, c, v_blocked=False), lay.block_spec(kp, bv),
-               lay.block_spec(c, bv)],
-              lay.block_spec(c, bv), jax.ShapeDtypeStruct(shape + (c, lay.vp), q.dtype), tiles, interpret,
-              heads * (f["output"] + lay.nvb * f["key_products"] // 2), heads * lay.nvb * exps,
-              q, k, rq, rk, g, states, vn)
-    o, final = o[..., :lay.dv], final[..., :lay.dk, :lay.dv]
+    o = _call(functools.partial(_output_kernel, opts=opts, bk=lay.bk), grid=lay.block_grid,
+              in_specs=[lay.block_spec(c, kp, key=True), lay.block_spec(c, kp, key=True),
+                        lay.block_spec(1, c, key=True), lay.block_spec(1, c, key=True),
+                        lay.block_spec(1, c, v_blocked=False), lay.block_spec(kp, obv), lay.block_spec(c, obv)],
+              out_specs=lay.block_spec(c, obv), out_shape=jax.ShapeDtypeStruct(shape + (c, lay.vp), q.dtype),
+              tiles=tiles, interpret=interpret, flops=heads * (f["output"] + lay.nob * f["key_products"] // 2),
+              exps=heads * lay.nob * exps, args=(q, k, rq, rk, g, states, vn))
+    o, final = o[..., :lay.v_dim], final[..., :lay.k_dim, :lay.v_dim]
     if save_residuals:
-        return o, final, states[..., :lay.dk, :lay.dv].astype(h0.dtype), tinv
+        return o, final, states[..., :lay.k_dim, :lay.v_dim].astype(h0.dtype), tinv
     return o, final
 
 
@@ -384,21 +390,21 @@ def _dv_local_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, do_ref, u_ref, w_ref, 
     """P^T dO (the part of dVn that needs no dS) and Vn = U - W S."""
     head = (0, 0, 0, 0)
     p = _output_mix(q_ref, k_ref, rq_ref, rk_ref, _decays(g_ref, head, opts), opts, bk)
-    dvl_ref[head] = chunk_math.mm_tn(p, do_ref[head].astype(opts.acc_dtype), operands=opts.operands)
+    dvl_ref[head] = chunk_math.mm_tn(p, do_ref[head].astype(opts.state_dtype), matmul_dtype=opts.matmul_dtype)
 
     def ws_block(kb, ws):
         w = w_ref[_cols(head, kb, bk)]
-        return ws + chunk_math.mm(w, states_ref[head + (_ds(kb, bk), slice(None))], operands=opts.operands)
+        return ws + chunk_math.mm(w, states_ref[head + (_ds(kb, bk), slice(None))], matmul_dtype=opts.matmul_dtype)
 
     vn_ref[head] = u_ref[head] - _blocks(w_ref.shape[-1] // bk, ws_block, jnp.zeros(vn_ref.shape[-2:],
-                                                                                     opts.acc_dtype))
+                                                                                     opts.state_dtype))
 
 
 def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w_ref, g_ref, do_ref, dvl_ref,
                    dfinal_ref, dvn_ref, dstates_ref, dh0_ref, *, num_chunks, opts, bk):
     """Walk a row's chunks in reverse carrying dS (as K/BK blocks):
     dVn = P^T dO + ek (k dS'), dS = gamma dS' + q^T (eq dO) - W^T dVn."""
-    acc = opts.acc_dtype
+    acc = opts.state_dtype
     nkb = k_ref.shape[-1] // bk
 
     def rows(idx, kb):
@@ -415,14 +421,15 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w
         rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
         dec = _decays(g_ref, head, opts)
         # the l2norm scales multiply the [C, BV] factors, not the key blocks
-        k_ds = sum(chunk_math.mm(_keys(k_ref, key, kb, bk, None, opts), s, operands=opts.operands)
+        k_ds = sum(chunk_math.mm(_keys(k_ref, key, kb, bk, None, opts), s, matmul_dtype=opts.matmul_dtype)
                    for kb, s in enumerate(dstate))
         dvn = dvl_ref[head] + (rk * dec.ek) * k_ds
         dvn_ref[head] = dvn
         eq_do = (rq * opts.scale * dec.eg) * do_ref[head].astype(acc)
         dstate_in = tuple(
-            chunk_math.mm_tn(_keys(q_ref, key, kb, bk, None, opts), eq_do, operands=opts.operands) + dec.gamma * s
-            - chunk_math.mm_tn(w_ref[_cols(head, kb, bk)], dvn, operands=opts.operands)
+            chunk_math.mm_tn(_keys(q_ref, key, kb, bk, None, opts), eq_do, matmul_dtype=opts.matmul_dtype)
+            + dec.gamma * s
+            - chunk_math.mm_tn(w_ref[_cols(head, kb, bk)], dvn, matmul_dtype=opts.matmul_dtype)
             for kb, s in enumerate(dstate))
 
         @pl.when(reset)
@@ -444,7 +451,7 @@ def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u
     Sums over V are added up block by block; the state sums, per K block,
     over the V blocks of that block's rows of S and dS'.
     """
-    acc = opts.acc_dtype
+    acc = opts.state_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
     rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
     dec = _decays(g_ref, head, opts)
@@ -456,7 +463,7 @@ def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u
     def value_block(vb, sums):
         cols = _cols(head, vb, bv)
         dv, part = chunk_math.value_grads(do_ref[cols].astype(acc), dvn_ref[cols], vn_ref[cols], u_ref[cols],
-                                          v_ref[cols].astype(acc), tinv, beta, operands=opts.operands)
+                                          v_ref[cols].astype(acc), tinv, beta, matmul_dtype=opts.matmul_dtype)
         dv_ref[cols] = dv.astype(dv_ref.dtype)
         return chunk_math.add_sums(sums, part)
 
@@ -471,14 +478,14 @@ def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u
             cols, block = _cols(head, vb, bv), head + (_ds(kb, bk), _ds(vb, bv))
             return chunk_math.add_sums(sums, chunk_math.state_sums(
                 states_ref[block], dstates_ref[block], do_ref[cols].astype(acc), dvn_ref[cols], vn_ref[cols],
-                operands=opts.operands))
+                matmul_dtype=opts.matmul_dtype))
 
         zeros_ck = jnp.zeros((c, bk), acc)
         ssums = _blocks(nvb, state_block, chunk_math.StateSums(zeros_ck, zeros_ck, zeros_ck, jnp.zeros((1, 1), acc)))
         cols = _cols(head, kb, bk)
         dq, dk, part = chunk_math.key_grads(
             _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts), w_ref[cols], ssums,
-            tinv, beta, dec, scale=opts.scale, operands=opts.operands)
+            tinv, beta, dec, scale=opts.scale, matmul_dtype=opts.matmul_dtype)
         dq_ref[cols] = dq
         dk_ref[cols] = dk
         return chunk_math.add_sums(ksums, part), dgamma + ssums.dgamma
@@ -495,7 +502,7 @@ def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u
 def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_ref, dbeta_ref, dgcum_ref, dqv_ref,
                        dkv_ref, dq_ref, dk_ref, dg_ref, db_ref, *, opts, bk):
     """dg, dbeta, and dq, dk with the QK^T, KK^T terms added."""
-    acc = opts.acc_dtype
+    acc = opts.state_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
     rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
     dec = _decays(g_ref, head, opts)
@@ -504,7 +511,7 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
 
     def products(kb, qk_kk):
         q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
-        return tuple(a + b for a, b in zip(qk_kk, chunk_math.key_products(q, k, operands=opts.operands)))
+        return tuple(a + b for a, b in zip(qk_kk, chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)))
 
     c = q_ref.shape[-2]
     qk, kk = _blocks(nkb, products, (jnp.zeros((c, c), acc),) * 2)
@@ -517,66 +524,69 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
     def key_block(kb):
         cols = _cols(head, kb, bk)
         q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
-        dq, dk = chunk_math.key_products_bwd(q, k, gg.dqk, gg.dkk, operands=opts.operands)
+        dq, dk = chunk_math.key_products_bwd(q, k, gg.dqk, gg.dkk, matmul_dtype=opts.matmul_dtype)
         dq_ref[cols] = dqv_ref[cols] + dq
         dk_ref[cols] = dkv_ref[cols] + dk
 
     _each_block(nkb, key_block)
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret, tiles: GpuTiles):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions, interpret: bool,
+             tiles: GpuTiles):
     lay = _Layout(q, v, dfinal.shape[0], tiles)
     opts = _hardware(opts, interpret)
-    acc = opts.acc_dtype
+    acc = opts.state_dtype
     rq, rk = _norm_rows(q, opts), _norm_rows(k, opts)
     q, k = lay.pad_keys(q), lay.pad_keys(k)
     v, do = lay.pad_values(v), lay.pad_values(do)
     states, dfinal = lay.pad_state(states.astype(acc)), lay.pad_state(dfinal)
     u, w, _ = _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret)
 
-    c, bv, kp, vp, bk = lay.c, lay.bv, lay.kp, lay.vp, lay.bk
+    c, bv, obv, kp, vp, bk = lay.c, lay.bv, lay.obv, lay.kp, lay.vp, lay.bk
+    sbv = lay.sbv
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     heads, f, exps = _costs(lay)
     mm = pallas_common.matmul_flops
     cv, ck, cc = (jax.ShapeDtypeStruct(shape + dims, acc) for dims in ((c, vp), (c, kp), (c, c)))
     keys = [lay.block_spec(c, kp, key=True)] * 2 + [lay.block_spec(1, c, key=True)] * 2
-    dvl, vn = _call(functools.partial(_dv_local_kernel, opts=opts, bk=bk), lay.block_grid,
-                    keys + [lay.block_spec(1, c, v_blocked=False), lay.block_spec(c, bv), lay.block_spec(c, bv),
-                            lay.block_spec(c, kp, v_blocked=False), lay.block_spec(kp, bv)],
-                    [lay.block_spec(c, bv)] * 2, [cv, cv], tiles, interpret,
-                    heads * (mm(c, c, vp) + mm(c, kp, vp) + lay.nvb * f["key_products"] // 2),
-                    heads * lay.nvb * exps, q, k, rq, rk, g, do, u, w, states)
+    dvl, vn = _call(functools.partial(_dv_local_kernel, opts=opts, bk=bk), grid=lay.block_grid,
+                    in_specs=keys + [lay.block_spec(1, c, v_blocked=False), lay.block_spec(c, obv),
+                                     lay.block_spec(c, obv), lay.block_spec(c, kp, v_blocked=False),
+                                     lay.block_spec(kp, obv)],
+                    out_specs=[lay.block_spec(c, obv)] * 2, out_shape=[cv, cv], tiles=tiles, interpret=interpret,
+                    flops=heads * (mm(c, c, vp) + mm(c, kp, vp) + lay.nob * f["key_products"] // 2),
+                    exps=heads * lay.nob * exps, args=(q, k, rq, rk, g, do, u, w, states))
     dvn, dstates, dh0 = _call(
-        functools.partial(_dstate_kernel, num_chunks=lay.nc, opts=opts, bk=lay.sbk), lay.seq_grid,
-        [lay.flag_spec()] * 3 + [lay.seq_spec(c, kp, key=True)] * 2 + [lay.seq_spec(1, c, key=True)] * 2
-        + [lay.seq_spec(c, kp, v_blocked=False), lay.seq_spec(1, c, v_blocked=False), lay.seq_spec(c, bv),
-           lay.seq_spec(c, bv), lay.seq_state_spec()],
-        [lay.seq_spec(c, bv), lay.seq_spec(kp, bv), lay.seq_state_spec()],
-        [cv, jax.ShapeDtypeStruct(shape + (kp, vp), acc), jax.ShapeDtypeStruct(dfinal.shape, acc)],
-        tiles, interpret, heads * 3 * mm(c, kp, vp), heads * lay.nvb * exps, *flags, q, k, rq, rk, w, g, do, dvl,
-        dfinal)
+        functools.partial(_dstate_kernel, num_chunks=lay.nc, opts=opts, bk=lay.sbk), grid=lay.seq_grid,
+        in_specs=[lay.flag_spec()] * 3 + [lay.seq_spec(c, kp, key=True)] * 2 + [lay.seq_spec(1, c, key=True)] * 2
+        + [lay.seq_spec(c, kp, v_blocked=False), lay.seq_spec(1, c, v_blocked=False), lay.seq_spec(c, sbv),
+           lay.seq_spec(c, sbv), lay.seq_state_spec()],
+        out_specs=[lay.seq_spec(c, sbv), lay.seq_spec(kp, sbv), lay.seq_state_spec()],
+        out_shape=[cv, jax.ShapeDtypeStruct(shape + (kp, vp), acc), jax.ShapeDtypeStruct(dfinal.shape, acc)],
+        tiles=tiles, interpret=interpret, flops=heads * 3 * mm(c, kp, vp), exps=heads * lay.snvb * exps,
+        args=(*flags, q, k, rq, rk, w, g, do, dvl, dfinal))
 
     keys = [lay.head_spec(c, kp, key=True)] * 2 + [lay.head_spec(1, c, key=True)] * 2
     rows = [lay.head_spec(1, c)] * 2
     row_shape = jax.ShapeDtypeStruct(g.shape, acc)
     dqv, dkv, dv, da, dp, dbeta_part, dgcum = _call(
-        functools.partial(_grads_kernel, opts=opts, bk=bk, bv=bv), lay.head_grid,
-        keys + [lay.head_spec(c, vp)] + rows + [lay.head_spec(c, c), lay.head_spec(c, vp), lay.head_spec(c, kp),
-                                                lay.head_spec(c, vp), lay.head_spec(kp, vp), lay.head_spec(kp, vp),
-                                                lay.head_spec(c, vp), lay.head_spec(c, vp)],
-        [lay.head_spec(c, kp)] * 2 + [lay.head_spec(c, vp)] + [lay.head_spec(c, c)] * 2 + rows,
-        [ck, ck, jax.ShapeDtypeStruct(shape + (c, vp), v.dtype), cc, cc, row_shape, row_shape],
-        tiles, interpret, heads * (3 * mm(c, c, vp) + 3 * mm(c, vp, kp) + 2 * mm(c, c, kp)), heads * exps,
-        q, k, rq, rk, v, g, beta, tinv, u, w, vn, states, dstates, do, dvn)
+        functools.partial(_grads_kernel, opts=opts, bk=bk, bv=bv), grid=lay.head_grid,
+        in_specs=keys + [lay.head_spec(c, vp)] + rows
+        + [lay.head_spec(c, c), lay.head_spec(c, vp), lay.head_spec(c, kp), lay.head_spec(c, vp),
+           lay.head_spec(kp, vp), lay.head_spec(kp, vp), lay.head_spec(c, vp), lay.head_spec(c, vp)],
+        out_specs=[lay.head_spec(c, kp)] * 2 + [lay.head_spec(c, vp)] + [lay.head_spec(c, c)] * 2 + rows,
+        out_shape=[ck, ck, jax.ShapeDtypeStruct(shape + (c, vp), v.dtype), cc, cc, row_shape, row_shape],
+        tiles=tiles, interpret=interpret, flops=heads * (3 * mm(c, c, vp) + 3 * mm(c, vp, kp) + 2 * mm(c, c, kp)),
+        exps=heads * exps, args=(q, k, rq, rk, v, g, beta, tinv, u, w, vn, states, dstates, do, dvn))
     dq, dk, dg, dbeta = _call(
-        functools.partial(_gate_grads_kernel, opts=opts, bk=bk), lay.head_grid,
-        keys + rows + [lay.head_spec(c, c)] * 2 + rows + [lay.head_spec(c, kp)] * 2,
-        [lay.head_spec(c, kp)] * 2 + rows,
-        [ck, ck, jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(beta.shape, beta.dtype)],
-        tiles, interpret, heads * (f["key_products"] + f["key_grads"]), heads * exps,
-        q, k, rq, rk, g, beta, da, dp, dbeta_part, dgcum, dqv, dkv)
-    kd, vd = lay.dk, lay.dv
-    return (dq.sum(3)[..., :kd], dk.sum(3)[..., :kd], dv[..., :vd], dg, dbeta, dh0[..., :kd, :vd])
+        functools.partial(_gate_grads_kernel, opts=opts, bk=bk), grid=lay.head_grid,
+        in_specs=keys + rows + [lay.head_spec(c, c)] * 2 + rows + [lay.head_spec(c, kp)] * 2,
+        out_specs=[lay.head_spec(c, kp)] * 2 + rows,
+        out_shape=[ck, ck, jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(beta.shape, beta.dtype)],
+        tiles=tiles, interpret=interpret, flops=heads * (f["key_products"] + f["key_grads"]), exps=heads * exps,
+        args=(q, k, rq, rk, g, beta, da, dp, dbeta_part, dgcum, dqv, dkv))
+    k_dim, v_dim = lay.k_dim, lay.v_dim
+    return (dq.sum(3)[..., :k_dim], dk.sum(3)[..., :k_dim], dv[..., :v_dim], dg, dbeta, dh0[..., :k_dim, :v_dim])
 
 
 def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, h0, *, interpret: bool | None = None,
@@ -584,7 +594,7 @@ def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, h0, *, interpret: bool |
     """Validated [B, T, H, D] inputs in, (o, final) out; `chunked.run`'s
     keywords. tiles None: the table's entry for the device (`tiles.py`)."""
     pallas_common.check_dims("pallas_gpu", q.shape[-1], v.shape[-1])
-    knobs = dict(interpret=pallas_common.resolve_interpret(interpret), tiles=check_tiles("pallas_gpu", tiles))
-    backend = chunked.Backend(functools.partial(forward, **knobs), functools.partial(backward, **knobs),
-                              fold_batch=True)
+    run_interpreted, gpu_tiles = pallas_common.resolve_interpret(interpret), check_tiles("pallas_gpu", tiles)
+    backend = chunked.Backend(functools.partial(forward, interpret=run_interpreted, tiles=gpu_tiles),
+                              functools.partial(backward, interpret=run_interpreted, tiles=gpu_tiles), fold_batch=True)
     return chunked.run(backend, q, k, v, g, beta, h0, **kw)

@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 
 from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
+from gdnx.ops.gated_delta_rule.chunked import ChunkFlags
 from gdnx.ops.gated_delta_rule.tiles import TpuTiles, check_tiles, tiles_for
 
 MIN_VMEM_LIMIT = 16 * 2**20
@@ -43,31 +44,32 @@ MAX_VMEM_LIMIT = 64 * 2**20
 MAX_VMEM_BUDGET = 32 * 2**20
 
 
-def vmem_bytes(head_tile, grp, c, dk, dv, in_bytes, save_residuals):
-    per_tile = 2 * head_tile * (2 * c * dk * in_bytes + grp * (2 * c * dv * in_bytes + 4 * c * 4 + 2 * dk * dv * 4))
-    scratch = head_tile * grp * dk * dv * 4
-    residuals = 2 * head_tile * grp * (dk * dv * 4 + c * c * 4) if save_residuals else 0
-    temporaries = (8 * c * c + 4 * c * max(dk, dv)) * 4
+def vmem_bytes(head_tile, grp, c, k_dim, v_dim, in_bytes, save_residuals):
+    per_tile = 2 * head_tile * (2 * c * k_dim * in_bytes
+                                + grp * (2 * c * v_dim * in_bytes + 4 * c * 4 + 2 * k_dim * v_dim * 4))
+    scratch = head_tile * grp * k_dim * v_dim * 4
+    residuals = 2 * head_tile * grp * (k_dim * v_dim * 4 + c * c * 4) if save_residuals else 0
+    temporaries = (8 * c * c + 4 * c * max(k_dim, v_dim)) * 4
     return per_tile + scratch + residuals + temporaries
 
 
 def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref, *rest,
                 rows, head_tile, grp, opts, save_residuals):
     *residual_refs, state_ref = rest
-    acc_dtype = opts.acc_dtype
+    state_dtype = opts.state_dtype
     idx = pl.program_id(2) * rows + pl.program_id(0)
 
     @pl.when(reset_ref[idx] != 0)
     def _():
-        state_ref[...] = h0_ref[0].astype(acc_dtype)
+        state_ref[...] = h0_ref[0].astype(state_dtype)
 
     for i in range(head_tile):
         q, k = opts.keys(q_ref[0, 0, i]), opts.keys(k_ref[0, 0, i])
-        qk, kk = chunk_math.key_products(q, k, operands=opts.operands)
+        qk, kk = chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)
         for j in range(grp):
             state = state_ref[i, j]
             o, new_state, tinv = chunk_math.value_head_forward(
-                q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk, state,
+                q, k, v_ref[0, 0, i, j].astype(state_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk, state,
                 inverse=chunk_math.unit_lower_inverse_loop, **opts.algebra())
             o_ref[0, 0, i, j] = o.astype(o_ref.dtype)
             if save_residuals:
@@ -84,7 +86,7 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, states_ref, do_ref,
                 dfinal_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dstate_ref, *,
                 rows, num_chunks, head_tile, grp, opts):
-    acc_dtype = opts.acc_dtype
+    state_dtype = opts.state_dtype
     step = pl.program_id(2)
     idx = (num_chunks - 1 - step) * rows + pl.program_id(0)
 
@@ -94,23 +96,23 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
     @pl.when(last_ref[idx] != 0)
     def _():
-        dstate_ref[...] = dstate_ref[...] + dfinal_ref[0].astype(acc_dtype)
+        dstate_ref[...] = dstate_ref[...] + dfinal_ref[0].astype(state_dtype)
 
     for i in range(head_tile):
         q, k = opts.keys(q_ref[0, 0, i]), opts.keys(k_ref[0, 0, i])
-        qk, kk = chunk_math.key_products(q, k, operands=opts.operands)
+        qk, kk = chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)
         dq = dk = dqk = dkk = 0.0
         for j in range(grp):
             vg = chunk_math.value_head_backward(
-                q, k, v_ref[0, 0, i, j].astype(acc_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk,
-                tinv_ref[0, 0, i, j].astype(acc_dtype), states_ref[0, 0, i, j].astype(acc_dtype),
-                do_ref[0, 0, i, j].astype(acc_dtype), dstate_ref[i, j], **opts.algebra())
+                q, k, v_ref[0, 0, i, j].astype(state_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk,
+                tinv_ref[0, 0, i, j].astype(state_dtype), states_ref[0, 0, i, j].astype(state_dtype),
+                do_ref[0, 0, i, j].astype(state_dtype), dstate_ref[i, j], **opts.algebra())
             dv_ref[0, 0, i, j] = vg.dv.astype(dv_ref.dtype)
             dg_ref[0, 0, i, j] = vg.dg.astype(dg_ref.dtype)
             db_ref[0, 0, i, j] = vg.dbeta.astype(db_ref.dtype)
             dstate_ref[i, j] = vg.dstate_in
             dq, dk, dqk, dkk = dq + vg.dq, dk + vg.dk, dqk + vg.dqk, dkk + vg.dkk
-        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk, operands=opts.operands)
+        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk, matmul_dtype=opts.matmul_dtype)
         dq_ref[0, 0, i] = (dq + dq_k).astype(dq_ref.dtype)
         dk_ref[0, 0, i] = (dk + dk_k).astype(dk_ref.dtype)
 
@@ -125,8 +127,8 @@ class _Specs:
     chunk = step forward, or num_chunks - 1 - step in reverse."""
 
     def __init__(self, q, v, rows, head_tile, reverse):
-        nc, _, _, c, dk = q.shape
-        grp, dv = v.shape[3], v.shape[5]
+        nc, _, _, c, k_dim = q.shape
+        grp, v_dim = v.shape[3], v.shape[5]
         ht = head_tile
 
         def chunk(ci):
@@ -141,24 +143,25 @@ class _Specs:
         def per_sequence(ri, hi, ci, reset_ref, seq_ref, last_ref):
             return (seq_ref[chunk(ci) * rows + ri], hi, 0, 0, 0)
 
-        self.keys = pl.BlockSpec((1, 1, ht, c, dk), per_key_head)
-        self.values = pl.BlockSpec((1, 1, ht, grp, c, dv), per_chunk)
+        self.keys = pl.BlockSpec((1, 1, ht, c, k_dim), per_key_head)
+        self.values = pl.BlockSpec((1, 1, ht, grp, c, v_dim), per_chunk)
         self.gates = pl.BlockSpec((1, 1, ht, grp, 1, c), per_chunk)
-        self.sequence_state = pl.BlockSpec((1, ht, grp, dk, dv), per_sequence)
-        self.chunk_state = pl.BlockSpec((1, 1, ht, grp, dk, dv), per_chunk)
+        self.sequence_state = pl.BlockSpec((1, ht, grp, k_dim, v_dim), per_sequence)
+        self.chunk_state = pl.BlockSpec((1, 1, ht, grp, k_dim, v_dim), per_chunk)
         self.inverse = pl.BlockSpec((1, 1, ht, grp, c, c), per_chunk)
 
 
-def _cost(grid, head_tile, grp, c, dk, dv, parts, key_parts, arrays):
+def _cost(grid, head_tile, grp, c, k_dim, v_dim, parts, key_parts, arrays):
     """Estimate over the grid: per step, the key head parts once per key head
     of the tile and the value head parts once per value head."""
-    f = pallas_common.chunk_flops(c, dk, dv)
+    f = pallas_common.chunk_flops(c, k_dim, v_dim)
     steps = grid[0] * grid[1] * grid[2] * head_tile
     flops = steps * (sum(f[p] for p in key_parts) + grp * sum(f[p] for p in parts))
     return pallas_common.cost(flops, steps * grp * pallas_common.transcendentals(c), arrays)
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, budget, head_tile, interpret, cost, flags, *args):
+def _call(kernel, *, grid, in_specs, out_specs, out_shape, scratch, budget, head_tile, interpret, cost,
+          flags: ChunkFlags, args):
     if budget > MAX_VMEM_BUDGET:
         raise ValueError(f"implementation='pallas_tpu': head_tile={head_tile} needs ~{budget / 2**20:.0f} MiB of "
                          f"VMEM, over the {MAX_VMEM_BUDGET // 2**20} MiB budget; use a smaller head_tile")
@@ -193,48 +196,52 @@ def _check_tile(hk, head_tile):
 
 
 def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret, head_tile=1):
-    nc, rows, hk, c, dk = q.shape
-    grp, dv = v.shape[3], v.shape[5]
+    nc, rows, hk, c, k_dim = q.shape
+    grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
     sp = _Specs(q, v, rows, head_tile, reverse=False)
     out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)]
     out_specs = [sp.values, sp.sequence_state]
     if save_residuals:
-        out_shape += [jax.ShapeDtypeStruct((nc, rows, hk, grp, dk, dv), h0.dtype),
-                      jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), opts.acc_dtype)]
+        out_shape += [jax.ShapeDtypeStruct((nc, rows, hk, grp, k_dim, v_dim), h0.dtype),
+                      jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), opts.state_dtype)]
         out_specs += [sp.chunk_state, sp.inverse]
     kernel = functools.partial(_fwd_kernel, rows=rows, head_tile=head_tile, grp=grp, opts=opts,
                                save_residuals=save_residuals)
     grid = (rows, hk // head_tile, nc)
-    cost = _cost(grid, head_tile, grp, c, dk, dv, ("prepare", "state", "output"), ("key_products",),
+    cost = _cost(grid, head_tile, grp, c, k_dim, v_dim, ("prepare", "state", "output"), ("key_products",),
                  (q, k, v, g, beta, h0, *out_shape))
-    return _call(kernel, grid, [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state],
-                 out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), opts.acc_dtype)],
-                 vmem_bytes(head_tile, grp, c, dk, dv, q.dtype.itemsize, save_residuals), head_tile, interpret,
-                 cost, flags, q, k, v, g, beta, h0)
+    return _call(kernel, grid=grid, in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state],
+                 out_specs=out_specs, out_shape=out_shape,
+                 scratch=[pltpu.VMEM((head_tile, grp, k_dim, v_dim), opts.state_dtype)],
+                 budget=vmem_bytes(head_tile, grp, c, k_dim, v_dim, q.dtype.itemsize, save_residuals),
+                 head_tile=head_tile, interpret=interpret, cost=cost, flags=flags, args=(q, k, v, g, beta, h0))
 
 
 def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret, head_tile=1):
-    nc, rows, hk, c, dk = q.shape
-    grp, dv = v.shape[3], v.shape[5]
+    nc, rows, hk, c, k_dim = q.shape
+    grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
     sp = _Specs(q, v, rows, head_tile, reverse=True)
-    acc_dtype = opts.acc_dtype
-    out_shape = [jax.ShapeDtypeStruct(q.shape, acc_dtype), jax.ShapeDtypeStruct(k.shape, acc_dtype),
+    state_dtype = opts.state_dtype
+    out_shape = [jax.ShapeDtypeStruct(q.shape, state_dtype), jax.ShapeDtypeStruct(k.shape, state_dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
-                 jax.ShapeDtypeStruct(beta.shape, beta.dtype), jax.ShapeDtypeStruct(dfinal.shape, acc_dtype)]
+                 jax.ShapeDtypeStruct(beta.shape, beta.dtype), jax.ShapeDtypeStruct(dfinal.shape, state_dtype)]
     out_specs = [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state]
     kernel = functools.partial(_bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, opts=opts)
     # Inputs, residuals and cotangents in, gradients out: about twice the forward's blocks.
-    budget = 2 * vmem_bytes(head_tile, grp, c, dk, dv, max(q.dtype.itemsize, 4), True)
+    budget = 2 * vmem_bytes(head_tile, grp, c, k_dim, v_dim, max(q.dtype.itemsize, 4), True)
     grid = (rows, hk // head_tile, nc)
-    cost = _cost(grid, head_tile, grp, c, dk, dv, ("prepare", "state_bwd", "grads"), ("key_products", "key_grads"),
+    cost = _cost(grid, head_tile, grp, c, k_dim, v_dim, ("prepare", "state_bwd", "grads"),
+                 ("key_products", "key_grads"),
                  (q, k, v, g, beta, tinv, states, do, dfinal, *out_shape))
-    return _call(kernel, grid,
-                 [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.inverse, sp.chunk_state, sp.values,
-                  sp.sequence_state],
-                 out_specs, out_shape, [pltpu.VMEM((head_tile, grp, dk, dv), acc_dtype)], budget, head_tile, interpret,
-                 cost, flags, q, k, v, g, beta, tinv, states, do, dfinal)
+    return _call(kernel, grid=grid,
+                 in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.inverse, sp.chunk_state, sp.values,
+                           sp.sequence_state],
+                 out_specs=out_specs, out_shape=out_shape,
+                 scratch=[pltpu.VMEM((head_tile, grp, k_dim, v_dim), state_dtype)],
+                 budget=budget, head_tile=head_tile, interpret=interpret, cost=cost, flags=flags,
+                 args=(q, k, v, g, beta, tinv, states, do, dfinal))
 
 
 def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, h0, *, interpret: bool | None = None,

@@ -11,6 +11,7 @@ target device). Every entry is compiled for its target in the test suite.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, overload
 
 import jax
 
@@ -19,18 +20,21 @@ import jax
 class GpuTiles:
     """Launch parameters of the pallas_gpu kernels."""
 
-    block_k: int = 16        # K block of the chunk-parallel kernels' loops over the key dim
-    state_block_k: int = 32  # rows of K per block of the state the sequential kernels carry
-    block_v: int = 16        # V block of the sequential kernels' grid and of every loop over V
+    block_k: int = 16         # K block of the chunk-parallel kernels' loops
+    block_v: int = 16         # V block of the chunk-parallel kernels' loops
+    output_block_v: int = 32  # V per program of the output and dv_local kernels
+    state_block_k: int = 32   # rows of K per block of the state the sequential kernels carry
+    state_block_v: int = 16   # V per program of the sequential kernels
     num_warps: int = 8
-    num_stages: int = 2   # software pipelining depth of the loops' loads
+    num_stages: int = 2       # software pipelining depth of the loops' loads
 
     def __post_init__(self):
-        for name in ("block_k", "state_block_k", "block_v", "num_warps", "num_stages"):
+        for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v", "num_warps",
+                     "num_stages"):
             x = getattr(self, name)
             if not isinstance(x, int) or isinstance(x, bool) or x < 1:
                 raise ValueError(f"tiles.{name}: expected a positive int, got {x!r}")
-        for name in ("block_k", "state_block_k", "block_v"):
+        for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v"):
             x = getattr(self, name)
             # powers of two (Triton's arrays); Triton's dot takes no dim under 16
             if x < 16 or x & (x - 1):
@@ -48,14 +52,16 @@ class TpuTiles:
             raise ValueError(f"tiles.head_tile: expected a positive int, got {self.head_tile!r}")
 
 
-# GPU by compute capability. K blocks of 16 in the chunk-parallel loops and
-# of 32 in the carried state measured fewest spilled registers on both
-# (ptxas, docs/benchmarks.md); at K = V = 128 every kernel asks for at most
-# ~100 KiB of shared memory with two stages (H100/H200 give a block
-# 232,448 B, A100 166,912 B).
+# GPU by compute capability: the sizes that measured fewest spilled registers
+# (ptxas, docs/benchmarks.md). The output-side kernels recompute QK^T per V
+# block, so they take V blocks as wide as registers allow (64 on sm_90, 32
+# on sm_80). At K = V = 128 no kernel asks for more than ~100 KiB of shared
+# memory with two stages (H100/H200 give a block 232,448 B, A100 166,912 B).
 GPU_TILES = {
-    "9.0": GpuTiles(block_k=16, state_block_k=32, block_v=16, num_warps=8, num_stages=2),
-    "8.0": GpuTiles(block_k=16, state_block_k=32, block_v=16, num_warps=8, num_stages=2),
+    "9.0": GpuTiles(block_k=16, block_v=16, output_block_v=64, state_block_k=32, state_block_v=16, num_warps=8,
+                    num_stages=2),
+    "8.0": GpuTiles(block_k=16, block_v=16, output_block_v=32, state_block_k=32, state_block_v=16, num_warps=8,
+                    num_stages=2),
 }
 GPU_FALLBACK = GpuTiles()
 # TPU by device kind. v5p and v6e have the VMEM for two key heads per step
@@ -70,6 +76,12 @@ TPU_FALLBACK = TpuTiles()
 KERNEL_PLATFORMS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
+@overload
+def tiles_for(implementation: Literal["pallas_gpu"], device: jax.Device | None = None) -> GpuTiles: ...
+@overload
+def tiles_for(implementation: Literal["pallas_tpu"], device: jax.Device | None = None) -> TpuTiles: ...
+@overload
+def tiles_for(implementation: str, device: jax.Device | None = None) -> GpuTiles | TpuTiles: ...
 def tiles_for(implementation: str, device: jax.Device | None = None) -> GpuTiles | TpuTiles:
     """The table's tiles of `implementation` ("pallas_gpu" or "pallas_tpu")
     for `device` (default: the first device of the default backend)."""
@@ -83,7 +95,11 @@ def tiles_for(implementation: str, device: jax.Device | None = None) -> GpuTiles
     return TPU_TILES.get(device.device_kind, TPU_FALLBACK) if on_target else TPU_FALLBACK
 
 
-def check_tiles(implementation: str, tiles) -> GpuTiles | TpuTiles:
+@overload
+def check_tiles(implementation: Literal["pallas_gpu"], tiles: object) -> GpuTiles: ...
+@overload
+def check_tiles(implementation: Literal["pallas_tpu"], tiles: object) -> TpuTiles: ...
+def check_tiles(implementation: str, tiles: object) -> GpuTiles | TpuTiles:
     """`tiles` (None: from the table) as the kind the implementation takes."""
     if tiles is None:
         return tiles_for(implementation)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from gdnx.ops.gated_delta_rule import chunk_math, chunked
-from gdnx.ops.gated_delta_rule.chunked import ChunkOptions, select
+from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions, select
 
 
 def _keys(fn):
@@ -42,12 +42,12 @@ def _values(fn, in_axes):
     return jax.vmap(jax.vmap(jax.vmap(fn, in_axes=in_axes)))
 
 
-def forward(q, k, v, g, beta, h0, flags, *, opts: ChunkOptions, save_residuals: bool):
+def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool):
     """Forward over chunk blocks: (o, final), plus the incoming state of every
     chunk and the chunk inverses when `save_residuals`."""
-    reset, seq, last = flags[0] != 0, flags[1], flags[2] != 0
-    acc = opts.acc_dtype
-    key_products = functools.partial(chunk_math.key_products, operands=opts.operands)
+    reset, seq, last = flags.reset != 0, flags.seq, flags.last != 0
+    acc = opts.state_dtype
+    key_products = functools.partial(chunk_math.key_products, matmul_dtype=opts.matmul_dtype)
     fwd = functools.partial(chunk_math.value_head_forward, **opts.algebra())
 
     def body(carry, xs):
@@ -66,13 +66,13 @@ def forward(q, k, v, g, beta, h0, flags, *, opts: ChunkOptions, save_residuals: 
     return (ys[0], final) + tuple(ys[1:])
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts: ChunkOptions):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions):
     """Reverse scan carrying dS; each chunk's input gradients in the same step."""
-    reset, seq, last = flags[0] != 0, flags[1], flags[2] != 0
-    acc = opts.acc_dtype
+    reset, seq, last = flags.reset != 0, flags.seq, flags.last != 0
+    acc = opts.state_dtype
     dfinal = dfinal.astype(acc)
-    key_products = functools.partial(chunk_math.key_products, operands=opts.operands)
-    key_products_bwd = functools.partial(chunk_math.key_products_bwd, operands=opts.operands)
+    key_products = functools.partial(chunk_math.key_products, matmul_dtype=opts.matmul_dtype)
+    key_products_bwd = functools.partial(chunk_math.key_products_bwd, matmul_dtype=opts.matmul_dtype)
     bwd = functools.partial(chunk_math.value_head_backward, **opts.algebra())
 
     def body(carry, xs):
