@@ -21,7 +21,8 @@ $(AOT_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/gdnx train
 
-# Four pytest processes: the op tests; the sharding tests, on 8 virtual CPU
+# The type checker on src/ (pyproject's [tool.mypy]), then four pytest
+# processes: the op tests; the sharding tests, on 8 virtual CPU
 # devices (XLA reads that flag once per process); the rest, which imports
 # torch for the transformers parity tests (with torch loaded in the same
 # process, XLA's CPU compiler segfaulted (jax 0.10.2) compiling an op test's
@@ -30,6 +31,7 @@ demo: $(STAMP)
 # nothing: that is a failure too, said plainly.
 test: $(STAMP) $(AOT_STAMP)
 	@run() { "$$@" || { rc=$$?; [ $$rc -eq 5 ] && echo "make test: pytest collected no tests: $$*" >&2; exit $$rc; }; }; \
+	run $(VENV)/bin/python -m mypy && \
 	run $(VENV)/bin/python -m pytest tests/ops -m "not deviceless" && \
 	run $(VENV)/bin/python -m pytest tests/parallel && \
 	run $(VENV)/bin/python -m pytest tests --ignore=tests/ops --ignore=tests/parallel && \

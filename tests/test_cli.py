@@ -65,7 +65,7 @@ def test_generate_from_a_hugging_face_directory(capsys, tmp_path):
     tok.pre_tokenizer = Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "w1 w5 w9", "--max-new-tokens", "4",
-                 "--temperature", "0.8", "--top-p", "0.9", "model.use_gdn_kernel=false"]) == 0
+                 "--temperature", "0.8", "--top-p", "0.9", "model.gdn_implementation=xla"]) == 0
     words = capsys.readouterr().out.split()
     assert len(words) >= 1 and all(w in vocab for w in words)
 

@@ -81,11 +81,12 @@ def jax_leaves(tree):
     return jax.tree.leaves(tree)
 
 
-@pytest.mark.parametrize("kernel", ["true", "false"])
-def test_train_step_with_kernel_on_and_off(tmp_path, kernel):
-    cfg = load_config("tiny", SMALL + ["train.steps=4", f"model.use_gdn_kernel={kernel}", "model.num_hidden_layers=1",
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "xla"])
+def test_train_step_with_kernel_on_and_off(tmp_path, implementation):
+    cfg = load_config("tiny", SMALL + ["train.steps=4", f"model.gdn_implementation={implementation}",
+                                       "model.num_hidden_layers=1",
                                        "model.layer_types=[linear_attention]", f"train.out_dir={tmp_path}"])
-    if kernel == "true":
+    if implementation == "pallas_tpu":
         with pytest.warns(UserWarning, match="interpret mode"):
             result = train(cfg)
     else:

@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("overrides", nargs="*", metavar="key=value",
-                     help="model config overrides, e.g. model.use_gdn_kernel=false")
+                     help="model config overrides, e.g. model.gdn_implementation=xla")
     bench = sub.add_parser("bench", help="op timings and train-step time/memory, GDN hybrid vs attention")
     bench.add_argument("--batch", type=int, default=4)
     bench.add_argument("--seq-len", type=int, default=1024)

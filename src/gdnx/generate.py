@@ -11,10 +11,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdnx.models.cache import Cache
+from gdnx.models.qwen3_next import Qwen3Next
 from gdnx.parallel.rules import constrain
 
 
-def sample(logits, key, *, temperature: float = 0.0, top_p: float = 1.0):
+def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_p: float = 1.0) -> jax.Array:
     """Next tokens [B] from logits [B, vocab]: argmax when temperature is 0,
     else a draw from softmax(logits / temperature) restricted to the smallest
     set of tokens whose probability reaches top_p."""
@@ -40,8 +41,9 @@ def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> Non
         raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
 
 
-def generate(model, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             stop_token: int | None = None, on_token: Callable[[jax.Array], None] | None = None):
+def generate(model: Qwen3Next, prompt: jax.Array, max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, stop_token: int | None = None,
+             on_token: Callable[[jax.Array], None] | None = None) -> jax.Array:
     """prompt int [B, T] -> new tokens int32 [B, <= max_new_tokens]. on_token
     is called with each step's tokens [B] as they come (streaming); a row
     that emits stop_token stops the loop when every row has."""

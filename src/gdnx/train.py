@@ -13,15 +13,17 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from rich.console import Console
 
 from gdnx.checkpoints.files import atomic_write_text
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
-from gdnx.config.schema import Config
+from gdnx.config.schema import Config, TrainConfig
 from gdnx.data import Batch, make_source
 from gdnx.layers.gated_deltanet import check_platform
 from gdnx.models import Qwen3Next
@@ -31,7 +33,7 @@ from gdnx.progress import Reporter
 EVAL_BATCHES = 4
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps,
         end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio)
@@ -42,7 +44,7 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
                                    weight_decay=train_cfg.weight_decay, mask=decay_mask))
 
 
-def loss_and_metrics(model, batch: Batch, aux_coef: float):
+def loss_and_metrics(model: Qwen3Next, batch: Batch, aux_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy over the masked positions (+ the MoE balancing loss)."""
     out = model.forward(batch.inputs)
     logp = jax.nn.log_softmax(out.logits, axis=-1)
@@ -67,7 +69,7 @@ class Trainer:
     mesh, parameters and optimizer state are sharded per gdnx.parallel and
     every step runs under it."""
 
-    def __init__(self, cfg: Config, *, mesh=None, platform: str | None = None):
+    def __init__(self, cfg: Config, *, mesh: jax.sharding.Mesh | None = None, platform: str | None = None):
         self.cfg, self.mesh = cfg, mesh
         check_platform(cfg.model, platform)
         model = Qwen3Next(cfg.model, seed=cfg.train.seed)
@@ -94,19 +96,19 @@ class Trainer:
         self.step_fn = jax.jit(step_fn, donate_argnums=(0, 1))
         self.evaluate_one = jax.jit(eval_fn)
 
-    def on_mesh(self):
+    def on_mesh(self) -> contextlib.AbstractContextManager:
         """The context the step functions trace and run in."""
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-    def step(self, params, opt_state, step):
+    def step(self, params: Any, opt_state: Any, step: jax.Array) -> tuple[Any, Any, dict[str, jax.Array]]:
         with self.on_mesh():
             return self.step_fn(params, opt_state, step)
 
-    def init_opt_state(self, params):
+    def init_opt_state(self, params: Any) -> Any:
         opt_state = self.tx.init(params)
         return opt_state if self.mesh is None else shard(opt_state, self.cfg.model, self.mesh)
 
-    def evaluate(self, params) -> dict:
+    def evaluate(self, params: Any) -> dict[str, float]:
         with self.on_mesh():
             runs = [self.evaluate_one(params, i) for i in range(EVAL_BATCHES)]
         return {k: float(sum(r[k] for r in runs) / EVAL_BATCHES) for k in runs[0]}
@@ -120,10 +122,11 @@ def _rewrite_metrics(path: Path, upto: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
-def train(cfg: Config, *, console=None) -> dict:
+def train(cfg: Config, *, console: Console | None = None) -> dict[str, float]:
     """Run (or resume) the training run in cfg.train.out_dir. Returns the
     last evaluation."""
     t_cfg = cfg.train
+    target = t_cfg.target_accuracy
     out = Path(t_cfg.out_dir)
     # everything that can refuse the run does so before anything is written
     mesh = make_mesh(cfg.parallel)
@@ -163,27 +166,27 @@ def train(cfg: Config, *, console=None) -> dict:
             step += 1
             done = step == t_cfg.steps
             if step % t_cfg.log_every == 0 or done:
-                metrics = {k: float(v) for k, v in metrics.items()}
+                logged = {k: float(v) for k, v in metrics.items()}
                 elapsed = time.perf_counter() - t0
-                metrics["tokens_per_s"] = tokens_per_step * (step - since) / max(elapsed, 1e-9)
+                logged["tokens_per_s"] = tokens_per_step * (step - since) / max(elapsed, 1e-9)
                 t0, since = time.perf_counter(), step
-                log.write(json.dumps({"step": step, "split": "train", **metrics}) + "\n")
-                bar.update(step, metrics)
+                log.write(json.dumps({"step": step, "split": "train", **logged}) + "\n")
+                bar.update(step, logged)
             evaluate = t_cfg.eval_every and (step % t_cfg.eval_every == 0 or done)
             reached = False
             if evaluate:
                 last_eval = trainer.evaluate(params)
                 log.write(json.dumps({"step": step, "split": "eval", **last_eval}) + "\n")
                 report.eval(step, last_eval)
-                reached = t_cfg.target_accuracy is not None and last_eval["accuracy"] >= t_cfg.target_accuracy
+                reached = target is not None and last_eval["accuracy"] >= target
             if step % t_cfg.checkpoint_every == 0 or done or reached:
                 log.flush()
                 ckpt.save(step, params, opt_state)
                 if primary:
                     report.plot(out, metrics_file)
-            if reached:
+            if reached and target is not None:
                 report.note(f"reached {100 * last_eval['accuracy']:.2f}% answer accuracy "
-                            f"(target {100 * t_cfg.target_accuracy:.0f}%) at step {step}")
+                            f"(target {100 * target:.0f}%) at step {step}")
                 break
     ckpt.close()
     report.finish(out, step)

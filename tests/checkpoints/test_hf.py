@@ -75,8 +75,8 @@ def test_fused_expert_layout_loads(tmp_path):
 
 
 def test_overrides_and_load_errors(tmp_path):
-    _, model = hf_and_gdnx(tmp_path / "in", moe=False, use_gdn_kernel="false", gdn_chunk_size=32)
-    assert (model.config.use_gdn_kernel, model.config.gdn_chunk_size) == ("false", 32)
+    _, model = hf_and_gdnx(tmp_path / "in", moe=False, gdn_implementation="xla", gdn_chunk_size=32)
+    assert (model.config.gdn_implementation, model.config.gdn_chunk_size) == ("xla", 32)
     with pytest.raises(ConfigError, match=r"model.gdn_chunk_size"):
         Qwen3Next.from_pretrained(tmp_path / "in", gdn_chunk_size=48)
     with pytest.raises(FileNotFoundError, match="no config.json"):

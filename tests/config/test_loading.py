@@ -26,10 +26,10 @@ def test_default_is_tiny_and_inherits_base():
 
 
 def test_overrides_are_type_checked():
-    cfg = load_config("tiny", ["train.steps=120", "model.use_gdn_kernel=false", "model.gdn_chunk_size=32",
+    cfg = load_config("tiny", ["train.steps=120", "model.gdn_implementation=xla", "model.gdn_chunk_size=32",
                                "train.learning_rate=1e-3", "model.layer_types=[full_attention, linear_attention]"])
-    assert (cfg.train.steps, cfg.model.use_gdn_kernel, cfg.model.gdn_chunk_size, cfg.train.learning_rate) == \
-        (120, "false", 32, 1e-3)
+    assert (cfg.train.steps, cfg.model.gdn_implementation, cfg.model.gdn_chunk_size, cfg.train.learning_rate) == \
+        (120, "xla", 32, 1e-3)
     assert cfg.model.layer_types == ["full_attention", "linear_attention"]
     with pytest.raises(ConfigError, match=r"^train.steps: Input should be a valid integer"):
         load_config("tiny", ["train.steps=many"])

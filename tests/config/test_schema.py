@@ -15,20 +15,25 @@ def test_defaults_are_the_published_model():
     cfg = ModelConfig()
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.linear_num_key_heads, cfg.linear_num_value_heads) == \
         (2048, 48, 16, 32)
-    assert (cfg.use_gdn_kernel, cfg.gdn_state_dtype, cfg.gdn_decay_dtype, cfg.gdn_chunk_size,
+    assert (cfg.gdn_implementation, cfg.gdn_state_dtype, cfg.gdn_decay_dtype, cfg.gdn_chunk_size,
             cfg.gdn_residuals, cfg.gdn_matmul_dtype) == ("auto", "float32", "float32", 64, "save", None)
     assert cfg.resolved_layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
 
 
-@pytest.mark.parametrize("value,expected", [("auto", "auto"), (True, "true"), (False, "false"),
-                                            ("true", "true"), ("false", "false")])
-def test_use_gdn_kernel_parses(value, expected):
-    assert ModelConfig(use_gdn_kernel=value).use_gdn_kernel == expected
+@pytest.mark.parametrize("value", ["auto", "xla", "pallas_tpu", "pallas_gpu", "reference"])
+def test_gdn_implementation_parses(value):
+    assert ModelConfig(gdn_implementation=value).gdn_implementation == value
 
 
-def test_use_gdn_kernel_rejects_other_values():
-    msg = _model_error(use_gdn_kernel="sometimes")
-    assert "model.use_gdn_kernel" in msg and "'auto'" in msg and "'true'" in msg
+def test_gdn_implementation_rejects_other_values():
+    msg = _model_error(gdn_implementation="cuda")
+    assert "model.gdn_implementation: expected one of auto, xla, pallas_tpu" in msg and "'cuda'" in msg
+
+
+@pytest.mark.parametrize("old", [True, False, "auto"])
+def test_use_gdn_kernel_names_its_new_key(old):
+    msg = _model_error(use_gdn_kernel=old)
+    assert msg.startswith("model.use_gdn_kernel: renamed gdn_implementation") and "false is xla" in msg
 
 
 @pytest.mark.parametrize("field", ["gdn_state_dtype", "gdn_decay_dtype", "dtype", "param_dtype",
@@ -79,9 +84,9 @@ def test_residuals_knob():
 
 
 def test_kernel_knob_needs_the_kernel():
-    msg = _model_error(use_gdn_kernel=False, gdn_interpret=True)
-    assert "model.gdn_interpret" in msg and "use_gdn_kernel" in msg
-    assert ModelConfig(use_gdn_kernel=True, gdn_interpret=True).gdn_interpret is True
+    msg = _model_error(gdn_implementation="xla", gdn_interpret=True)
+    assert "model.gdn_interpret" in msg and "gdn_implementation" in msg
+    assert ModelConfig(gdn_implementation="pallas_tpu", gdn_interpret=True).gdn_interpret is True
 
 
 def test_layer_types():

@@ -64,16 +64,16 @@ def test_remat_policies_keep_gradients(policy):
 
 
 def test_kernel_on_and_off_agree_in_a_train_step():
-    """The tiny model of configs/tiny.yml with use_gdn_kernel=true (Pallas TPU
-    kernel, interpret mode on CPU) and false (XLA): every parameter gradient
+    """The tiny model of configs/tiny.yml with gdn_implementation=pallas_tpu
+    (interpret mode on CPU) and xla: every parameter gradient
     agrees to 1e-5 relative (fp32)."""
     cfg = load_config("tiny").model
     toks = _tokens(2, 40)
     with pytest.warns(UserWarning, match="interpret mode"):
-        on = Qwen3Next(cfg.model_copy(update={"use_gdn_kernel": "true"}), seed=1)
-    off = Qwen3Next(cfg.model_copy(update={"use_gdn_kernel": "false"}), seed=1)
-    assert on.layers[0].mixer.op_options["implementation"] == "pallas_tpu"
-    assert off.layers[0].mixer.op_options["implementation"] == "xla"
+        on = Qwen3Next(cfg.model_copy(update={"gdn_implementation": "pallas_tpu"}), seed=1)
+    off = Qwen3Next(cfg.model_copy(update={"gdn_implementation": "xla"}), seed=1)
+    assert on.layers[0].mixer.op.implementation == "pallas_tpu"
+    assert off.layers[0].mixer.op.implementation == "xla"
     g_on, g_off = _grads(on, toks), _grads(off, toks)
     for a, b in zip(g_on, g_off):
         assert relative_error(a, b) <= 1e-5
@@ -82,8 +82,8 @@ def test_kernel_on_and_off_agree_in_a_train_step():
 def test_auto_picks_no_kernel_on_cpu():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model = _model(use_gdn_kernel="auto")
-    assert model.layers[0].mixer.op_options["implementation"] is None  # the op's default: xla on CPU
+        model = _model(gdn_implementation="auto")
+    assert model.layers[0].mixer.op.implementation is None  # the op's default: xla on CPU
 
 
 def test_tied_embeddings_and_bf16():

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     """write(tmp_path) fills a temporary file that then replaces path."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)

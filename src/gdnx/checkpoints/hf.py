@@ -10,8 +10,11 @@ and written per expert, which every transformers version reads. mtp.*
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
+from typing import TYPE_CHECKING, Any
 from pathlib import Path
 
 import jax
@@ -22,6 +25,9 @@ from safetensors.flax import save_file
 
 from gdnx.checkpoints.files import atomic_write, atomic_write_text
 from gdnx.checkpoints.hf_config import hf_config_from_model, model_config_from_hf
+
+if TYPE_CHECKING:  # the model imports this module to load and save itself
+    from gdnx.models.qwen3_next import Qwen3Next
 
 IGNORED = re.compile(r"^mtp\.|rotary_emb\.inv_freq$")
 SHARD_BYTES = 4 * 2 ** 30
@@ -98,14 +104,14 @@ def _load_experts(reader: _Reader, prefix: str, kind: str, num_experts: int):
     return _t(fused[:, :half] if part == "gate" else fused[:, half:])
 
 
-def load_pretrained(cls, path, **config_overrides):
+def load_pretrained(cls: type[Qwen3Next], path: str | os.PathLike, **config_overrides: Any) -> Qwen3Next:
     directory = Path(path)
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face Qwen3-Next directory)")
     cfg = model_config_from_hf(json.loads(config_file.read_text()), config_overrides)
     abstract = nnx.eval_shape(lambda: cls(cfg))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]  # two filters, three parts
     reader = _Reader(directory)
     flat = nnx.to_flat_state(params)
     missing, loaded = [], []
@@ -135,7 +141,7 @@ def load_pretrained(cls, path, **config_overrides):
     return nnx.merge(graphdef, params, rest)
 
 
-def hf_state_dict(model) -> dict[str, jax.Array]:
+def hf_state_dict(model: Qwen3Next) -> dict[str, jax.Array]:
     """The model's parameters under Hugging Face names and layouts."""
     out = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -150,11 +156,16 @@ def hf_state_dict(model) -> dict[str, jax.Array]:
     return out
 
 
-def save_pretrained(model, path, *, shard_bytes: int = SHARD_BYTES) -> None:
+def _save_shard(tensors: dict[str, jax.Array], path: str) -> None:
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def save_pretrained(model: Qwen3Next, path: str | os.PathLike, *, shard_bytes: int = SHARD_BYTES) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: jnp.asarray(v) for k, v in hf_state_dict(model).items()}
-    shards, size = [{}], 0
+    shards: list[dict[str, jax.Array]] = [{}]
+    size = 0
     for k, v in tensors.items():
         if shards[-1] and size + v.nbytes > shard_bytes:
             shards.append({})
@@ -164,7 +175,7 @@ def save_pretrained(model, path, *, shard_bytes: int = SHARD_BYTES) -> None:
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        atomic_write(directory / name, lambda tmp, s=shard: save_file(s, tmp, metadata={"format": "pt"}))
+        atomic_write(directory / name, functools.partial(_save_shard, shard))
     if len(shards) > 1:
         index = {"metadata": {"total_size": int(sum(v.nbytes for v in tensors.values()))},
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}

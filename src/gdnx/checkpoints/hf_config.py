@@ -40,7 +40,7 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """A config.json dict that transformers' Qwen3NextConfig reads."""
-    out = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
+    out: dict[str, object] = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
     out.update({k: getattr(cfg, k) for k in SHARED_FIELDS})
     out["layer_types"] = list(cfg.resolved_layer_types)
     out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import orbax.checkpoint as ocp
 
@@ -44,12 +45,12 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, params, opt_state) -> None:
+    def save(self, step: int, params: Any, opt_state: Any) -> None:
         self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                         opt_state=ocp.args.StandardSave(opt_state)))
         self.manager.wait_until_finished()
 
-    def restore(self, step: int, abstract_params, abstract_opt_state):
+    def restore(self, step: int, abstract_params: Any, abstract_opt_state: Any) -> tuple[Any, Any]:
         tree = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_params), opt_state=ocp.args.StandardRestore(abstract_opt_state)))
         return tree["params"], tree["opt_state"]
@@ -58,7 +59,7 @@ class Checkpoints:
         self.manager.close()
 
 
-def load_params(checkpoint_dir: Path, abstract_params):
+def load_params(checkpoint_dir: Path, abstract_params: Any) -> Any:
     """Parameters of the latest step under a train.out_dir (for generate)."""
     manager = ocp.CheckpointManager((checkpoint_dir / "checkpoints").resolve())
     step = manager.latest_step()

@@ -1,6 +1,6 @@
 """YAML config files, `base:` inheritance and key=value overrides.
 
-    load_config("tiny", ["train.steps=100", "model.use_gdn_kernel=false"])
+    load_config("tiny", ["train.steps=100", "model.gdn_implementation=xla"])
 
 A config names its parent with `base: <file or bundled name>`; mappings merge
 key by key, the child winning. Overrides are dotted keys with YAML values
@@ -9,6 +9,7 @@ key by key, the child winning. Overrides are dotted keys with YAML values
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pydantic
@@ -109,7 +110,7 @@ def build_config(data: dict) -> Config:
         raise ConfigError(format_validation_error(e)) from None
 
 
-def load_config(name: str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(name: str | None = None, overrides: Sequence[str] = ()) -> Config:
     """The config file (path or bundled name; the tiny model when None) with
     overrides applied, validated."""
     data = _read(_resolve(name or DEFAULT_CONFIG))

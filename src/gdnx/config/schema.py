@@ -9,25 +9,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-import jax.numpy as jnp
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
-GDN_CHUNK_SIZES = (16, 32, 64, 128)
+from gdnx.ops.checks import float_dtype
+from gdnx.ops.gated_delta_rule import CHUNK_IMPLEMENTATIONS, CHUNK_SIZES, RESIDUAL_POLICIES
+from gdnx.ops.gated_delta_rule.tiles import KERNEL_PLATFORMS
+
 LAYER_TYPES = ("linear_attention", "full_attention")
+# The GDN op's choices, from the op itself
+_CHOICES = {"gdn_implementation": ("auto", *CHUNK_IMPLEMENTATIONS), "gdn_chunk_size": CHUNK_SIZES,
+            "gdn_residuals": RESIDUAL_POLICIES}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
-
-
-def _float_dtype(field: str, value: str) -> str:
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError:
-        raise ValueError(f"unknown dtype {value!r}; expected a floating dtype such as 'float32' or 'bfloat16'")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"expected a floating dtype such as 'float32' or 'bfloat16', got {value!r}")
-    return dtype.name
 
 
 class ModelConfig(_Strict):
@@ -72,40 +67,43 @@ class ModelConfig(_Strict):
     router_aux_loss_coef: float = Field(0.001, ge=0.0)
 
     # GDN op knobs
-    use_gdn_kernel: Literal["auto", "true", "false"] = "auto"
+    gdn_implementation: str = "auto"  # auto: the op's choice for the platform, or an implementation's name
     gdn_interpret: bool | None = None
     gdn_state_dtype: str = "float32"
     gdn_decay_dtype: str = "float32"
     gdn_matmul_dtype: str | None = None
     gdn_chunk_size: int = 64
-    gdn_residuals: Literal["save", "recompute"] = "save"
+    gdn_residuals: str = "save"
 
     # numerics and memory
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat_policy: Literal["none", "full", "save_gdn_residuals"] = "none"
 
-    @field_validator("use_gdn_kernel", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _kernel_flag(cls, v):
-        # YAML and key=value give booleans; the field keeps one spelling
-        return str(v).lower() if isinstance(v, bool) else v
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "use_gdn_kernel" in data:
+            raise ValueError("use_gdn_kernel: renamed gdn_implementation; auto stays auto, false is xla, true is "
+                             "the kernel by name (pallas_tpu or pallas_gpu)")
+        return data
 
     @field_validator("gdn_state_dtype", "gdn_decay_dtype", "dtype", "param_dtype")
     @classmethod
     def _dtypes(cls, v, info):
-        return _float_dtype(info.field_name, v)
+        return float_dtype(v).name
 
     @field_validator("gdn_matmul_dtype")
     @classmethod
     def _matmul_dtype(cls, v, info):
-        return None if v is None else _float_dtype(info.field_name, v)
+        return None if v is None else float_dtype(v).name
 
-    @field_validator("gdn_chunk_size")
+    @field_validator(*_CHOICES)
     @classmethod
-    def _chunk(cls, v):
-        if v not in GDN_CHUNK_SIZES:
-            raise ValueError(f"expected one of {', '.join(map(str, GDN_CHUNK_SIZES))}, got {v}")
+    def _one_of(cls, v, info):
+        choices = _CHOICES[info.field_name]
+        if v not in choices:
+            raise ValueError(f"expected one of {', '.join(map(str, choices))}, got {v!r}")
         return v
 
     @model_validator(mode="after")
@@ -126,9 +124,9 @@ class ModelConfig(_Strict):
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             errors.append(("mlp_only_layers", f"layer indices must be in [0, {self.num_hidden_layers}), got {bad}"))
-        if self.use_gdn_kernel == "false" and self.gdn_interpret is not None:
-            errors.append(("gdn_interpret", "applies to the GDN kernel only; set use_gdn_kernel to auto or true, "
-                           "or leave gdn_interpret unset"))
+        if self.gdn_implementation not in ("auto", *KERNEL_PLATFORMS) and self.gdn_interpret is not None:
+            errors.append(("gdn_interpret", "applies to the Pallas kernels only; set gdn_implementation to auto, "
+                           "pallas_tpu or pallas_gpu, or leave gdn_interpret unset"))
         if errors:
             raise ValueError("; ".join(f"{field}: {msg}" for field, msg in errors))
         return self

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 
-def mqar_batch(key, batch: int, seq_len: int, num_pairs: int, num_keys: int, num_values: int):
+def mqar_batch(key: jax.Array, batch: int, seq_len: int, num_pairs: int, num_keys: int, num_values: int,
+               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(inputs, targets, answer mask, first-query mask), each [batch, seq_len]."""
     if 2 * num_pairs + 2 > seq_len + 1:
         raise ValueError(f"seq_len: {num_pairs} pairs need seq_len >= {2 * num_pairs + 1}, got {seq_len}")

@@ -3,6 +3,7 @@ run sees exactly the data an uninterrupted one would."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -10,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from gdnx.config.loading import ConfigError
+from gdnx.config.schema import DataConfig
 from gdnx.data.mqar import mqar_batch
-from gdnx.data.text import make_tokenizer, token_stream
+from gdnx.data.text import Tokenizer, make_tokenizer, token_stream
 
 
 class Batch(NamedTuple):
@@ -21,23 +23,25 @@ class Batch(NamedTuple):
     first: jax.Array    # bool [B, T]: MQAR first queries (all of mask for text)
 
 
-def make_source(data_cfg, batch_size: int, vocab_size: int):
+def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int,
+                ) -> tuple[Callable[[int], Callable[[jax.Array], Batch]], Tokenizer | None]:
     """(batches, tokenizer): batches(seed) -> batch_fn(step) -> Batch, jit-able
     in step. The data (a tokenized file) is prepared once for every seed;
     the tokenizer is None for MQAR."""
     if data_cfg.source == "mqar":
-        def batches(seed):
+        def mqar_batches(seed):
             base = jax.random.fold_in(jax.random.key(seed), 0x5EED)
 
             def batch_fn(step):
                 return Batch(*mqar_batch(jax.random.fold_in(base, step), batch_size, data_cfg.seq_len,
                                          data_cfg.num_pairs, data_cfg.num_keys, data_cfg.num_values))
             return batch_fn
-        return batches, None
+        return mqar_batches, None
     tokenizer = make_tokenizer(data_cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(f"model.vocab_size: the tokenizer has {tokenizer.vocab_size} tokens, "
                           f"the model {vocab_size}")
+    assert data_cfg.path is not None  # DataConfig requires it for text sources
     stream = jnp.asarray(token_stream(Path(data_cfg.path), tokenizer))
     span = data_cfg.seq_len + 1
     if stream.shape[0] < span:

@@ -4,6 +4,7 @@ stream: bytes by default, or a Hugging Face tokenizer.json."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
@@ -52,15 +53,18 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids])
 
 
-def make_tokenizer(path: str | None):
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def make_tokenizer(path: str | None) -> Tokenizer:
     return ByteTokenizer() if path is None else HFTokenizer(path)
 
 
-def token_stream(path: Path, tokenizer) -> np.ndarray:
+def token_stream(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     """All documents' tokens, one stream (documents separated by a newline)."""
     ids: list[int] = []
     for doc in read_documents(path):

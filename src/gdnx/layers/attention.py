@@ -9,7 +9,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
+from gdnx.config.schema import ModelConfig
 from gdnx.layers.linear import linear
 from gdnx.layers.norms import RMSNorm
 from gdnx.layers.rope import apply_rope
@@ -22,7 +24,7 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
-def causal_attention(q, k, v, q_pos, k_pos):
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     """Softmax attention of q [B, T, H, D] over k, v [B, S, Hkv, D] where a
     key is visible when its position is <= the query's (positions [T], [S];
     cache slots not yet written carry positions past every query)."""
@@ -45,7 +47,7 @@ def causal_attention(q, k, v, q_pos, k_pos):
 
 
 class GatedAttention(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                             cfg.head_dim)
         h, d, std = cfg.hidden_size, cfg.head_dim, cfg.initializer_range
@@ -57,7 +59,8 @@ class GatedAttention(nnx.Module):
         self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x, rope, positions, cache: KVCache | None = None, start=0):
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], positions: jax.Array,
+                 cache: KVCache | None = None, start: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, hidden]; rope = (cos, sin) for positions [T] (start + arange(T)).
         With a cache, k and v are written at [start, start + T) and the
         queries see everything before them. Returns (y, new cache or None)."""
@@ -74,7 +77,7 @@ class GatedAttention(nnx.Module):
             # simple, and full attention is one layer in four.
             out = causal_attention(q, k, v, positions, positions)
         else:
-            zero = jnp.zeros((), jnp.int32)  # one index dtype, also under x64
+            zero = jnp.zeros((), jnp.int32)  # indices of one dtype, whatever jax_enable_x64 says
             at = (zero, jnp.asarray(start, jnp.int32), zero, zero)
             # on a mesh the cache keeps its length whole (writes land at any offset)
             place = functools.partial(constrain, axes=("batch", None, "kv_heads", None))

@@ -19,9 +19,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
+from gdnx.config.schema import ModelConfig
 from gdnx.layers.linear import linear
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, recurrent_gated_delta_rule
+from gdnx.ops.gated_delta_rule import DeltaRuleOptions
+from gdnx.ops.gated_delta_rule.tiles import KERNEL_PLATFORMS
 from gdnx.parallel.context import context_causal_conv1d, context_gated_delta_rule
 from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
 from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
@@ -33,23 +37,21 @@ class GDNState(NamedTuple):
     recurrent: jax.Array
 
 
-def delta_rule_implementation(use_gdn_kernel: str, platform: str | None = None) -> str | None:
-    """The op's implementation for a use_gdn_kernel setting: None lets the op
-    choose (kernel where a compiled one exists, xla on CPU)."""
-    if use_gdn_kernel == "auto":
-        return None
-    if use_gdn_kernel == "false":
-        return "xla"
-    platform = platform or jax.default_backend()
-    if platform == "gpu":
-        return "pallas_gpu"
-    if platform != "tpu":
-        warnings.warn("use_gdn_kernel=true on CPU: the Pallas TPU kernel runs in interpret mode (slow; "
-                      "for checking numerics). use_gdn_kernel=auto runs the XLA path here.", stacklevel=3)
-    return "pallas_tpu"
+def delta_rule_options(cfg: ModelConfig, platform: str | None = None) -> DeltaRuleOptions:
+    """The op's settings from the model config. gdn_implementation auto
+    leaves the choice to the op (kernel where a compiled one exists, xla on
+    CPU); a kernel named on a CPU runs in interpret mode, with a warning."""
+    name = cfg.gdn_implementation
+    if (platform or jax.default_backend()) == "cpu" and name in KERNEL_PLATFORMS:
+        warnings.warn(f"gdn_implementation={name} on CPU: the kernel runs in interpret mode (slow; for checking "
+                      f"numerics); auto runs the XLA path here.", stacklevel=3)
+    return DeltaRuleOptions(
+        implementation=None if name == "auto" else name, chunk_size=cfg.gdn_chunk_size,
+        state_dtype=jnp.dtype(cfg.gdn_state_dtype), decay_dtype=jnp.dtype(cfg.gdn_decay_dtype),
+        residuals=cfg.gdn_residuals, matmul_dtype=cfg.gdn_matmul_dtype, interpret=cfg.gdn_interpret)
 
 
-def check_platform(cfg, platform: str | None = None) -> None:
+def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
     """Refuse, before any work, GDN settings this machine cannot run."""
     platform = platform or jax.default_backend()
     if cfg.gdn_interpret is False and platform == "cpu":
@@ -60,18 +62,13 @@ def check_platform(cfg, platform: str | None = None) -> None:
 
 
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.width = cfg.linear_conv_kernel_dim
         self.eps = cfg.rms_norm_eps
         self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
-        self.op_options = dict(
-            implementation=delta_rule_implementation(cfg.use_gdn_kernel), chunk_size=cfg.gdn_chunk_size,
-            state_dtype=jnp.dtype(cfg.gdn_state_dtype), decay_dtype=jnp.dtype(cfg.gdn_decay_dtype),
-            residuals=cfg.gdn_residuals, matmul_dtype=cfg.gdn_matmul_dtype)
-        if cfg.gdn_interpret is not None:
-            self.op_options["interpret"] = cfg.gdn_interpret
+        self.op = delta_rule_options(cfg)
         h, std = cfg.hidden_size, cfg.initializer_range
         self.in_proj_qkvz = linear(h, 2 * self.hk * self.dk + 2 * self.hv * self.dv, dtype, param_dtype, std, rngs)
         self.in_proj_ba = linear(h, 2 * self.hv, dtype, param_dtype, std, rngs)
@@ -90,9 +87,9 @@ class GatedDeltaNet(nnx.Module):
         self.norm_weight = nnx.Param(jnp.ones((self.dv,), param_dtype))
         self.out_proj = linear(self.hv * self.dv, h, dtype, param_dtype, std, rngs)
 
-    def zero_state(self, batch: int, dtype) -> GDNState:
+    def zero_state(self, batch: int, dtype: DTypeLike) -> GDNState:
         return GDNState(jnp.zeros((batch, self.conv_dim, self.width - 1), dtype),
-                        jnp.zeros((batch, self.hv, self.dk, self.dv), self.op_options["state_dtype"]))
+                        jnp.zeros((batch, self.hv, self.dk, self.dv), self.op.state_dtype))
 
     def _group_channels(self, a, axis: int):
         """Conv channels along `axis` from Hugging Face's [q | k | v] order to
@@ -126,18 +123,17 @@ class GatedDeltaNet(nnx.Module):
         y = y.reshape(b, t, hk, width)
         q, k = y[..., :self.dk], y[..., self.dk:2 * self.dk]
         v = y[..., 2 * self.dk:].reshape(b, t, -1, self.dv)
-        common = dict(initial_state=state, output_final_state=keep, use_qk_l2norm=True,
-                      state_dtype=self.op_options["state_dtype"], decay_dtype=self.op_options["decay_dtype"])
-        extra = {key: val for key, val in self.op_options.items() if key not in common}
+        common = dict(initial_state=state, output_final_state=keep, use_qk_l2norm=True)
         if keep and t == 1:
-            o, rec = recurrent_gated_delta_rule(q, k, v, g, beta, **common)
+            o, rec = recurrent_gated_delta_rule(q, k, v, g, beta, **common, **self.op.recurrent_kwargs())
         elif context_axis:
-            o, rec = context_gated_delta_rule(q, k, v, g, beta, axis=context_axis, **common, **extra)
+            o, rec = context_gated_delta_rule(q, k, v, g, beta, axis=context_axis, **common,
+                                              **self.op.chunk_kwargs())
         else:
-            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, **common, **extra)
+            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, **common, **self.op.chunk_kwargs())
         return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec
 
-    def __call__(self, x, state: GDNState | None = None):
+    def __call__(self, x: jax.Array, state: GDNState | None = None) -> tuple[jax.Array, GDNState | None]:
         """x [B, T, hidden]. With a state: continue from it and return the new
         one; T == 1 takes the decode path (conv update + recurrent op).
         Returns (y [B, T, hidden], new state or None)."""
@@ -168,4 +164,5 @@ class GatedDeltaNet(nnx.Module):
         y = self.out_proj(o, out_sharding=out_sharding(HIDDEN, (b, t, x.shape[-1])))
         if state is None:
             return y, None
+        assert conv_state is not None and rec is not None  # a state in, a state out
         return y, GDNState(self._ungroup_channels(conv_state, 1).astype(state.conv.dtype), rec)

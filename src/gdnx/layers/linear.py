@@ -4,8 +4,10 @@ init as in Hugging Face's Qwen3-Next, kernel [in, out]."""
 from __future__ import annotations
 
 from flax import nnx
+from jax.typing import DTypeLike
 
 
-def linear(d_in: int, d_out: int, dtype, param_dtype, init_std: float, rngs: nnx.Rngs, *, bias: bool = False):
+def linear(d_in: int, d_out: int, dtype: DTypeLike, param_dtype: DTypeLike, init_std: float, rngs: nnx.Rngs, *,
+           bias: bool = False) -> nnx.Linear:
     return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
                       kernel_init=nnx.initializers.normal(init_std), rngs=rngs)

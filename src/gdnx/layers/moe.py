@@ -13,7 +13,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
+from gdnx.config.schema import ModelConfig
 from gdnx.layers.linear import linear
 from gdnx.layers.mlp import MLP
 from gdnx.parallel.moe import run_experts
@@ -27,7 +29,7 @@ class RouterStats(NamedTuple):
     tokens: jax.Array
 
 
-def load_balancing_loss(stats: list[RouterStats], num_experts: int):
+def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> jax.Array:
     """num_experts * sum_e f_e P_e with f and P pooled over all MoE layers
     (as Hugging Face's Qwen3-Next computes it); 0 without MoE layers."""
     if not stats:
@@ -39,7 +41,7 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int):
 
 
 class SparseMoE(nnx.Module):
-    def __init__(self, cfg, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         h, i, e, std = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.initializer_range
         self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.dtype = dtype
@@ -52,7 +54,7 @@ class SparseMoE(nnx.Module):
                                  init_std=std, rngs=rngs)
         self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs)
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
         """x [B, T, hidden] -> (y, RouterStats)."""
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
         top_p, top_i = jax.lax.top_k(probs, self.top_k)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 
-def rms_normalize(x, eps):
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
@@ -15,10 +16,10 @@ def rms_normalize(x, eps):
 class RMSNorm(nnx.Module):
     """y = x / rms(x) * (1 + w), in float32, cast back to x's dtype."""
 
-    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
+    def __init__(self, dim: int, *, eps: float, param_dtype: DTypeLike = jnp.float32):
         self.eps = eps
         self.weight = nnx.Param(jnp.zeros((dim,), param_dtype))
 
-    def __call__(self, x):
+    def __call__(self, x: jax.Array) -> jax.Array:
         y = rms_normalize(x, self.eps)
         return (y * (1.0 + self.weight[...].astype(y.dtype))).astype(x.dtype)

@@ -3,6 +3,7 @@ head rotate (halves paired, as in Qwen3-Next), the rest pass through."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -10,7 +11,7 @@ def rotary_dim(head_dim: int, partial_rotary_factor: float) -> int:
     return int(head_dim * partial_rotary_factor)
 
 
-def rope_tables(positions, dim: int, theta: float):
+def rope_tables(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos, sin [..., T, dim] in float32 for int positions [..., T]."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
@@ -18,7 +19,7 @@ def rope_tables(positions, dim: int, theta: float):
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x, cos, sin):
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [B, T, H, D]; cos, sin [B or 1, T, rotary_dim]."""
     dim = cos.shape[-1]
     rot, rest = x[..., :dim], x[..., dim:]

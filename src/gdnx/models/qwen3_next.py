@@ -6,24 +6,26 @@ head. Parameter names follow Hugging Face's so the weight map stays plain.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from gdnx.config.schema import ModelConfig
-from gdnx.layers.attention import GatedAttention
-from gdnx.layers.gated_deltanet import GatedDeltaNet
+from gdnx.layers.attention import GatedAttention, KVCache
+from gdnx.layers.gated_deltanet import GatedDeltaNet, GDNState
 from gdnx.layers.linear import linear
 from gdnx.layers.mlp import MLP
 from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.norms import RMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.cache import Cache
+from gdnx.ops.gated_delta_rule import RESIDUAL_NAMES
 from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
 
-GDN_RESIDUAL_NAMES = ("gdn_chunk_states", "gdn_chunk_inverse")
 
 
 class ModelOutput(NamedTuple):
@@ -33,26 +35,33 @@ class ModelOutput(NamedTuple):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, index: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, index: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.layer_type = cfg.resolved_layer_types[index]
-        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        kw: dict[str, Any] = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mixer = GatedDeltaNet(cfg, **kw) if self.layer_type == "linear_attention" else GatedAttention(cfg, **kw)
-        self.is_moe = cfg.is_moe_layer(index)
-        self.mlp = SparseMoE(cfg, **kw) if self.is_moe else MLP(
+        self.mlp = SparseMoE(cfg, **kw) if cfg.is_moe_layer(index) else MLP(
             cfg.hidden_size, cfg.intermediate_size, init_std=cfg.initializer_range, **kw)
 
-    def __call__(self, x, rope, positions, cache, start):
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], positions: jax.Array,
+                 cache: KVCache | GDNState | None, start: jax.Array,
+                 ) -> tuple[jax.Array, KVCache | GDNState | None, RouterStats | None]:
         h = self.input_layernorm(x)
-        if self.layer_type == "full_attention":
-            h, cache = self.mixer(h, rope, positions, cache, start)
+        new_cache: KVCache | GDNState | None
+        if isinstance(self.mixer, GatedAttention):
+            assert cache is None or isinstance(cache, KVCache)  # the model builds one per layer type
+            h, new_cache = self.mixer(h, rope, positions, cache, start)
         else:
-            h, cache = self.mixer(h, cache)
+            assert cache is None or isinstance(cache, GDNState)
+            h, new_cache = self.mixer(h, cache)
         x = constrain(x + h, HIDDEN)
-        h = self.mlp(self.post_attention_layernorm(x))
-        h, stats = h if self.is_moe else (h, None)
-        return constrain(x + h, HIDDEN), cache, stats
+        stats = None
+        if isinstance(self.mlp, SparseMoE):
+            h, stats = self.mlp(self.post_attention_layernorm(x))
+        else:
+            h = self.mlp(self.post_attention_layernorm(x))
+        return constrain(x + h, HIDDEN), new_cache, stats
 
 
 def _run_layer(layer, *args):
@@ -61,7 +70,7 @@ def _run_layer(layer, *args):
 
 def _remat_policy(name: str):
     if name == "save_gdn_residuals":
-        return jax.checkpoint_policies.save_only_these_names(*GDN_RESIDUAL_NAMES)
+        return jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)
     return None  # "full": recompute everything in the layer
 
 
@@ -83,20 +92,20 @@ class Qwen3Next(nnx.Module):
             config.hidden_size, config.vocab_size, dtype, param_dtype, config.initializer_range, rngs)
 
     @classmethod
-    def from_pretrained(cls, path, **config_overrides) -> "Qwen3Next":
+    def from_pretrained(cls, path: str | os.PathLike, **config_overrides: Any) -> "Qwen3Next":
         """Load a Hugging Face Qwen3-Next directory (config.json + safetensors);
-        keyword arguments override config fields (e.g. use_gdn_kernel="false")."""
+        keyword arguments override config fields (e.g. gdn_implementation="xla")."""
         from gdnx.checkpoints.hf import load_pretrained
 
         return load_pretrained(cls, path, **config_overrides)
 
-    def save_pretrained(self, path) -> None:
+    def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write config.json + model.safetensors that transformers loads."""
         from gdnx.checkpoints.hf import save_pretrained
 
         save_pretrained(self, path)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens).logits
 
     def _embed(self, tokens):
@@ -110,7 +119,7 @@ class Qwen3Next(nnx.Module):
         x = table[tokens] if place is None else table.at[tokens].get(out_sharding=place)
         return constrain(x.astype(self.embed_tokens.dtype), HIDDEN)
 
-    def forward(self, tokens, cache: Cache | None = None) -> ModelOutput:
+    def forward(self, tokens: jax.Array, cache: Cache | None = None) -> ModelOutput:
         if not hasattr(tokens, "ndim") or tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens: expected integer token ids [B, T], got "
                             f"{getattr(tokens, 'dtype', type(tokens).__name__)} {getattr(tokens, 'shape', '')}")

@@ -29,6 +29,8 @@ the shard holding its last token.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -97,13 +99,15 @@ class _Packing:
         self.owner = jnp.where(cu[1:] > cu[:-1], last_tok // local_len, 0)
         self.me = me
 
-    def pick_final(self, final, axis):
+    def pick_final(self, final: jax.Array, axis: str) -> jax.Array:
         """Each sequence's final state [N, ...] from its owner shard."""
         mine = (self.owner == self.me).reshape((-1,) + (1,) * (final.ndim - 1))
         return jax.lax.psum(jnp.where(mine, final, jnp.zeros_like(final)), axis)
 
 
-def context_causal_conv1d(x, weight, *, axis, initial_state=None, output_final_state=False, cu_seqlens=None):
+def context_causal_conv1d(x: jax.Array, weight: jax.Array, *, axis: str, initial_state: jax.Array | None = None,
+                          output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
+                          ) -> tuple[jax.Array, jax.Array | None]:
     """causal_conv1d over a sequence split on `axis`; x [B, T_local, D] with
     T_local >= kernel_size - 1. cu_seqlens: global offsets of sequences
     packed in one row (B = 1), initial_state then [N, D, W - 1]. Returns
@@ -132,8 +136,10 @@ def _packed_conv(x, weight, axis, initial_state, output_final_state, cu):
     return y, (pk.pick_final(final, axis) if output_final_state else None)
 
 
-def context_gated_delta_rule(q, k, v, g, beta, *, axis, initial_state=None, output_final_state=False,
-                             cu_seqlens=None, **op_kw):
+def context_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, axis: str,
+                             initial_state: jax.Array | None = None, output_final_state: bool = False,
+                             cu_seqlens: jax.Array | None = None, **op_kw: Any,
+                             ) -> tuple[jax.Array, jax.Array | None]:
     """chunk_gated_delta_rule over a sequence split on `axis` (same
     arguments, local shards of [B, T, ...]; cu_seqlens global). Returns
     (o, final state of the whole sequence(s) or None)."""
@@ -146,6 +152,7 @@ def context_gated_delta_rule(q, k, v, g, beta, *, axis, initial_state=None, outp
     wide_h0 = jnp.concatenate([jnp.zeros((b, hv, dk, dv), state_dtype), eye], axis=-1)
     o_wide, s_wide = chunk_gated_delta_rule(q, k, _widen(v, dk), g, beta, initial_state=wide_h0,
                                             output_final_state=True, **op_kw)
+    assert s_wide is not None  # asked for
     s0 = jnp.zeros((b, hv, dk, dv), state_dtype) if initial_state is None else initial_state.astype(state_dtype)
     s_in, final = _fold(s_wide[..., dv:], s_wide[..., :dv], s0, axis)
     return _outputs(o_wide, dv, s_in), (final if output_final_state else None)

@@ -25,8 +25,9 @@ GATE = ("batch", "length", "value_heads")                   # g, beta [B, T, HV]
 OUT = ("batch", "length", "value_heads", None)              # [B, T, HV, V]
 
 
-def run_gdn_core(core: Callable, mixed, conv_weight, g, beta, conv_state, state, *, num_key_heads: int,
-                 kernel_size: int):
+def run_gdn_core(core: Callable, mixed: jax.Array, conv_weight: jax.Array, g: jax.Array, beta: jax.Array,
+                 conv_state: jax.Array | None, state: jax.Array | None, *, num_key_heads: int, kernel_size: int,
+                 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """core(mixed, conv_weight, g, beta, conv_state, state, context_axis) ->
     (o, conv_state, state), run on each shard of the ambient mesh (directly
     when there is none). conv_weight [HK, ., W], conv_state [B, HK, ., W - 1]
@@ -39,7 +40,7 @@ def run_gdn_core(core: Callable, mixed, conv_weight, g, beta, conv_state, state,
         context = None  # a shard must hold the next shard's conv halo
     # value heads split with their key heads: the same entry serves both
     gate, out, states = P(rows, context, heads), P(rows, context, heads, None), P(rows, heads, None, None)
-    args = (mixed, conv_weight, g, beta, conv_state, state)
+    args: tuple = (mixed, conv_weight, g, beta, conv_state, state)
     specs = (P(rows, context, heads, None), P(heads, None, None), gate, gate,
              None if conv_state is None else states, None if state is None else states)
     if is_explicit(mesh):

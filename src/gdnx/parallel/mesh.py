@@ -10,15 +10,17 @@ the types and every placement is stated (jax.sharding.reshard).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
 
 from gdnx.config.loading import ConfigError
+from gdnx.config.schema import ParallelConfig
 from gdnx.parallel.rules import MESH_AXES
 
 
-def mesh_shape(parallel_cfg, num_devices: int) -> tuple[int, ...]:
+def mesh_shape(parallel_cfg: ParallelConfig, num_devices: int) -> tuple[int, ...]:
     sizes = [getattr(parallel_cfg, a) for a in MESH_AXES]
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
@@ -32,7 +34,7 @@ def mesh_shape(parallel_cfg, num_devices: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def make_mesh(parallel_cfg, devices=None) -> Mesh:
+def make_mesh(parallel_cfg: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A Mesh over `devices` (all of jax.devices() when None)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(parallel_cfg, len(devices))

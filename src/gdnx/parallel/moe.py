@@ -19,7 +19,8 @@ from gdnx.parallel.rules import current_mesh, is_explicit, mesh_axes, spec
 TOKENS = ("batch", "length", None)  # x [B, T, hidden], top-k ids / weights [B, T, k]
 
 
-def run_experts(local: Callable, x, top_p, top_i, w_gate, w_up, w_down):
+def run_experts(local: Callable, x: jax.Array, top_p: jax.Array, top_i: jax.Array, w_gate: jax.Array,
+                w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """local(x, top_p, top_i, w_gate, w_up, w_down, width_axes, token_axes)
     -> (y [B, T, hidden], counts [E]) on each shard; width_axes / token_axes
     name the mesh axes to psum the partial outputs / counts over."""

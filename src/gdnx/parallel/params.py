@@ -9,9 +9,12 @@ q|gate) are split by whole groups. Norm weights and the conv taps stay whole.
 
 from __future__ import annotations
 
-import jax
-from jax.sharding import NamedSharding
+from typing import Any
 
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from gdnx.config.schema import ModelConfig
 from gdnx.parallel.rules import spec
 
 # (module name, parameter name) -> logical axes
@@ -41,7 +44,7 @@ _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
 }
 
 
-def head_units(cfg) -> dict[str, int]:
+def head_units(cfg: ModelConfig) -> dict[str, int]:
     """Group counts of the head-shaped dims: a mesh axis must divide these."""
     return {"key_heads": cfg.linear_num_key_heads, "value_heads": cfg.linear_num_key_heads,
             "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads}
@@ -55,13 +58,13 @@ def _names(key_path) -> list[str]:
 def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
     """The logical axes of the parameter at this path (module names then its
     own name); whole for anything the table does not name."""
-    axes = _TABLE.get(tuple(names[-2:])) if len(names) >= 2 else None
+    axes = _TABLE.get((names[-2], names[-1])) if len(names) >= 2 else None
     if axes is None or len(axes) != ndim:
         return (None,) * ndim  # norm weights, conv taps, scalars: small, kept whole
     return axes
 
 
-def shardings(tree, cfg, mesh):
+def shardings(tree: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
     """A NamedSharding per array leaf of `tree`: the parameters, or any tree
     that holds them under their names (the optimizer's moments)."""
     units = head_units(cfg)
@@ -71,6 +74,6 @@ def shardings(tree, cfg, mesh):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def shard(tree, cfg, mesh):
+def shard(tree: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
     """`tree` placed on `mesh` per `shardings`."""
     return jax.device_put(tree, shardings(tree, cfg, mesh))

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 
 import jax
-from jax.sharding import AxisType
+from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor", "context")
@@ -35,7 +35,7 @@ RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-def current_mesh():
+def current_mesh() -> Mesh | AbstractMesh | None:
     """The ambient abstract mesh when it has any of gdnx's axes, else None."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(MESH_AXES) & set(mesh.axis_names):
@@ -45,11 +45,12 @@ def current_mesh():
     return mesh
 
 
-def is_explicit(mesh) -> bool:
+def is_explicit(mesh: Mesh | AbstractMesh) -> bool:
     return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
-def spec(axes: Sequence[str | None], shape: Sequence[int], *, units: dict[str, int] | None = None, mesh=None) -> P:
+def spec(axes: Sequence[str | None], shape: Sequence[int], *, units: dict[str, int] | None = None,
+         mesh: Mesh | AbstractMesh | None = None) -> P:
     """PartitionSpec for a value of `shape` whose dims hold the logical `axes`.
 
     units: for dims made of whole groups (the columns of a key head), the
@@ -73,7 +74,7 @@ def spec(axes: Sequence[str | None], shape: Sequence[int], *, units: dict[str, i
     return P(*out)
 
 
-def mesh_axes(*entries) -> tuple[str, ...]:
+def mesh_axes(*entries: str | tuple[str, ...] | None) -> tuple[str, ...]:
     """The mesh axis names in these PartitionSpec entries (None, a name, or
     a tuple of names)."""
     out: list[str] = []
@@ -83,12 +84,12 @@ def mesh_axes(*entries) -> tuple[str, ...]:
     return tuple(out)
 
 
-def axis_size(spec_entry, mesh) -> int:
+def axis_size(spec_entry: str | tuple[str, ...] | None, mesh: Mesh | AbstractMesh) -> int:
     sizes = dict(mesh.shape)
     return math.prod(sizes[n] for n in mesh_axes(spec_entry))
 
 
-def constrain(x, axes: Sequence[str | None], *, units: dict[str, int] | None = None):
+def constrain(x: jax.Array, axes: Sequence[str | None], *, units: dict[str, int] | None = None) -> jax.Array:
     """Place x per its logical axes: jax.sharding.reshard on an Explicit mesh,
     a sharding constraint on an Auto one, nothing without a mesh."""
     mesh = current_mesh()
@@ -100,7 +101,8 @@ def constrain(x, axes: Sequence[str | None], *, units: dict[str, int] | None = N
     return jax.lax.with_sharding_constraint(x, s)
 
 
-def out_sharding(axes: Sequence[str | None], shape: Sequence[int], *, units: dict[str, int] | None = None):
+def out_sharding(axes: Sequence[str | None], shape: Sequence[int], *, units: dict[str, int] | None = None,
+                 ) -> P | None:
     """The `out_sharding` argument for an op whose result has these logical
     axes: a spec on an Explicit mesh (where jax cannot always infer one),
     None otherwise. axes may name the trailing dims only."""
