@@ -46,11 +46,11 @@ def load_for_generation(path: Path, overrides: list[str]):
     if (path / "checkpoints").is_dir() and (path / CONFIG_FILE).is_file():
         saved = json.loads((path / CONFIG_FILE).read_text())
         saved["model"] = {**saved["model"], **model_overrides}
-        cfg: Config = build_config(saved)
-        abstract = nnx.eval_shape(lambda: Qwen3Next(cfg.model))
+        config: Config = build_config(saved)
+        abstract = nnx.eval_shape(lambda: Qwen3Next(config.model))
         graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         params, step = load_params(path, abstract_params)
-        tok = _IdTokenizer() if cfg.data.source == "mqar" else make_tokenizer(cfg.data.tokenizer)
+        tok = _IdTokenizer() if config.data.source == "mqar" else make_tokenizer(config.data.tokenizer)
         return nnx.merge(graphdef, params), tok, f"step {step} of {path}"
     if (path / "config.json").is_file():
         model = Qwen3Next.from_pretrained(path, **model_overrides)

@@ -28,8 +28,7 @@ class _Bar:
 
 
 class Reporter:
-    def __init__(self, cfg, console: Console | None = None, *, quiet: bool = False):
-        self.cfg = cfg
+    def __init__(self, console: Console | None = None, *, quiet: bool = False):
         self.console = console or Console(stderr=True, quiet=quiet)
         self.t_start = time.perf_counter()
 

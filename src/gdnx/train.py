@@ -25,8 +25,8 @@ from gdnx.checkpoints.files import atomic_write_text
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
 from gdnx.config.schema import Config, TrainConfig
 from gdnx.data import Batch, make_source
-from gdnx.layers.gated_deltanet import check_platform
 from gdnx.models import Qwen3Next
+from gdnx.models.qwen3_next import check_platform
 from gdnx.parallel import constrain, make_mesh, shard
 from gdnx.progress import Reporter
 
@@ -69,18 +69,18 @@ class Trainer:
     mesh, parameters and optimizer state are sharded per gdnx.parallel and
     every step runs under it."""
 
-    def __init__(self, cfg: Config, *, mesh: jax.sharding.Mesh | None = None, platform: str | None = None):
-        self.cfg, self.mesh = cfg, mesh
-        check_platform(cfg.model, platform)
-        model = Qwen3Next(cfg.model, seed=cfg.train.seed)
+    def __init__(self, config: Config, *, mesh: jax.sharding.Mesh | None = None, platform: str | None = None):
+        self.config, self.mesh = config, mesh
+        check_platform(config.model, platform)
+        model = Qwen3Next(config.model, seed=config.train.seed)
         self.graphdef, self.params = nnx.split(model, nnx.Param)
         if mesh is not None:
-            self.params = shard(self.params, cfg.model, mesh)
-        self.tx = make_optimizer(cfg.train)
-        batches, self.tokenizer = make_source(cfg.data, cfg.train.batch_size, cfg.model.vocab_size)
-        self.batch_fn = batches(cfg.train.seed)
-        self.eval_fn = batches(cfg.train.seed + 1_000_003)
-        aux = cfg.model.router_aux_loss_coef if cfg.model.num_experts else 0.0
+            self.params = shard(self.params, config.model, mesh)
+        self.tx = make_optimizer(config.train)
+        batches, self.tokenizer = make_source(config.data, config.train.batch_size, config.model.vocab_size)
+        self.batch_fn = batches(config.train.seed)
+        self.eval_fn = batches(config.train.seed + 1_000_003)
+        aux = config.model.router_aux_loss_coef if config.model.num_experts else 0.0
 
         def step_fn(params, opt_state, step):
             def loss_fn(p):
@@ -106,7 +106,7 @@ class Trainer:
 
     def init_opt_state(self, params: Any) -> Any:
         opt_state = self.tx.init(params)
-        return opt_state if self.mesh is None else shard(opt_state, self.cfg.model, self.mesh)
+        return opt_state if self.mesh is None else shard(opt_state, self.config.model, self.mesh)
 
     def evaluate(self, params: Any) -> dict[str, float]:
         with self.on_mesh():
@@ -122,24 +122,24 @@ def _rewrite_metrics(path: Path, upto: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
-def train(cfg: Config, *, console: Console | None = None) -> dict[str, float]:
-    """Run (or resume) the training run in cfg.train.out_dir. Returns the
+def train(config: Config, *, console: Console | None = None) -> dict[str, float]:
+    """Run (or resume) the training run in config.train.out_dir. Returns the
     last evaluation."""
-    t_cfg = cfg.train
+    t_cfg = config.train
     target = t_cfg.target_accuracy
     out = Path(t_cfg.out_dir)
     # everything that can refuse the run does so before anything is written
-    mesh = make_mesh(cfg.parallel)
-    check_compatible(out, cfg)
-    trainer = Trainer(cfg, mesh=mesh if mesh.size > 1 else None)
+    mesh = make_mesh(config.parallel)
+    check_compatible(out, config)
+    trainer = Trainer(config, mesh=mesh if mesh.size > 1 else None)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpoints(out, cfg)
+    ckpt = Checkpoints(out, config)
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
     start = ckpt.latest_step() or 0
     primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
-    report = Reporter(cfg, console=console, quiet=not primary)
+    report = Reporter(console=console, quiet=not primary)
     if mesh.size > 1:
-        report.note("mesh " + " x ".join(f"{n}={s}" for n, s in mesh.shape.items()) + f" ({cfg.parallel.shard_mode})")
+        report.note("mesh " + " x ".join(f"{n}={s}" for n, s in mesh.shape.items()) + f" ({config.parallel.shard_mode})")
     last_eval: dict = {}
     if start:
         params, opt_state = ckpt.restore(start, params, opt_state)
@@ -156,7 +156,7 @@ def train(cfg: Config, *, console: Console | None = None) -> dict[str, float]:
     metrics_file = out / "metrics.jsonl"
     if primary:
         _rewrite_metrics(metrics_file, start)
-    tokens_per_step = t_cfg.batch_size * cfg.data.seq_len
+    tokens_per_step = t_cfg.batch_size * config.data.seq_len
     step = start
     log_path = metrics_file if primary else Path(os.devnull)
     with report.progress(start, t_cfg.steps) as bar, log_path.open("a") as log:

@@ -19,28 +19,28 @@ CONFIG_FILE = "config.json"
 IDENTITY = ("model", "data")
 
 
-def check_compatible(out_dir: Path, cfg: Config) -> None:
+def check_compatible(out_dir: Path, config: Config) -> None:
     saved_file = out_dir / CONFIG_FILE
     if not saved_file.is_file():
         return
     saved = json.loads(saved_file.read_text())
-    now = json.loads(cfg.model_dump_json())
+    now = json.loads(config.model_dump_json())
     diffs = [f"{section}.{k}: {saved[section].get(k)!r} there, {v!r} here"
              for section in IDENTITY for k, v in now[section].items() if saved.get(section, {}).get(k) != v]
-    if saved.get("train", {}).get("seed") != cfg.train.seed:
-        diffs.append(f"train.seed: {saved['train'].get('seed')!r} there, {cfg.train.seed!r} here")
+    if saved.get("train", {}).get("seed") != config.train.seed:
+        diffs.append(f"train.seed: {saved['train'].get('seed')!r} there, {config.train.seed!r} here")
     if diffs:
         raise ConfigError(f"train.out_dir {out_dir} holds checkpoints of another config ({'; '.join(diffs[:4])}); "
                           "use another train.out_dir or the same config")
 
 
 class Checkpoints:
-    def __init__(self, out_dir: Path, cfg: Config):
+    def __init__(self, out_dir: Path, config: Config):
         self.dir = out_dir / "checkpoints"
         self.manager = ocp.CheckpointManager(
             self.dir.resolve(), options=ocp.CheckpointManagerOptions(
-                max_to_keep=cfg.train.keep_checkpoints, create=True, enable_async_checkpointing=False))
-        atomic_write_text(out_dir / CONFIG_FILE, cfg.model_dump_json(indent=2))
+                max_to_keep=config.train.keep_checkpoints, create=True, enable_async_checkpointing=False))
+        atomic_write_text(out_dir / CONFIG_FILE, config.model_dump_json(indent=2))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

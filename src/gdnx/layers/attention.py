@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdnx.config.schema import ModelConfig
 from gdnx.layers.linear import linear
 from gdnx.layers.norms import RMSNorm
 from gdnx.layers.rope import apply_rope
@@ -47,17 +46,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
 
 
 class GatedAttention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                            cfg.head_dim)
-        h, d, std = cfg.hidden_size, cfg.head_dim, cfg.initializer_range
-        bias = cfg.attention_bias
+    """Softmax attention with grouped key/value heads, q/k RMSNorm, partial
+    RoPE and a sigmoid output gate."""
+
+    def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 norm_eps: float, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        h, d, std = hidden_size, head_dim, init_std
         self.q_proj = linear(h, self.num_heads * d * 2, dtype, param_dtype, std, rngs, bias=bias)
         self.k_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
         self.v_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
         self.o_proj = linear(self.num_heads * d, h, dtype, param_dtype, std, rngs, bias=bias)
-        self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], positions: jax.Array,
                  cache: KVCache | None = None, start: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:

@@ -13,7 +13,6 @@ conv and the delta rule run under shard_map (gdnx.parallel.gdn).
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import jax
@@ -21,11 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdnx.config.schema import ModelConfig
 from gdnx.layers.linear import linear
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, recurrent_gated_delta_rule
 from gdnx.ops.gated_delta_rule import DeltaRuleOptions
-from gdnx.ops.gated_delta_rule.tiles import KERNEL_PLATFORMS
 from gdnx.parallel.context import context_causal_conv1d, context_gated_delta_rule
 from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
 from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
@@ -37,39 +34,20 @@ class GDNState(NamedTuple):
     recurrent: jax.Array
 
 
-def delta_rule_options(cfg: ModelConfig, platform: str | None = None) -> DeltaRuleOptions:
-    """The op's settings from the model config. gdn_implementation auto
-    leaves the choice to the op (kernel where a compiled one exists, xla on
-    CPU); a kernel named on a CPU runs in interpret mode, with a warning."""
-    name = cfg.gdn_implementation
-    if (platform or jax.default_backend()) == "cpu" and name in KERNEL_PLATFORMS:
-        warnings.warn(f"gdn_implementation={name} on CPU: the kernel runs in interpret mode (slow; for checking "
-                      f"numerics); auto runs the XLA path here.", stacklevel=3)
-    return DeltaRuleOptions(
-        implementation=None if name == "auto" else name, chunk_size=cfg.gdn_chunk_size,
-        state_dtype=jnp.dtype(cfg.gdn_state_dtype), decay_dtype=jnp.dtype(cfg.gdn_decay_dtype),
-        residuals=cfg.gdn_residuals, matmul_dtype=cfg.gdn_matmul_dtype, interpret=cfg.gdn_interpret)
-
-
-def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
-    """Refuse, before any work, GDN settings this machine cannot run."""
-    platform = platform or jax.default_backend()
-    if cfg.gdn_interpret is False and platform == "cpu":
-        from gdnx.config.loading import ConfigError
-
-        raise ConfigError("model.gdn_interpret: false compiles the Pallas kernel for a TPU or GPU, and this "
-                          "machine has neither; leave it unset (interpret mode on CPU)")
-
-
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
-        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.width = cfg.linear_conv_kernel_dim
-        self.eps = cfg.rms_norm_eps
+    """Gated DeltaNet mixer: projections, causal conv, the gated delta rule
+    (settings in `op`), gated RMSNorm, output projection."""
+
+    def __init__(self, hidden_size: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
+                 value_head_dim: int, conv_kernel_size: int, norm_eps: float, op: DeltaRuleOptions,
+                 init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+        self.hk, self.hv = num_key_heads, num_value_heads
+        self.dk, self.dv = key_head_dim, value_head_dim
+        self.width = conv_kernel_size
+        self.eps = norm_eps
         self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
-        self.op = delta_rule_options(cfg)
-        h, std = cfg.hidden_size, cfg.initializer_range
+        self.op = op
+        h, std = hidden_size, init_std
         self.in_proj_qkvz = linear(h, 2 * self.hk * self.dk + 2 * self.hv * self.dv, dtype, param_dtype, std, rngs)
         self.in_proj_ba = linear(h, 2 * self.hv, dtype, param_dtype, std, rngs)
         bound = self.width ** -0.5  # PyTorch's depthwise Conv1d default (fan_in = kernel size)

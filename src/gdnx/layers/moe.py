@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdnx.config.schema import ModelConfig
 from gdnx.layers.linear import linear
 from gdnx.layers.mlp import MLP
 from gdnx.parallel.moe import run_experts
@@ -41,16 +40,19 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> jax.Array
 
 
 class SparseMoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
-        h, i, e, std = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.initializer_range
-        self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
+    """Top-k routed SwiGLU experts plus a gated shared expert."""
+
+    def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, expert_size: int, shared_expert_size: int,
+                 norm_topk_prob: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+        h, i, e, std = hidden_size, expert_size, num_experts, init_std
+        self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.dtype = dtype
         self.gate = linear(h, e, dtype, param_dtype, std, rngs)
         init = nnx.initializers.normal(std)
         self.experts_gate = nnx.Param(init(rngs.params(), (e, h, i), param_dtype))
         self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), param_dtype))
         self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
-        self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype=dtype, param_dtype=param_dtype,
+        self.shared_expert = MLP(h, shared_expert_size, dtype=dtype, param_dtype=param_dtype,
                                  init_std=std, rngs=rngs)
         self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs)
 

@@ -7,6 +7,7 @@ head. Parameter names follow Hugging Face's so the weight map stays plain.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -23,7 +24,8 @@ from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.norms import RMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.cache import Cache
-from gdnx.ops.gated_delta_rule import RESIDUAL_NAMES
+from gdnx.ops.gated_delta_rule import RESIDUAL_NAMES, DeltaRuleOptions
+from gdnx.ops.gated_delta_rule.tiles import KERNEL_PLATFORMS
 from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
 
 
@@ -37,12 +39,30 @@ class ModelOutput(NamedTuple):
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, index: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.layer_type = cfg.resolved_layer_types[index]
-        kw: dict[str, Any] = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mixer = GatedDeltaNet(cfg, **kw) if self.layer_type == "linear_attention" else GatedAttention(cfg, **kw)
-        self.mlp = SparseMoE(cfg, **kw) if cfg.is_moe_layer(index) else MLP(
-            cfg.hidden_size, cfg.intermediate_size, init_std=cfg.initializer_range, **kw)
+        # the model reads the config; each layer gets the sizes it uses
+        h = cfg.hidden_size
+        kw: dict[str, Any] = dict(init_std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mixer: GatedDeltaNet | GatedAttention
+        if self.layer_type == "linear_attention":
+            self.mixer = GatedDeltaNet(
+                h, num_key_heads=cfg.linear_num_key_heads, num_value_heads=cfg.linear_num_value_heads,
+                key_head_dim=cfg.linear_key_head_dim, value_head_dim=cfg.linear_value_head_dim,
+                conv_kernel_size=cfg.linear_conv_kernel_dim, norm_eps=cfg.rms_norm_eps, op=delta_rule_options(cfg),
+                **kw)
+        else:
+            self.mixer = GatedAttention(h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                                        head_dim=cfg.head_dim, bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps,
+                                        **kw)
+        self.mlp: SparseMoE | MLP
+        if cfg.is_moe_layer(index):
+            self.mlp = SparseMoE(h, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                                 expert_size=cfg.moe_intermediate_size,
+                                 shared_expert_size=cfg.shared_expert_intermediate_size,
+                                 norm_topk_prob=cfg.norm_topk_prob, **kw)
+        else:
+            self.mlp = MLP(h, cfg.intermediate_size, **kw)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], positions: jax.Array,
                  cache: KVCache | GDNState | None, start: jax.Array,
@@ -62,6 +82,30 @@ class DecoderLayer(nnx.Module):
         else:
             h = self.mlp(self.post_attention_layernorm(x))
         return constrain(x + h, HIDDEN), new_cache, stats
+
+
+def delta_rule_options(cfg: ModelConfig, platform: str | None = None) -> DeltaRuleOptions:
+    """The GDN op's settings from the model config. gdn_implementation auto
+    leaves the choice to the op (kernel where a compiled one exists, xla on
+    CPU); a kernel named on a CPU runs in interpret mode, with a warning."""
+    name = cfg.gdn_implementation
+    if (platform or jax.default_backend()) == "cpu" and name in KERNEL_PLATFORMS:
+        warnings.warn(f"gdn_implementation={name} on CPU: the kernel runs in interpret mode (slow; for checking "
+                      f"numerics); auto runs the XLA path here.", stacklevel=3)
+    return DeltaRuleOptions(
+        implementation=None if name == "auto" else name, chunk_size=cfg.gdn_chunk_size,
+        state_dtype=jnp.dtype(cfg.gdn_state_dtype), decay_dtype=jnp.dtype(cfg.gdn_decay_dtype),
+        residuals=cfg.gdn_residuals, matmul_dtype=cfg.gdn_matmul_dtype, interpret=cfg.gdn_interpret)
+
+
+def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
+    """Refuse, before any work, GDN settings this machine cannot run."""
+    platform = platform or jax.default_backend()
+    if cfg.gdn_interpret is False and platform == "cpu":
+        from gdnx.config.loading import ConfigError
+
+        raise ConfigError("model.gdn_interpret: false compiles the Pallas kernel for a TPU or GPU, and this "
+                          "machine has neither; leave it unset (interpret mode on CPU)")
 
 
 def _run_layer(layer, *args):
