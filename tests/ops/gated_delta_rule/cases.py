@@ -21,6 +21,7 @@ class Case:
     l2norm: bool = False
     cu_seqlens: tuple | None = None
     gates: str = "random"  # random | edges | strong | vanishing
+    beta_max: float = 1.0  # beta in [0, beta_max]; 2: negative eigenvalues of I - beta k k^T
 
     def __str__(self):
         return self.name
@@ -50,10 +51,10 @@ def make_inputs(case: Case, seed: int = 0):
         g = rng.uniform(-69.0, -31.0, size=(b, t, case.hv))
         if case.gates == "strong":
             g[rng.random(g.shape) < 0.5] = 0.0
-        beta = rng.uniform(0.0, 1.0, size=(b, t, case.hv))
+        beta = rng.uniform(0.0, case.beta_max, size=(b, t, case.hv))
     else:
         g = np.log(rng.uniform(0.6, 1.0, size=(b, t, case.hv)))
-        beta = rng.uniform(0.0, 1.0, size=(b, t, case.hv))
+        beta = rng.uniform(0.0, case.beta_max, size=(b, t, case.hv))
     h0 = rng.standard_normal((n, case.hv, case.dk, case.dv)) * 0.5 if case.h0 else None
     dt = jnp.dtype(case.dtype)
     out = [jnp.asarray(x, dt) for x in (q, k, v, g, beta)]
@@ -74,6 +75,8 @@ CASES = [
     Case("vanishing_c32", b=1, t=96, chunk=32, gates="vanishing"),
     Case("bf16", t=100, chunk=64, dtype="bfloat16", l2norm=True),
     Case("bf16_packed", b=1, t=100, chunk=16, dtype="bfloat16", cu_seqlens=(0, 33, 100)),
+    Case("beta2_c32_l2", t=96, chunk=32, l2norm=True, beta_max=2.0),
+    Case("beta2_strong_c64", b=1, t=128, chunk=64, gates="strong", beta_max=2.0),
 ]
 
 

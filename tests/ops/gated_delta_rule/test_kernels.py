@@ -5,8 +5,8 @@ Interpret mode costs milliseconds per grid step and grows with the arrays,
 so these cases stay small (T <= 130, K and V in {64, 128}, HK=2, HV=4) and
 cover what the kernels add: head dims of both sizes, K != V, packed
 sequences with an empty one, an initial state, fused l2norm, bfloat16
-inputs and gates at the edges, and both residual policies. Tolerances as in
-test_numerics.py (bfloat16 gradients: 2e-2).
+inputs, gates at the edges, beta up to 2, and both residual policies.
+Tolerances as in helpers.py (bfloat16 gradients: 2e-2).
 """
 
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ KERNEL_CASES = [
     Case("k128_v64_bf16_l2", b=1, t=128, dk=128, dv=64, chunk=64, dtype="bfloat16", l2norm=True),
     Case("edges_c16", b=1, t=48, dk=64, dv=64, chunk=16, gates="edges", h0=False),
     Case("strong_c64", b=1, t=128, dk=64, dv=64, chunk=64, gates="strong"),
+    Case("beta2_packed_l2", b=1, t=96, dk=64, dv=64, chunk=32, cu_seqlens=(0, 50, 96), l2norm=True, beta_max=2.0),
 ]
 
 

@@ -222,7 +222,8 @@ def chunk_gated_delta_rule(
       v: [B, T, HV, V] values; HV is a multiple of HK and value head h reads
         key head h // (HV // HK).
       g: [B, T, HV] log decay (<= 0, not checked).
-      beta: [B, T, HV] write strength.
+      beta: [B, T, HV] write strength in [0, 2] (above 1: negative eigenvalues
+        of the transition, as OLMo-Hybrid uses; not checked, values are traced).
       scale: output scale, K ** -0.5 when None.
       initial_state: [N, HV, K, V] state before the first token of each
         sequence; zeros when None.
