@@ -106,6 +106,18 @@ def test_moe_fields():
     assert not ModelConfig(num_experts=0).is_moe_layer(0)
 
 
+def test_fields_of_unbuilt_layers_are_not_checked():
+    """Every layer dense through mlp_only_layers, MoE fields at values no MoE
+    layer could take; attention heads that do not divide, in a model without
+    attention layers: transformers loads both, and so does gdnx."""
+    dense = ModelConfig(num_hidden_layers=2, num_experts=4, num_experts_per_tok=10, mlp_only_layers=[0, 1])
+    assert not any(dense.is_moe_layer(i) for i in range(2))
+    assert ModelConfig(num_hidden_layers=2, layer_types=["linear_attention"] * 2, num_attention_heads=3,
+                       num_key_value_heads=2).num_attention_heads == 3
+    assert "model.num_attention_heads" in _model_error(num_hidden_layers=2, num_attention_heads=3,
+                                                       num_key_value_heads=2, layer_types=["full_attention"] * 2)
+
+
 def test_remat_policy():
     assert ModelConfig(remat_policy="save_gdn_residuals").remat_policy == "save_gdn_residuals"
     assert "model.remat_policy" in _model_error(remat_policy="some")

@@ -108,17 +108,22 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
+        # Fields of a kind of layer the model does not build are left alone: a
+        # config that transformers loads (say, every layer dense through
+        # mlp_only_layers with MoE fields at their defaults) loads here too.
         errors = []
-        if self.linear_num_value_heads % self.linear_num_key_heads:
+        used = set(self.resolved_layer_types)
+        if "linear_attention" in used and self.linear_num_value_heads % self.linear_num_key_heads:
             errors.append(("linear_num_value_heads", f"must be a multiple of linear_num_key_heads="
                            f"{self.linear_num_key_heads}, got {self.linear_num_value_heads}"))
-        if self.num_attention_heads % self.num_key_value_heads:
+        if "full_attention" in used and self.num_attention_heads % self.num_key_value_heads:
             errors.append(("num_attention_heads", f"must be a multiple of num_key_value_heads="
                            f"{self.num_key_value_heads}, got {self.num_attention_heads}"))
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             errors.append(("layer_types", f"expected {self.num_hidden_layers} entries (num_hidden_layers), "
                            f"got {len(self.layer_types)}"))
-        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+        moe = any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        if moe and self.num_experts_per_tok > self.num_experts:
             errors.append(("num_experts_per_tok", f"must be <= num_experts={self.num_experts}, "
                            f"got {self.num_experts_per_tok}"))
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
