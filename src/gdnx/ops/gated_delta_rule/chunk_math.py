@@ -80,6 +80,30 @@ def mm_tn(a, b, matmul_dtype=None):
     return _dot(a, b, ((0,), (0,)), matmul_dtype)
 
 
+def bf16_parts(x, parts: int = 3) -> list:
+    """float32 x as `parts` bfloat16 terms that sum to it (8 bits of
+    mantissa each: three cover float32's 24)."""
+    out = []
+    for _ in range(parts):
+        part = x.astype(jnp.bfloat16)
+        out.append(part)
+        x = x - part.astype(x.dtype)
+    return out
+
+
+def exact_dot(a, b, contract):
+    """dot_general of a, whose values are exactly bfloat16 (a bfloat16 input,
+    a 0/1 mask), with a float32 b, as bfloat16 passes over b's three parts:
+    each product exact, the sums in float32, so float32's accuracy at half
+    the registers of TF32 parts (what a GPU kernel runs out of first)."""
+    a = a.astype(jnp.bfloat16)
+    out = None
+    for part in bf16_parts(b):
+        term = jax.lax.dot_general(a, part, (contract, ((), ())), preferred_element_type=b.dtype)
+        out = term if out is None else out + term
+    return out
+
+
 def iotas(c: int):
     """(row index, column index) of a [c, c] tile."""
     return jax.lax.broadcasted_iota(jnp.int32, (c, c), 0), jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
@@ -177,16 +201,10 @@ def segment_sums(g, *, split=False):
     r, j = iotas(c)
     tril = (j <= r).astype(g.dtype)                          # [i, l]: l <= i
     after = jnp.where(r > j, jnp.broadcast_to(row_to_col(g), (c, c)), 0)  # [l, j]: g_l for l > j
-    if not split:
-        return jax.lax.dot_general(tril, after, (((1,), (0,)), ((), ())), precision=HIGHEST,
-                                   preferred_element_type=g.dtype)
-    tril = tril.astype(jnp.bfloat16)
-    sums = jnp.zeros((c, c), g.dtype)
-    for _ in range(3):
-        part = after.astype(jnp.bfloat16)
-        sums = sums + jax.lax.dot_general(tril, part, (((1,), (0,)), ((), ())), preferred_element_type=g.dtype)
-        after = after - part.astype(g.dtype)
-    return sums
+    if split:
+        return exact_dot(tril, after, ((1,), (0,)))
+    return jax.lax.dot_general(tril, after, (((1,), (0,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=g.dtype)
 
 
 L2NORM_EPS = 1e-6

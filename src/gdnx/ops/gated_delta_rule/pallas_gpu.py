@@ -228,6 +228,19 @@ def _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk):
     return chunk_math.output_mix(qk, dec, scale=opts.scale)
 
 
+def _key_dot(ref, idx, kb, bk, b, contract, opts):
+    """dot_general of q's or k's raw column block kb with a float32 b. When
+    the inputs are bfloat16 and the products float32, as `exact_dot`: exact
+    in bfloat16 passes, where TF32 parts of both operands spill registers."""
+    x = ref[_cols(idx, kb, bk)]
+    if x.dtype == jnp.bfloat16 and opts.matmul_dtype in (None, FLOAT32_PRODUCTS):
+        return chunk_math.exact_dot(x, b, contract)
+    a = x.astype(opts.state_dtype)
+    if contract == ((0,), (0,)):
+        return chunk_math.mm_tn(a, b, matmul_dtype=opts.matmul_dtype)
+    return chunk_math.mm(a, b, matmul_dtype=opts.matmul_dtype)
+
+
 def _state_times(ref, idx, state, bk, opts):
     """sum over K blocks of ref[idx][:, block] @ state[block]: [C, BV]."""
     return sum(chunk_math.mm(ref[_cols(idx, kb, bk)].astype(opts.state_dtype), s, matmul_dtype=opts.matmul_dtype)
@@ -292,8 +305,7 @@ def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, rk_ref, w_ref, u_ref, g_r
         vn_ref[c, 0, 0, 0] = vn
         # (rk k)^T (ek Vn) = k^T (rk ek Vn): the key blocks stay as loaded
         ekvn = (rk * dec.ek) * vn
-        state = tuple(dec.gamma * s + chunk_math.mm_tn(_keys(k_ref, (c, 0, 0), kb, bk, None, opts), ekvn,
-                                                       matmul_dtype=opts.matmul_dtype)
+        state = tuple(dec.gamma * s + _key_dot(k_ref, (c, 0, 0), kb, bk, ekvn, ((0,), (0,)), opts)
                       for kb, s in enumerate(state))
 
         @pl.when(last)
@@ -421,13 +433,12 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w
         rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
         dec = _decays(g_ref, head, opts)
         # the l2norm scales multiply the [C, BV] factors, not the key blocks
-        k_ds = sum(chunk_math.mm(_keys(k_ref, key, kb, bk, None, opts), s, matmul_dtype=opts.matmul_dtype)
-                   for kb, s in enumerate(dstate))
+        k_ds = sum(_key_dot(k_ref, key, kb, bk, s, ((1,), (0,)), opts) for kb, s in enumerate(dstate))
         dvn = dvl_ref[head] + (rk * dec.ek) * k_ds
         dvn_ref[head] = dvn
         eq_do = (rq * opts.scale * dec.eg) * do_ref[head].astype(acc)
         dstate_in = tuple(
-            chunk_math.mm_tn(_keys(q_ref, key, kb, bk, None, opts), eq_do, matmul_dtype=opts.matmul_dtype)
+            _key_dot(q_ref, key, kb, bk, eq_do, ((0,), (0,)), opts)
             + dec.gamma * s
             - chunk_math.mm_tn(w_ref[_cols(head, kb, bk)], dvn, matmul_dtype=opts.matmul_dtype)
             for kb, s in enumerate(dstate))
