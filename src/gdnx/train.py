@@ -139,7 +139,8 @@ def train(config: Config, *, console: Console | None = None) -> dict[str, float]
     primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
     report = Reporter(console=console, quiet=not primary)
     if mesh.size > 1:
-        report.note("mesh " + " x ".join(f"{n}={s}" for n, s in mesh.shape.items()) + f" ({config.parallel.shard_mode})")
+        axes = " x ".join(f"{n}={s}" for n, s in mesh.shape.items())
+        report.note(f"mesh {axes} ({config.parallel.shard_mode})")
     last_eval: dict = {}
     if start:
         params, opt_state = ckpt.restore(start, params, opt_state)

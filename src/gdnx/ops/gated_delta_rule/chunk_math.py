@@ -49,7 +49,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 INVERSE_BLOCK = 16
 
 
-def _dot(a, b, contract, matmul_dtype):
+def dot(a, b, contract, matmul_dtype=None):
+    """dot_general of a and b over `contract` ((a dims,), (b dims,)), in a's dtype."""
     # matmul_dtype: None keeps the accumulation dtype; a dtype (bfloat16) rounds
     # both operands to it, accumulating in the accumulation dtype all the same.
     # HIGHEST asks for full float32 products (several MXU passes); on operands
@@ -67,17 +68,17 @@ def _dot(a, b, contract, matmul_dtype):
 
 def mm(a, b, matmul_dtype=None):
     """a @ b."""
-    return _dot(a, b, ((1,), (0,)), matmul_dtype)
+    return dot(a, b, ((1,), (0,)), matmul_dtype)
 
 
 def mm_nt(a, b, matmul_dtype=None):
     """a @ b^T."""
-    return _dot(a, b, ((1,), (1,)), matmul_dtype)
+    return dot(a, b, ((1,), (1,)), matmul_dtype)
 
 
 def mm_tn(a, b, matmul_dtype=None):
     """a^T @ b."""
-    return _dot(a, b, ((0,), (0,)), matmul_dtype)
+    return dot(a, b, ((0,), (0,)), matmul_dtype)
 
 
 def bf16_parts(x, parts: int = 3) -> list:

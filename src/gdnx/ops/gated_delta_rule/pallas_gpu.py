@@ -235,10 +235,7 @@ def _key_dot(ref, idx, kb, bk, b, contract, opts):
     x = ref[_cols(idx, kb, bk)]
     if x.dtype == jnp.bfloat16 and opts.matmul_dtype in (None, FLOAT32_PRODUCTS):
         return chunk_math.exact_dot(x, b, contract)
-    a = x.astype(opts.state_dtype)
-    if contract == ((0,), (0,)):
-        return chunk_math.mm_tn(a, b, matmul_dtype=opts.matmul_dtype)
-    return chunk_math.mm(a, b, matmul_dtype=opts.matmul_dtype)
+    return chunk_math.dot(x.astype(opts.state_dtype), b, contract, opts.matmul_dtype)
 
 
 def _state_times(ref, idx, state, bk, opts):
