@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     if args.command == "train":
         from gdnx.config import load_config
-        from gdnx.train import train
+        from gdnx.train import prepare
+        from gdnx.train import run as run_training
 
         overrides = list(args.overrides)
         if args.distributed:
@@ -55,7 +56,12 @@ def _run(args) -> int:
         name = args.config
         if name is not None and "=" in name:
             name, overrides = None, [name] + overrides
-        train(load_config(name, overrides))
+        config = load_config(name, overrides)
+        try:
+            trainer = prepare(config)
+        except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
+            raise ConfigError(str(e)) from None
+        run_training(trainer)
     elif args.command == "generate":
         from gdnx.cli_generate import run_generate
 

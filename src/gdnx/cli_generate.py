@@ -70,7 +70,10 @@ def run_generate(args) -> None:
         check_sampling(args.temperature, args.top_p, args.max_new_tokens)
     except ValueError as e:
         raise ConfigError(f"--{str(e).replace('_', '-')}") from None
-    model, tok, loaded = load_for_generation(Path(args.checkpoint), list(args.overrides))
+    try:
+        model, tok, loaded = load_for_generation(Path(args.checkpoint), list(args.overrides))
+    except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
+        raise ConfigError(str(e)) from None
     ids = tok.encode(args.prompt)
     if not ids:
         raise ConfigError("--prompt: encodes to no tokens")

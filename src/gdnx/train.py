@@ -122,24 +122,36 @@ def _rewrite_metrics(path: Path, upto: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
+def prepare(config: Config) -> Trainer:
+    """Everything that can refuse a run, before anything is written: the
+    mesh, the out_dir's earlier config, the platform, the data. Raises
+    ValueError (or OSError for a file) naming the field or path."""
+    mesh = make_mesh(config.parallel)
+    check_compatible(Path(config.train.out_dir), config)
+    return Trainer(config, mesh=mesh if mesh.size > 1 else None)
+
+
 def train(config: Config, *, console: Console | None = None) -> dict[str, float]:
     """Run (or resume) the training run in config.train.out_dir. Returns the
     last evaluation."""
+    return run(prepare(config), console=console)
+
+
+def run(trainer: Trainer, *, console: Console | None = None) -> dict[str, float]:
+    """Run (or resume) a prepared run in its config's train.out_dir. Returns
+    the last evaluation."""
+    config = trainer.config
     t_cfg = config.train
     target = t_cfg.target_accuracy
     out = Path(t_cfg.out_dir)
-    # everything that can refuse the run does so before anything is written
-    mesh = make_mesh(config.parallel)
-    check_compatible(out, config)
-    trainer = Trainer(config, mesh=mesh if mesh.size > 1 else None)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoints(out, config)
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
     start = ckpt.latest_step() or 0
     primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
     report = Reporter(console=console, quiet=not primary)
-    if mesh.size > 1:
-        axes = " x ".join(f"{n}={s}" for n, s in mesh.shape.items())
+    if trainer.mesh is not None:
+        axes = " x ".join(f"{n}={s}" for n, s in trainer.mesh.shape.items())
         report.note(f"mesh {axes} ({config.parallel.shard_mode})")
     last_eval: dict = {}
     if start:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pydantic
 
-from gdnx.config.loading import ConfigError, format_validation_error
+from gdnx.config.loading import format_validation_error
 from gdnx.config.schema import ModelConfig
 
 # Architecture fields that carry the same name and meaning on both sides.
@@ -21,12 +21,12 @@ SHARED_FIELDS = (
 def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig:
     """ModelConfig from a config.json dict; overrides are ModelConfig fields."""
     if hf.get("model_type") not in (None, "qwen3_next"):
-        raise ConfigError(f"config.json: model_type {hf['model_type']!r} is not qwen3_next")
+        raise ValueError(f"config.json: model_type {hf['model_type']!r} is not qwen3_next")
     fields = {k: hf[k] for k in SHARED_FIELDS if hf.get(k) is not None}
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ConfigError(f"config.json: rope_type {rope_type!r} is not supported (only 'default')")
+        raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only 'default')")
     for key in ("rope_theta", "partial_rotary_factor"):
         value = rope.get(key, hf.get(key))
         if value is not None:
@@ -35,7 +35,7 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
     try:
         return ModelConfig.model_validate(fields)
     except pydantic.ValidationError as e:
-        raise ConfigError(format_validation_error(e, "model")) from None
+        raise ValueError(format_validation_error(e, "model")) from None
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:

@@ -11,7 +11,6 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from gdnx.checkpoints.files import atomic_write_text
-from gdnx.config.loading import ConfigError
 from gdnx.config.schema import Config
 
 CONFIG_FILE = "config.json"
@@ -30,7 +29,7 @@ def check_compatible(out_dir: Path, config: Config) -> None:
     if saved.get("train", {}).get("seed") != config.train.seed:
         diffs.append(f"train.seed: {saved['train'].get('seed')!r} there, {config.train.seed!r} here")
     if diffs:
-        raise ConfigError(f"train.out_dir {out_dir} holds checkpoints of another config ({'; '.join(diffs[:4])}); "
+        raise ValueError(f"train.out_dir {out_dir} holds checkpoints of another config ({'; '.join(diffs[:4])}); "
                           "use another train.out_dir or the same config")
 
 
@@ -64,7 +63,7 @@ def load_params(checkpoint_dir: Path, abstract_params: Any) -> Any:
     manager = ocp.CheckpointManager((checkpoint_dir / "checkpoints").resolve())
     step = manager.latest_step()
     if step is None:
-        raise ConfigError(f"--checkpoint: {checkpoint_dir} has no checkpoints")
+        raise FileNotFoundError(f"{checkpoint_dir}: no checkpoints under checkpoints/")
     tree = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
     manager.close()
     return tree["params"], step

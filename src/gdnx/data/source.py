@@ -10,7 +10,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gdnx.config.loading import ConfigError
 from gdnx.config.schema import DataConfig
 from gdnx.data.mqar import mqar_batch
 from gdnx.data.text import Tokenizer, make_tokenizer, token_stream
@@ -39,13 +38,13 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int,
         return mqar_batches, None
     tokenizer = make_tokenizer(data_cfg.tokenizer)
     if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"model.vocab_size: the tokenizer has {tokenizer.vocab_size} tokens, "
+        raise ValueError(f"model.vocab_size: the tokenizer has {tokenizer.vocab_size} tokens, "
                           f"the model {vocab_size}")
     assert data_cfg.path is not None  # DataConfig requires it for text sources
     stream = jnp.asarray(token_stream(Path(data_cfg.path), tokenizer))
     span = data_cfg.seq_len + 1
     if stream.shape[0] < span:
-        raise ConfigError(f"data.path: {data_cfg.path} has {stream.shape[0]} tokens, fewer than "
+        raise ValueError(f"data.path: {data_cfg.path} has {stream.shape[0]} tokens, fewer than "
                           f"data.seq_len + 1 = {span}")
 
     def batches(seed):

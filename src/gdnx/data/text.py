@@ -9,12 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gdnx.config.loading import ConfigError
 
 
 def read_documents(path: Path) -> list[str]:
     if not path.is_file():
-        raise ConfigError(f"data.path: no such file {path}")
+        raise FileNotFoundError(f"data.path: no such file {path}")
     if path.suffix == ".jsonl":
         docs = []
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
@@ -23,7 +22,7 @@ def read_documents(path: Path) -> list[str]:
             try:
                 docs.append(json.loads(line)["text"])
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f"data.path: {path} line {n}: expected a JSON object with a \"text\" field") from None
+                raise ValueError(f"data.path: {path} line {n}: expected a JSON object with a \"text\" field") from None
         return docs
     return [path.read_text(encoding="utf-8", errors="replace")]
 
@@ -43,10 +42,10 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ConfigError("data.tokenizer: reading tokenizer.json needs the `tokenizers` package "
+            raise ValueError("data.tokenizer: reading tokenizer.json needs the `tokenizers` package "
                              "(pip install tokenizers)") from None
         if not Path(path).is_file():
-            raise ConfigError(f"data.tokenizer: no such file {path}")
+            raise FileNotFoundError(f"data.tokenizer: no such file {path}")
         self.tok = Tokenizer.from_file(str(path))
         self.vocab_size = self.tok.get_vocab_size()
 

@@ -102,9 +102,7 @@ def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
     """Refuse, before any work, GDN settings this machine cannot run."""
     platform = platform or jax.default_backend()
     if cfg.gdn_interpret is False and platform == "cpu":
-        from gdnx.config.loading import ConfigError
-
-        raise ConfigError("model.gdn_interpret: false compiles the Pallas kernel for a TPU or GPU, and this "
+        raise ValueError("model.gdn_interpret: false compiles the Pallas kernel for a TPU or GPU, and this "
                           "machine has neither; leave it unset (interpret mode on CPU)")
 
 

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from gdnx.config.loading import ConfigError
 from gdnx.config.schema import ParallelConfig
 from gdnx.parallel.rules import MESH_AXES
 
@@ -25,11 +24,11 @@ def mesh_shape(parallel_cfg: ParallelConfig, num_devices: int) -> tuple[int, ...
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % fixed:
-            raise ConfigError(f"parallel: the fixed axis sizes multiply to {fixed}, which does not divide the "
+            raise ValueError(f"parallel: the fixed axis sizes multiply to {fixed}, which does not divide the "
                               f"{num_devices} devices; the -1 axis cannot take the rest")
         sizes[sizes.index(-1)] = num_devices // fixed
     elif fixed != num_devices:
-        raise ConfigError(f"parallel: data x fsdp x tensor x context = {fixed}, but there are {num_devices} devices; "
+        raise ValueError(f"parallel: data x fsdp x tensor x context = {fixed}, but there are {num_devices} devices; "
                           "make the product equal, or set one axis to -1")
     return tuple(sizes)
 
