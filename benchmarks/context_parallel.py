@@ -42,7 +42,7 @@ def main() -> None:
     from gdnx.config.loading import load_config  # noqa: PLC0415
     from gdnx.config.schema import ParallelConfig  # noqa: PLC0415
     from gdnx.measure import median_ms  # noqa: PLC0415
-    from gdnx.models import Qwen3Next  # noqa: PLC0415
+    from gdnx.models import CausalLM  # noqa: PLC0415
     from gdnx.parallel import make_mesh, shard, spec  # noqa: PLC0415
 
     layers = 2
@@ -51,7 +51,7 @@ def main() -> None:
         f"model.layer_types=[{', '.join(['linear_attention'] * layers)}]",
         "model.linear_num_key_heads=4", "model.linear_num_value_heads=8", "model.linear_key_head_dim=64",
         "model.linear_value_head_dim=64", "model.intermediate_size=512"]).model
-    graphdef, params = nnx.split(Qwen3Next(cfg, seed=0), nnx.Param)
+    graphdef, params = nnx.split(CausalLM(cfg, seed=0), nnx.Param)
     b, t = args.batch, args.length
     tokens = jax.random.randint(jax.random.key(0), (b, t), 0, cfg.vocab_size, jnp.int32)
 

@@ -1,35 +1,51 @@
-"""Tiny random Hugging Face Qwen3-Next models (torch, CPU) and the same
-weights loaded into gdnx, for parity tests."""
+"""Tiny random Hugging Face models of every family gdnx builds (torch, CPU)
+and the same weights loaded into gdnx, for parity tests."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+import transformers
 
-from gdnx.models import Qwen3Next
+from gdnx.models import CausalLM
 
 VOCAB = 97
+# 4 layers (GDN, attention, GDN, attention), K != V, GQA in attention
+_BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+             layer_types=["linear_attention", "full_attention"] * 2)
+_QWEN_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+# kind -> (config class, model class, fields): GVA groups 2 (Qwen3-Next, OLMo
+# Hybrid), 3 (Qwen3.5 dense) and 4 (Qwen3.5 MoE); OLMo with beta in [0, 2]
+KINDS = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(head_dim=16, linear_num_value_heads=4, intermediate_size=48, num_experts=0,
+                        rope_parameters=_QWEN_ROPE)),
+    "qwen3_next_moe": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                       dict(head_dim=16, linear_num_value_heads=4, intermediate_size=48, rope_parameters=_QWEN_ROPE,
+                            **_MOE)),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(head_dim=16, linear_num_value_heads=6, intermediate_size=48, rope_parameters=_QWEN_ROPE)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(head_dim=16, linear_num_value_heads=8, rope_parameters=_QWEN_ROPE, **_MOE)),
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM",
+                    dict(linear_num_value_heads=4, intermediate_size=48, linear_allow_neg_eigval=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, pad_token_id=None,
+                         eos_token_id=None)),
+}
 
 
-def tiny_hf_config(moe: bool, **kw) -> Qwen3NextConfig:
-    """4 layers (GDN, attention, GDN, attention), HV = 2 HK, K != V,
-    partial RoPE; MoE with 4 experts, 2 per token, or a dense MLP."""
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4 if moe else 0, num_experts_per_tok=2,
-        moe_intermediate_size=16, shared_expert_intermediate_size=24, full_attention_interval=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
-    fields.update(kw)
-    return Qwen3NextConfig(**fields)
+def tiny_hf_config(kind: str, **kw):
+    config_cls, _, fields = KINDS[kind]
+    return getattr(transformers, config_cls)(**{**_BASE, **fields, **kw})
 
 
-def random_hf_model(moe: bool, seed: int = 0, scale: float = 1.0, **kw) -> Qwen3NextForCausalLM:
+def random_hf_model(kind: str, seed: int = 0, scale: float = 1.0, **kw):
     """HF's own init, plus noise on the parameters it initialises to
     constants (norm weights, dt_bias), so a swapped or skipped one shows."""
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(tiny_hf_config(moe, **kw)).eval()
+    model = getattr(transformers, KINDS[kind][1])(tiny_hf_config(kind, **kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -39,10 +55,10 @@ def random_hf_model(moe: bool, seed: int = 0, scale: float = 1.0, **kw) -> Qwen3
     return model
 
 
-def hf_and_gdnx(tmp_path, moe: bool, seed: int = 0, scale: float = 1.0, **overrides):
-    hf = random_hf_model(moe, seed, scale)
+def hf_and_gdnx(tmp_path, kind: str, seed: int = 0, scale: float = 1.0, **overrides):
+    hf = random_hf_model(kind, seed, scale)
     hf.save_pretrained(tmp_path)
-    return hf, Qwen3Next.from_pretrained(tmp_path, **overrides)
+    return hf, CausalLM.from_pretrained(tmp_path, **overrides)
 
 
 def tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:

@@ -59,7 +59,7 @@ def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path
 
 
 def test_generate_from_a_hugging_face_directory(capsys, tmp_path):
-    hf_and_gdnx(tmp_path, moe=False)
+    hf_and_gdnx(tmp_path, "qwen3_next")
     vocab = {f"w{i}": i for i in range(VOCAB)}
     tok = Tokenizer(WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = Whitespace()

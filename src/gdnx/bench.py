@@ -12,7 +12,7 @@ from flax import nnx
 
 from gdnx.config.schema import ModelConfig
 from gdnx.measure import compiled_peak_bytes, median_ms
-from gdnx.models import Qwen3Next
+from gdnx.models import CausalLM
 from gdnx.ops import chunk_gated_delta_rule
 
 COMPILED_KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
@@ -51,7 +51,7 @@ def bench_model_config(layer_types, hidden=256, heads=4) -> ModelConfig:
 
 
 def train_step_row(cfg: ModelConfig, batch: int, seq_len: int, repeats: int):
-    model = Qwen3Next(cfg)
+    model = CausalLM(cfg)
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adamw(1e-3)
     opt_state = tx.init(params)

@@ -38,7 +38,7 @@ def _model_overrides(overrides: list[str]) -> dict:
 def load_for_generation(path: Path, overrides: list[str]):
     """(model, tokenizer, what was loaded) from a gdnx out_dir or a Hugging Face directory."""
     from gdnx.checkpoints.orbax import CONFIG_FILE, load_params
-    from gdnx.models import Qwen3Next
+    from gdnx.models import CausalLM
 
     if not path.is_dir():
         raise ConfigError(f"--checkpoint: no such directory {path}")
@@ -47,13 +47,13 @@ def load_for_generation(path: Path, overrides: list[str]):
         saved = json.loads((path / CONFIG_FILE).read_text())
         saved["model"] = {**saved["model"], **model_overrides}
         config: Config = build_config(saved)
-        abstract = nnx.eval_shape(lambda: Qwen3Next(config.model))
+        abstract = nnx.eval_shape(lambda: CausalLM(config.model))
         graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         params, step = load_params(path, abstract_params)
         tok = _IdTokenizer() if config.data.source == "mqar" else make_tokenizer(config.data.tokenizer)
         return nnx.merge(graphdef, params), tok, f"step {step} of {path}"
     if (path / "config.json").is_file():
-        model = Qwen3Next.from_pretrained(path, **model_overrides)
+        model = CausalLM.from_pretrained(path, **model_overrides)
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"--checkpoint: {path} has no tokenizer.json to encode the prompt with")
         return model, HFTokenizer(str(path / "tokenizer.json")), str(path)

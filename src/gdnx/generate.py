@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdnx.models.cache import Cache
-from gdnx.models.qwen3_next import Qwen3Next
+from gdnx.models.causal_lm import CausalLM
 from gdnx.parallel.rules import constrain
 
 
@@ -41,7 +41,7 @@ def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> Non
         raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
 
 
-def generate(model: Qwen3Next, prompt: jax.Array, max_new_tokens: int, *, temperature: float = 0.0,
+def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, stop_token: int | None = None,
              on_token: Callable[[jax.Array], None] | None = None) -> jax.Array:
     """prompt int [B, T] -> new tokens int32 [B, <= max_new_tokens]. on_token

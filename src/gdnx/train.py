@@ -25,8 +25,8 @@ from gdnx.checkpoints.files import atomic_write_text
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
 from gdnx.config.schema import Config, TrainConfig
 from gdnx.data import Batch, make_source
-from gdnx.models import Qwen3Next
-from gdnx.models.qwen3_next import check_platform
+from gdnx.models import CausalLM
+from gdnx.models.causal_lm import check_platform
 from gdnx.parallel import constrain, make_mesh, shard
 from gdnx.progress import Reporter
 
@@ -44,7 +44,7 @@ def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
                                    weight_decay=train_cfg.weight_decay, mask=decay_mask))
 
 
-def loss_and_metrics(model: Qwen3Next, batch: Batch, aux_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy over the masked positions (+ the MoE balancing loss)."""
     out = model.forward(batch.inputs)
     logp = jax.nn.log_softmax(out.logits, axis=-1)
@@ -72,7 +72,7 @@ class Trainer:
     def __init__(self, config: Config, *, mesh: jax.sharding.Mesh | None = None, platform: str | None = None):
         self.config, self.mesh = config, mesh
         check_platform(config.model, platform)
-        model = Qwen3Next(config.model, seed=config.train.seed)
+        model = CausalLM(config.model, seed=config.train.seed)
         self.graphdef, self.params = nnx.split(model, nnx.Param)
         if mesh is not None:
             self.params = shard(self.params, config.model, mesh)

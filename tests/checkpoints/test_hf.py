@@ -14,7 +14,7 @@ from transformers import Qwen3NextForCausalLM
 from gdnx.checkpoints.hf import hf_state_dict, save_pretrained
 from gdnx.checkpoints.hf_config import model_config_from_hf
 from gdnx.measure import relative_error
-from gdnx.models import Qwen3Next
+from gdnx.models import CausalLM
 from tests.hf_models import hf_and_gdnx, hf_logits, tokens
 
 
@@ -22,7 +22,7 @@ def test_round_trip_through_transformers(tmp_path):
     """transformers -> gdnx -> save_pretrained -> transformers: the logits of
     the reloaded torch model equal the original's (fp32 relative 1e-6, the
     weights are copied bit for bit)."""
-    hf, model = hf_and_gdnx(tmp_path / "in", moe=True)
+    hf, model = hf_and_gdnx(tmp_path / "in", "qwen3_next_moe")
     model.save_pretrained(tmp_path / "out")
     back = Qwen3NextForCausalLM.from_pretrained(tmp_path / "out").eval()
     toks = tokens(2, 50)
@@ -33,7 +33,7 @@ def test_round_trip_through_transformers(tmp_path):
 
 
 def test_written_names_are_the_published_per_expert_layout(tmp_path):
-    _, model = hf_and_gdnx(tmp_path / "in", moe=True)
+    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next_moe")
     model.save_pretrained(tmp_path / "out")
     with safe_open(tmp_path / "out" / "model.safetensors", framework="flax") as f:
         keys = set(f.keys())
@@ -44,11 +44,11 @@ def test_written_names_are_the_published_per_expert_layout(tmp_path):
 
 
 def test_sharded_save_and_load(tmp_path):
-    _, model = hf_and_gdnx(tmp_path / "in", moe=False)
+    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next")
     save_pretrained(model, tmp_path / "out", shard_bytes=20_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
-    back = Qwen3Next.from_pretrained(tmp_path / "out")
+    back = CausalLM.from_pretrained(tmp_path / "out")
     toks = jnp.asarray(tokens(1, 20), jnp.int32)
     np.testing.assert_array_equal(back(toks), model(toks))
 
@@ -56,7 +56,7 @@ def test_sharded_save_and_load(tmp_path):
 def test_fused_expert_layout_loads(tmp_path):
     """transformers 5 keeps experts fused ([E, 2I, H] gate|up, [E, H, I]
     down); a directory written that way loads to the same model."""
-    _, model = hf_and_gdnx(tmp_path / "in", moe=True)
+    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next_moe")
     sd = {k: np.asarray(v) for k, v in hf_state_dict(model).items()}
     fused = {}
     for layer in range(4):
@@ -70,19 +70,19 @@ def test_fused_expert_layout_loads(tmp_path):
     save_file({k: jnp.asarray(v) for k, v in {**sd, **fused}.items()}, out / "model.safetensors")
     (out / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
     toks = jnp.asarray(tokens(1, 20), jnp.int32)
-    np.testing.assert_array_equal(Qwen3Next.from_pretrained(out)(toks), model(toks))
+    np.testing.assert_array_equal(CausalLM.from_pretrained(out)(toks), model(toks))
 
 
 def test_overrides_and_load_errors(tmp_path):
-    _, model = hf_and_gdnx(tmp_path / "in", moe=False, gdn_implementation="xla", gdn_chunk_size=32)
+    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next", gdn_implementation="xla", gdn_chunk_size=32)
     assert (model.config.gdn_implementation, model.config.gdn_chunk_size) == ("xla", 32)
     with pytest.raises(ValueError, match=r"model.gdn_chunk_size"):
-        Qwen3Next.from_pretrained(tmp_path / "in", gdn_chunk_size=48)
+        CausalLM.from_pretrained(tmp_path / "in", gdn_chunk_size=48)
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        Qwen3Next.from_pretrained(tmp_path / "nothing")
+        CausalLM.from_pretrained(tmp_path / "nothing")
     shape_error = r"model.layers.0.linear_attn.conv1d.weight: expected shape \(64, 4\) for this config, got \(96, 4\)"
     with pytest.raises(ValueError, match=shape_error):
-        Qwen3Next.from_pretrained(tmp_path / "in", linear_value_head_dim=8)
+        CausalLM.from_pretrained(tmp_path / "in", linear_value_head_dim=8)
     sd = {k: v for k, v in hf_state_dict(model).items() if "lm_head" not in k}
     sd["model.extra.weight"] = jnp.zeros(3)
     bad = tmp_path / "bad"
@@ -90,7 +90,7 @@ def test_overrides_and_load_errors(tmp_path):
     save_file(sd, bad / "model.safetensors")
     (bad / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
     with pytest.raises(ValueError, match=r"missing weights: lm_head.weight"):
-        Qwen3Next.from_pretrained(bad)
+        CausalLM.from_pretrained(bad)
 
 
 def test_config_mapping():

@@ -17,7 +17,7 @@ T = 45
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return hf_and_gdnx(tmp_path_factory.mktemp("hf"), moe=True)
+    return hf_and_gdnx(tmp_path_factory.mktemp("hf"), "qwen3_next_moe")
 
 
 def _x(width, seed=0):
@@ -77,7 +77,7 @@ def test_zero_centred_rmsnorm(models):
 
 
 def test_dense_mlp(tmp_path):
-    hf, model = hf_and_gdnx(tmp_path, moe=False)
+    hf, model = hf_and_gdnx(tmp_path, "qwen3_next")
     x = _x(32, 5)
     with torch.no_grad():
         ref = hf.model.layers[1].mlp(torch.tensor(x))

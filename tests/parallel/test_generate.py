@@ -11,7 +11,7 @@ from flax import nnx
 
 from gdnx.config.loading import load_config
 from gdnx.generate import generate
-from gdnx.models import Qwen3Next
+from gdnx.models import CausalLM
 from gdnx.models.cache import Cache
 from gdnx.parallel import shard
 from gdnx.measure import relative_error
@@ -23,7 +23,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model():
-    return Qwen3Next(load_config("tiny", MODEL).model, seed=0)
+    return CausalLM(load_config("tiny", MODEL).model, seed=0)
 
 
 @pytest.mark.parametrize("mode,name", [("explicit", "context4_tensor2"), ("auto", "context8"),

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 
 from gdnx.config.loading import load_config
 from gdnx.data import Batch
-from gdnx.models import Qwen3Next
+from gdnx.models import CausalLM
 from gdnx.parallel import shard, spec
 from gdnx.train import loss_and_metrics
 from tests.parallel.helpers import MESHES, mesh, worst_relative_error
@@ -52,7 +52,7 @@ def loss_and_grads(graphdef, params, data, aux):
 def setup(request):
     cfg = model_config(request.param)
     with pytest.warns(UserWarning, match="interpret mode") if request.param == "pallas_tpu" else _nothing():
-        graphdef, params = nnx.split(Qwen3Next(cfg, seed=0), nnx.Param)
+        graphdef, params = nnx.split(CausalLM(cfg, seed=0), nnx.Param)
     refs = {b: loss_and_grads(graphdef, params, batch(b), cfg.router_aux_loss_coef) for b in (B, 2)}
     return cfg, graphdef, params, refs
 

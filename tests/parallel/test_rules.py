@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 
 from gdnx.config.loading import load_config
 from gdnx.config.schema import ParallelConfig
-from gdnx.models import Qwen3Next
+from gdnx.models import CausalLM
 from gdnx.parallel import constrain, mesh_shape, shardings, spec
 from tests.parallel.helpers import mesh
 from tests.parallel.test_model import MODEL
@@ -56,7 +56,7 @@ def test_parallel_config_errors_name_the_field(override, message):
 
 def test_parameters_split_by_whole_head_groups():
     cfg = load_config("tiny", MODEL).model
-    params = nnx.state(Qwen3Next(cfg), nnx.Param)
+    params = nnx.state(CausalLM(cfg), nnx.Param)
     s = shardings(params, cfg, mesh("explicit", data=2, fsdp=2, tensor=2))
     gdn, attn = s["layers"][0]["mixer"], s["layers"][1]["mixer"]
     assert gdn["in_proj_qkvz"]["kernel"].get_value().spec == P("fsdp", "tensor")   # 4 key heads, 2 per shard

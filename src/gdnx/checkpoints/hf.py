@@ -1,17 +1,21 @@
-"""Load and save Hugging Face Qwen3-Next directories (config.json and
-safetensors, sharded with model.safetensors.index.json or not).
+"""Load and save Hugging Face directories of every family gdnx builds
+(config.json and safetensors, sharded with model.safetensors.index.json or
+not); gdnx.checkpoints.hf_names says where each parameter lives.
 
 Experts are read in the published per-expert layout
 (mlp.experts.{e}.gate_proj.weight ...) or in the fused one transformers 5
 keeps in memory (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]),
-and written per expert, which every transformers version reads. mtp.*
-(multi-token prediction) weights are not part of this model and are skipped.
+and written per expert, which every transformers version reads. The
+multi-token prediction head (mtp.*) and a vision-language checkpoint's
+vision tower are not part of the language model: loading skips them and
+says so in one line.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Any
@@ -24,44 +28,21 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from gdnx.checkpoints.files import atomic_write, atomic_write_text
-from gdnx.checkpoints.hf_config import hf_config_from_model, model_config_from_hf
+from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
+from gdnx.checkpoints.hf_names import Experts, locate
 
 if TYPE_CHECKING:  # the model imports this module to load and save itself
-    from gdnx.models.qwen3_next import Qwen3Next
+    from gdnx.models.causal_lm import CausalLM
 
-IGNORED = re.compile(r"^mtp\.|rotary_emb\.inv_freq$")
+# not part of the language model: multi-token prediction (mtp.*), a
+# vision-language checkpoint's vision tower, RoPE tables
+SKIPPED = re.compile(r"^mtp\.|^model\.visual\.|rotary_emb\.inv_freq$")
 SHARD_BYTES = 4 * 2 ** 30
+log = logging.getLogger("gdnx")
 
 
 def _t(x):
     return jnp.swapaxes(x, -1, -2)
-
-
-def _hf_name(path: tuple) -> tuple[str, str]:
-    """(HF key, how the tensor differs: 'same', 'T' transposed, 'conv'
-    [D, 1, W], 'experts_gate'/'experts_up'/'experts_down' split per expert)."""
-    if path == ("embed_tokens", "embedding"):
-        return "model.embed_tokens.weight", "same"
-    if path == ("lm_head", "kernel"):
-        return "lm_head.weight", "T"
-    if path == ("norm", "weight"):
-        return "model.norm.weight", "same"
-    _, i, *rest = path
-    prefix = f"model.layers.{i}."
-    block, *tail = rest
-    if block in ("input_layernorm", "post_attention_layernorm"):
-        return prefix + block + ".weight", "same"
-    leaf = tail[-1]
-    if block == "mixer" and tail[0] in ("conv_weight", "dt_bias", "A_log", "norm_weight"):
-        name = {"conv_weight": "conv1d.weight", "norm_weight": "norm.weight"}.get(tail[0], tail[0])
-        return prefix + "linear_attn." + name, "conv" if tail[0] == "conv_weight" else "same"
-    module = "linear_attn" if block == "mixer" and tail[0].startswith(("in_proj", "out_proj")) else \
-        "self_attn" if block == "mixer" else "mlp"
-    if tail[0].startswith("experts_"):
-        return prefix + "mlp.experts", tail[0]
-    kind = {"kernel": "T", "bias": "same", "weight": "same"}[leaf]
-    suffix = "weight" if leaf in ("kernel", "weight") else "bias"
-    return prefix + module + "." + ".".join(tail[:-1]) + "." + suffix, kind
 
 
 class _Reader:
@@ -93,8 +74,8 @@ class _Reader:
         return self.handles[self.weight_map[key]].get_tensor(key)
 
 
-def _load_experts(reader: _Reader, prefix: str, kind: str, num_experts: int):
-    part = kind.removeprefix("experts_")
+def _load_experts(reader: _Reader, where: Experts, num_experts: int) -> jax.Array:
+    prefix, part = where
     if reader.has(f"{prefix}.0.{part}_proj.weight"):
         return jnp.stack([_t(reader.get(f"{prefix}.{e}.{part}_proj.weight")) for e in range(num_experts)])
     if part == "down":
@@ -104,55 +85,66 @@ def _load_experts(reader: _Reader, prefix: str, kind: str, num_experts: int):
     return _t(fused[:, :half] if part == "gate" else fused[:, half:])
 
 
-def load_pretrained(cls: type[Qwen3Next], path: str | os.PathLike, **config_overrides: Any) -> Qwen3Next:
+def _note_skipped(directory: Path, keys: list[str]) -> None:
+    for start, what in (("model.visual.", "the vision tower"), ("mtp.", "the multi-token prediction head")):
+        count = sum(k.startswith(start) for k in keys)
+        if count:
+            log.warning(f"{directory}: skipped {what} ({count} tensors under {start}*); gdnx builds the "
+                        "language model")
+
+
+def load_pretrained(cls: type[CausalLM], path: str | os.PathLike, **config_overrides: Any) -> CausalLM:
     directory = Path(path)
     config_file = directory / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face Qwen3-Next directory)")
-    cfg = model_config_from_hf(json.loads(config_file.read_text()), config_overrides)
+        raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face model directory)")
+    hf = json.loads(config_file.read_text())
+    cfg = model_config_from_hf(hf, config_overrides)
+    prefix = "model.language_model." if hf.get("model_type") in VISION_LANGUAGE else "model."
     abstract = nnx.eval_shape(lambda: cls(cfg))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]  # two filters, three parts
     reader = _Reader(directory)
-    flat = nnx.to_flat_state(params)
     missing, loaded = [], []
-    for p, var in flat:
-        key, kind = _hf_name(p)
+    for p, var in nnx.to_flat_state(params):
+        where = locate(cfg, p, prefix)
         try:
-            if kind.startswith("experts_"):
-                value = _load_experts(reader, key, kind, cfg.num_experts)
+            if isinstance(where, Experts):
+                value = _load_experts(reader, where, cfg.num_experts)
             else:
-                value = reader.get(key)
-                value = _t(value) if kind == "T" else value[:, 0] if kind == "conv" else value
+                value = where.to_param(*(reader.get(k) for k in where.keys))
         except KeyError as e:
             missing.append(str(e.args[0]))
             continue
         if tuple(value.shape) != tuple(var.shape):
-            raise ValueError(f"{directory}: {key}: expected shape {tuple(var.shape)} for this config, "
+            keys = where.prefix if isinstance(where, Experts) else ", ".join(where.keys)
+            raise ValueError(f"{directory}: {keys}: expected shape {tuple(var.shape)} for this config, "
                              f"got {tuple(value.shape)}")
         loaded.append((p, var.replace(jnp.asarray(value, var.dtype))))
     if missing:
         raise ValueError(f"{directory}: missing weights: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    unexpected = [k for k in reader.weight_map if k not in reader.used and not IGNORED.search(k)]
+    unused = [k for k in reader.weight_map if k not in reader.used]
+    unexpected = [k for k in unused if not SKIPPED.search(k)]
     if unexpected:
         raise ValueError(f"{directory}: weights this model has no place for: {', '.join(sorted(unexpected)[:8])}")
+    _note_skipped(directory, unused)
     params = nnx.from_flat_state(loaded)
     rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, rest)
     return nnx.merge(graphdef, params, rest)
 
 
-def hf_state_dict(model: Qwen3Next) -> dict[str, jax.Array]:
-    """The model's parameters under Hugging Face names and layouts."""
+def hf_state_dict(model: CausalLM) -> dict[str, jax.Array]:
+    """The model's parameters under Hugging Face names and layouts (its
+    family's text model)."""
     out = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key, kind = _hf_name(p)
+        where = locate(model.config, p)
         value = var[...]
-        if kind.startswith("experts_"):
-            part = kind.removeprefix("experts_")
+        if isinstance(where, Experts):
             for e in range(value.shape[0]):
-                out[f"{key}.{e}.{part}_proj.weight"] = _t(value[e])
+                out[f"{where.prefix}.{e}.{where.part}_proj.weight"] = _t(value[e])
         else:
-            out[key] = _t(value) if kind == "T" else value[:, None] if kind == "conv" else value
+            out.update(zip(where.keys, where.to_hf(value)))
     return out
 
 
@@ -160,7 +152,7 @@ def _save_shard(tensors: dict[str, jax.Array], path: str) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def save_pretrained(model: Qwen3Next, path: str | os.PathLike, *, shard_bytes: int = SHARD_BYTES) -> None:
+def save_pretrained(model: CausalLM, path: str | os.PathLike, *, shard_bytes: int = SHARD_BYTES) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: jnp.asarray(v) for k, v in hf_state_dict(model).items()}

@@ -1,4 +1,6 @@
-"""Hugging Face Qwen3-Next config.json <-> gdnx ModelConfig."""
+"""Hugging Face config.json <-> gdnx ModelConfig, for every family gdnx
+builds. A config.json's model_type picks the family; a vision-language
+checkpoint (qwen3_5, qwen3_5_moe) gives its text_config."""
 
 from __future__ import annotations
 
@@ -7,30 +9,77 @@ import pydantic
 from gdnx.config.loading import format_validation_error
 from gdnx.config.schema import ModelConfig
 
-# Architecture fields that carry the same name and meaning on both sides.
-SHARED_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
-    "initializer_range", "layer_types", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "attention_bias", "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads",
-    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "intermediate_size", "num_experts",
-    "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
-    "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "full_attention_interval",
-)
+# Architecture fields with the same name and meaning on both sides, per family.
+_COMMON = ("vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
+           "initializer_range", "layer_types", "num_attention_heads", "num_key_value_heads", "attention_bias",
+           "max_position_embeddings", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+           "linear_value_head_dim", "linear_conv_kernel_dim", "bos_token_id", "eos_token_id", "pad_token_id")
+_MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "router_aux_loss_coef")
+FIELDS = {
+    "qwen3_next": (*_COMMON, "head_dim", "intermediate_size", *_MOE, "norm_topk_prob", "decoder_sparse_step",
+                   "mlp_only_layers", "full_attention_interval"),
+    "qwen3_5": (*_COMMON, "head_dim", "intermediate_size"),
+    "qwen3_5_moe": (*_COMMON, "head_dim", *_MOE),
+    "olmo_hybrid": (*_COMMON, "intermediate_size", "linear_allow_neg_eigval"),
+}
+# model_type -> (family, the FIELDS entry); the vision-language ones carry a text_config
+MODEL_TYPES = {
+    "qwen3_next": ("qwen3_next", "qwen3_next"),
+    "qwen3_5": ("qwen3_5", "qwen3_5"), "qwen3_5_text": ("qwen3_5", "qwen3_5"),
+    "qwen3_5_moe": ("qwen3_5", "qwen3_5_moe"), "qwen3_5_moe_text": ("qwen3_5", "qwen3_5_moe"),
+    "olmo_hybrid": ("olmo_hybrid", "olmo_hybrid"),
+}
+VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
+# Qwen3.5's multimodal RoPE sections: with text-only positions (the same
+# position on every section) they are 1-D RoPE, which is what gdnx runs.
+_ROPE_IGNORED = ("mrope_section", "mrope_interleaved")
 
 
-def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig:
-    """ModelConfig from a config.json dict; overrides are ModelConfig fields."""
-    if hf.get("model_type") not in (None, "qwen3_next"):
-        raise ValueError(f"config.json: model_type {hf['model_type']!r} is not qwen3_next")
-    fields = {k: hf[k] for k in SHARED_FIELDS if hf.get(k) is not None}
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+def _rope_fields(hf: dict, family: str) -> dict:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if family == "olmo_hybrid" and rope.get("rope_theta", hf.get("rope_theta")) is None:
+        return {"rope_theta": None}  # OLMo Hybrid without rotary embeddings
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"config.json: rope_type {rope_type!r} is not supported (only 'default')")
+    fields = {}
     for key in ("rope_theta", "partial_rotary_factor"):
         value = rope.get(key, hf.get(key))
         if value is not None:
             fields[key] = value
+    if family == "olmo_hybrid":
+        fields["partial_rotary_factor"] = 1.0
+    return fields
+
+
+def language_model_config(hf: dict) -> dict:
+    """The text model's config.json dict (a vision-language one's text_config,
+    with the top-level embedding tie)."""
+    if hf.get("model_type") not in VISION_LANGUAGE:
+        return hf
+    text = dict(hf.get("text_config") or {})
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return {**text, "model_type": hf["model_type"] + "_text"}
+
+
+def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig:
+    """ModelConfig from a config.json dict; overrides are ModelConfig fields."""
+    model_type = hf.get("model_type", "qwen3_next")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"config.json: model_type {model_type!r} is not a GDN hybrid gdnx builds "
+                         f"(supported: {', '.join(MODEL_TYPES)})")
+    hf = language_model_config(hf)
+    family, kind = MODEL_TYPES[model_type]
+    fields: dict = {"family": family}
+    fields.update({k: hf[k] for k in FIELDS[kind] if hf.get(k) is not None})
+    fields.update(_rope_fields(hf, family))
+    if family == "olmo_hybrid":
+        fields["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+        fields["num_experts"] = 0
+    elif kind == "qwen3_5":
+        fields["num_experts"] = 0
     fields.update(overrides or {})
     try:
         return ModelConfig.model_validate(fields)
@@ -38,13 +87,37 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
         raise ValueError(format_validation_error(e, "model")) from None
 
 
+def _refuse(cfg: ModelConfig, kind: str, checks: dict[str, object]) -> None:
+    for field, value in checks.items():
+        if getattr(cfg, field) != value:
+            raise ValueError(f"model.{field}: a {kind} checkpoint stores only {value!r}, got {getattr(cfg, field)!r}")
+
+
 def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """A config.json dict that transformers' Qwen3NextConfig reads."""
-    out: dict[str, object] = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
-    out.update({k: getattr(cfg, k) for k in SHARED_FIELDS})
+    """A config.json dict of the family's text model that transformers reads."""
+    moe = cfg.num_experts > 0
+    if cfg.family == "qwen3_next":
+        kind, arch = "qwen3_next", "Qwen3NextForCausalLM"
+    elif cfg.family == "qwen3_5":
+        kind, arch = ("qwen3_5_moe", "Qwen3_5MoeForCausalLM") if moe else ("qwen3_5", "Qwen3_5ForCausalLM")
+    else:
+        kind, arch = "olmo_hybrid", "OlmoHybridForCausalLM"
+    if cfg.family != "olmo_hybrid":
+        _refuse(cfg, kind, {"linear_allow_neg_eigval": False})
+    if kind == "qwen3_5_moe":  # every layer routed, top-k probabilities renormalised
+        _refuse(cfg, kind, {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
+    if cfg.family == "olmo_hybrid":
+        _refuse(cfg, kind, {"head_dim": cfg.hidden_size // cfg.num_attention_heads, "partial_rotary_factor": 1.0})
+    model_type = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(kind, kind)
+    out: dict[str, object] = {"architectures": [arch], "model_type": model_type}
+    out.update({k: getattr(cfg, k) for k in FIELDS[kind]})
     out["layer_types"] = list(cfg.resolved_layer_types)
-    out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                              "partial_rotary_factor": cfg.partial_rotary_factor}
-    out["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if cfg.rope_theta is None:
+        out["rope_parameters"] = None
+    else:
+        rope: dict[str, object] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if cfg.family != "olmo_hybrid":
+            rope["partial_rotary_factor"] = out["partial_rotary_factor"] = cfg.partial_rotary_factor
+        out["rope_parameters"] = rope
     out["dtype"] = cfg.param_dtype
     return out

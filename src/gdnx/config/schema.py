@@ -1,13 +1,14 @@
 """The run configuration: pydantic models, validated field by field.
 
-`ModelConfig` is the architecture (Hugging Face Qwen3-Next field names, so a
-checkpoint's config.json maps onto it) plus the GDN knobs; `TrainConfig`
+`ModelConfig` is the architecture (Hugging Face field names, so a
+checkpoint's config.json maps onto it; `family` says which of the GDN
+hybrids it builds) plus the GDN knobs; `TrainConfig`
 and `DataConfig` drive `gdnx train`. Unknown keys are errors everywhere.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
@@ -16,6 +17,10 @@ from gdnx.ops.gated_delta_rule import CHUNK_IMPLEMENTATIONS, CHUNK_SIZES, RESIDU
 from gdnx.ops.gated_delta_rule.tiles import KERNEL_PLATFORMS
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+# qwen3_next: Qwen3-Next; qwen3_5: Qwen3.5, dense (num_experts 0) or MoE;
+# olmo_hybrid: OLMo Hybrid (docs/model.md has what differs between them)
+Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid"]
+FAMILIES: tuple[str, ...] = get_args(Family)
 # The GDN op's choices, from the op itself
 _CHOICES = {"gdn_implementation": ("auto", *CHUNK_IMPLEMENTATIONS), "gdn_chunk_size": CHUNK_SIZES,
             "gdn_residuals": RESIDUAL_POLICIES}
@@ -26,8 +31,9 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    """Qwen3-Next architecture and the GDN knobs."""
+    """A GDN hybrid's architecture and the GDN knobs."""
 
+    family: Family = "qwen3_next"
     vocab_size: PositiveInt = 151936
     hidden_size: PositiveInt = 2048
     num_hidden_layers: PositiveInt = 48
@@ -44,7 +50,7 @@ class ModelConfig(_Strict):
     num_key_value_heads: PositiveInt = 2
     head_dim: PositiveInt = 256
     attention_bias: bool = False
-    rope_theta: PositiveFloat = 10000000.0
+    rope_theta: PositiveFloat | None = 10000000.0  # None: no rotary embedding (olmo_hybrid allows it)
     partial_rotary_factor: float = Field(0.25, gt=0.0, le=1.0)
     max_position_embeddings: PositiveInt = 262144
 
@@ -54,6 +60,7 @@ class ModelConfig(_Strict):
     linear_key_head_dim: PositiveInt = 128
     linear_value_head_dim: PositiveInt = 128
     linear_conv_kernel_dim: int = Field(4, ge=2)
+    linear_allow_neg_eigval: bool = False  # beta = 2 sigmoid(b), in [0, 2]: negative transition eigenvalues
 
     # MLP: dense SwiGLU, or sparse MoE with a shared expert (num_experts > 0)
     intermediate_size: PositiveInt = 5120
@@ -65,6 +72,11 @@ class ModelConfig(_Strict):
     decoder_sparse_step: PositiveInt = 1
     mlp_only_layers: list[int] = Field(default_factory=list)
     router_aux_loss_coef: float = Field(0.001, ge=0.0)
+
+    # special tokens, carried to and from Hugging Face config.json
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
 
     # GDN op knobs
     gdn_implementation: str = "auto"  # auto: the op's choice for the platform, or an implementation's name
@@ -126,6 +138,8 @@ class ModelConfig(_Strict):
         if moe and self.num_experts_per_tok > self.num_experts:
             errors.append(("num_experts_per_tok", f"must be <= num_experts={self.num_experts}, "
                            f"got {self.num_experts_per_tok}"))
+        if self.family == "olmo_hybrid" and moe:
+            errors.append(("num_experts", f"olmo_hybrid has dense MLPs only; set it to 0, got {self.num_experts}"))
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             errors.append(("mlp_only_layers", f"layer indices must be in [0, {self.num_hidden_layers}), got {bad}"))

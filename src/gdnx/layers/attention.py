@@ -1,5 +1,8 @@
-"""Gated full attention (Qwen3-Next): q_proj doubled for a sigmoid output
-gate, RMSNorm on q and k per head, partial RoPE, grouped-query attention."""
+"""Full attention with grouped key/value heads, in two forms:
+`GatedAttention` (Qwen3-Next, Qwen3.5): q_proj doubled for a sigmoid output
+gate, zero-centred RMSNorm on q and k per head, partial RoPE;
+`NormedAttention` (OLMo Hybrid): RMSNorm on q and k across all heads, RoPE
+or none, no gate. Both share the attention and its cache."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdnx.layers.linear import linear
-from gdnx.layers.norms import RMSNorm
+from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import apply_rope
 from gdnx.parallel.rules import HIDDEN, constrain, out_sharding, spec
 
@@ -45,6 +48,33 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                                                                    (b, t, h, d))).astype(q.dtype)
 
 
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache: KVCache | None,
+           start: jax.Array | int) -> tuple[jax.Array, KVCache | None]:
+    """q [B, T, H, D] over k, v [B, T, Hkv, D] at `positions` [T]. With a
+    cache, k and v are written at [start, start + T) and the queries see
+    everything before them. Returns (out [B, T, H, D], new cache or None)."""
+    if cache is None:
+        # Under a context axis each shard keeps its queries and gathers every
+        # key and value (causal_attention; the mask hides the later ones):
+        # simple, and full attention is one layer in four.
+        return causal_attention(q, k, v, positions, positions), None
+    zero = jnp.zeros((), jnp.int32)  # indices of one dtype, whatever jax_enable_x64 says
+    at = (zero, jnp.asarray(start, jnp.int32), zero, zero)
+    # on a mesh the cache keeps its length whole (writes land at any offset)
+    place = functools.partial(constrain, axes=("batch", None, "kv_heads", None))
+    cache = KVCache(jax.lax.dynamic_update_slice(place(cache.k), place(k.astype(cache.k.dtype)), at),
+                    jax.lax.dynamic_update_slice(place(cache.v), place(v.astype(cache.v.dtype)), at))
+    slots = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
+    return causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots), cache
+
+
+Rope = tuple[jax.Array, jax.Array] | None  # (cos, sin) [1, T, rotary_dim], or None: no rotary embedding
+
+
+def _rope(x: jax.Array, rope: Rope) -> jax.Array:
+    return x if rope is None else apply_rope(x, *rope)
+
+
 class GatedAttention(nnx.Module):
     """Softmax attention with grouped key/value heads, q/k RMSNorm, partial
     RoPE and a sigmoid output gate."""
@@ -57,34 +87,47 @@ class GatedAttention(nnx.Module):
         self.k_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
         self.v_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
         self.o_proj = linear(self.num_heads * d, h, dtype, param_dtype, std, rngs, bias=bias)
-        self.q_norm = RMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
-        self.k_norm = RMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
+        self.q_norm = ZeroCenteredRMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
+        self.k_norm = ZeroCenteredRMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], positions: jax.Array,
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array,
                  cache: KVCache | None = None, start: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
-        """x [B, T, hidden]; rope = (cos, sin) for positions [T] (start + arange(T)).
-        With a cache, k and v are written at [start, start + T) and the
-        queries see everything before them. Returns (y, new cache or None)."""
+        """x [B, T, hidden]; rope for positions [T] (start + arange(T)); the
+        cache as `attend` keeps it. Returns (y, new cache or None)."""
         b, t, _ = x.shape
         d = self.head_dim
         qg = constrain(self.q_proj(x).reshape(b, t, self.num_heads, 2 * d), ("batch", "length", "heads", None))
         q, gate = qg[..., :d], qg[..., d:].reshape(b, t, self.num_heads * d)
-        q = apply_rope(self.q_norm(q), *rope)
-        k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), *rope)
+        q = _rope(self.q_norm(q), rope)
+        k = _rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
-        if cache is None:
-            # Under a context axis each shard keeps its queries and gathers every
-            # key and value (causal_attention; the mask hides the later ones):
-            # simple, and full attention is one layer in four.
-            out = causal_attention(q, k, v, positions, positions)
-        else:
-            zero = jnp.zeros((), jnp.int32)  # indices of one dtype, whatever jax_enable_x64 says
-            at = (zero, jnp.asarray(start, jnp.int32), zero, zero)
-            # on a mesh the cache keeps its length whole (writes land at any offset)
-            place = functools.partial(constrain, axes=("batch", None, "kv_heads", None))
-            cache = KVCache(jax.lax.dynamic_update_slice(place(cache.k), place(k.astype(cache.k.dtype)), at),
-                            jax.lax.dynamic_update_slice(place(cache.v), place(v.astype(cache.v.dtype)), at))
-            slots = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
-            out = causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots)
+        out, cache = attend(q, k, v, positions, cache, start)
         out = out.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(gate)
         return self.o_proj(out, out_sharding=out_sharding(HIDDEN, x.shape)), cache
+
+
+class NormedAttention(nnx.Module):
+    """Softmax attention with grouped key/value heads, RMSNorm on q and on k
+    across all their heads (before splitting into heads), RoPE or none."""
+
+    def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 norm_eps: float, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        h, d, std = hidden_size, head_dim, init_std
+        self.q_proj = linear(h, self.num_heads * d, dtype, param_dtype, std, rngs, bias=bias)
+        self.k_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
+        self.v_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
+        self.o_proj = linear(self.num_heads * d, h, dtype, param_dtype, std, rngs, bias=bias)
+        self.q_norm = RMSNorm(self.num_heads * d, eps=norm_eps, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(self.num_kv_heads * d, eps=norm_eps, param_dtype=param_dtype)
+
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array,
+                 cache: KVCache | None = None, start: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+        """As GatedAttention.__call__."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        q = _rope(self.q_norm(self.q_proj(x)).reshape(b, t, self.num_heads, d), rope)
+        k = _rope(self.k_norm(self.k_proj(x)).reshape(b, t, self.num_kv_heads, d), rope)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
+        out, cache = attend(q, k, v, positions, cache, start)
+        return self.o_proj(out.reshape(b, t, self.num_heads * d), out_sharding=out_sharding(HIDDEN, x.shape)), cache

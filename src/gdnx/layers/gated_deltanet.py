@@ -1,11 +1,14 @@
-"""The Gated DeltaNet layer exactly as Qwen3-Next defines it.
+"""The Gated DeltaNet layer of every GDN hybrid gdnx builds.
 
-in_proj_qkvz and in_proj_ba keep Hugging Face's per-key-head interleaved
-layout (for key head i: [q_i | k_i | v of its G value heads | z of them],
-and [b of its G value heads | a of them]), so weights load as they are and a
-key head's group stays contiguous for tensor sharding. Then a depthwise
-causal conv + SiLU over q, k, v (its own op; channels taken per key head,
-the conv weight regrouped to match), beta = sigmoid(b),
+The input projections are fused, in Qwen3-Next's per-key-head interleaved
+layout (for key head i: in_proj_qkvz [q_i | k_i | v of its G value heads | z
+of them], in_proj_ba [b of its G value heads | a of them]), so a key head's
+group stays contiguous for tensor sharding. Qwen3-Next's checkpoints store
+exactly this; Qwen3.5's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) and
+OLMo Hybrid's (q/k/v/g/b/a_proj) are regrouped into it on loading
+(gdnx.checkpoints.hf_names). Then a depthwise causal conv + SiLU over q, k,
+v (its own op; channels taken per key head, the conv weight regrouped to
+match), beta = sigmoid(b) (2 sigmoid(b) with allow_neg_eigval),
 g = -exp(A_log) * softplus(a + dt_bias) in float32, the delta rule with
 l2-normalised q and k, a gated RMSNorm with z, and out_proj. On a mesh the
 conv and the delta rule run under shard_map (gdnx.parallel.gdn).
@@ -40,11 +43,13 @@ class GatedDeltaNet(nnx.Module):
 
     def __init__(self, hidden_size: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, conv_kernel_size: int, norm_eps: float, op: DeltaRuleOptions,
-                 init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+                 init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
+                 allow_neg_eigval: bool = False):
         self.hk, self.hv = num_key_heads, num_value_heads
         self.dk, self.dv = key_head_dim, value_head_dim
         self.width = conv_kernel_size
         self.eps = norm_eps
+        self.beta_scale = 2.0 if allow_neg_eigval else 1.0
         self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
         self.op = op
         h, std = hidden_size, init_std
@@ -130,7 +135,7 @@ class GatedDeltaNet(nnx.Module):
         gate_sharding = out_sharding(GATE, (b, t, self.hv), units=units)
         bb = jnp.reshape(ba[..., :grp], (b, t, self.hv), out_sharding=gate_sharding)
         a = jnp.reshape(ba[..., grp:], (b, t, self.hv), out_sharding=gate_sharding)
-        beta = jax.nn.sigmoid(bb)
+        beta = self.beta_scale * jax.nn.sigmoid(bb)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
         conv_state = None if state is None else self._group_channels(state.conv, 1)
         o, conv_state, rec = run_gdn_core(

@@ -1,4 +1,6 @@
-"""Zero-centred RMSNorm (Qwen3-Next scales by 1 + w, w initialised to 0)."""
+"""RMSNorm in two parametrisations: scale by w (w initialised to 1; OLMo
+Hybrid) or by 1 + w (zero-centred, w initialised to 0; Qwen3-Next and
+Qwen3.5). Both normalise in float32 and cast back to x's dtype."""
 
 from __future__ import annotations
 
@@ -14,7 +16,19 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """y = x / rms(x) * (1 + w), in float32, cast back to x's dtype."""
+    """y = x / rms(x) * w."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: DTypeLike = jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = rms_normalize(x, self.eps)
+        return (y * self.weight[...].astype(y.dtype)).astype(x.dtype)
+
+
+class ZeroCenteredRMSNorm(nnx.Module):
+    """y = x / rms(x) * (1 + w)."""
 
     def __init__(self, dim: int, *, eps: float, param_dtype: DTypeLike = jnp.float32):
         self.eps = eps

@@ -1,7 +1,15 @@
-"""The Qwen3-Next hybrid decoder: embeddings, a stack of decoder layers
-(Gated DeltaNet, with full attention every full_attention_interval-th layer),
-each followed by a dense SwiGLU MLP or a sparse MoE, a final norm and the LM
-head. Parameter names follow Hugging Face's so the weight map stays plain.
+"""The GDN hybrid decoder of every family gdnx builds (`ModelConfig.family`):
+embeddings, a stack of decoder layers (Gated DeltaNet, with full attention
+where layer_types says), each followed by a dense SwiGLU MLP or a sparse
+MoE, a final norm and the LM head. Parameter names follow Hugging Face's so
+the weight map stays plain.
+
+The families differ in a few places, all here: OLMo Hybrid scales its norms
+by w (Qwen by 1 + w), its attention normalises q and k across heads without
+an output gate (NormedAttention) and may go without RoPE, its attention
+layers normalise each block's output (post-norm), and its GDN layers may
+take beta in [0, 2]. Qwen3.5 differs from Qwen3-Next only in how its
+checkpoints store the GDN projections (gdnx.checkpoints.hf_names).
 """
 
 from __future__ import annotations
@@ -16,12 +24,12 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdnx.config.schema import ModelConfig
-from gdnx.layers.attention import GatedAttention, KVCache
+from gdnx.layers.attention import GatedAttention, KVCache, NormedAttention, Rope
 from gdnx.layers.gated_deltanet import GatedDeltaNet, GDNState
 from gdnx.layers.linear import linear
 from gdnx.layers.mlp import MLP
 from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
-from gdnx.layers.norms import RMSNorm
+from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.cache import Cache
 from gdnx.ops.gated_delta_rule import RESIDUAL_NAMES, DeltaRuleOptions
@@ -36,25 +44,40 @@ class ModelOutput(NamedTuple):
     aux_loss: jax.Array  # load-balancing loss (0 for dense models)
 
 
+# OLMo Hybrid's gated norm on the GDN output has a fixed eps
+OLMO_GATED_NORM_EPS = 1e-5
+
+
 class DecoderLayer(nnx.Module):
+    """Pre-norm, x + mixer(norm(x)) then x + mlp(norm(x)); post-norm (OLMo
+    Hybrid's attention layers), x + norm(mixer(x)) then x + norm(mlp(x))."""
+
     def __init__(self, cfg: ModelConfig, index: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.layer_type = cfg.resolved_layer_types[index]
+        olmo = cfg.family == "olmo_hybrid"
         # the model reads the config; each layer gets the sizes it uses
         h = cfg.hidden_size
         kw: dict[str, Any] = dict(init_std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.input_layernorm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.post_attention_layernorm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mixer: GatedDeltaNet | GatedAttention
+        norm = RMSNorm if olmo else ZeroCenteredRMSNorm
+        self.post_norm = olmo and self.layer_type == "full_attention"
+        if self.post_norm:
+            self.post_attention_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+            self.post_feedforward_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        else:
+            self.input_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+            self.post_attention_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mixer: GatedDeltaNet | GatedAttention | NormedAttention
         if self.layer_type == "linear_attention":
             self.mixer = GatedDeltaNet(
                 h, num_key_heads=cfg.linear_num_key_heads, num_value_heads=cfg.linear_num_value_heads,
                 key_head_dim=cfg.linear_key_head_dim, value_head_dim=cfg.linear_value_head_dim,
-                conv_kernel_size=cfg.linear_conv_kernel_dim, norm_eps=cfg.rms_norm_eps, op=delta_rule_options(cfg),
-                **kw)
+                conv_kernel_size=cfg.linear_conv_kernel_dim, op=delta_rule_options(cfg),
+                norm_eps=OLMO_GATED_NORM_EPS if olmo else cfg.rms_norm_eps,
+                allow_neg_eigval=cfg.linear_allow_neg_eigval, **kw)
         else:
-            self.mixer = GatedAttention(h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                                        head_dim=cfg.head_dim, bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps,
-                                        **kw)
+            attention = NormedAttention if olmo else GatedAttention
+            self.mixer = attention(h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                                   head_dim=cfg.head_dim, bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps, **kw)
         self.mlp: SparseMoE | MLP
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoE(h, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
@@ -64,23 +87,30 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(h, cfg.intermediate_size, **kw)
 
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], positions: jax.Array,
+    def _mix(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | GDNState | None,
+             start: jax.Array) -> tuple[jax.Array, KVCache | GDNState | None]:
+        if isinstance(self.mixer, GatedDeltaNet):
+            assert cache is None or isinstance(cache, GDNState)  # the model builds one per layer type
+            return self.mixer(x, cache)
+        assert cache is None or isinstance(cache, KVCache)
+        return self.mixer(x, rope, positions, cache, start)
+
+    def _feed_forward(self, x: jax.Array) -> tuple[jax.Array, RouterStats | None]:
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp(x)
+        return self.mlp(x), None
+
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array,
                  cache: KVCache | GDNState | None, start: jax.Array,
                  ) -> tuple[jax.Array, KVCache | GDNState | None, RouterStats | None]:
-        h = self.input_layernorm(x)
-        new_cache: KVCache | GDNState | None
-        if isinstance(self.mixer, GatedAttention):
-            assert cache is None or isinstance(cache, KVCache)  # the model builds one per layer type
-            h, new_cache = self.mixer(h, rope, positions, cache, start)
-        else:
-            assert cache is None or isinstance(cache, GDNState)
-            h, new_cache = self.mixer(h, cache)
+        if self.post_norm:
+            h, new_cache = self._mix(x, rope, positions, cache, start)
+            x = constrain(x + self.post_attention_layernorm(h), HIDDEN)
+            h, stats = self._feed_forward(x)
+            return constrain(x + self.post_feedforward_layernorm(h), HIDDEN), new_cache, stats
+        h, new_cache = self._mix(self.input_layernorm(x), rope, positions, cache, start)
         x = constrain(x + h, HIDDEN)
-        stats = None
-        if isinstance(self.mlp, SparseMoE):
-            h, stats = self.mlp(self.post_attention_layernorm(x))
-        else:
-            h = self.mlp(self.post_attention_layernorm(x))
+        h, stats = self._feed_forward(self.post_attention_layernorm(x))
         return constrain(x + h, HIDDEN), new_cache, stats
 
 
@@ -116,8 +146,8 @@ def _remat_policy(name: str):
     return None  # "full": recompute everything in the layer
 
 
-class Qwen3Next(nnx.Module):
-    """Qwen3-Next causal LM. `model(tokens)` -> logits [B, T, vocab];
+class CausalLM(nnx.Module):
+    """A GDN hybrid causal LM of any family. `model(tokens)` -> logits [B, T, vocab];
     `model.forward(tokens, cache)` also carries a generation cache and
     returns the load-balancing loss."""
 
@@ -129,20 +159,24 @@ class Qwen3Next(nnx.Module):
                                       embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
         self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                 for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        norm = RMSNorm if config.family == "olmo_hybrid" else ZeroCenteredRMSNorm
+        self.norm = norm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, dtype, param_dtype, config.initializer_range, rngs)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **config_overrides: Any) -> "Qwen3Next":
-        """Load a Hugging Face Qwen3-Next directory (config.json + safetensors);
-        keyword arguments override config fields (e.g. gdn_implementation="xla")."""
+    def from_pretrained(cls, path: str | os.PathLike, **config_overrides: Any) -> "CausalLM":
+        """Load a Hugging Face directory (config.json + safetensors) of any
+        family gdnx builds (its model_type says which: qwen3_next, qwen3_5,
+        qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, olmo_hybrid); keyword
+        arguments override config fields (e.g. gdn_implementation="xla")."""
         from gdnx.checkpoints.hf import load_pretrained
 
         return load_pretrained(cls, path, **config_overrides)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write config.json + model.safetensors that transformers loads."""
+        """Write config.json + safetensors in the family's own layout, which
+        transformers loads."""
         from gdnx.checkpoints.hf import save_pretrained
 
         save_pretrained(self, path)
@@ -169,7 +203,8 @@ class Qwen3Next(nnx.Module):
         t = tokens.shape[1]
         start = jnp.zeros((), jnp.int32) if cache is None else cache.length
         positions = start + jnp.arange(t, dtype=jnp.int32)
-        cos, sin = rope_tables(positions[None], rotary_dim(cfg.head_dim, cfg.partial_rotary_factor), cfg.rope_theta)
+        rope = None if cfg.rope_theta is None else rope_tables(
+            positions[None], rotary_dim(cfg.head_dim, cfg.partial_rotary_factor), cfg.rope_theta)
         x = self._embed(constrain(tokens, ("batch", "length")))
         stats: list[RouterStats] = []
         new_layers = []
@@ -178,7 +213,7 @@ class Qwen3Next(nnx.Module):
             run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat_policy))
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layers[i]
-            x, layer_cache, s = run(layer, x, (cos, sin), positions, layer_cache, start)
+            x, layer_cache, s = run(layer, x, rope, positions, layer_cache, start)
             new_layers.append(layer_cache)
             if s is not None:
                 stats.append(s)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from gdnx.config import ModelConfig, load_config
 from gdnx.measure import relative_error
-from gdnx.models import Cache, Qwen3Next
+from gdnx.models import Cache, CausalLM
 
 TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -20,7 +20,7 @@ TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_i
 
 
 def _model(**kw):
-    return Qwen3Next(ModelConfig(**{**TINY, **kw}), seed=1)
+    return CausalLM(ModelConfig(**{**TINY, **kw}), seed=1)
 
 
 def _tokens(b, t, seed=0):
@@ -70,8 +70,8 @@ def test_kernel_on_and_off_agree_in_a_train_step():
     cfg = load_config("tiny").model
     toks = _tokens(2, 40)
     with pytest.warns(UserWarning, match="interpret mode"):
-        on = Qwen3Next(cfg.model_copy(update={"gdn_implementation": "pallas_tpu"}), seed=1)
-    off = Qwen3Next(cfg.model_copy(update={"gdn_implementation": "xla"}), seed=1)
+        on = CausalLM(cfg.model_copy(update={"gdn_implementation": "pallas_tpu"}), seed=1)
+    off = CausalLM(cfg.model_copy(update={"gdn_implementation": "xla"}), seed=1)
     assert on.layers[0].mixer.op.implementation == "pallas_tpu"
     assert off.layers[0].mixer.op.implementation == "xla"
     g_on, g_off = _grads(on, toks), _grads(off, toks)
@@ -106,7 +106,7 @@ def test_published_config_builds_the_80b_model():
     """The bundled qwen3-next-80b-a3b config, built abstractly (no memory):
     79.67 billion parameters, the published 80B without the multi-token
     prediction head."""
-    model = nnx.eval_shape(lambda: Qwen3Next(load_config("qwen3-next-80b-a3b").model))
+    model = nnx.eval_shape(lambda: CausalLM(load_config("qwen3-next-80b-a3b").model))
     count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count == 79_674_391_296
     assert [layer.layer_type for layer in model.layers[:4]] == ["linear_attention"] * 3 + ["full_attention"]

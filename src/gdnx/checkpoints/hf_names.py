@@ -1,0 +1,137 @@
+"""Where each gdnx parameter lives in a Hugging Face checkpoint, per family.
+
+Most parameters are one tensor under the same name (Linear kernels
+transposed, the conv weight with a unit axis). The GDN input projections
+differ: gdnx keeps them fused per key head (gdnx.layers.gated_deltanet);
+Qwen3-Next's checkpoints store exactly that, Qwen3.5's store in_proj_qkv
+([all q | all k | all v]) and in_proj_z, in_proj_b, in_proj_a, OLMo
+Hybrid's q/k/v/g_proj and b/a_proj. OLMo Hybrid's checkpoints also keep
+the conv weight in three parts (q/k/v_conv1d) and name two norms as OLMo
+does (attention_layer_norm, feedforward_layer_norm). Every conversion is a reshape,
+transpose, split or concatenation, so a load and a save give back the same
+bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gdnx.config.schema import ModelConfig
+
+
+class Tensors(NamedTuple):
+    """One gdnx parameter as Hugging Face tensors: their names and the two
+    conversions."""
+    keys: tuple[str, ...]
+    to_param: Callable[..., jax.Array]  # the tensors, in keys' order -> the parameter
+    to_hf: Callable[[jax.Array], tuple[jax.Array, ...]]  # the parameter -> the tensors
+
+
+class Experts(NamedTuple):
+    """A routed-experts parameter [E, ...]: per expert ({prefix}.{e}.{part}_proj.weight)
+    in published checkpoints, or fused ({prefix}.gate_up_proj, {prefix}.down_proj)."""
+    prefix: str
+    part: str  # gate, up or down
+
+
+def _t(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _same(key: str) -> Tensors:
+    return Tensors((key,), lambda w: w, lambda p: (p,))
+
+
+def _transposed(key: str) -> Tensors:
+    return Tensors((key,), _t, lambda p: (_t(p),))
+
+
+def _conv(key: str) -> Tensors:
+    return Tensors((key,), lambda w: w[:, 0], lambda p: (p[:, None],))
+
+
+def _per_key_head(keys: Sequence[str], rows: Sequence[Sequence[int]], num_key_heads: int) -> Tensors:
+    """A fused kernel [hidden, HK * W] whose columns are, per key head, its
+    slice of each part in turn; the parts are the row blocks `rows[j]` of
+    the tensor keys[j] ([out, hidden], out in head order)."""
+    hk = num_key_heads
+
+    def to_param(*tensors: jax.Array) -> jax.Array:
+        parts = []
+        for w, sizes in zip(tensors, rows):
+            offsets = [sum(sizes[:i]) for i in range(1, len(sizes))]
+            parts += [p.T.reshape(p.shape[1], hk, -1) for p in jnp.split(w, offsets, axis=0)]
+        return jnp.concatenate(parts, axis=-1).reshape(parts[0].shape[0], -1)
+
+    def to_hf(kernel: jax.Array) -> tuple[jax.Array, ...]:
+        widths = [size // hk for sizes in rows for size in sizes]
+        offsets = [sum(widths[:i]) for i in range(1, len(widths))]
+        grouped = kernel.reshape(kernel.shape[0], hk, -1)
+        parts = iter(p.reshape(kernel.shape[0], -1).T for p in jnp.split(grouped, offsets, axis=-1))
+        return tuple(jnp.concatenate([next(parts) for _ in sizes], axis=0) for sizes in rows)
+
+    return Tensors(tuple(keys), to_param, to_hf)
+
+
+def _gdn(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
+    """A GatedDeltaNet parameter (`name` its attribute) under linear_attn."""
+    kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    hv, hk = cfg.linear_num_value_heads, cfg.linear_num_key_heads
+    olmo = cfg.family == "olmo_hybrid"
+    p = prefix + "linear_attn."
+    if name == "conv_weight" and olmo:
+        return Tensors(tuple(p + f"{x}_conv1d.weight" for x in "qkv"),
+                       lambda q, k, v: jnp.concatenate([q, k, v], axis=0)[:, 0],
+                       lambda w: tuple(x[:, None] for x in jnp.split(w, [kd, 2 * kd], axis=0)))
+    if name == "conv_weight":
+        return _conv(p + "conv1d.weight")
+    if name in ("dt_bias", "A_log"):
+        return _same(p + name)
+    if name == "norm_weight":
+        return _same(p + ("o_norm.weight" if olmo else "norm.weight"))
+    if name == "out_proj":
+        return _transposed(p + ("o_proj.weight" if olmo else "out_proj.weight"))
+    if cfg.family == "qwen3_next":
+        return _transposed(p + name + ".weight")
+    if name == "in_proj_qkvz" and olmo:
+        return _per_key_head([p + f"{x}_proj.weight" for x in "qkvg"], [[kd], [kd], [vd], [vd]], hk)
+    if name == "in_proj_qkvz":
+        return _per_key_head([p + "in_proj_qkv.weight", p + "in_proj_z.weight"], [[kd, kd, vd], [vd]], hk)
+    names = ("b_proj", "a_proj") if olmo else ("in_proj_b", "in_proj_a")
+    return _per_key_head([p + n + ".weight" for n in names], [[hv], [hv]], hk)
+
+
+# OLMo Hybrid's names for the norms before a layer's mixer and its MLP (or,
+# in its post-norm attention layers, after the mixer)
+_OLMO_NORMS = {"input_layernorm": "attention_layer_norm", "post_attention_layernorm": "feedforward_layer_norm"}
+
+
+def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.") -> Tensors | Experts:
+    """The Hugging Face tensors of the gdnx parameter at `path` (an nnx state
+    path); `prefix` is where the language model's tensors live
+    (model.language_model. in a vision-language checkpoint)."""
+    if path == ("embed_tokens", "embedding"):
+        return _same(prefix + "embed_tokens.weight")
+    if path == ("lm_head", "kernel"):
+        return _transposed("lm_head.weight")
+    if path == ("norm", "weight"):
+        return _same(prefix + "norm.weight")
+    _, i, block, *tail = path
+    layer = f"{prefix}layers.{i}."
+    if block.endswith("layernorm"):
+        if cfg.family == "olmo_hybrid":
+            block = _OLMO_NORMS.get(block, block)
+        return _same(layer + block + ".weight")
+    if block == "mixer" and tail[0] in ("conv_weight", "dt_bias", "A_log", "norm_weight", "in_proj_qkvz",
+                                        "in_proj_ba", "out_proj"):
+        return _gdn(cfg, tail[0], layer)
+    if tail[0].startswith("experts_"):
+        return Experts(layer + "mlp.experts", tail[0].removeprefix("experts_"))
+    module = layer + ("self_attn." if block == "mixer" else "mlp.") + ".".join(tail[:-1])
+    leaf = tail[-1]
+    return _transposed(module + ".weight") if leaf == "kernel" else _same(module + "." + leaf)
