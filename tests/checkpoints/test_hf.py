@@ -12,7 +12,8 @@ from safetensors.flax import save_file
 from transformers import Qwen3NextForCausalLM
 
 from gdnx.checkpoints.hf import hf_state_dict, save_pretrained
-from gdnx.checkpoints.hf_config import model_config_from_hf
+from gdnx.checkpoints.hf_config import hf_config_from_model, model_config_from_hf
+from gdnx.config import ModelConfig
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 from tests.hf_models import hf_and_gdnx, hf_logits, tokens
@@ -101,3 +102,30 @@ def test_config_mapping():
         model_config_from_hf({"model_type": "llama"})
     with pytest.raises(ValueError, match="rope_type 'yarn'"):
         model_config_from_hf({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_family_config_mapping():
+    """model_type picks the family; Qwen3.5's multimodal RoPE sections
+    (1-D RoPE for text) are accepted; a vision-language config gives its
+    text_config with the top-level embedding tie; OLMo Hybrid's head size
+    is hidden / heads and its RoPE is whole."""
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    dense = model_config_from_hf({"model_type": "qwen3_5_text", "intermediate_size": 96, "rope_parameters": rope})
+    assert (dense.family, dense.num_experts, dense.intermediate_size, dense.rope_theta) == ("qwen3_5", 0, 96, 1e7)
+    vl = model_config_from_hf({"model_type": "qwen3_5_moe", "tie_word_embeddings": True, "text_config": {
+        "model_type": "qwen3_5_moe_text", "num_experts": 8, "num_experts_per_tok": 2}})
+    assert (vl.family, vl.num_experts, vl.num_experts_per_tok, vl.tie_word_embeddings) == ("qwen3_5", 8, 2, True)
+    olmo = model_config_from_hf({"model_type": "olmo_hybrid", "hidden_size": 96, "num_attention_heads": 6,
+                                 "linear_allow_neg_eigval": True, "rope_parameters": {"rope_theta": 5e5}})
+    assert (olmo.family, olmo.head_dim, olmo.partial_rotary_factor, olmo.rope_theta) == ("olmo_hybrid", 16, 1.0, 5e5)
+    assert olmo.linear_allow_neg_eigval and olmo.num_experts == 0
+
+
+def test_save_refuses_what_the_family_cannot_store():
+    with pytest.raises(ValueError, match=r"model.norm_topk_prob: a qwen3_5_moe checkpoint stores only True"):
+        hf_config_from_model(ModelConfig(family="qwen3_5", norm_topk_prob=False))
+    with pytest.raises(ValueError, match=r"model.linear_allow_neg_eigval: a qwen3_next checkpoint stores only False"):
+        hf_config_from_model(ModelConfig(linear_allow_neg_eigval=True))
+    with pytest.raises(ValueError, match=r"num_experts: olmo_hybrid has dense MLPs only; set it to 0, got 512"):
+        ModelConfig(family="olmo_hybrid")

@@ -27,10 +27,21 @@ def _tokens(b, t, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, TINY["vocab_size"], (b, t)), jnp.int32)
 
 
-def test_prefill_then_decode_equals_one_pass():
+FAMILIES = {
+    "qwen3_next_moe": {},
+    "qwen3_5_gva3": dict(family="qwen3_5", num_experts=0, linear_num_value_heads=6),
+    "qwen3_5_moe_gva4": dict(family="qwen3_5", linear_num_value_heads=8),
+    "olmo_hybrid": dict(family="olmo_hybrid", num_experts=0, head_dim=8, partial_rotary_factor=1.0,
+                        linear_allow_neg_eigval=True),
+    "olmo_hybrid_nope": dict(family="olmo_hybrid", num_experts=0, head_dim=8, rope_theta=None),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefill_then_decode_equals_one_pass(family):
     """Prefill 21 tokens into a cache, decode 6 one by one: the logits equal
     a single pass over all 27 (fp32; 1e-5 relative)."""
-    model = _model()
+    model = _model(**FAMILIES[family])
     toks = _tokens(2, 27)
     full = model(toks)
     cache = Cache.init(model, 2, 32)
@@ -110,3 +121,23 @@ def test_published_config_builds_the_80b_model():
     count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count == 79_674_391_296
     assert [layer.layer_type for layer in model.layers[:4]] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+# bundled config -> (parameters gdnx builds, the published size in billions,
+# the relative distance allowed): the published checkpoints also hold a
+# multi-token prediction layer and (Qwen3.5) a vision encoder, which the
+# language model leaves out; OLMo Hybrid's "7B" is a nominal size.
+PUBLISHED = {
+    "qwen3.5-27b": (26_895_998_464, 27, 0.01),
+    "qwen3.5-397b-a17b": (396_346_350_336, 397, 0.01),
+    "olmo-hybrid-7b": (7_430_870_688, 7, 0.07),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_bundled_family_configs_build_the_published_sizes(name):
+    count, billions, margin = PUBLISHED[name]
+    model = nnx.eval_shape(lambda: CausalLM(load_config(name).model))
+    built = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert built == count
+    assert abs(built / 1e9 - billions) <= margin * billions, built
