@@ -58,8 +58,9 @@ def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path
     assert "--prompt: this model was trained on MQAR" in err
 
 
-def test_generate_from_a_hugging_face_directory(capsys, tmp_path):
-    hf_and_gdnx(tmp_path, "qwen3_next")
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "olmo_hybrid"])
+def test_generate_from_a_hugging_face_directory(capsys, tmp_path, kind):
+    hf_and_gdnx(tmp_path, kind)
     vocab = {f"w{i}": i for i in range(VOCAB)}
     tok = Tokenizer(WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = Whitespace()
@@ -80,3 +81,17 @@ def test_train_on_a_text_file(tmp_path, capsys):
     err = _error(capsys, ["train", "tiny", "data.source=text", f"data.path={tmp_path / 'bad.jsonl'}",
                           f"train.out_dir={tmp_path / 'run2'}"])
     assert "line 1: expected a JSON object" in err
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "olmo_hybrid"])
+def test_train_and_generate_each_family(capsys, tmp_path, family):
+    """A GDN + attention model of the family trains and generates from its run."""
+    model = [f"model.family={family}", "model.layer_types=[linear_attention, full_attention]",
+             "model.linear_num_value_heads=6", "model.linear_num_key_heads=2"]
+    if family == "olmo_hybrid":
+        model += ["model.linear_allow_neg_eigval=true", "model.partial_rotary_factor=1.0"]
+    assert main(["train", "tiny", *SMALL, *model, "train.steps=3", f"train.out_dir={tmp_path}"]) == 0
+    assert json.loads((tmp_path / "config.json").read_text())["model"]["family"] == family
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "1 17 2 18 1", "--max-new-tokens", "3"]) == 0
+    assert len(capsys.readouterr().out.split()) == 3

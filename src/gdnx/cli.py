@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="multi-host: call jax.distributed.initialize() first (run the same command on every "
                             "host; docs/sharding.md)")
     gen = sub.add_parser("generate", help="generate from a gdnx checkpoint or a Hugging Face directory")
-    gen.add_argument("--checkpoint", required=True, help="a gdnx train.out_dir or a Hugging Face Qwen3-Next dir")
+    gen.add_argument("--checkpoint", required=True, help="a gdnx train.out_dir or a Hugging Face directory (Qwen3-Next, Qwen3.5, OLMo Hybrid)")
     gen.add_argument("--prompt", required=True, help="text (token ids separated by spaces for MQAR models)")
     gen.add_argument("--max-new-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")

@@ -1,5 +1,5 @@
 """`gdnx generate`: load a gdnx run (its latest checkpoint) or a Hugging Face
-Qwen3-Next directory, tokenize the prompt, stream the continuation."""
+directory of any family gdnx builds, tokenize the prompt, stream the continuation."""
 
 from __future__ import annotations
 

@@ -16,14 +16,14 @@ from gdnx.models.cache import Cache
 from gdnx.parallel import shard
 from gdnx.measure import relative_error
 from tests.parallel.helpers import MESHES, mesh, worst_relative_error
-from tests.parallel.test_model import MODEL
+from tests.parallel.test_model import FAMILIES, MODEL
 
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def model():
-    return CausalLM(load_config("tiny", MODEL).model, seed=0)
+@pytest.fixture(scope="module", params=["qwen3_next", *FAMILIES])
+def model(request):
+    return CausalLM(load_config("tiny", MODEL + FAMILIES.get(request.param, [])).model, seed=0)
 
 
 @pytest.mark.parametrize("mode,name", [("explicit", "context4_tensor2"), ("auto", "context8"),

@@ -78,3 +78,33 @@ def test_sharded_loss_and_grads_match_one_device(setup, mode, name, b):
     assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
     err, where = worst_relative_error(grads, ref_grads)
     assert err <= TOL, f"{name} {mode}: gradient {where} rel. error {err:.2e}"
+
+
+# the other families' own paths: Qwen3.5 with GVA groups of 3 (a key head's
+# three value heads stay on its tensor shard), OLMo Hybrid (q/k norms across
+# the heads of a tensor-sharded projection, post-norm attention, beta in [0, 2])
+FAMILIES = {
+    "qwen3_5_gva3": ["model.family=qwen3_5", "model.linear_num_value_heads=12"],
+    "olmo_hybrid": ["model.family=olmo_hybrid", "model.num_experts=0", "model.linear_allow_neg_eigval=true",
+                    "model.partial_rotary_factor=1.0"],
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_setup(request):
+    cfg = load_config("tiny", MODEL + FAMILIES[request.param] + ["model.gdn_implementation=xla"]).model
+    graphdef, params = nnx.split(CausalLM(cfg, seed=0), nnx.Param)
+    return cfg, graphdef, params, loss_and_grads(graphdef, params, batch(), cfg.router_aux_loss_coef)
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+@pytest.mark.parametrize("name", ["data2_tensor4", "context4_tensor2"])
+def test_families_sharded_match_one_device(family_setup, mode, name):
+    cfg, graphdef, params, (ref_loss, ref_grads) = family_setup
+    m = mesh(mode, **MESHES[name])
+    with jax.set_mesh(m):
+        placed = jax.device_put(batch(), NamedSharding(m, spec(("batch", "length"), (B, T), mesh=m)))
+        loss, grads = loss_and_grads(graphdef, shard(params, cfg, m), placed, cfg.router_aux_loss_coef)
+    assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
+    err, where = worst_relative_error(grads, ref_grads)
+    assert err <= TOL, f"{cfg.family} {name} {mode}: gradient {where} rel. error {err:.2e}"

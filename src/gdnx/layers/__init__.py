@@ -1,1 +1,1 @@
-"""Qwen3-Next building blocks as Flax NNX modules."""
+"""The layers of the GDN hybrids as Flax NNX modules."""

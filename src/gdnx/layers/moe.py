@@ -1,4 +1,4 @@
-"""Sparse MoE with a sigmoid-gated shared expert (Qwen3-Next).
+"""Sparse MoE with a sigmoid-gated shared expert (Qwen3-Next, Qwen3.5).
 
 Routing: softmax over experts in float32, top-k, optionally renormalised
 (norm_topk_prob). Experts run as grouped matmuls (jax.lax.ragged_dot) over

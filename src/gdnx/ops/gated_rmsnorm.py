@@ -1,4 +1,4 @@
-"""Gated RMSNorm: the normalisation on the delta rule's output in Qwen3-Next.
+"""Gated RMSNorm: the normalisation on the delta rule's output in every GDN hybrid.
 
     y = x / sqrt(mean(x^2) + eps) * weight * silu(z)
 
