@@ -2,7 +2,9 @@
 status 2, nothing written before is touched; generate from a gdnx run and
 from a Hugging Face directory."""
 
+import argparse
 import json
+import os
 
 import pytest
 from tokenizers import Tokenizer
@@ -15,10 +17,12 @@ from tests.test_train import SMALL
 
 
 def _error(capsys, argv) -> str:
+    """The one error line of a refused command (a progress bar may precede it)."""
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Traceback" not in err, err
-    return err
+    lines = [line for line in err.splitlines() if line.startswith("gdnx ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -95,3 +99,108 @@ def test_train_and_generate_each_family(capsys, tmp_path, family):
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "1 17 2 18 1", "--max-new-tokens", "3"]) == 0
     assert len(capsys.readouterr().out.split()) == 3
+
+
+def _tokenizer(path):
+    tok = Tokenizer(WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path))
+
+
+def test_every_data_and_file_mistake_is_one_line(capsys, tmp_path, monkeypatch):
+    """Data files, tokenizers, out_dir: one line naming the key or path, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    text = ["train", "tiny", *SMALL, "data.source=text", "model.vocab_size=256"]
+    (tmp_path / "num.jsonl").write_text('{"text": 5}\n')
+    assert 'line 1: "text" is a int, expected a string' in _error(capsys, [*text, "data.path=num.jsonl"])
+    (tmp_path / "bin.jsonl").write_bytes(b'{"text": "\xff\xfe"}\n')
+    assert "bin.jsonl: not UTF-8 text (byte 10)" in _error(capsys, [*text, "data.path=bin.jsonl"])
+    (tmp_path / "ok.txt").write_text("some text " * 20)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    err = _error(capsys, [*text, "data.path=ok.txt", "data.tokenizer=tokenizer.json"])
+    assert "data.tokenizer: " in err and "is not a readable tokenizer.json" in err
+    (tmp_path / "afile").write_text("x")
+    assert "train.out_dir" in _error(capsys, ["train", "tiny", *SMALL, "train.out_dir=afile"])
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
+    err = _error(capsys, ["train", "tiny", *SMALL, f"train.out_dir={tmp_path / 'new'}"])
+    assert f"{tmp_path} is not writable" in err
+
+
+def test_every_config_and_size_mistake_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "train.learning_rate: Input should be a finite number" in _error(
+        capsys, ["train", "tiny", "train.learning_rate=.inf"])
+    assert "train.steps: expected a number, got true" in _error(capsys, ["train", "tiny", "train.steps=true"])
+    # the base config holds the full-size defaults: refused before anything is built
+    err = _error(capsys, ["train", "base"])
+    assert "79.7B parameters need about" in err and "is a base for a run on a slice" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_refuses_a_change_that_alters_results_and_records_the_others(capsys, tmp_path):
+    out = f"train.out_dir={tmp_path}"
+    assert main(["train", "tiny", *SMALL, "train.steps=3", "train.checkpoint_every=3", out]) == 0
+    err = _error(capsys, ["train", "tiny", *SMALL, "train.batch_size=8", "train.steps=4", out])
+    assert "train.batch_size: 4 there, 8 here" in err
+    assert main(["train", "tiny", *SMALL, "train.steps=4", "train.log_every=1", out]) == 0
+    change = json.loads((tmp_path / "config_changes.jsonl").read_text().splitlines()[-1])
+    assert change["step"] == 3 and change["changed"]["train.steps"] == [3, 4]
+    assert change["changed"]["train.log_every"] == [2, 1]
+    mode = (tmp_path / "config.json").stat().st_mode & 0o777
+    assert mode & 0o044 == 0o044, oct(mode)  # readable by the group and others (as the umask allows)
+
+
+def test_every_generate_mistake_is_one_line(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "tiny", *SMALL, "train.steps=3", "train.checkpoint_every=3", f"train.out_dir={run}"]) == 0
+    capsys.readouterr()
+    gen = ["generate", "--checkpoint", str(run), "--prompt", "1 2 3"]
+    err = _error(capsys, [*gen, "--max-new-tokens", str(10 ** 12)])
+    assert "--max-new-tokens: the prompt's 3 tokens + 1000000000000 exceed the model's 262144 positions" in err
+    assert "model.hidden_size: generate takes overrides of the model.gdn_* fields" in _error(
+        capsys, [*gen, "model.hidden_size=48"])
+    (run / "config.json").write_text("{corrupt")
+    assert "config.json is not a gdnx run config" in _error(capsys, gen)
+
+    hf = tmp_path / "hf"
+    hf_and_gdnx(hf, "qwen3_next")
+    _tokenizer(hf / "tokenizer.json")
+    capsys.readouterr()
+    err = _error(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1 \ud800"])
+    assert err.startswith("gdnx generate: error: --prompt: cannot be encoded")
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert "not a readable safetensors file" in _error(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1"])
+    (hf / "config.json").write_text("{corrupt")
+    assert "config.json: not valid JSON" in _error(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1"])
+
+
+def test_distributed_on_a_plain_host_and_out_of_memory_are_one_line(capsys, tmp_path, monkeypatch):
+    import jax
+
+    from gdnx import train as train_module
+
+    def no_cluster(*a, **k):
+        raise ValueError("coordinator_address should be defined.")
+    monkeypatch.setattr(jax.distributed, "initialize", no_cluster)
+    assert "--distributed: jax.distributed.initialize() failed" in _error(capsys, ["train", "--distributed"])
+
+    def exhausted(*a, **k):
+        raise MemoryError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0TiB")
+    monkeypatch.setattr(train_module.Trainer, "step", exhausted)
+    err = _error(capsys, ["train", "tiny", *SMALL, f"train.out_dir={tmp_path}"])
+    assert "out of memory" in err and "train.batch_size" in err and "model.remat_policy=full" in err
+
+
+def test_version_and_help_on_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("gdnx ")
+    from gdnx.cli import _parser
+
+    parser = _parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in subs.items():
+        for action in sub._actions:
+            assert action.help, f"gdnx {name} {action.option_strings or action.dest}: no help"

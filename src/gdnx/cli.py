@@ -1,23 +1,35 @@
 """The `gdnx` command: train, generate, bench.
 
-User errors (a bad config key or value, a missing file, a checkpoint of
-another config, an option this machine cannot run) print one line and exit
-with status 2, without a traceback.
+User errors (a bad config key or value, a missing, unreadable or corrupt
+file, a checkpoint of another config, an option this machine cannot run, a
+full disk, running out of memory) print one line and exit with status 2,
+without a traceback; docs/errors.md lists them. A run stopped by the
+non-finite guard exits with status 3. Anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
+from gdnx import __version__
 from gdnx.config.loading import DEFAULT_CONFIG, ConfigError, bundled_names
+
+# OSErrors that come from the machine or the user's files, not from gdnx
+_USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
+                errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+MEMORY_HINT = ("reduce train.batch_size or data.seq_len, set model.remat_policy=full, or shard over more devices "
+               "(parallel.fsdp)")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gdnx", description="Gated DeltaNet for JAX")
+    parser.add_argument("--version", action="version", version=f"gdnx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (default: the tiny model on MQAR)",
-                           description="Train, or resume the run in train.out_dir from its latest checkpoint.")
+                           description="Train, or resume the run in train.out_dir from its latest intact checkpoint.")
     train.add_argument("config", nargs="?", default=None,
                        help=f"a YAML file or a bundled config ({', '.join(bundled_names())}); "
                             f"default {DEFAULT_CONFIG}. A key=value here is taken as an override.")
@@ -27,41 +39,56 @@ def _parser() -> argparse.ArgumentParser:
                        help="multi-host: call jax.distributed.initialize() first (run the same command on every "
                             "host; docs/sharding.md)")
     gen = sub.add_parser("generate", help="generate from a gdnx checkpoint or a Hugging Face directory")
-    gen.add_argument("--checkpoint", required=True, help="a gdnx train.out_dir or a Hugging Face directory (Qwen3-Next, Qwen3.5, OLMo Hybrid)")
+    gen.add_argument("--checkpoint", required=True,
+                     help="a gdnx train.out_dir or a Hugging Face directory (Qwen3-Next, Qwen3.5, OLMo Hybrid)")
     gen.add_argument("--prompt", required=True, help="text (token ids separated by spaces for MQAR models)")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--max-new-tokens", type=int, default=32,
+                     help="tokens to generate (default 32; prompt + new tokens must fit the model's positions)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: all)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("overrides", nargs="*", metavar="key=value",
-                     help="model config overrides, e.g. model.gdn_implementation=xla")
+                     help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla")
     bench = sub.add_parser("bench", help="op timings and train-step time/memory, GDN hybrid vs attention")
-    bench.add_argument("--batch", type=int, default=4)
-    bench.add_argument("--seq-len", type=int, default=1024)
-    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--batch", type=int, default=4, help="train-step batch (default 4)")
+    bench.add_argument("--seq-len", type=int, default=1024, help="train-step sequence length (default 1024)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed runs per row, the median reported (default 5)")
+    bench.add_argument("--quick", action="store_true",
+                       help="small shapes and 2 repeats: a check that everything runs, in seconds")
     return parser
+
+
+def _train(args) -> None:
+    from gdnx.checkpoints.orbax import quiet_refused_writes
+    from gdnx.config import load_config
+    from gdnx.train import prepare
+    from gdnx.train import run as run_training
+
+    overrides = list(args.overrides)
+    if args.distributed:
+        import jax
+
+        try:
+            jax.distributed.initialize()  # coordinator etc. from the cluster's environment
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(f"--distributed: jax.distributed.initialize() failed ({str(e).splitlines()[0]}); "
+                              "run it where a cluster environment (TPU pod, SLURM, coordinator address) is "
+                              "set") from None
+    name = args.config
+    if name is not None and "=" in name:
+        name, overrides = None, [name] + overrides
+    config = load_config(name, overrides)
+    try:
+        trainer = prepare(config)
+    except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
+        raise ConfigError(str(e)) from None
+    quiet_refused_writes()
+    run_training(trainer)
 
 
 def _run(args) -> int:
     if args.command == "train":
-        from gdnx.config import load_config
-        from gdnx.train import prepare
-        from gdnx.train import run as run_training
-
-        overrides = list(args.overrides)
-        if args.distributed:
-            import jax
-
-            jax.distributed.initialize()  # coordinator etc. from the cluster's environment
-        name = args.config
-        if name is not None and "=" in name:
-            name, overrides = None, [name] + overrides
-        config = load_config(name, overrides)
-        try:
-            trainer = prepare(config)
-        except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
-            raise ConfigError(str(e)) from None
-        run_training(trainer)
+        _train(args)
     elif args.command == "generate":
         from gdnx.cli_generate import run_generate
 
@@ -72,20 +99,47 @@ def _run(args) -> int:
         for flag in ("batch", "seq_len", "repeats"):
             if getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')}: expected a positive integer")
-        run(batch=args.batch, seq_len=args.seq_len, repeats=args.repeats)
+        if args.quick:
+            run(batch=1, seq_len=256, repeats=2, op_tokens=256)
+        else:
+            run(batch=args.batch, seq_len=args.seq_len, repeats=args.repeats)
     return 0
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from gdnx.checkpoints.orbax import CheckpointDamaged
+    from gdnx.train import NonFiniteStop
+
     args = _parser().parse_args(argv)
+    say = lambda text: print(f"gdnx {args.command}: {text}", file=sys.stderr)  # noqa: E731
     try:
         return _run(args)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"gdnx {args.command}: error: {e}", file=sys.stderr)
+    except (ConfigError, FileNotFoundError, CheckpointDamaged) as e:
+        say(f"error: {e}")
+        return 2
+    except NonFiniteStop as e:
+        say(str(e))
+        return 3
+    except OSError as e:
+        if e.errno not in _USER_ERRNOS:
+            raise
+        hint = {errno.ENOSPC: "free space or point train.out_dir elsewhere", errno.EDQUOT: "free space or point "
+                "train.out_dir elsewhere", errno.EFBIG: "raise the file size limit (ulimit -f)"}.get(e.errno)
+        say(f"error: {e.filename or ''}: {e.strerror}"
+            + (f"; {hint}; the run resumes from its last checkpoint" if hint else ""))
         return 2
     except KeyboardInterrupt:
-        print(f"gdnx {args.command}: interrupted", file=sys.stderr)
+        say("interrupted")
         return 130
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
+        say(f"error: out of memory ({str(e).splitlines()[0][:160]}); {MEMORY_HINT}")
+        return 2
 
 
 if __name__ == "__main__":

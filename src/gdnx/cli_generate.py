@@ -27,12 +27,21 @@ class _IdTokenizer:
         return " ".join(str(int(i)) for i in ids) + " "
 
 
+# what generate may change: how the model computes, not its shapes
+_GENERATE_FIELDS = ("dtype", "param_dtype")
+
+
 def _model_overrides(overrides: list[str]) -> dict:
     data = apply_overrides({}, overrides)
     extra = set(data) - {"model"}
     if extra:
         raise ConfigError(f"{sorted(extra)[0]}: generate takes model.* overrides only")
-    return data.get("model", {})
+    model = data.get("model", {})
+    for key in model:
+        if not key.startswith("gdn_") and key not in _GENERATE_FIELDS:
+            raise ConfigError(f"model.{key}: generate takes overrides of the model.gdn_* fields, model.dtype and "
+                              "model.param_dtype only (the checkpoint fixes the architecture)")
+    return model
 
 
 def load_for_generation(path: Path, overrides: list[str]):
@@ -44,12 +53,17 @@ def load_for_generation(path: Path, overrides: list[str]):
         raise ConfigError(f"--checkpoint: no such directory {path}")
     model_overrides = _model_overrides(overrides)
     if (path / "checkpoints").is_dir() and (path / CONFIG_FILE).is_file():
-        saved = json.loads((path / CONFIG_FILE).read_text())
-        saved["model"] = {**saved["model"], **model_overrides}
+        try:
+            saved = json.loads((path / CONFIG_FILE).read_text())
+            saved["model"] = {**saved["model"], **model_overrides}
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"--checkpoint: {path / CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
         config: Config = build_config(saved)
         abstract = nnx.eval_shape(lambda: CausalLM(config.model))
         graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-        params, step = load_params(path, abstract_params)
+        params, step, damaged = load_params(path, abstract_params)
+        for line in damaged:
+            print(f"gdnx generate: {line}", file=sys.stderr)
         tok = _IdTokenizer() if config.data.source == "mqar" else make_tokenizer(config.data.tokenizer)
         return nnx.merge(graphdef, params), tok, f"step {step} of {path}"
     if (path / "config.json").is_file():
@@ -62,7 +76,11 @@ def load_for_generation(path: Path, overrides: list[str]):
 
 
 def run_generate(args) -> None:
+    import jax
     import jax.numpy as jnp
+
+    from gdnx.models.cache import cache_bytes
+    from gdnx.train import memory_capacity
 
     from gdnx.generate import check_sampling, generate
 
@@ -74,11 +92,24 @@ def run_generate(args) -> None:
         model, tok, loaded = load_for_generation(Path(args.checkpoint), list(args.overrides))
     except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
         raise ConfigError(str(e)) from None
-    ids = tok.encode(args.prompt)
+    try:
+        ids = tok.encode(args.prompt)
+    except ConfigError:
+        raise
+    except Exception as e:  # a tokenizer's own error on text it cannot encode
+        raise ConfigError(f"--prompt: cannot be encoded ({str(e).splitlines()[0][:120]})") from None
     if not ids:
         raise ConfigError("--prompt: encodes to no tokens")
     if max(ids) >= model.config.vocab_size or min(ids) < 0:
         raise ConfigError(f"--prompt: token ids must be in [0, {model.config.vocab_size})")
+    limit = model.config.max_position_embeddings
+    if len(ids) + args.max_new_tokens > limit:
+        raise ConfigError(f"--max-new-tokens: the prompt's {len(ids)} tokens + {args.max_new_tokens} exceed the "
+                          f"model's {limit} positions (max_position_embeddings)")
+    need, have = cache_bytes(model, len(ids) + args.max_new_tokens), memory_capacity(jax.devices())
+    if need > have:
+        raise ConfigError(f"--max-new-tokens: the generation cache for {len(ids) + args.max_new_tokens} tokens needs "
+                          f"{need / 2 ** 30:,.1f} GiB and the device holds {have / 2 ** 30:,.1f} GiB")
     print(f"loaded {loaded}; prompt of {len(ids)} tokens", file=sys.stderr)
     out: list[int] = []
     shown = ""

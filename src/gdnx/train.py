@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -85,10 +86,15 @@ class Trainer:
         def step_fn(params, opt_state, step):
             def loss_fn(p):
                 return loss_and_metrics(nnx.merge(self.graphdef, p), _place_batch(self.batch_fn(step)), aux)
-            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-            updates, opt_state = self.tx.update(grads, opt_state, params)
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            updates, new_opt_state = self.tx.update(grads, opt_state, params)
             metrics["grad_norm"] = optax.tree.norm(grads)
-            return optax.apply_updates(params, updates), opt_state, metrics
+            # a step whose loss, gradient or update is not finite leaves the
+            # parameters and optimizer state as they were
+            finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(optax.tree.norm(updates))
+            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+            return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), metrics
 
         def eval_fn(params, index):
             return loss_and_metrics(nnx.merge(self.graphdef, params), _place_batch(self.eval_fn(index)), aux)[1]
@@ -114,6 +120,16 @@ class Trainer:
         return {k: float(sum(r[k] for r in runs) / EVAL_BATCHES) for k in runs[0]}
 
 
+class NonFiniteStop(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient."""
+
+
+def _json_line(record: dict) -> str:
+    """One metrics line; a non-finite number becomes null (JSON has no NaN)."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
 def _rewrite_metrics(path: Path, upto: int) -> None:
     """Keep the lines of steps <= upto: a resumed run continues the log."""
     if not path.is_file():
@@ -122,12 +138,46 @@ def _rewrite_metrics(path: Path, upto: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in keep))
 
 
+def _check_out_dir(out: Path) -> None:
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"train.out_dir {out}: exists and is not a directory")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"train.out_dir {out}: {existing} is not writable")
+
+
+def memory_capacity(devices: list[jax.Device]) -> int:
+    """Bytes the devices hold (host memory on CPU)."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    if all(limits):
+        return int(sum(limits))  # type: ignore[arg-type]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # host memory (CPU)
+
+
+def _check_fits(config: Config, devices: list[jax.Device]) -> None:
+    """Refuse, before building anything, a model whose training state
+    (parameters, gradients, two AdamW moments) cannot fit the devices."""
+    shapes = jax.eval_shape(lambda: nnx.state(CausalLM(config.model), nnx.Param))
+    count = sum(x.size for x in jax.tree.leaves(shapes))
+    need = 4 * count * jnp.dtype(config.model.param_dtype).itemsize
+    have = memory_capacity(devices)
+    if need > have:
+        raise ValueError(f"model: {count / 1e9:.1f}B parameters need about {need / 2 ** 30:,.0f} GiB for parameters, "
+                         f"gradients and AdamW moments, and these {len(devices)} device(s) hold "
+                         f"{have / 2 ** 30:,.0f} GiB; a full-size bundled config is a base for a run on a slice "
+                         "that holds it (docs/sharding.md), or for a smaller model of its family")
+
+
 def prepare(config: Config) -> Trainer:
     """Everything that can refuse a run, before anything is written: the
-    mesh, the out_dir's earlier config, the platform, the data. Raises
-    ValueError (or OSError for a file) naming the field or path."""
+    out_dir, the mesh, the out_dir's earlier config, whether the model fits,
+    the platform, the data. Raises ValueError (or OSError for a file) naming
+    the field or path."""
+    out = Path(config.train.out_dir)
+    _check_out_dir(out)
     mesh = make_mesh(config.parallel)
-    check_compatible(Path(config.train.out_dir), config)
+    check_compatible(out, config)
+    _check_fits(config, list(mesh.devices.flat))
     return Trainer(config, mesh=mesh if mesh.size > 1 else None)
 
 
@@ -147,9 +197,12 @@ def run(trainer: Trainer, *, console: Console | None = None) -> dict[str, float]
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoints(out, config)
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
-    start = ckpt.latest_step() or 0
     primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
     report = Reporter(console=console, quiet=not primary)
+    intact, damaged = ckpt.latest_intact_step()
+    for line in damaged:
+        report.note(line)
+    start = intact or 0
     if trainer.mesh is not None:
         axes = " x ".join(f"{n}={s}" for n, s in trainer.mesh.shape.items())
         report.note(f"mesh {axes} ({config.parallel.shard_mode})")
@@ -172,24 +225,38 @@ def run(trainer: Trainer, *, console: Console | None = None) -> dict[str, float]
     tokens_per_step = t_cfg.batch_size * config.data.seq_len
     step = start
     log_path = metrics_file if primary else Path(os.devnull)
+    nonfinite = 0
     with report.progress(start, t_cfg.steps) as bar, log_path.open("a") as log:
         t0, since = time.perf_counter(), start
         while step < t_cfg.steps:
             params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(step, jnp.int32))
             step += 1
+            if float(metrics["skipped"]):
+                nonfinite += 1
+                report.note(f"step {step}: the loss or gradient is not finite; parameters not updated")
+                if nonfinite >= t_cfg.nonfinite_steps_limit:
+                    log.flush()
+                    last = ckpt.latest_step()
+                    ckpt.close()
+                    where = f"step {last} in {ckpt.dir}" if last else "none"
+                    raise NonFiniteStop(f"stopped at step {step}: {nonfinite} steps in a row had a non-finite loss "
+                                        f"or gradient norm (train.nonfinite_steps_limit); the last good checkpoint "
+                                        f"is {where}. Lower train.learning_rate or raise train.warmup_steps")
+            else:
+                nonfinite = 0
             done = step == t_cfg.steps
             if step % t_cfg.log_every == 0 or done:
                 logged = {k: float(v) for k, v in metrics.items()}
                 elapsed = time.perf_counter() - t0
                 logged["tokens_per_s"] = tokens_per_step * (step - since) / max(elapsed, 1e-9)
                 t0, since = time.perf_counter(), step
-                log.write(json.dumps({"step": step, "split": "train", **logged}) + "\n")
+                log.write(_json_line({"step": step, "split": "train", **logged}))
                 bar.update(step, logged)
             evaluate = t_cfg.eval_every and (step % t_cfg.eval_every == 0 or done)
             reached = False
             if evaluate:
                 last_eval = trainer.evaluate(params)
-                log.write(json.dumps({"step": step, "split": "eval", **last_eval}) + "\n")
+                log.write(_json_line({"step": step, "split": "eval", **last_eval}))
                 report.eval(step, last_eval)
                 reached = target is not None and last_eval["accuracy"] >= target
             if step % t_cfg.checkpoint_every == 0 or done or reached:

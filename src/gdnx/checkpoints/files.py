@@ -10,6 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     """write(tmp_path) fills a temporary file that then replaces path."""
     path = Path(path)
@@ -17,6 +23,7 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a file written in place would not be
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from gdnx.checkpoints.files import atomic_write, atomic_write_text
@@ -51,14 +51,23 @@ class _Reader:
     def __init__(self, directory: Path):
         index = directory / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{index}: not a safetensors index (JSON with a weight_map)") from None
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"{directory}: no *.safetensors files")
             weight_map = {}
-        self.handles = {f: safe_open(directory / f, framework="flax") for f in files}
+        self.handles = {}
+        for f in files:
+            try:
+                self.handles[f] = safe_open(directory / f, framework="flax")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{directory / f}: not a readable safetensors file ({e}); truncated or "
+                                 "corrupt?") from None
         if not weight_map:
             weight_map = {k: f for f, h in self.handles.items() for k in h.keys()}
         self.weight_map = weight_map
@@ -71,7 +80,10 @@ class _Reader:
         if key not in self.weight_map:
             raise KeyError(key)
         self.used.add(key)
-        return self.handles[self.weight_map[key]].get_tensor(key)
+        try:
+            return self.handles[self.weight_map[key]].get_tensor(key)
+        except SafetensorError as e:
+            raise ValueError(f"{self.weight_map[key]}: {key} cannot be read ({e}); truncated or corrupt?") from None
 
 
 def _load_experts(reader: _Reader, where: Experts, num_experts: int) -> jax.Array:
@@ -98,7 +110,12 @@ def load_pretrained(cls: type[CausalLM], path: str | os.PathLike, **config_overr
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face model directory)")
-    hf = json.loads(config_file.read_text())
+    try:
+        hf = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{config_file}: not valid JSON") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_file}: expected a JSON object")
     cfg = model_config_from_hf(hf, config_overrides)
     prefix = "model.language_model." if hf.get("model_type") in VISION_LANGUAGE else "model."
     abstract = nnx.eval_shape(lambda: cls(cfg))

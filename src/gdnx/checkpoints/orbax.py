@@ -1,53 +1,223 @@
 """Training checkpoints with orbax: parameters and optimizer state by step,
 written atomically (orbax finalises a step directory only when complete),
-plus the run's config so a resume can refuse another config's checkpoints."""
+plus the run's config so a resume can refuse another config's checkpoints.
+
+Each checkpoint also gets a manifest of SHA-256 checksums of its files
+(checksums/<step>.json, written after the checkpoint is complete). A
+checkpoint whose files do not match, or that has no manifest, is damaged:
+resuming reports it, moves it aside (damaged/<step>) and takes the newest
+intact one.
+"""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import logging
+import os
+import re
+import resource
+import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from gdnx.checkpoints.files import atomic_write_text
 from gdnx.config.schema import Config
 
 CONFIG_FILE = "config.json"
-# what a resumed run must share with the run that wrote the checkpoints
-IDENTITY = ("model", "data")
+CHANGES_FILE = "config_changes.jsonl"
+# Fields whose change alters what a resumed run computes; the others (steps,
+# cadences, logging, the mesh, memory and kernel knobs) may change on resume.
+_FREE_MODEL_FIELDS = ("gdn_implementation", "gdn_interpret", "gdn_residuals", "remat_policy")
+_FIXED_TRAIN_FIELDS = ("batch_size", "learning_rate", "warmup_steps", "min_lr_ratio", "weight_decay", "adam_b1",
+                       "adam_b2", "grad_clip", "seed")
+
+
+class CheckpointDamaged(ValueError):
+    """No intact checkpoint is left to resume from."""
+
+
+def _fixed(config: dict) -> dict[str, Any]:
+    out = {f"model.{k}": v for k, v in config.get("model", {}).items() if k not in _FREE_MODEL_FIELDS}
+    out.update({f"data.{k}": v for k, v in config.get("data", {}).items()})
+    out.update({f"train.{k}": config.get("train", {}).get(k) for k in _FIXED_TRAIN_FIELDS})
+    return out
+
+
+def _read_config(out_dir: Path) -> dict | None:
+    saved_file = out_dir / CONFIG_FILE
+    if not saved_file.is_file():
+        return None
+    try:
+        saved = json.loads(saved_file.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{saved_file}: not valid JSON; restore it, or use another train.out_dir") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{saved_file}: expected a JSON object; restore it, or use another train.out_dir")
+    return saved
 
 
 def check_compatible(out_dir: Path, config: Config) -> None:
-    saved_file = out_dir / CONFIG_FILE
-    if not saved_file.is_file():
+    """Refuse to resume the run in out_dir with a change that alters its
+    results, naming each changed field with its old and new value."""
+    saved = _read_config(out_dir)
+    if saved is None:
         return
-    saved = json.loads(saved_file.read_text())
-    now = json.loads(config.model_dump_json())
-    diffs = [f"{section}.{k}: {saved[section].get(k)!r} there, {v!r} here"
-             for section in IDENTITY for k, v in now[section].items() if saved.get(section, {}).get(k) != v]
-    if saved.get("train", {}).get("seed") != config.train.seed:
-        diffs.append(f"train.seed: {saved['train'].get('seed')!r} there, {config.train.seed!r} here")
+    before, now = _fixed(saved), _fixed(json.loads(config.model_dump_json()))
+    diffs = [f"{k}: {before.get(k)!r} there, {v!r} here" for k, v in now.items() if before.get(k) != v]
     if diffs:
         raise ValueError(f"train.out_dir {out_dir} holds checkpoints of another config ({'; '.join(diffs[:4])}); "
-                          "use another train.out_dir or the same config")
+                         "use another train.out_dir or the same values")
+
+
+def config_changes(out_dir: Path, config: Config) -> dict[str, list]:
+    """The fields that differ from the run's saved config: {field: [old, new]}."""
+    saved = _read_config(out_dir)
+    if saved is None:
+        return {}
+    now = json.loads(config.model_dump_json())
+    return {f"{section}.{k}": [saved.get(section, {}).get(k), v] for section, fields in now.items()
+            for k, v in fields.items() if saved.get(section, {}).get(k) != v}
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError inside an orbax / tensorstore write error, if it is one."""
+    if isinstance(e, OSError):
+        return e
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    if code is None:
+        return None
+    path = re.search(r'Failed writing: "([^"]+)"', str(e))
+    return OSError(int(code.group(1)), os.strerror(int(code.group(1))), path.group(1) if path else None)
+
+
+def quiet_refused_writes() -> None:
+    """Keep orbax's worker threads and asyncio from printing tracebacks of a
+    write the machine refused: Checkpoints.save reports it as one OSError."""
+    default_hook = threading.excepthook
+
+    def hook(args):
+        if args.exc_value is None or _os_error(args.exc_value) is None:
+            default_hook(args)
+    threading.excepthook = hook
+
+    class _Refused(logging.Filter):
+        def filter(self, record):
+            exc = record.exc_info[1] if record.exc_info else None
+            return not (exc is not None and _os_error(exc) is not None) and "os_error_code" not in record.getMessage()
+    logging.getLogger("asyncio").addFilter(_Refused())
+
+
+def _digest(directory: Path) -> dict[str, str]:
+    out = {}
+    for f in sorted(directory.rglob("*")):
+        if f.is_file():
+            h = hashlib.sha256()
+            with f.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+            out[str(f.relative_to(directory))] = h.hexdigest()
+    return out
+
+
+def damage(step_dir: Path, manifest: Path) -> str | None:
+    """What is wrong with a checkpoint, or None when every file matches its checksum."""
+    if not manifest.is_file():
+        return "it has no checksum manifest (the run stopped before writing it)"
+    try:
+        want = json.loads(manifest.read_text())
+    except ValueError:
+        return f"its checksum manifest {manifest} is not valid JSON"
+    have = _digest(step_dir)
+    for name, digest in want.items():
+        if name not in have:
+            return f"{name} is missing"
+        if have[name] != digest:
+            return f"{name} does not match its checksum"
+    return None
 
 
 class Checkpoints:
     def __init__(self, out_dir: Path, config: Config):
+        self.out_dir = out_dir
         self.dir = out_dir / "checkpoints"
-        self.manager = ocp.CheckpointManager(
-            self.dir.resolve(), options=ocp.CheckpointManagerOptions(
-                max_to_keep=config.train.keep_checkpoints, create=True, enable_async_checkpointing=False))
+        self.sums = out_dir / "checksums"
+        self.keep = config.train.keep_checkpoints
+        self.primary = jax.process_index() == 0
+        self.manager = self._manager()
+        changes = config_changes(out_dir, config)
+        if changes and self.primary:  # allowed changes on resume are recorded
+            record = json.dumps({"step": self.manager.latest_step(), "changed": changes})
+            history = out_dir / CHANGES_FILE
+            atomic_write_text(history, (history.read_text() if history.is_file() else "") + record + "\n")
         atomic_write_text(out_dir / CONFIG_FILE, config.model_dump_json(indent=2))
+
+    def _manager(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(self.dir.resolve(), options=ocp.CheckpointManagerOptions(
+            max_to_keep=self.keep, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True))
+
+    def latest_intact_step(self) -> tuple[int | None, list[str]]:
+        """The newest checkpoint whose files match their checksums, and one
+        line per damaged newer one (moved aside to damaged/). Raises
+        CheckpointDamaged when there are checkpoints and none is intact."""
+        step, damaged = newest_intact(self.out_dir, self.manager.all_steps())
+        if damaged and step is None:
+            raise CheckpointDamaged(f"train.out_dir {self.out_dir}: no intact checkpoint ("
+                                    + "; ".join(f"step {s}: {what}" for s, what in damaged)
+                                    + "); move checkpoints/ and checksums/ away to start over")
+        if damaged and self.primary:
+            self.manager.close()
+            for s, _ in damaged:
+                target = self.out_dir / "damaged" / str(s)
+                target.parent.mkdir(exist_ok=True)
+                shutil.rmtree(target, ignore_errors=True)
+                (self.dir / str(s)).rename(target)
+                (self.sums / f"{s}.json").unlink(missing_ok=True)
+            self.manager = self._manager()
+        return step, [f"the checkpoint at step {s} is damaged: {what}; moved to {self.out_dir / 'damaged' / str(s)}"
+                      for s, what in damaged]
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, params: Any, opt_state: Any) -> None:
-        self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                        opt_state=ocp.args.StandardSave(opt_state)))
-        self.manager.wait_until_finished()
+        """Write the checkpoint of `step`; a write the machine refuses (a full
+        disk, a file size limit, no permission) raises OSError."""
+        self._check_room(sum(x.nbytes for x in jax.tree.leaves((params, opt_state))))
+        try:
+            self.manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                            opt_state=ocp.args.StandardSave(opt_state)))
+            self.manager.wait_until_finished()
+        except Exception as e:
+            refused = _os_error(e)
+            if refused is None:
+                raise
+            raise refused from None
+        if self.primary:
+            self.sums.mkdir(exist_ok=True)
+            atomic_write_text(self.sums / f"{step}.json", json.dumps(_digest(self.dir / str(step)), indent=1))
+            kept = {f"{s}.json" for s in self.manager.all_steps()}
+            for stale in self.sums.glob("*.json"):
+                if stale.name not in kept:
+                    stale.unlink()
+
+    def _check_room(self, nbytes: int) -> None:
+        """Refuse a checkpoint the disk or the file size limit cannot take
+        before orbax starts writing (its failed writes are noisy)."""
+        need = nbytes + 2 ** 20
+        free = shutil.disk_usage(self.dir).free
+        if need > free:
+            raise OSError(errno.ENOSPC, f"No space left on device ({need / 2 ** 20:,.1f} MiB needed, "
+                          f"{free / 2 ** 20:,.1f} MiB free)", str(self.dir))
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and need > limit:
+            raise OSError(errno.EFBIG, f"File too large (a checkpoint of {need / 2 ** 20:,.1f} MiB; the file size "
+                          f"limit, ulimit -f, is {limit / 2 ** 20:,.1f} MiB)", str(self.dir))
 
     def restore(self, step: int, abstract_params: Any, abstract_opt_state: Any) -> tuple[Any, Any]:
         tree = self.manager.restore(step, args=ocp.args.Composite(
@@ -58,12 +228,33 @@ class Checkpoints:
         self.manager.close()
 
 
-def load_params(checkpoint_dir: Path, abstract_params: Any) -> Any:
-    """Parameters of the latest step under a train.out_dir (for generate)."""
-    manager = ocp.CheckpointManager((checkpoint_dir / "checkpoints").resolve())
-    step = manager.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"{checkpoint_dir}: no checkpoints under checkpoints/")
-    tree = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
-    manager.close()
-    return tree["params"], step
+def newest_intact(run_dir: Path, steps: Any) -> tuple[int | None, list[tuple[int, str]]]:
+    """The newest of `steps` whose checkpoint under run_dir is intact (None
+    if none is), and (step, what is wrong) for each newer one."""
+    damaged: list[tuple[int, str]] = []
+    for step in sorted(steps, reverse=True):
+        what = damage(run_dir / "checkpoints" / str(step), run_dir / "checksums" / f"{step}.json")
+        if what is None:
+            return step, damaged
+        damaged.append((step, what))
+    return None, damaged
+
+
+def load_params(run_dir: Path, abstract_params: Any) -> tuple[Any, int, list[str]]:
+    """Parameters of the newest intact checkpoint under a train.out_dir (for
+    generate), its step, and one line per damaged newer checkpoint."""
+    manager = ocp.CheckpointManager((run_dir / "checkpoints").resolve())
+    try:
+        step, damaged = newest_intact(run_dir, manager.all_steps())
+        notes = [f"the checkpoint at step {s} is damaged: {what}; skipped" for s, what in damaged]
+        if step is None:
+            raise FileNotFoundError(f"{run_dir}: no intact checkpoint under checkpoints/"
+                                    + (f" ({'; '.join(notes)})" if notes else ""))
+        try:
+            tree = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{run_dir}: the checkpoint at step {step} does not fit this model "
+                             f"({str(e).splitlines()[0][:200]})") from None
+    finally:
+        manager.close()
+    return tree["params"], step, notes

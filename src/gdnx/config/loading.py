@@ -114,4 +114,14 @@ def load_config(name: str | None = None, overrides: Sequence[str] = ()) -> Confi
     """The config file (path or bundled name; the tiny model when None) with
     overrides applied, validated."""
     data = _read(_resolve(name or DEFAULT_CONFIG))
-    return build_config(apply_overrides(data, list(overrides)))
+    return resolve_paths(build_config(apply_overrides(data, list(overrides))))
+
+
+def resolve_paths(config: Config) -> Config:
+    """The config with its file paths absolute (from the working directory), so
+    a run's saved config works from anywhere."""
+    absolute = lambda p: None if p is None else str(Path(p).expanduser().resolve())  # noqa: E731
+    return config.model_copy(update={
+        "train": config.train.model_copy(update={"out_dir": absolute(config.train.out_dir)}),
+        "data": config.data.model_copy(update={"path": absolute(config.data.path),
+                                               "tokenizer": absolute(config.data.tokenizer)})})

@@ -8,7 +8,8 @@ and `DataConfig` drive `gdnx train`. Unknown keys are errors everywhere.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
@@ -26,8 +27,28 @@ _CHOICES = {"gdn_implementation": ("auto", *CHUNK_IMPLEMENTATIONS), "gdn_chunk_s
             "gdn_residuals": RESIDUAL_POLICIES}
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type admits an int or a float (but not a bool)."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _numeric(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        args = get_args(annotation)
+        return bool not in args and any(_numeric(a) for a in args)
+    return annotation in (int, float)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    # infinities and NaN are never meant; a bool is not a number (YAML's
+    # `true` would otherwise pass as 1)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v, info):
+        if isinstance(v, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(v).lower()}")
+        return v
 
 
 class ModelConfig(_Strict):
@@ -205,6 +226,9 @@ class TrainConfig(_Strict):
     log_every: PositiveInt = 20
     eval_every: int = Field(200, ge=0)
     target_accuracy: float | None = Field(0.99, gt=0.0, le=1.0)
+    # steps in a row whose loss or gradient norm is not finite (the parameters
+    # are not updated) before the run stops
+    nonfinite_steps_limit: PositiveInt = 5
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -15,14 +15,22 @@ def read_documents(path: Path) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"data.path: no such file {path}")
     if path.suffix == ".jsonl":
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"data.path: {path}: not UTF-8 text (byte {e.start}); a .jsonl file is UTF-8") from None
         docs = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                docs.append(json.loads(line)["text"])
+                text = json.loads(line)["text"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(f"data.path: {path} line {n}: expected a JSON object with a \"text\" field") from None
+            if not isinstance(text, str):
+                raise ValueError(f"data.path: {path} line {n}: \"text\" is a {type(text).__name__}, expected a "
+                                 "string")
+            docs.append(text)
         return docs
     return [path.read_text(encoding="utf-8", errors="replace")]
 
@@ -46,7 +54,11 @@ class HFTokenizer:
                              "(pip install tokenizers)") from None
         if not Path(path).is_file():
             raise FileNotFoundError(f"data.tokenizer: no such file {path}")
-        self.tok = Tokenizer.from_file(str(path))
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises its own Exception on a bad file
+            raise ValueError(f"data.tokenizer: {path} is not a readable tokenizer.json "
+                             f"({str(e).splitlines()[0][:120]})") from None
         self.vocab_size = self.tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:

@@ -33,3 +33,9 @@ class Cache(NamedTuple):
             else:
                 layers.append(layer.mixer.zero_state(batch, dtype))
         return cls(tuple(layers), jnp.zeros((), jnp.int32))
+
+
+def cache_bytes(model, length: int, batch: int = 1) -> int:
+    """Bytes of the cache Cache.init(model, batch, length) holds."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+        lambda: Cache.init(model, batch, length))))
