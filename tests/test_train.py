@@ -104,3 +104,112 @@ def test_a_run_that_reached_its_target_is_not_extended(tmp_path, capsys, monkeyp
     again = train(load_config("tiny", overrides + ["train.target_accuracy=0.99"]))
     assert again["step"] == 4 and "nothing to do" in capsys.readouterr().err
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [4]
+
+
+def _strict_json_lines(path: Path) -> list[dict]:
+    def no_constants(name):
+        raise ValueError(f"bare {name} in {path}")
+    return [json.loads(line, parse_constant=no_constants) for line in path.read_text().splitlines()]
+
+
+def test_non_finite_steps_do_not_update_and_stop_the_run(tmp_path, capsys, monkeypatch):
+    """Every loss NaN: no step updates the parameters, the run stops after
+    train.nonfinite_steps_limit steps in a row with one line naming the step
+    and the last good checkpoint (exit 3); the checkpoint holds the initial
+    parameters; metrics.jsonl stays strict JSON."""
+    import jax.numpy as jnp
+
+    from gdnx import train as train_module
+    from gdnx.cli import main
+
+    real = train_module.loss_and_metrics
+    monkeypatch.setattr(train_module, "loss_and_metrics",
+                        lambda model, batch, aux: (lambda l, m: (l * jnp.nan, {**m, "loss": m["loss"] * jnp.nan}))(
+                            *real(model, batch, aux)))
+    argv = ["train", "tiny", *SMALL, "train.steps=20", "train.checkpoint_every=3", "train.nonfinite_steps_limit=5",
+            f"train.out_dir={tmp_path}"]
+    assert main(argv) == 3
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdnx")]
+    assert len(lines) == 1 and "stopped at step 5: 5 steps in a row" in lines[0]
+    assert f"the last good checkpoint is step 3 in {tmp_path}" in lines[0]
+    rows = _strict_json_lines(tmp_path / "metrics.jsonl")
+    assert rows and all(r["loss"] is None and r["skipped"] == 1.0 for r in rows if r["split"] == "train")
+    step, params = _params(tmp_path)
+    init = Trainer(load_config("tiny", SMALL + [f"train.out_dir={tmp_path}"])).params
+    assert step == 3
+    for a, b in zip(jax_leaves(params), jax_leaves(init), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_run_with_some_non_finite_steps_goes_on(tmp_path, capsys, monkeypatch):
+    import jax.numpy as jnp
+
+    from gdnx import train as train_module
+
+    real = train_module.loss_and_metrics
+
+    def sometimes_nan(model, batch, aux):  # about one batch in three
+        loss, metrics = real(model, batch, aux)
+        return loss * jnp.where(jnp.sum(batch.inputs) % 3 == 0, jnp.nan, 1.0), metrics
+    monkeypatch.setattr(train_module, "loss_and_metrics", sometimes_nan)
+    result = train(load_config("tiny", SMALL + ["train.steps=12", f"train.out_dir={tmp_path}"]))
+    assert result["step"] == 12
+    assert "parameters not updated" in capsys.readouterr().err
+    assert all(np.isfinite(x).all() for x in jax_leaves(_params(tmp_path)[1]))
+
+
+def _interrupted(out: Path, steps: int, kills: list[float]) -> subprocess.Popen:
+    """Start the run, SIGKILL it `kills` seconds after each (re)start that got
+    past its first checkpoint, then let the last start finish."""
+    for delay in kills:
+        proc = _cli(out, steps)
+        deadline = time.time() + 300
+        while not (out / "checkpoints").is_dir() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    return _cli(out, steps)
+
+
+def test_sigkill_at_random_points_then_resume_is_bit_identical(tmp_path):
+    """Killed at random moments (checkpoint writes included: one every 3
+    steps of a few hundred ms), restarted each time: the final parameters
+    equal an uninterrupted run's."""
+    straight = _cli(tmp_path / "straight", 12)
+    delays = list(np.random.default_rng(7).uniform(0.0, 3.0, 3))
+    last = _interrupted(tmp_path / "killed", 12, delays)
+    out, _ = last.communicate(timeout=600)
+    assert last.returncode == 0, out
+    assert straight.wait(timeout=600) == 0
+    (s1, p1), (s2, p2) = _params(tmp_path / "straight"), _params(tmp_path / "killed")
+    assert s1 == s2 == 12
+    for a, b in zip(jax_leaves(p1), jax_leaves(p2), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_full_disk_stops_cleanly_and_the_run_resumes(tmp_path):
+    """A file size limit (ulimit -f) below a checkpoint's size: the run
+    stops with one line before writing it (exit 2), nothing damaged is
+    left; without the limit it resumes and ends bit-identical to a run
+    never stopped."""
+    import shlex
+
+    args = [sys.executable, "-m", "gdnx.cli", "train", "tiny", *SMALL, "train.steps=9", "train.checkpoint_every=3",
+            f"train.out_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # files up to 200 KiB (ulimit -f counts KiB); an ignored SIGXFSZ makes a larger write fail with EFBIG
+    shell = f"trap '' XFSZ; ulimit -f 200; exec {shlex.join(args)}"
+    limited = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in limited.stderr.splitlines() if line.startswith("gdnx")]
+    assert limited.returncode == 2 and len(lines) == 1 and "File too large" in lines[0], limited.stderr
+    assert "Traceback" not in limited.stderr
+    assert not any(p.name.isdigit() for p in (tmp_path / "run" / "checkpoints").iterdir())
+    _strict_json_lines(tmp_path / "run" / "metrics.jsonl")
+    straight = _cli(tmp_path / "straight", 9)
+    resumed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert straight.wait(timeout=600) == 0
+    for a, b in zip(jax_leaves(_params(tmp_path / "run")[1]), jax_leaves(_params(tmp_path / "straight")[1]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)

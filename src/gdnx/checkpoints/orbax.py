@@ -248,8 +248,8 @@ def load_params(run_dir: Path, abstract_params: Any) -> tuple[Any, int, list[str
         step, damaged = newest_intact(run_dir, manager.all_steps())
         notes = [f"the checkpoint at step {s} is damaged: {what}; skipped" for s, what in damaged]
         if step is None:
-            raise FileNotFoundError(f"{run_dir}: no intact checkpoint under checkpoints/"
-                                    + (f" ({'; '.join(notes)})" if notes else ""))
+            raise FileNotFoundError(f"{run_dir}: no intact checkpoint under checkpoints/" + (
+                " (" + "; ".join(f"step {s}: {what}" for s, what in damaged) + ")" if damaged else ""))
         try:
             tree = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
         except (ValueError, KeyError) as e:

@@ -1,0 +1,87 @@
+"""Training checkpoints: checksums written with each one, a damaged latest
+checkpoint (flipped bytes, a truncated file, no manifest) reported and
+moved aside, the newest intact one resumed; none intact is one line."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from gdnx.checkpoints.orbax import CheckpointDamaged, Checkpoints, damage
+from gdnx.cli import main
+from gdnx.config import load_config
+from gdnx.train import train
+from tests.test_train import SMALL, _params
+
+
+def _run(out, steps, **kw):
+    return load_config("tiny", SMALL + [f"train.steps={steps}", "train.checkpoint_every=3",
+                                        "train.keep_checkpoints=3", f"train.out_dir={out}"])
+
+
+def _biggest_file(step_dir):
+    return max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def _flip(path, count=64):
+    data = bytearray(path.read_bytes())
+    for i in np.random.default_rng(0).choice(len(data), count, replace=False):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _no_manifest(out):
+    (out / "checksums" / "6.json").unlink()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    train(_run(out, 9))
+    return _params(out)
+
+
+@pytest.mark.parametrize("harm", ["flip", "truncate", "no_manifest"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, capsys, straight, harm):
+    train(_run(tmp_path, 6))
+    manifest = json.loads((tmp_path / "checksums" / "6.json").read_text())
+    assert manifest and all(len(h) == 64 for h in manifest.values())
+    if harm == "flip":
+        _flip(_biggest_file(tmp_path / "checkpoints" / "6"))
+    elif harm == "truncate":
+        _truncate(_biggest_file(tmp_path / "checkpoints" / "6"))
+    else:
+        _no_manifest(tmp_path)
+    assert damage(tmp_path / "checkpoints" / "6", tmp_path / "checksums" / "6.json") is not None
+    assert damage(tmp_path / "checkpoints" / "3", tmp_path / "checksums" / "3.json") is None
+    capsys.readouterr()
+    train(_run(tmp_path, 9))
+    err = capsys.readouterr().err
+    assert "the checkpoint at step 6 is damaged" in err and "resumed from the checkpoint at step 3" in err
+    assert (tmp_path / "damaged" / "6").is_dir()
+    step, params = _params(tmp_path)
+    assert step == straight[0] == 9
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(straight[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_no_intact_checkpoint_is_one_line(tmp_path, capsys):
+    train(_run(tmp_path, 3))
+    _flip(_biggest_file(tmp_path / "checkpoints" / "3"))
+    with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint \(step 3: .* does not match its checksum\)"):
+        Checkpoints(tmp_path, _run(tmp_path, 6)).latest_intact_step()
+    capsys.readouterr()
+    argv = ["train", "tiny", *SMALL, "train.steps=6", "train.checkpoint_every=3", "train.keep_checkpoints=3",
+            f"train.out_dir={tmp_path}"]
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdnx")]
+    assert len(err) == 1 and "no intact checkpoint" in err[0]
+    # generate says the same, in one line
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "1 2"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdnx")]
+    assert len(err) == 1 and "no intact checkpoint under checkpoints/ (step 3: " in err[0], err
