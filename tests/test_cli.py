@@ -143,6 +143,10 @@ def test_resume_refuses_a_change_that_alters_results_and_records_the_others(caps
     assert main(["train", "tiny", *SMALL, "train.steps=3", "train.checkpoint_every=3", out]) == 0
     err = _error(capsys, ["train", "tiny", *SMALL, "train.batch_size=8", "train.steps=4", out])
     assert "train.batch_size: 4 there, 8 here" in err
+    saved = (tmp_path / "config.json").read_text()
+    (tmp_path / "config.json").write_text("{corrupt")
+    assert "config.json: not valid JSON" in _error(capsys, ["train", "tiny", *SMALL, "train.steps=4", out])
+    (tmp_path / "config.json").write_text(saved)
     assert main(["train", "tiny", *SMALL, "train.steps=4", "train.log_every=1", out]) == 0
     change = json.loads((tmp_path / "config_changes.jsonl").read_text().splitlines()[-1])
     assert change["step"] == 3 and change["changed"]["train.steps"] == [3, 4]
