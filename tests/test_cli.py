@@ -30,7 +30,8 @@ def _error(capsys, argv) -> str:
     (["train", "tiny", "train.steps=-3"], "gdnx train: error: train.steps: Input should be greater than 0"),
     (["train", "tiny", "model.gdn_chunk_size=48"], "gdnx train: error: model.gdn_chunk_size: expected one of"),
     (["train", "missing.yml"], "gdnx train: error: config 'missing.yml': no such file"),
-    (["train", "tiny", "data.source=text", "data.path=/no/such.txt"], "gdnx train: error: data.path: no such file"),
+    (["train", "tiny", "data.source=text", "data.path=/no/such.txt"],
+     "gdnx train: error: data.path: /no/such.txt: no such file or directory"),
     (["train", "tiny", "model.gdn_interpret=false"], "gdnx train: error: model.gdn_interpret: false compiles"),
     (["generate", "--checkpoint", "/no/such/dir", "--prompt", "1 2"], "gdnx generate: error: --checkpoint: no such"),
     (["generate", "--checkpoint", ".", "--prompt", "1", "--temperature", "-1"],
@@ -114,7 +115,7 @@ def test_every_data_and_file_mistake_is_one_line(capsys, tmp_path, monkeypatch):
     (tmp_path / "num.jsonl").write_text('{"text": 5}\n')
     assert 'line 1: "text" is a int, expected a string' in _error(capsys, [*text, "data.path=num.jsonl"])
     (tmp_path / "bin.jsonl").write_bytes(b'{"text": "\xff\xfe"}\n')
-    assert "bin.jsonl: not UTF-8 text (byte 10)" in _error(capsys, [*text, "data.path=bin.jsonl"])
+    assert "bin.jsonl line 1: not UTF-8 text (byte 10)" in _error(capsys, [*text, "data.path=bin.jsonl"])
     (tmp_path / "ok.txt").write_text("some text " * 20)
     (tmp_path / "tokenizer.json").write_text("{not json")
     err = _error(capsys, [*text, "data.path=ok.txt", "data.tokenizer=tokenizer.json"])

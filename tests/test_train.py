@@ -213,3 +213,57 @@ def test_a_full_disk_stops_cleanly_and_the_run_resumes(tmp_path):
     for a, b in zip(jax_leaves(_params(tmp_path / "run")[1]), jax_leaves(_params(tmp_path / "straight")[1]),
                     strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _peak_rss(argv: list[str]) -> int:
+    """Peak resident KiB of `gdnx ARGV` in a fresh process."""
+    code = ("import resource, sys; from gdnx.cli import main; rc = main(sys.argv[1:]); "
+            "print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("MAXRSS")))
+
+
+def _text_corpus(directory: Path, megabytes: int) -> None:
+    directory.mkdir()
+    rng = np.random.default_rng(megabytes)
+    words = np.asarray([w.encode() for w in "the delta rule writes keys and values into a state that decays".split()])
+    for i in range(megabytes * 10):  # 100 KB documents
+        (directory / f"{i:05d}.txt").write_bytes(b" ".join(rng.choice(words, 20_000))[:100_000])
+
+
+def test_a_corpus_ten_times_larger_takes_no_more_memory_and_resumes_bit_identical(tmp_path):
+    """10 MB and 100 MB of text, prepared and trained on: peak resident
+    memory flat in corpus size (within 64 MiB); a training run on the
+    prepared shards killed and resumed ends bit-identical."""
+    peaks = {}
+    for mb in (10, 100):
+        _text_corpus(tmp_path / f"text{mb}", mb)
+        prepare_peak = _peak_rss(["prepare", str(tmp_path / f"text{mb}"), "--out", str(tmp_path / f"tok{mb}")])
+        train_peak = _peak_rss(["train", "tiny", *SMALL, "data.source=tokens", f"data.path={tmp_path / f'tok{mb}'}",
+                                "model.vocab_size=256", "train.steps=3", f"train.out_dir={tmp_path / f'run{mb}'}"])
+        peaks[mb] = (prepare_peak, train_peak)
+    print(f"peak RSS KiB (prepare, train): {peaks}")  # docs/benchmarks.md quotes these
+    for stage in (0, 1):
+        assert peaks[100][stage] - peaks[10][stage] < 64 * 1024, peaks
+
+    data = ["data.source=tokens", f"data.path={tmp_path / 'tok100'}", "model.vocab_size=256"]
+    args = lambda out, steps: [sys.executable, "-m", "gdnx.cli", "train", "tiny", *SMALL, *data,  # noqa: E731
+                               f"train.steps={steps}", "train.checkpoint_every=3", f"train.out_dir={out}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    straight = subprocess.Popen(args(tmp_path / "straight", 9), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    killed = subprocess.Popen(args(tmp_path / "killed", 9), env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    ckpt = tmp_path / "killed" / "checksums" / "3.json"
+    deadline = time.time() + 300
+    while not ckpt.is_file() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert subprocess.run(args(tmp_path / "killed", 9), env=env, capture_output=True).returncode == 0
+    assert straight.wait(timeout=600) == 0
+    for a, b in zip(jax_leaves(_params(tmp_path / "straight")[1]), jax_leaves(_params(tmp_path / "killed")[1]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -49,6 +49,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("overrides", nargs="*", metavar="key=value",
                      help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla")
+    prep = sub.add_parser("prepare", help="tokenize text into memory-mapped shards for data.source=tokens",
+                          description="Tokenize .txt / .jsonl files (or directories of them) into token shards "
+                                      "with a document index and a validation split; a rerun on the same inputs "
+                                      "does nothing.")
+    prep.add_argument("inputs", nargs="+", help=".txt files (one document each), .jsonl files ({\"text\": ...} "
+                                                "per line) or directories of them")
+    prep.add_argument("--out", required=True, help="the directory to write (then: data.source=tokens data.path=OUT)")
+    prep.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: raw bytes)")
+    prep.add_argument("--val-fraction", type=float, default=0.05,
+                      help="documents held out for evaluation (default 0.05)")
+    prep.add_argument("--eos-token", default=None,
+                      help="the tokenizer's end-of-document token (default: the first of <|endoftext|>, </s>, "
+                           "<eos>, <|end_of_text|>, [SEP] it has)")
     bench = sub.add_parser("bench", help="op timings and train-step time/memory, GDN hybrid vs attention")
     bench.add_argument("--batch", type=int, default=4, help="train-step batch (default 4)")
     bench.add_argument("--seq-len", type=int, default=1024, help="train-step sequence length (default 1024)")
@@ -86,6 +99,31 @@ def _train(args) -> None:
     run_training(trainer)
 
 
+def _prepare(args) -> None:
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from gdnx.data.prepare import prepare
+
+    console = Console(stderr=True)
+    with Progress("prepare", BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("prepare", total=None)
+        try:
+            meta = prepare([Path(p) for p in args.inputs], Path(args.out), tokenizer=args.tokenizer,
+                           eos_token=args.eos_token, val_fraction=args.val_fraction,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+    splits = meta["splits"]
+    state = "up to date" if meta.get("up_to_date") else "written"
+    console.print(f"{args.out}: {state}; train {splits['train']['tokens']:,} tokens in "
+                  f"{splits['train']['documents']:,} documents, validation {splits['val']['tokens']:,} tokens in "
+                  f"{splits['val']['documents']:,}; train with data.source=tokens data.path={args.out}",
+                  highlight=False, soft_wrap=True)
+
+
 def _run(args) -> int:
     if args.command == "train":
         _train(args)
@@ -93,6 +131,8 @@ def _run(args) -> int:
         from gdnx.cli_generate import run_generate
 
         run_generate(args)
+    elif args.command == "prepare":
+        _prepare(args)
     elif args.command == "bench":
         from gdnx.bench import run
 

@@ -44,10 +44,17 @@ class Reporter:
             yield _Bar(progress, task)
 
     def eval(self, step: int, metrics: dict) -> None:
+        """MQAR: answer and first-query accuracy; text: the validation split's
+        loss, perplexity, bits per byte and next-token accuracy."""
         elapsed = time.perf_counter() - self.t_start
-        acc, first = 100 * metrics["accuracy"], 100 * metrics["first_query_accuracy"]
-        self.console.print(f"step {step:>5}  eval loss {metrics['loss']:.4f}  answers {acc:6.2f}%  "
-                           f"first queries {first:6.2f}%  {elapsed:4.0f} s", highlight=False)
+        acc = 100 * metrics["accuracy"]
+        if "first_query_accuracy" in metrics:
+            what = f"answers {acc:6.2f}%  first queries {100 * metrics['first_query_accuracy']:6.2f}%"
+        else:
+            what = (f"perplexity {metrics['perplexity']:.2f}  bits/byte {metrics['bits_per_byte']:.3f}  "
+                    f"next token {acc:6.2f}%  (validation split)")
+        self.console.print(f"step {step:>5}  eval loss {metrics['loss']:.4f}  {what}  {elapsed:4.0f} s",
+                           highlight=False, soft_wrap=True)
 
     def plot(self, out: Path, metrics_file: Path) -> None:
         write_plot(metrics_file, out / PLOT_FILE)
@@ -71,12 +78,12 @@ def write_plot(metrics_file: Path, png: Path) -> None:
             continue
         steps = [r["step"] for r in pts]
         ax_loss.plot(steps, [r["loss"] for r in pts], style, label=split, markersize=3)
-        ax_acc.plot(steps, [100 * r["accuracy"] for r in pts], style, label=f"{split} answers", markersize=3)
-        if split == "eval":
+        ax_acc.plot(steps, [100 * r["accuracy"] for r in pts], style, label=f"{split} accuracy", markersize=3)
+        if split == "eval" and "first_query_accuracy" in pts[0]:
             ax_acc.plot(steps, [100 * r["first_query_accuracy"] for r in pts], "s--", markersize=3,
                         label="eval first queries")
     ax_loss.set(xlabel="step", ylabel="loss", yscale="log", title="loss")
-    ax_acc.set(xlabel="step", ylabel="accuracy (%)", ylim=(0, 100), title="answer accuracy")
+    ax_acc.set(xlabel="step", ylabel="accuracy (%)", ylim=(0, 100), title="accuracy (MQAR: answers; text: next token)")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()

@@ -20,15 +20,18 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 from rich.console import Console
 
 from gdnx.checkpoints.files import atomic_write_text
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
 from gdnx.config.schema import Config, TrainConfig
 from gdnx.data import Batch, make_source
+from gdnx.data.tokens import HostBatch, Prefetcher, host_batch
+from gdnx.loss import blocked_cross_entropy
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import check_platform
-from gdnx.parallel import constrain, make_mesh, shard
+from gdnx.parallel import constrain, make_mesh, shard, spec
 from gdnx.progress import Reporter
 
 EVAL_BATCHES = 4
@@ -46,23 +49,24 @@ def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Cross-entropy over the masked positions (+ the MoE balancing loss)."""
-    out = model.forward(batch.inputs)
-    logp = jax.nn.log_softmax(out.logits, axis=-1)
-    # a one-hot product, not a gather: it needs no placement stated when the
-    # vocabulary is split over tensor on an Explicit mesh
-    nll = -jnp.sum(logp * jax.nn.one_hot(batch.targets, logp.shape[-1], dtype=logp.dtype), axis=-1)
-    mask = batch.mask.astype(jnp.float32)
-    loss = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-    hit = (jnp.argmax(out.logits, axis=-1) == batch.targets).astype(jnp.float32)
-    first = batch.first.astype(jnp.float32)
-    metrics = {"loss": loss, "accuracy": jnp.sum(hit * mask) / jnp.maximum(jnp.sum(mask), 1.0),
-               "first_query_accuracy": jnp.sum(hit * first) / jnp.maximum(jnp.sum(first), 1.0)}
+    """Cross-entropy over the masked positions (+ the MoE balancing loss),
+    computed in blocks of positions (gdnx.loss). Metrics: loss and accuracy;
+    MQAR adds first-query accuracy, text bits per byte."""
+    out = model.hidden_states(batch.inputs, segments=batch.segments)
+    sums = blocked_cross_entropy(out.logits, model.logits, batch.targets, batch.mask, batch.first,
+                                 vocab=model.config.vocab_size)
+    loss = sums.nll / jnp.maximum(sums.tokens, 1.0)
+    metrics = {"loss": loss, "accuracy": sums.hits / jnp.maximum(sums.tokens, 1.0)}
+    if batch.target_bytes is None:
+        metrics["first_query_accuracy"] = sums.first_hits / jnp.maximum(sums.first_tokens, 1.0)
+    else:
+        text_bytes = jnp.sum(batch.target_bytes * batch.mask)
+        metrics["bits_per_byte"] = sums.nll / math.log(2.0) / jnp.maximum(text_bytes, 1)
     return loss + aux_coef * out.aux_loss, metrics
 
 
 def _place_batch(batch: Batch) -> Batch:
-    return Batch(*(constrain(x, ("batch", "length")) for x in batch))
+    return jax.tree.map(lambda x: constrain(x, ("batch", "length")), batch)
 
 
 class Trainer:
@@ -78,14 +82,20 @@ class Trainer:
         if mesh is not None:
             self.params = shard(self.params, config.model, mesh)
         self.tx = make_optimizer(config.train)
-        batches, self.tokenizer = make_source(config.data, config.train.batch_size, config.model.vocab_size)
-        self.batch_fn = batches(config.train.seed)
-        self.eval_fn = batches(config.train.seed + 1_000_003)
+        self.source = make_source(config.data, config.train.batch_size, config.model.vocab_size,
+                                  out_dir=Path(config.train.out_dir), evaluate=config.train.eval_every > 0)
+        self.tokenizer = self.source.tokenizer
+        seed = config.train.seed
+        self._prefetch: Prefetcher | None = None
         aux = config.model.router_aux_loss_coef if config.model.num_experts else 0.0
 
-        def step_fn(params, opt_state, step):
+        def batch_of(source_fn, step, batch):
+            """The batch of `step`: made in the graph (MQAR) or given (text)."""
+            return _place_batch(source_fn(seed)(step) if batch is None else batch)
+
+        def step_fn(params, opt_state, step, batch):
             def loss_fn(p):
-                return loss_and_metrics(nnx.merge(self.graphdef, p), _place_batch(self.batch_fn(step)), aux)
+                return loss_and_metrics(nnx.merge(self.graphdef, p), batch_of(self.source.train, step, batch), aux)
             (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
             updates, new_opt_state = self.tx.update(grads, opt_state, params)
             metrics["grad_norm"] = optax.tree.norm(grads)
@@ -96,8 +106,9 @@ class Trainer:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
             return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), metrics
 
-        def eval_fn(params, index):
-            return loss_and_metrics(nnx.merge(self.graphdef, params), _place_batch(self.eval_fn(index)), aux)[1]
+        def eval_fn(params, index, batch):
+            data = batch_of(self.source.evaluation, index, batch)
+            return loss_and_metrics(nnx.merge(self.graphdef, params), data, aux)[1]
 
         self.step_fn = jax.jit(step_fn, donate_argnums=(0, 1))
         self.evaluate_one = jax.jit(eval_fn)
@@ -106,18 +117,55 @@ class Trainer:
         """The context the step functions trace and run in."""
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
+    def _rows(self) -> range:
+        """This process's rows of the global batch."""
+        b, n, i = self.config.train.batch_size, jax.process_count(), jax.process_index()
+        return range(i * b // n, (i + 1) * b // n)
+
+    def _device_batch(self, host: HostBatch) -> Batch:
+        """A host batch as global arrays, each process giving its rows."""
+        arrays = (host.inputs, host.targets, host.mask, host.mask, host.segments, host.target_bytes)
+        shape = (self.config.train.batch_size, self.config.data.seq_len)
+        if self.mesh is None:
+            return Batch(*(jnp.asarray(x) for x in arrays))
+        sharding = NamedSharding(self.mesh, spec(("batch", "length"), shape, mesh=self.mesh))
+        return Batch(*(jax.make_array_from_process_local_data(sharding, x, shape) for x in arrays))
+
+    def host_batch(self, which: str, step: int) -> HostBatch:
+        make = self.source.train if which == "train" else self.source.evaluation
+        assert make is not None  # evaluation exists when train.eval_every > 0
+        rows, seed = make(self.config.train.seed)
+        return host_batch(rows, seed, step, self._rows())
+
     def step(self, params: Any, opt_state: Any, step: jax.Array) -> tuple[Any, Any, dict[str, jax.Array]]:
+        batch = None
+        if not self.source.in_graph:
+            if self._prefetch is None:
+                self._prefetch = Prefetcher(lambda s: self.host_batch("train", s), int(step))
+            batch = self._device_batch(self._prefetch.get(int(step)))
         with self.on_mesh():
-            return self.step_fn(params, opt_state, step)
+            return self.step_fn(params, opt_state, step, batch)
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
 
     def init_opt_state(self, params: Any) -> Any:
         opt_state = self.tx.init(params)
         return opt_state if self.mesh is None else shard(opt_state, self.config.model, self.mesh)
 
     def evaluate(self, params: Any) -> dict[str, float]:
-        with self.on_mesh():
-            runs = [self.evaluate_one(params, i) for i in range(EVAL_BATCHES)]
-        return {k: float(sum(r[k] for r in runs) / EVAL_BATCHES) for k in runs[0]}
+        """Metrics of EVAL_BATCHES held-out batches (MQAR: other seeds; text:
+        the validation split), averaged; text adds perplexity."""
+        runs = []
+        for i in range(EVAL_BATCHES):
+            batch = None if self.source.in_graph else self._device_batch(self.host_batch("eval", i))
+            with self.on_mesh():
+                runs.append(self.evaluate_one(params, jnp.asarray(i, jnp.int32), batch))
+        out = {k: float(sum(r[k] for r in runs) / EVAL_BATCHES) for k in runs[0]}
+        if "bits_per_byte" in out:
+            out["perplexity"] = math.exp(min(out["loss"], 700.0))
+        return out
 
 
 class NonFiniteStop(RuntimeError):
@@ -218,6 +266,7 @@ def run(trainer: Trainer, *, console: Console | None = None) -> dict[str, float]
                             f"{100 * t_cfg.target_accuracy:.0f}%); nothing to do. Raise train.target_accuracy "
                             "or use another train.out_dir to train further.")
                 ckpt.close()
+                trainer.close()
                 return {"step": start, **last_eval}
     metrics_file = out / "metrics.jsonl"
     if primary:
@@ -238,6 +287,7 @@ def run(trainer: Trainer, *, console: Console | None = None) -> dict[str, float]
                     log.flush()
                     last = ckpt.latest_step()
                     ckpt.close()
+                    trainer.close()
                     where = f"step {last} in {ckpt.dir}" if last else "none"
                     raise NonFiniteStop(f"stopped at step {step}: {nonfinite} steps in a row had a non-finite loss "
                                         f"or gradient norm (train.nonfinite_steps_limit); the last good checkpoint "
@@ -269,5 +319,6 @@ def run(trainer: Trainer, *, console: Console | None = None) -> dict[str, float]
                             f"(target {100 * target:.0f}%) at step {step}")
                 break
     ckpt.close()
+    trainer.close()
     report.finish(out, step)
     return {"step": step, **last_eval}

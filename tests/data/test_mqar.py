@@ -28,8 +28,9 @@ def test_rows_recall_their_context():
 
 def test_batches_depend_on_step_only():
     cfg = load_config("tiny")
-    batches, tok = make_source(cfg.data, 4, vocab_size=cfg.model.vocab_size)
-    assert tok is None
+    source = make_source(cfg.data, 4, vocab_size=cfg.model.vocab_size)
+    assert source.tokenizer is None and source.in_graph
+    batches = source.train
     fn = batches(0)
     a, b, c = fn(5), batches(0)(5), fn(6)
     np.testing.assert_array_equal(a.inputs, b.inputs)

@@ -184,11 +184,14 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    """Training data: the embedded MQAR task, or a local text / JSONL file."""
+    """Training data: the embedded MQAR task; text files (.txt, .jsonl or a
+    directory of them), tokenized into <out_dir>/data on first use; or a
+    directory `gdnx prepare` wrote (tokens)."""
 
-    source: Literal["mqar", "text"] = "mqar"
+    source: Literal["mqar", "text", "tokens"] = "mqar"
     path: str | None = None
     tokenizer: str | None = None  # a Hugging Face tokenizer.json; bytes when None
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # documents held out for evaluation (source text)
     seq_len: PositiveInt = 128
     num_pairs: PositiveInt = 16
     num_keys: PositiveInt = 128
@@ -197,7 +200,10 @@ class DataConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self):
         if self.source == "text" and self.path is None:
-            raise ValueError("path: data.source=text needs data.path (a .txt or .jsonl file)")
+            raise ValueError("path: data.source=text needs data.path (a .txt or .jsonl file, or a directory of "
+                             "them)")
+        if self.source == "tokens" and self.path is None:
+            raise ValueError("path: data.source=tokens needs data.path (a directory `gdnx prepare` wrote)")
         if self.source == "mqar" and self.seq_len < 2 * self.num_pairs + 1:
             raise ValueError(f"seq_len: {self.num_pairs} pairs and one query need >= {2 * self.num_pairs + 1}, "
                              f"got {self.seq_len}")

@@ -1,5 +1,12 @@
 """Batches by step number: batch s depends only on (seed, s), so a resumed
-run sees exactly the data an uninterrupted one would."""
+run sees exactly the data an uninterrupted one would.
+
+MQAR is generated inside the compiled step (a function of the step
+number). Text is tokenized into memory-mapped shards first (`gdnx
+prepare`, or automatically for data.source=text) and read on the host,
+packed documents per row (gdnx.data.tokens): nothing of the corpus enters
+the compiled program.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,11 @@ import jax.numpy as jnp
 
 from gdnx.config.schema import DataConfig
 from gdnx.data.mqar import mqar_batch
-from gdnx.data.text import Tokenizer, make_tokenizer, token_stream
+from gdnx.data.prepare import prepare
+from gdnx.data.text import Tokenizer, make_tokenizer
+from gdnx.data.tokens import PackedRows, TokenShards
+
+EVAL_SEED_OFFSET = 1_000_003
 
 
 class Batch(NamedTuple):
@@ -20,41 +31,67 @@ class Batch(NamedTuple):
     targets: jax.Array  # int32 [B, T]
     mask: jax.Array     # bool [B, T]: positions that count in loss and accuracy
     first: jax.Array    # bool [B, T]: MQAR first queries (all of mask for text)
+    segments: jax.Array | None = None      # int32 [B, T]: document of each token (packed text rows)
+    target_bytes: jax.Array | None = None  # int32 [B, T]: UTF-8 bytes of each target (bits per byte)
 
 
-def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int,
-                ) -> tuple[Callable[[int], Callable[[jax.Array], Batch]], Tokenizer | None]:
-    """(batches, tokenizer): batches(seed) -> batch_fn(step) -> Batch, jit-able
-    in step. The data (a tokenized file) is prepared once for every seed;
-    the tokenizer is None for MQAR."""
-    if data_cfg.source == "mqar":
-        def mqar_batches(seed):
-            base = jax.random.fold_in(jax.random.key(seed), 0x5EED)
+class Source(NamedTuple):
+    """train(seed) / evaluation(seed): step -> batch. In-graph sources (MQAR)
+    give jit-able functions of a traced step; host sources (text) give
+    (seed, step, rows) -> numpy rows, read outside the compiled step."""
+    kind: str  # "mqar" or "text"
+    in_graph: bool
+    train: Callable
+    evaluation: Callable | None
+    tokenizer: Tokenizer | None
 
-            def batch_fn(step):
-                return Batch(*mqar_batch(jax.random.fold_in(base, step), batch_size, data_cfg.seq_len,
-                                         data_cfg.num_pairs, data_cfg.num_keys, data_cfg.num_values))
-            return batch_fn
-        return mqar_batches, None
-    tokenizer = make_tokenizer(data_cfg.tokenizer)
-    if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"model.vocab_size: the tokenizer has {tokenizer.vocab_size} tokens, "
-                          f"the model {vocab_size}")
-    assert data_cfg.path is not None  # DataConfig requires it for text sources
-    stream = jnp.asarray(token_stream(Path(data_cfg.path), tokenizer))
-    span = data_cfg.seq_len + 1
-    if stream.shape[0] < span:
-        raise ValueError(f"data.path: {data_cfg.path} has {stream.shape[0]} tokens, fewer than "
-                          f"data.seq_len + 1 = {span}")
 
+def _mqar(data_cfg: DataConfig, batch_size: int) -> Source:
     def batches(seed):
         base = jax.random.fold_in(jax.random.key(seed), 0x5EED)
 
         def batch_fn(step):
-            starts = jax.random.randint(jax.random.fold_in(base, step), (batch_size,), 0,
-                                        stream.shape[0] - span + 1)
-            rows = jax.vmap(lambda s: jax.lax.dynamic_slice(stream, (s,), (span,)))(starts)
-            ones = jnp.ones((batch_size, data_cfg.seq_len), bool)
-            return Batch(rows[:, :-1], rows[:, 1:], ones, ones)
+            return Batch(*mqar_batch(jax.random.fold_in(base, step), batch_size, data_cfg.seq_len,
+                                     data_cfg.num_pairs, data_cfg.num_keys, data_cfg.num_values))
         return batch_fn
-    return batches, tokenizer
+    return Source("mqar", True, batches, lambda seed: batches(seed + EVAL_SEED_OFFSET), None)
+
+
+def prepared_dir(data_cfg: DataConfig, out_dir: Path) -> Path:
+    """Where data.source=text keeps its shards: <out_dir>/data (made from
+    data.path on first use; a gdnx prepare directory for data.source=tokens)."""
+    assert data_cfg.path is not None  # DataConfig requires it for text sources
+    return Path(data_cfg.path) if data_cfg.source == "tokens" else out_dir / "data"
+
+
+def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_dir: Path | None = None,
+                evaluate: bool = True, progress: Callable[[int, int], None] | None = None) -> Source:
+    """The data of a run. Text is prepared into <out_dir>/data first
+    (data.source=text) or read from a prepared directory (data.source=tokens)."""
+    if data_cfg.source == "mqar":
+        return _mqar(data_cfg, batch_size)
+    assert data_cfg.path is not None
+    directory = prepared_dir(data_cfg, out_dir or Path("."))
+    if data_cfg.source == "text":
+        try:
+            prepare([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer,
+                    val_fraction=data_cfg.val_fraction, progress=progress)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"data.path: {e}") from None
+        except ValueError as e:
+            raise ValueError(e if str(e).startswith("data.") else f"data.path: {e}") from None
+    train_shards = TokenShards(directory, "train")
+    if train_shards.vocab_size > vocab_size:
+        raise ValueError(f"model.vocab_size: the tokenizer has {train_shards.vocab_size} tokens, "
+                         f"the model {vocab_size}")
+    tokenizer = make_tokenizer(data_cfg.tokenizer) if data_cfg.source == "text" else None
+    train_rows = PackedRows(train_shards, data_cfg.seq_len)
+    eval_rows = None
+    if evaluate:
+        val = TokenShards(directory, "val")
+        if len(val) < 2:
+            raise ValueError(f"data.val_fraction: the validation split of {directory} holds no text to evaluate "
+                             "on; raise data.val_fraction (or give more documents), or set train.eval_every=0")
+        eval_rows = PackedRows(val, data_cfg.seq_len)
+    evaluation = None if eval_rows is None else (lambda seed: (eval_rows, seed + EVAL_SEED_OFFSET))
+    return Source("text", False, lambda seed: (train_rows, seed), evaluation, tokenizer)

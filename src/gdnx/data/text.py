@@ -1,38 +1,9 @@
-"""A local text (.txt) or JSONL ({"text": ...} per line) file as a token
-stream: bytes by default, or a Hugging Face tokenizer.json."""
+"""Tokenizers: raw bytes by default, or a Hugging Face tokenizer.json."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
-
-
-
-def read_documents(path: Path) -> list[str]:
-    if not path.is_file():
-        raise FileNotFoundError(f"data.path: no such file {path}")
-    if path.suffix == ".jsonl":
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"data.path: {path}: not UTF-8 text (byte {e.start}); a .jsonl file is UTF-8") from None
-        docs = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"data.path: {path} line {n}: expected a JSON object with a \"text\" field") from None
-            if not isinstance(text, str):
-                raise ValueError(f"data.path: {path} line {n}: \"text\" is a {type(text).__name__}, expected a "
-                                 "string")
-            docs.append(text)
-        return docs
-    return [path.read_text(encoding="utf-8", errors="replace")]
 
 
 class ByteTokenizer:
@@ -73,11 +44,3 @@ Tokenizer = ByteTokenizer | HFTokenizer
 
 def make_tokenizer(path: str | None) -> Tokenizer:
     return ByteTokenizer() if path is None else HFTokenizer(path)
-
-
-def token_stream(path: Path, tokenizer: Tokenizer) -> np.ndarray:
-    """All documents' tokens, one stream (documents separated by a newline)."""
-    ids: list[int] = []
-    for doc in read_documents(path):
-        ids.extend(tokenizer.encode(doc + "\n"))
-    return np.asarray(ids, np.int32)

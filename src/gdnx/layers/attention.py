@@ -26,10 +26,12 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+                     segments: jax.Array | None = None) -> jax.Array:
     """Softmax attention of q [B, T, H, D] over k, v [B, S, Hkv, D] where a
     key is visible when its position is <= the query's (positions [T], [S];
-    cache slots not yet written carry positions past every query)."""
+    cache slots not yet written carry positions past every query) and, with
+    segments [B, T] (S = T: packed documents), in the query's document."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
     # on a mesh: tensor goes to the kv-head groups when it divides them, else
@@ -41,6 +43,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     k, v = constrain(k, kv_axes), constrain(v, kv_axes)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
     visible = k_pos[None, :] <= q_pos[:, None]
+    if segments is not None:
+        same = constrain(segments, ("batch", "length"))[:, :, None] == constrain(segments, ("batch", None))[:, None]
+        visible = visible[None] & same
+        visible = visible[:, None, None]  # [B, 1, 1, T, S] against scores [B, G, R, T, S]
     scores = jnp.where(visible, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bgrts,bsgd->btgrd", probs, v, preferred_element_type=jnp.float32)
@@ -49,15 +55,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache: KVCache | None,
-           start: jax.Array | int) -> tuple[jax.Array, KVCache | None]:
-    """q [B, T, H, D] over k, v [B, T, Hkv, D] at `positions` [T]. With a
-    cache, k and v are written at [start, start + T) and the queries see
-    everything before them. Returns (out [B, T, H, D], new cache or None)."""
+           start: jax.Array | int, segments: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    """q [B, T, H, D] over k, v [B, T, Hkv, D] at `positions` [T], each query
+    within its document when segments [B, T] are given. With a cache, k and
+    v are written at [start, start + T) and the queries see everything
+    before them. Returns (out [B, T, H, D], new cache or None)."""
     if cache is None:
         # Under a context axis each shard keeps its queries and gathers every
         # key and value (causal_attention; the mask hides the later ones):
         # simple, and full attention is one layer in four.
-        return causal_attention(q, k, v, positions, positions), None
+        return causal_attention(q, k, v, positions, positions, segments), None
     zero = jnp.zeros((), jnp.int32)  # indices of one dtype, whatever jax_enable_x64 says
     at = (zero, jnp.asarray(start, jnp.int32), zero, zero)
     # on a mesh the cache keeps its length whole (writes land at any offset)
@@ -68,7 +75,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache
     return causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots), cache
 
 
-Rope = tuple[jax.Array, jax.Array] | None  # (cos, sin) [1, T, rotary_dim], or None: no rotary embedding
+Rope = tuple[jax.Array, jax.Array] | None  # (cos, sin) [B or 1, T, rotary_dim], or None: no rotary embedding
 
 
 def _rope(x: jax.Array, rope: Rope) -> jax.Array:
@@ -90,10 +97,11 @@ class GatedAttention(nnx.Module):
         self.q_norm = ZeroCenteredRMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
         self.k_norm = ZeroCenteredRMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array,
-                 cache: KVCache | None = None, start: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
-        """x [B, T, hidden]; rope for positions [T] (start + arange(T)); the
-        cache as `attend` keeps it. Returns (y, new cache or None)."""
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | None = None,
+                 start: jax.Array | int = 0, segments: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+        """x [B, T, hidden]; rope for each token's position in its document;
+        positions [T] (start + arange(T)); the cache and segments as
+        `attend` takes them. Returns (y, new cache or None)."""
         b, t, _ = x.shape
         d = self.head_dim
         qg = constrain(self.q_proj(x).reshape(b, t, self.num_heads, 2 * d), ("batch", "length", "heads", None))
@@ -101,7 +109,7 @@ class GatedAttention(nnx.Module):
         q = _rope(self.q_norm(q), rope)
         k = _rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
-        out, cache = attend(q, k, v, positions, cache, start)
+        out, cache = attend(q, k, v, positions, cache, start, segments)
         out = out.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(gate)
         return self.o_proj(out, out_sharding=out_sharding(HIDDEN, x.shape)), cache
 
@@ -121,13 +129,13 @@ class NormedAttention(nnx.Module):
         self.q_norm = RMSNorm(self.num_heads * d, eps=norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(self.num_kv_heads * d, eps=norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array,
-                 cache: KVCache | None = None, start: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | None = None,
+                 start: jax.Array | int = 0, segments: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         """As GatedAttention.__call__."""
         b, t, _ = x.shape
         d = self.head_dim
         q = _rope(self.q_norm(self.q_proj(x)).reshape(b, t, self.num_heads, d), rope)
         k = _rope(self.k_norm(self.k_proj(x)).reshape(b, t, self.num_kv_heads, d), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
-        out, cache = attend(q, k, v, positions, cache, start)
+        out, cache = attend(q, k, v, positions, cache, start, segments)
         return self.o_proj(out.reshape(b, t, self.num_heads * d), out_sharding=out_sharding(HIDDEN, x.shape)), cache

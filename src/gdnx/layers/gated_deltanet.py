@@ -31,6 +31,28 @@ from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
 from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
 
 
+# The gate at a document's first token in a packed row: exp(RESET_GATE) is 0
+# in float32, so the state carried in from the previous document is dropped.
+# The op forms every decay from sums of gates of one sign (chunk_math), so
+# this value costs no precision to the gates around it.
+RESET_GATE = -1e4
+
+
+def cross_document_terms(x: jax.Array, weight: jax.Array, starts: jax.Array) -> jax.Array:
+    """What a causal conv's window takes from before each token's document:
+    sum over lags L < W of weight[:, W - 1 - L] x_{t - L} where a document
+    starts in (t - L, t]. x [B, T, D], weight [D, W], starts bool [B, T]."""
+    width = weight.shape[1]
+    count = jnp.cumsum(starts.astype(jnp.int32), axis=1)
+    out = jnp.zeros_like(x)
+    for lag in range(1, width):
+        earlier = jnp.pad(count, ((0, 0), (lag, 0)))[:, :-lag]
+        crossed = (count - earlier > 0)[..., None]
+        shifted = jnp.pad(x, ((0, 0), (lag, 0), (0, 0)))[:, :-lag]
+        out = out + jnp.where(crossed, shifted * weight[:, width - 1 - lag].astype(x.dtype), 0)
+    return out
+
+
 class GDNState(NamedTuple):
     """conv [B, conv_dim, kernel_size - 1] (oldest first), recurrent [B, HV, K, V]."""
     conv: jax.Array
@@ -90,17 +112,24 @@ class GatedDeltaNet(nnx.Module):
         parts = (a[..., :self.dk], a[..., self.dk:2 * self.dk], a[..., 2 * self.dk:])
         return jnp.moveaxis(jnp.concatenate([x.reshape(*lead, -1) for x in parts], axis=-1), -1, axis)
 
-    def _core(self, mixed, conv_weight, g, beta, conv_state, state, context_axis):
+    def _core(self, mixed, conv_weight, g, beta, conv_state, state, context_axis, starts=None):
         """conv + delta rule on one shard: mixed [B, T, HK, dk + dk + G dv]
         (this shard's key heads), conv_weight [HK, ., W], g and beta
-        [B, T, HV], states grouped likewise or None. The sequence is split
-        over `context_axis` when one is given."""
+        [B, T, HV], states grouped likewise or None, starts [B, T] (packed
+        documents' first tokens) or None. The sequence is split over
+        `context_axis` when one is given."""
         b, t, hk, width = mixed.shape
         flat, w = mixed.reshape(b, t, hk * width), conv_weight.reshape(hk * width, self.width)
         conv0 = None if conv_state is None else conv_state.reshape(b, hk * width, self.width - 1)
         keep = state is not None
+        if context_axis and starts is not None:
+            raise ValueError("segments: packed documents under context parallelism are not supported yet; set "
+                             "parallel.context=1")
         if context_axis:
             y, conv1 = context_causal_conv1d(flat, w, axis=context_axis, initial_state=conv0, output_final_state=keep)
+        elif starts is not None:  # the conv restarts at each document
+            z, conv1 = causal_conv1d(flat, w, initial_state=conv0, output_final_state=keep, activation=None)
+            y = jax.nn.silu(z - cross_document_terms(flat, w, starts))
         else:
             y, conv1 = causal_conv1d(flat, w, initial_state=conv0, output_final_state=keep)
         y = y.reshape(b, t, hk, width)
@@ -116,9 +145,12 @@ class GatedDeltaNet(nnx.Module):
             o, rec = chunk_gated_delta_rule(q, k, v, g, beta, **common, **self.op.chunk_kwargs())
         return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec
 
-    def __call__(self, x: jax.Array, state: GDNState | None = None) -> tuple[jax.Array, GDNState | None]:
+    def __call__(self, x: jax.Array, state: GDNState | None = None, segments: jax.Array | None = None,
+                 ) -> tuple[jax.Array, GDNState | None]:
         """x [B, T, hidden]. With a state: continue from it and return the new
-        one; T == 1 takes the decode path (conv update + recurrent op).
+        one; T == 1 takes the decode path (conv update + recurrent op). With
+        segments [B, T] (the document of each token of a packed row), the
+        conv window and the delta rule's state restart at every document.
         Returns (y [B, T, hidden], new state or None)."""
         b, t, _ = x.shape
         grp = self.hv // self.hk
@@ -137,10 +169,14 @@ class GatedDeltaNet(nnx.Module):
         a = jnp.reshape(ba[..., grp:], (b, t, self.hv), out_sharding=gate_sharding)
         beta = self.beta_scale * jax.nn.sigmoid(bb)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
+        starts = None
+        if segments is not None:
+            starts = segments != jnp.pad(segments, ((0, 0), (1, 0)))[:, :-1]
+            g = jnp.where(starts[..., None], RESET_GATE, g)
         conv_state = None if state is None else self._group_channels(state.conv, 1)
         o, conv_state, rec = run_gdn_core(
             self._core, mixed, self._group_channels(self.conv_weight[...], 0), g, beta, conv_state,
-            None if state is None else state.recurrent, num_key_heads=self.hk, kernel_size=self.width)
+            None if state is None else state.recurrent, starts, num_key_heads=self.hk, kernel_size=self.width)
         o = gated_rmsnorm(o, z, self.norm_weight[...], eps=self.eps)
         o = jnp.reshape(o, (b, t, self.hv * self.dv), out_sharding=out_sharding(
             ("batch", "length", "value_heads"), (b, t, self.hv * self.dv), units=units))

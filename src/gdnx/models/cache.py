@@ -4,12 +4,15 @@ tokens are already in it."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gdnx.layers.attention import KVCache
+
+if TYPE_CHECKING:  # the model imports this module
+    from gdnx.models.causal_lm import CausalLM
 
 
 class Cache(NamedTuple):
@@ -35,7 +38,7 @@ class Cache(NamedTuple):
         return cls(tuple(layers), jnp.zeros((), jnp.int32))
 
 
-def cache_bytes(model, length: int, batch: int = 1) -> int:
+def cache_bytes(model: CausalLM, length: int, batch: int = 1) -> int:
     """Bytes of the cache Cache.init(model, batch, length) holds."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
         lambda: Cache.init(model, batch, length))))

@@ -39,7 +39,7 @@ from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
 
 
 class ModelOutput(NamedTuple):
-    logits: jax.Array  # [B, T, vocab] float32
+    logits: jax.Array  # [B, T, vocab] float32 (hidden_states: [B, T, hidden])
     cache: Cache | None
     aux_loss: jax.Array  # load-balancing loss (0 for dense models)
 
@@ -88,27 +88,27 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(h, cfg.intermediate_size, **kw)
 
     def _mix(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | GDNState | None,
-             start: jax.Array) -> tuple[jax.Array, KVCache | GDNState | None]:
+             start: jax.Array, segments: jax.Array | None) -> tuple[jax.Array, KVCache | GDNState | None]:
         if isinstance(self.mixer, GatedDeltaNet):
             assert cache is None or isinstance(cache, GDNState)  # the model builds one per layer type
-            return self.mixer(x, cache)
+            return self.mixer(x, cache, segments)
         assert cache is None or isinstance(cache, KVCache)
-        return self.mixer(x, rope, positions, cache, start)
+        return self.mixer(x, rope, positions, cache, start, segments)
 
     def _feed_forward(self, x: jax.Array) -> tuple[jax.Array, RouterStats | None]:
         if isinstance(self.mlp, SparseMoE):
             return self.mlp(x)
         return self.mlp(x), None
 
-    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array,
-                 cache: KVCache | GDNState | None, start: jax.Array,
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | GDNState | None,
+                 start: jax.Array, segments: jax.Array | None = None,
                  ) -> tuple[jax.Array, KVCache | GDNState | None, RouterStats | None]:
         if self.post_norm:
-            h, new_cache = self._mix(x, rope, positions, cache, start)
+            h, new_cache = self._mix(x, rope, positions, cache, start, segments)
             x = constrain(x + self.post_attention_layernorm(h), HIDDEN)
             h, stats = self._feed_forward(x)
             return constrain(x + self.post_feedforward_layernorm(h), HIDDEN), new_cache, stats
-        h, new_cache = self._mix(self.input_layernorm(x), rope, positions, cache, start)
+        h, new_cache = self._mix(self.input_layernorm(x), rope, positions, cache, start, segments)
         x = constrain(x + h, HIDDEN)
         h, stats = self._feed_forward(self.post_attention_layernorm(x))
         return constrain(x + h, HIDDEN), new_cache, stats
@@ -134,6 +134,13 @@ def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
     if cfg.gdn_interpret is False and platform == "cpu":
         raise ValueError("model.gdn_interpret: false compiles the Pallas kernel for a TPU or GPU, and this "
                           "machine has neither; leave it unset (interpret mode on CPU)")
+
+
+def document_positions(segments: jax.Array) -> jax.Array:
+    """Each token's position within its document: segments [B, T] -> int32 [B, T]."""
+    t = jnp.arange(segments.shape[1], dtype=jnp.int32)
+    starts = segments != jnp.pad(segments, ((0, 0), (1, 0)))[:, :-1]
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
 def _run_layer(layer, *args):
@@ -195,7 +202,29 @@ class CausalLM(nnx.Module):
         x = table[tokens] if place is None else table.at[tokens].get(out_sharding=place)
         return constrain(x.astype(self.embed_tokens.dtype), HIDDEN)
 
-    def forward(self, tokens: jax.Array, cache: Cache | None = None) -> ModelOutput:
+    def forward(self, tokens: jax.Array, cache: Cache | None = None, segments: jax.Array | None = None,
+                ) -> ModelOutput:
+        """Logits [B, T, vocab] (float32), the new cache (with a cache) and the
+        load-balancing loss. segments [B, T] (int): the document of each token
+        when a row packs several; every layer then keeps to each token's
+        document (GDN state and conv window restart, attention masked,
+        positions restart)."""
+        out = self.hidden_states(tokens, cache, segments)
+        return out._replace(logits=self.logits(out.logits))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """The LM head on final hidden states [B, T, hidden]: float32 [B, T, vocab]."""
+        vocab = out_sharding(("batch", "length", "vocab"), (*hidden.shape[:2], self.config.vocab_size))
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(hidden, out_sharding=vocab)
+        else:
+            logits = self.lm_head(hidden, out_sharding=vocab)
+        return logits.astype(jnp.float32)
+
+    def hidden_states(self, tokens: jax.Array, cache: Cache | None = None, segments: jax.Array | None = None,
+                      ) -> ModelOutput:
+        """As forward, with the final (normed) hidden states [B, T, hidden] in
+        place of the logits: what a loss computed in blocks (gdnx.loss) takes."""
         if not hasattr(tokens, "ndim") or tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens: expected integer token ids [B, T], got "
                             f"{getattr(tokens, 'dtype', type(tokens).__name__)} {getattr(tokens, 'shape', '')}")
@@ -203,8 +232,14 @@ class CausalLM(nnx.Module):
         t = tokens.shape[1]
         start = jnp.zeros((), jnp.int32) if cache is None else cache.length
         positions = start + jnp.arange(t, dtype=jnp.int32)
+        if segments is not None and cache is not None:
+            raise ValueError("segments: packed documents are for training and scoring; generation takes none")
+        if segments is not None and segments.shape != tokens.shape:
+            raise ValueError(f"segments: expected the shape of tokens {tuple(tokens.shape)}, "
+                             f"got {tuple(segments.shape)}")
         rope = None if cfg.rope_theta is None else rope_tables(
-            positions[None], rotary_dim(cfg.head_dim, cfg.partial_rotary_factor), cfg.rope_theta)
+            positions[None] if segments is None else document_positions(segments),
+            rotary_dim(cfg.head_dim, cfg.partial_rotary_factor), cfg.rope_theta)
         x = self._embed(constrain(tokens, ("batch", "length")))
         stats: list[RouterStats] = []
         new_layers = []
@@ -213,15 +248,9 @@ class CausalLM(nnx.Module):
             run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat_policy))
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layers[i]
-            x, layer_cache, s = run(layer, x, rope, positions, layer_cache, start)
+            x, layer_cache, s = run(layer, x, rope, positions, layer_cache, start, segments)
             new_layers.append(layer_cache)
             if s is not None:
                 stats.append(s)
-        x = self.norm(x)
-        vocab = out_sharding(("batch", "length", "vocab"), (*x.shape[:2], cfg.vocab_size))
-        if self.lm_head is None:
-            logits = self.embed_tokens.attend(x, out_sharding=vocab)
-        else:
-            logits = self.lm_head(x, out_sharding=vocab)
         new_cache = None if cache is None else Cache(tuple(new_layers), cache.length + t)
-        return ModelOutput(logits.astype(jnp.float32), new_cache, load_balancing_loss(stats, cfg.num_experts))
+        return ModelOutput(self.norm(x), new_cache, load_balancing_loss(stats, cfg.num_experts))

@@ -1,0 +1,71 @@
+"""Cross-entropy over a large vocabulary in blocks of positions.
+
+The logits of a [B, T] batch are B x T x vocab floats (1.3 GB in float32
+at 16 x 512 x 151,936, several times that with the backward). Here the
+final hidden states are cut into blocks along T; each block's logits are
+made, reduced to per-token sums (log-sum-exp, the target's logit, the
+argmax hit) and dropped, under jax.checkpoint, so the backward remakes one
+block at a time too. Peak: about three blocks of float32 logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gdnx.parallel.rules import constrain
+
+# bytes of float32 logits per block (the backward holds about three blocks)
+BLOCK_BYTES = 2 ** 27
+
+
+class TokenSums(NamedTuple):
+    """Sums over the counted positions of a batch."""
+    nll: jax.Array          # negative log-likelihood
+    hits: jax.Array         # argmax == target
+    tokens: jax.Array       # positions counted (mask)
+    first_hits: jax.Array   # hits at the `first` positions
+    first_tokens: jax.Array
+
+
+def block_length(batch: int, length: int, vocab: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """Positions per block: a power of two whose [batch, block, vocab] float32
+    logits fit block_bytes (at least 1), at most the padded length."""
+    fit = max(1, block_bytes // (4 * batch * vocab))
+    block = 1 << (fit.bit_length() - 1)
+    return min(block, 1 << (length - 1).bit_length())
+
+
+def blocked_cross_entropy(hidden: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], targets: jax.Array,
+                          mask: jax.Array, first: jax.Array, *, vocab: int, block: int | None = None) -> TokenSums:
+    """hidden [B, T, H] (final normed states), logits_fn: [B, t, H] -> float32
+    [B, t, vocab], targets int [B, T], mask and first bool [B, T]."""
+    b, t, _ = hidden.shape
+    block = block or block_length(b, t, vocab)
+    pad = -t % block
+    # the length axis whole (context-parallel shards gather their hidden states)
+    hidden = constrain(jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))), ("batch", None, "hidden"))
+    side = [constrain(jnp.pad(x, ((0, 0), (0, pad))), ("batch", None))
+            for x in (targets, mask.astype(jnp.float32), first.astype(jnp.float32))]
+
+    @jax.checkpoint
+    def one_block(start):
+        h = jax.lax.dynamic_slice_in_dim(hidden, start, block, axis=1)
+        tgt, m, f = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=1) for x in side)
+        logits = logits_fn(h)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        # a one-hot product, not a gather: it needs no placement stated when
+        # the vocabulary is split over tensor on an Explicit mesh
+        picked = jnp.sum(logits * jax.nn.one_hot(tgt, vocab, dtype=logits.dtype), axis=-1)
+        hit = (jnp.argmax(logits, axis=-1) == tgt).astype(jnp.float32)
+        return jnp.stack([jnp.sum((lse - picked) * m), jnp.sum(hit * m), jnp.sum(m), jnp.sum(hit * f), jnp.sum(f)])
+
+    def step(total, start):
+        return total + one_block(start), None
+
+    starts = jnp.arange(0, t + pad, block, dtype=jnp.int32)
+    total, _ = jax.lax.scan(step, jnp.zeros((5,), jnp.float32), starts)
+    return TokenSums(*total)

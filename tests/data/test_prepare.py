@@ -1,0 +1,81 @@
+"""`gdnx prepare`: shards, document index, validation split, raw bytes,
+tokenizers, dtype by vocabulary size, reruns that do nothing, errors."""
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from gdnx.cli import main
+from gdnx.data.prepare import BYTES_EOS, prepare
+from gdnx.data.tokens import TokenShards
+
+
+def _corpus(tmp_path, n=200):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.jsonl").write_text("\n".join(json.dumps({"text": f"doc {i} " * (i % 5 + 1)})
+                                                         for i in range(n)) + "\n\n")
+    (tmp_path / "docs" / "b.txt").write_bytes(bytes(range(1, 256)) * 3)  # raw bytes, not UTF-8
+    return tmp_path / "docs"
+
+
+def _all_tokens(directory):
+    return {s: (np.asarray(TokenShards(directory, s).tokens), TokenShards(directory, s).ends) for s in ("train", "val")}
+
+
+def test_bytes_documents_split_and_rerun(tmp_path):
+    meta = prepare([_corpus(tmp_path)], tmp_path / "out", val_fraction=0.1)
+    splits = meta["splits"]
+    assert splits["train"]["documents"] + splits["val"]["documents"] == 201
+    assert 5 <= splits["val"]["documents"] <= 40 and meta["dtype"] == "uint16"
+    shards = _all_tokens(tmp_path / "out")
+    texts = []
+    for tokens, ends in shards.values():
+        starts = np.concatenate([[0], ends[:-1]])
+        assert (tokens[ends - 1] == BYTES_EOS).all()  # every document ends with its EOS
+        texts += [bytes(tokens[a:b - 1].astype(np.uint8)) for a, b in zip(starts, ends)]
+    assert bytes(range(1, 256)) * 3 in texts  # the .txt file's raw bytes, unchanged
+    assert "doc 3 doc 3 doc 3 doc 3 ".encode() in texts
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+    again = prepare([_corpus_again(tmp_path)], tmp_path / "out", val_fraction=0.1)
+    assert again.get("up_to_date") and {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
+    # the split is a function of each document, not of the run
+    prepare([tmp_path / "docs"], tmp_path / "out2", val_fraction=0.1)
+    for s in ("train", "val"):
+        np.testing.assert_array_equal(_all_tokens(tmp_path / "out2")[s][0], shards[s][0])
+
+
+def _corpus_again(tmp_path):
+    return tmp_path / "docs"
+
+
+def test_a_tokenizer_and_a_large_vocabulary(tmp_path):
+    corpus = _corpus(tmp_path, 50)
+    for vocab, dtype in ((100, "uint16"), (70_000, "uint32")):
+        words = {"[UNK]": 0, "</s>": 1, **{f"doc": 2}, **{str(i): 3 + i for i in range(50)}}
+        words.update({f"w{i}": len(words) + i for i in range(vocab - len(words))})
+        tok = Tokenizer(WordLevel(vocab=words, unk_token="[UNK]"))
+        tok.pre_tokenizer = Whitespace()
+        tok.save(str(tmp_path / f"tok{vocab}.json"))
+        meta = prepare([corpus / "a.jsonl"], tmp_path / f"out{vocab}", tokenizer=str(tmp_path / f"tok{vocab}.json"))
+        assert meta["dtype"] == dtype and meta["vocab_size"] == vocab
+        tokens, ends = _all_tokens(tmp_path / f"out{vocab}")["train"]
+        assert (tokens[ends - 1] == 1).all() and tokens[0] == 2  # "doc" then its number; </s> ends each
+
+
+def test_prepare_command_and_its_errors(tmp_path, capsys):
+    corpus = _corpus(tmp_path)
+    assert main(["prepare", str(corpus), "--out", str(tmp_path / "out")]) == 0
+    assert "written; train" in capsys.readouterr().err
+    assert main(["prepare", str(corpus), "--out", str(tmp_path / "out")]) == 0
+    assert "up to date" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"text": ["a"]}\n')
+    assert main(["prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert 'line 1: "text" is a list, expected a string' in capsys.readouterr().err
+    assert main(["prepare", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--val-fraction"):
+        prepare([corpus], tmp_path / "o", val_fraction=1.0)
