@@ -43,3 +43,16 @@ def test_train_on_a_mesh_checkpoints_and_resumes(tmp_path):
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["split"] == "train"]
     assert steps == [2, 4, 6]
+
+
+def test_packed_text_rows_on_a_mesh_give_the_single_device_losses(tmp_path):
+    """Host-read packed rows placed on a data x tensor mesh (each row block on
+    its devices) train as on one device, in both shard modes."""
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": f"document {i} " * (i % 6 + 1)})
+                                                for i in range(400)))
+    over = SHARDABLE + ["data.source=text", f"data.path={tmp_path / 'c.jsonl'}", "model.vocab_size=256",
+                        f"train.out_dir={tmp_path / 'run'}", "train.steps=8"]
+    one = _losses(Trainer(load_config("tiny", over)))
+    for mode in ("auto", "explicit"):
+        sharded = _losses(Trainer(load_config("tiny", over), mesh=mesh(mode, data=4, tensor=2)))
+        np.testing.assert_allclose(sharded, one, rtol=1e-5)
