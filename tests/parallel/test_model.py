@@ -18,6 +18,7 @@ from gdnx.data import Batch
 from gdnx.models import CausalLM
 from gdnx.parallel import shard, spec
 from gdnx.train import loss_and_metrics
+from gdnx.measure import relative_error
 from tests.parallel.helpers import MESHES, mesh, worst_relative_error
 
 TOL = 1e-5
@@ -108,3 +109,27 @@ def test_families_sharded_match_one_device(family_setup, mode, name):
     assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
     err, where = worst_relative_error(grads, ref_grads)
     assert err <= TOL, f"{cfg.family} {name} {mode}: gradient {where} rel. error {err:.2e}"
+
+
+@pytest.mark.parametrize("mode,name", [("auto", "context8"), ("explicit", "context4_tensor2")])
+def test_packed_documents_under_context_parallelism(mode, name):
+    """Rows packing documents whose boundaries fall inside shards and on a
+    shard's first tokens (conv windows and GDN states crossing shards):
+    the sharded logits equal one device's (float32, 1e-5), which equal each
+    document alone (tests/models/test_causal_lm.py)."""
+    cfg = model_config("xla")
+    model = CausalLM(cfg, seed=0)
+    b, t = 4, 64
+    tokens = jax.random.randint(jax.random.key(5), (b, t), 0, 256, jnp.int32)
+    # boundaries at 3, 8 (the second shard of context8 starts there), 9, 30, 33, 50
+    segments = jnp.broadcast_to(jnp.searchsorted(jnp.asarray([3, 8, 9, 30, 33, 50]), jnp.arange(t), side="right"),
+                                (b, t)).astype(jnp.int32)
+    forward = nnx.jit(lambda m, x, s: m.forward(x, segments=s).logits)
+    ref = forward(model, tokens, segments)
+    m = mesh(mode, **MESHES[name])
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(m):
+        sharded = nnx.merge(graphdef, shard(state, cfg, m))
+        place = NamedSharding(m, spec(("batch", "length"), (b, t), mesh=m))
+        got = forward(sharded, jax.device_put(tokens, place), jax.device_put(segments, place))
+    assert relative_error(got, ref) <= TOL

@@ -23,10 +23,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from gdnx.layers.documents import document_starts
 from gdnx.layers.linear import linear
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, recurrent_gated_delta_rule
+from gdnx.ops.causal_conv1d import cross_document_terms
 from gdnx.ops.gated_delta_rule import DeltaRuleOptions
-from gdnx.parallel.context import context_causal_conv1d, context_gated_delta_rule
+from gdnx.parallel.context import context_causal_conv1d, context_cross_document_terms, context_gated_delta_rule
 from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
 from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
 
@@ -36,21 +38,6 @@ from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
 # The op forms every decay from sums of gates of one sign (chunk_math), so
 # this value costs no precision to the gates around it.
 RESET_GATE = -1e4
-
-
-def cross_document_terms(x: jax.Array, weight: jax.Array, starts: jax.Array) -> jax.Array:
-    """What a causal conv's window takes from before each token's document:
-    sum over lags L < W of weight[:, W - 1 - L] x_{t - L} where a document
-    starts in (t - L, t]. x [B, T, D], weight [D, W], starts bool [B, T]."""
-    width = weight.shape[1]
-    count = jnp.cumsum(starts.astype(jnp.int32), axis=1)
-    out = jnp.zeros_like(x)
-    for lag in range(1, width):
-        earlier = jnp.pad(count, ((0, 0), (lag, 0)))[:, :-lag]
-        crossed = (count - earlier > 0)[..., None]
-        shifted = jnp.pad(x, ((0, 0), (lag, 0), (0, 0)))[:, :-lag]
-        out = out + jnp.where(crossed, shifted * weight[:, width - 1 - lag].astype(x.dtype), 0)
-    return out
 
 
 class GDNState(NamedTuple):
@@ -122,12 +109,13 @@ class GatedDeltaNet(nnx.Module):
         flat, w = mixed.reshape(b, t, hk * width), conv_weight.reshape(hk * width, self.width)
         conv0 = None if conv_state is None else conv_state.reshape(b, hk * width, self.width - 1)
         keep = state is not None
-        if context_axis and starts is not None:
-            raise ValueError("segments: packed documents under context parallelism are not supported yet; set "
-                             "parallel.context=1")
-        if context_axis:
+        if context_axis and starts is not None:  # the conv restarts at each document
+            z, conv1 = context_causal_conv1d(flat, w, axis=context_axis, initial_state=conv0, output_final_state=keep,
+                                             activation=None)
+            y = jax.nn.silu(z - context_cross_document_terms(flat, w, starts, axis=context_axis))
+        elif context_axis:
             y, conv1 = context_causal_conv1d(flat, w, axis=context_axis, initial_state=conv0, output_final_state=keep)
-        elif starts is not None:  # the conv restarts at each document
+        elif starts is not None:
             z, conv1 = causal_conv1d(flat, w, initial_state=conv0, output_final_state=keep, activation=None)
             y = jax.nn.silu(z - cross_document_terms(flat, w, starts))
         else:
@@ -171,7 +159,7 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
         starts = None
         if segments is not None:
-            starts = segments != jnp.pad(segments, ((0, 0), (1, 0)))[:, :-1]
+            starts = document_starts(segments)
             g = jnp.where(starts[..., None], RESET_GATE, g)
         conv_state = None if state is None else self._group_channels(state.conv, 1)
         o, conv_state, rec = run_gdn_core(

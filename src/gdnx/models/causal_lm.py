@@ -25,6 +25,7 @@ from jax.typing import DTypeLike
 
 from gdnx.config.schema import ModelConfig
 from gdnx.layers.attention import GatedAttention, KVCache, NormedAttention, Rope
+from gdnx.layers.documents import document_positions
 from gdnx.layers.gated_deltanet import GatedDeltaNet, GDNState
 from gdnx.layers.linear import linear
 from gdnx.layers.mlp import MLP
@@ -134,13 +135,6 @@ def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
     if cfg.gdn_interpret is False and platform == "cpu":
         raise ValueError("model.gdn_interpret: false compiles the Pallas kernel for a TPU or GPU, and this "
                           "machine has neither; leave it unset (interpret mode on CPU)")
-
-
-def document_positions(segments: jax.Array) -> jax.Array:
-    """Each token's position within its document: segments [B, T] -> int32 [B, T]."""
-    t = jnp.arange(segments.shape[1], dtype=jnp.int32)
-    starts = segments != jnp.pad(segments, ((0, 0), (1, 0)))[:, :-1]
-    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
 def _run_layer(layer, *args):

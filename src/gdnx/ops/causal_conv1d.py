@@ -158,3 +158,18 @@ def causal_conv1d_update(x: jax.Array, conv_state: jax.Array, weight: jax.Array,
                              activation=activation)
     assert state is not None  # asked for
     return y[:, 0], state
+
+
+def cross_document_terms(x: jax.Array, weight: jax.Array, starts: jax.Array) -> jax.Array:
+    """What a causal conv's window takes from before each token's document:
+    sum over lags L < W of weight[:, W - 1 - L] x_{t - L} where a document
+    starts in (t - L, t]. x [B, T, D], weight [D, W], starts bool [B, T]."""
+    width = weight.shape[1]
+    count = jnp.cumsum(starts.astype(jnp.int32), axis=1)
+    out = jnp.zeros_like(x)
+    for lag in range(1, width):
+        earlier = jnp.pad(count, ((0, 0), (lag, 0)))[:, :-lag]
+        crossed = (count - earlier > 0)[..., None]
+        shifted = jnp.pad(x, ((0, 0), (lag, 0), (0, 0)))[:, :-lag]
+        out = out + jnp.where(crossed, shifted * weight[:, width - 1 - lag].astype(x.dtype), 0)
+    return out

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule
+from gdnx.ops.causal_conv1d import cross_document_terms
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -107,18 +108,33 @@ class _Packing:
 
 def context_causal_conv1d(x: jax.Array, weight: jax.Array, *, axis: str, initial_state: jax.Array | None = None,
                           output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
-                          ) -> tuple[jax.Array, jax.Array | None]:
+                          activation: str | None = "silu") -> tuple[jax.Array, jax.Array | None]:
     """causal_conv1d over a sequence split on `axis`; x [B, T_local, D] with
     T_local >= kernel_size - 1. cu_seqlens: global offsets of sequences
     packed in one row (B = 1), initial_state then [N, D, W - 1]. Returns
     (y, final state of the whole sequence(s) or None)."""
     if cu_seqlens is not None:
+        if activation != "silu":
+            raise ValueError("activation: packed sequences (cu_seqlens) take the default silu")
         return _packed_conv(x, weight, axis, initial_state, output_final_state, cu_seqlens)
     halo = _halo(x, axis, weight.shape[1] - 1)
     start = jnp.zeros_like(halo) if initial_state is None else initial_state.astype(halo.dtype)
     halo = jnp.where(_is_first(axis), start, halo)
-    y, final = causal_conv1d(x, weight, initial_state=halo, output_final_state=output_final_state)
+    y, final = causal_conv1d(x, weight, initial_state=halo, output_final_state=output_final_state,
+                             activation=activation)
     return y, (_from_last(final, axis) if output_final_state else None)
+
+
+def context_cross_document_terms(x: jax.Array, weight: jax.Array, starts: jax.Array, *, axis: str) -> jax.Array:
+    """cross_document_terms over a sequence split on `axis`: the windows of a
+    shard's first tokens reach into the previous shard (its last inputs and
+    document starts come as a halo; none on the first shard)."""
+    hist = weight.shape[1] - 1
+    halo_x = jnp.swapaxes(_halo(x, axis, hist), 1, 2)                          # [B, hist, D]
+    halo_starts = _halo(starts[..., None].astype(x.dtype), axis, hist)[:, 0] > 0   # [B, hist]
+    wide = cross_document_terms(jnp.concatenate([halo_x, x], axis=1), weight,
+                                jnp.concatenate([halo_starts, starts], axis=1))
+    return wide[:, hist:]
 
 
 def _packed_conv(x, weight, axis, initial_state, output_final_state, cu):
