@@ -18,22 +18,18 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 class RMSNorm(nnx.Module):
     """y = x / rms(x) * w."""
 
+    offset = 0.0  # the scale is offset + w, w starting at 1 - offset
+
     def __init__(self, dim: int, *, eps: float, param_dtype: DTypeLike = jnp.float32):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - self.offset, param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = rms_normalize(x, self.eps)
-        return (y * self.weight[...].astype(y.dtype)).astype(x.dtype)
+        return (y * (self.offset + self.weight[...].astype(y.dtype))).astype(x.dtype)
 
 
-class ZeroCenteredRMSNorm(nnx.Module):
+class ZeroCenteredRMSNorm(RMSNorm):
     """y = x / rms(x) * (1 + w)."""
 
-    def __init__(self, dim: int, *, eps: float, param_dtype: DTypeLike = jnp.float32):
-        self.eps = eps
-        self.weight = nnx.Param(jnp.zeros((dim,), param_dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = rms_normalize(x, self.eps)
-        return (y * (1.0 + self.weight[...].astype(y.dtype))).astype(x.dtype)
+    offset = 1.0
