@@ -81,6 +81,14 @@ def test_train_on_a_text_file(tmp_path, capsys):
     data.write_text("\n".join(json.dumps({"text": f"line {i} of some text"}) for i in range(50)))
     assert main(["train", "tiny", *SMALL, "data.source=text", f"data.path={data}", "model.vocab_size=256",
                  "train.steps=3", f"train.out_dir={tmp_path / 'run'}"]) == 0
+    assert "perplexity" in capsys.readouterr().err  # the evaluation line of a text run
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "line 3", "--max-new-tokens", "4"]) == 0
+    capsys.readouterr()
+    # shards from gdnx prepare: generate finds their tokenizer
+    assert main(["prepare", str(data), "--out", str(tmp_path / "shards")]) == 0
+    assert main(["train", "tiny", *SMALL, "data.source=tokens", f"data.path={tmp_path / 'shards'}",
+                 "model.vocab_size=256", "train.steps=3", f"train.out_dir={tmp_path / 'run3'}"]) == 0
+    assert main(["generate", "--checkpoint", str(tmp_path / "run3"), "--prompt", "line", "--max-new-tokens", "4"]) == 0
     capsys.readouterr()
     (tmp_path / "bad.jsonl").write_text("not json\n")
     err = _error(capsys, ["train", "tiny", "data.source=text", f"data.path={tmp_path / 'bad.jsonl'}",

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 from pathlib import Path
 
 from flax import nnx
 
 from gdnx.config.loading import ConfigError, apply_overrides, build_config
 from gdnx.config.schema import Config
+from gdnx.data.prepare import prepared_tokenizer
 from gdnx.data.text import HFTokenizer, make_tokenizer
 
 
@@ -64,7 +66,12 @@ def load_for_generation(path: Path, overrides: list[str]):
         params, step, damaged = load_params(path, abstract_params)
         for line in damaged:
             print(f"gdnx generate: {line}", file=sys.stderr)
-        tok = _IdTokenizer() if config.data.source == "mqar" else make_tokenizer(config.data.tokenizer)
+        if config.data.source == "mqar":
+            tok: Any = _IdTokenizer()
+        elif config.data.source == "tokens":  # the tokenizer the shards were prepared with
+            tok = make_tokenizer(prepared_tokenizer(Path(config.data.path or "")))
+        else:
+            tok = make_tokenizer(config.data.tokenizer)
         return nnx.merge(graphdef, params), tok, f"step {step} of {path}"
     if (path / "config.json").is_file():
         model = CausalLM.from_pretrained(path, **model_overrides)

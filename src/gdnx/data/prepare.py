@@ -189,3 +189,12 @@ def _token_bytes(encoder: _Encoder) -> np.ndarray:
                           for i in range(encoder.vocab_size)], np.int32)
     out[encoder.eos] = 0
     return out
+
+
+def prepared_tokenizer(directory: Path) -> str | None:
+    """The tokenizer.json a prepared directory was made with (None: raw bytes)."""
+    try:
+        tok = json.loads((directory / "meta.json").read_text())["fingerprint"]["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"data.path: {directory}/meta.json is missing or not a gdnx prepare manifest") from None
+    return None if tok is None else tok["path"]
