@@ -79,7 +79,8 @@ def _compiled_bytes(work: Path, seq: int, batch: int, one_hot: bool) -> int:
         train_module.loss_and_metrics = _one_hot_loss
     trainer = train_module.Trainer(load_config("tiny", _overrides(work, seq, batch)))
     opt = trainer.init_opt_state(trainer.params)
-    mem = trainer.step_fn.lower(trainer.params, opt, jnp.asarray(0, jnp.int32)).compile().memory_analysis()
+    batch = trainer.device_batch(trainer.host_batch("train", 0))
+    mem = trainer.step_fn.lower(trainer.params, opt, jnp.asarray(0, jnp.int32), batch).compile().memory_analysis()
     return mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
 
 

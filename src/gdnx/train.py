@@ -122,7 +122,7 @@ class Trainer:
         b, n, i = self.config.train.batch_size, jax.process_count(), jax.process_index()
         return range(i * b // n, (i + 1) * b // n)
 
-    def _device_batch(self, host: HostBatch) -> Batch:
+    def device_batch(self, host: HostBatch) -> Batch:
         """A host batch as global arrays, each process giving its rows."""
         arrays = (host.inputs, host.targets, host.mask, host.mask, host.segments, host.target_bytes)
         shape = (self.config.train.batch_size, self.config.data.seq_len)
@@ -142,7 +142,7 @@ class Trainer:
         if not self.source.in_graph:
             if self._prefetch is None:
                 self._prefetch = Prefetcher(lambda s: self.host_batch("train", s), int(step))
-            batch = self._device_batch(self._prefetch.get(int(step)))
+            batch = self.device_batch(self._prefetch.get(int(step)))
         with self.on_mesh():
             return self.step_fn(params, opt_state, step, batch)
 
@@ -159,7 +159,7 @@ class Trainer:
         the validation split), averaged; text adds perplexity."""
         runs = []
         for i in range(EVAL_BATCHES):
-            batch = None if self.source.in_graph else self._device_batch(self.host_batch("eval", i))
+            batch = None if self.source.in_graph else self.device_batch(self.host_batch("eval", i))
             with self.on_mesh():
                 runs.append(self.evaluate_one(params, jnp.asarray(i, jnp.int32), batch))
         out = {k: float(sum(r[k] for r in runs) / EVAL_BATCHES) for k in runs[0]}

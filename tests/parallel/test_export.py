@@ -29,7 +29,7 @@ def test_sharded_train_step_exports_for_tpu(mode, axes):
     params = trainer.params
     opt_state = trainer.init_opt_state(params)
     with trainer.on_mesh():
-        exported = jax.export.export(trainer.step_fn, platforms=["tpu"])(params, opt_state, jnp.int32(0))
+        exported = jax.export.export(trainer.step_fn, platforms=["tpu"])(params, opt_state, jnp.int32(0), None)
     text = exported.mlir_module()
     assert "tpu_custom_call" in text, "the GDN kernel is not in the TPU program"
     assert exported.nr_devices == 8

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -109,7 +110,7 @@ def host_batch(rows: PackedRows, seed: int, step: int, row_ids: range) -> HostBa
 class Prefetcher:
     """host_batch(step) for steps start, start + 1, ... made `depth` ahead on a thread."""
 
-    def __init__(self, make, start: int, depth: int = 2):
+    def __init__(self, make: Callable[[int], HostBatch], start: int, depth: int = 2):
         self.make, self.next_step = make, start
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
