@@ -32,7 +32,8 @@ def _tokenizer(path: Path) -> None:
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
-    tok = Tokenizer(WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = Whitespace()
     tok.save(str(path))
 
@@ -41,6 +42,7 @@ def _overrides(work: Path, seq: int, batch: int) -> list[str]:
     return ["data.source=text", f"data.path={work / 'corpus.txt'}", f"data.tokenizer={work / 'tokenizer.json'}",
             f"model.vocab_size={VOCAB}", f"data.seq_len={seq}", f"train.batch_size={batch}", "train.steps=3",
             "train.warmup_steps=1", "train.eval_every=0", "train.checkpoint_every=3", "train.target_accuracy=null",
+            "data.val_fraction=0.0",
             f"train.out_dir={work / f'run_{seq}'}"]
 
 
@@ -91,7 +93,7 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp())
     _tokenizer(work / "tokenizer.json")
-    words = " ".join(f"w{(i * 7919) % VOCAB}" for i in range(200_000))
+    words = " ".join(f"w{1 + (i * 7919) % (VOCAB - 1)}" for i in range(200_000))
     (work / "corpus.txt").write_text(words)
     print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"python benchmarks/loss_memory.py")

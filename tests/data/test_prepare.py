@@ -79,3 +79,15 @@ def test_prepare_command_and_its_errors(tmp_path, capsys):
     assert "no such file or directory" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--val-fraction"):
         prepare([corpus], tmp_path / "o", val_fraction=1.0)
+
+
+def test_a_tokenizer_without_a_known_end_token_needs_one_named(tmp_path):
+    corpus = _corpus(tmp_path, 20)
+    tok = Tokenizer(WordLevel(vocab={"[UNK]": 0, "doc": 1, "|end|": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    with pytest.raises(ValueError, match=r"name its end-of-document token \(gdnx prepare --eos-token, or "):
+        prepare([corpus / "a.jsonl"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"))
+    meta = prepare([corpus / "a.jsonl"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"), eos_token="|end|")
+    tokens, ends = _all_tokens(tmp_path / "out")["train"]
+    assert meta["fingerprint"]["eos"] == 2 and (tokens[ends - 1] == 2).all()

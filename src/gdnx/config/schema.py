@@ -192,6 +192,7 @@ class DataConfig(_Strict):
     path: str | None = None
     tokenizer: str | None = None  # a Hugging Face tokenizer.json; bytes when None
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # documents held out for evaluation (source text)
+    eos_token: str | None = None  # the tokenizer's end-of-document token when it has none of the usual names
     seq_len: PositiveInt = 128
     num_pairs: PositiveInt = 16
     num_keys: PositiveInt = 128

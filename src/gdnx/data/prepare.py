@@ -90,8 +90,8 @@ class _Encoder:
         ids = [self.hf.tok.token_to_id(name) for name in names]
         found = [i for i in ids if i is not None]
         if not found:
-            raise ValueError(f"--eos-token: {tokenizer} has none of {', '.join(names)}; name its end-of-document "
-                             "token")
+            raise ValueError(f"{tokenizer} has none of {', '.join(names)}; name its end-of-document token "
+                             "(gdnx prepare --eos-token, or data.eos_token)")
         self.eos = found[0]
 
     def encode(self, blocks: Iterator[bytes]) -> Iterator[np.ndarray]:
