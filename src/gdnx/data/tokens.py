@@ -39,6 +39,7 @@ class TokenShards:
     """One split of a prepared directory, memory-mapped."""
 
     def __init__(self, directory: Path, split: str):
+        self.directory, self.split = directory, split
         meta_file = directory / "meta.json"
         if not meta_file.is_file():
             raise FileNotFoundError(f"data.path: {directory} has no meta.json; run `gdnx prepare` on your text "
@@ -72,8 +73,8 @@ class PackedRows:
         pieces = -(-sizes // length)  # a document longer than a row is cut into row-long pieces
         self.piece_starts = np.repeat(starts, pieces) + _ranks(pieces) * length
         if len(shards) < 2:
-            raise ValueError(f"data: the {'train' if length else ''} split holds {len(shards)} tokens; "
-                             "prepare more text")
+            raise ValueError(f"data.path: the {shards.split} split of {shards.directory} holds {len(shards)} "
+                             "tokens; give more documents (or, for the validation split, raise data.val_fraction)")
 
     def row(self, seed: int, step: int, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens [T + 1], segments [T + 1], valid [T + 1]) of row `index` of step `step`."""
