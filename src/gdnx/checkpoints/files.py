@@ -4,6 +4,7 @@ then os.replace)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -32,3 +33,16 @@ def atomic_write(path: Path, write: Callable[[str], object]) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def read_json_object(path: Path, advice: str = "") -> dict:
+    """The JSON object in `path`; ValueError naming the file (and `advice`,
+    appended after "; ") when it is not one."""
+    tail = f"; {advice}" if advice else ""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"{path}: not valid JSON{tail}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object{tail}")
+    return data

@@ -27,7 +27,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
-from gdnx.checkpoints.files import atomic_write, atomic_write_text
+from gdnx.checkpoints.files import atomic_write, atomic_write_text, read_json_object
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
 from gdnx.checkpoints.hf_names import Experts, locate
 
@@ -110,12 +110,7 @@ def load_pretrained(cls: type[CausalLM], path: str | os.PathLike, **config_overr
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face model directory)")
-    try:
-        hf = json.loads(config_file.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"{config_file}: not valid JSON") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{config_file}: expected a JSON object")
+    hf = read_json_object(config_file)
     cfg = model_config_from_hf(hf, config_overrides)
     prefix = "model.language_model." if hf.get("model_type") in VISION_LANGUAGE else "model."
     abstract = nnx.eval_shape(lambda: cls(cfg))

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from gdnx.checkpoints.files import atomic_write_text
+from gdnx.checkpoints.files import atomic_write_text, read_json_object
 from gdnx.config.schema import Config
 
 CONFIG_FILE = "config.json"
@@ -53,13 +53,7 @@ def _read_config(out_dir: Path) -> dict | None:
     saved_file = out_dir / CONFIG_FILE
     if not saved_file.is_file():
         return None
-    try:
-        saved = json.loads(saved_file.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"{saved_file}: not valid JSON; restore it, or use another train.out_dir") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"{saved_file}: expected a JSON object; restore it, or use another train.out_dir")
-    return saved
+    return read_json_object(saved_file, "restore it, or use another train.out_dir")
 
 
 def check_compatible(out_dir: Path, config: Config) -> None:
