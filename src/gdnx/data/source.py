@@ -39,7 +39,6 @@ class Source(NamedTuple):
     """train(seed) / evaluation(seed): step -> batch. In-graph sources (MQAR)
     give jit-able functions of a traced step; host sources (text) give
     (seed, step, rows) -> numpy rows, read outside the compiled step."""
-    kind: str  # "mqar" or "text"
     in_graph: bool
     train: Callable
     evaluation: Callable | None
@@ -54,7 +53,7 @@ def _mqar(data_cfg: DataConfig, batch_size: int) -> Source:
             return Batch(*mqar_batch(jax.random.fold_in(base, step), batch_size, data_cfg.seq_len,
                                      data_cfg.num_pairs, data_cfg.num_keys, data_cfg.num_values))
         return batch_fn
-    return Source("mqar", True, batches, lambda seed: batches(seed + EVAL_SEED_OFFSET), None)
+    return Source(True, batches, lambda seed: batches(seed + EVAL_SEED_OFFSET), None)
 
 
 def prepared_dir(data_cfg: DataConfig, out_dir: Path) -> Path:
@@ -94,4 +93,4 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
                              "on; raise data.val_fraction (or give more documents), or set train.eval_every=0")
         eval_rows = PackedRows(val, data_cfg.seq_len)
     evaluation = None if eval_rows is None else (lambda seed: (eval_rows, seed + EVAL_SEED_OFFSET))
-    return Source("text", False, lambda seed: (train_rows, seed), evaluation, tokenizer)
+    return Source(False, lambda seed: (train_rows, seed), evaluation, tokenizer)

@@ -109,17 +109,18 @@ class GatedDeltaNet(nnx.Module):
         flat, w = mixed.reshape(b, t, hk * width), conv_weight.reshape(hk * width, self.width)
         conv0 = None if conv_state is None else conv_state.reshape(b, hk * width, self.width - 1)
         keep = state is not None
-        if context_axis and starts is not None:  # the conv restarts at each document
-            z, conv1 = context_causal_conv1d(flat, w, axis=context_axis, initial_state=conv0, output_final_state=keep,
-                                             activation=None)
-            y = jax.nn.silu(z - context_cross_document_terms(flat, w, starts, axis=context_axis))
-        elif context_axis:
-            y, conv1 = context_causal_conv1d(flat, w, axis=context_axis, initial_state=conv0, output_final_state=keep)
-        elif starts is not None:
-            z, conv1 = causal_conv1d(flat, w, initial_state=conv0, output_final_state=keep, activation=None)
-            y = jax.nn.silu(z - cross_document_terms(flat, w, starts))
+        # packed documents: the activation waits until the window terms from
+        # before each document's start are taken out
+        activation = "silu" if starts is None else None
+        if context_axis:
+            y, conv1 = context_causal_conv1d(flat, w, axis=context_axis, initial_state=conv0, output_final_state=keep,
+                                             activation=activation)
         else:
-            y, conv1 = causal_conv1d(flat, w, initial_state=conv0, output_final_state=keep)
+            y, conv1 = causal_conv1d(flat, w, initial_state=conv0, output_final_state=keep, activation=activation)
+        if starts is not None:
+            terms = (context_cross_document_terms(flat, w, starts, axis=context_axis) if context_axis
+                     else cross_document_terms(flat, w, starts))
+            y = jax.nn.silu(y - terms)
         y = y.reshape(b, t, hk, width)
         q, k = y[..., :self.dk], y[..., self.dk:2 * self.dk]
         v = y[..., 2 * self.dk:].reshape(b, t, -1, self.dv)

@@ -45,6 +45,11 @@ class ModelOutput(NamedTuple):
     aux_loss: jax.Array  # load-balancing loss (0 for dense models)
 
 
+def _norm(cfg: ModelConfig) -> type[RMSNorm]:
+    """The family's RMSNorm: scaled by w (OLMo Hybrid) or by 1 + w (Qwen)."""
+    return RMSNorm if cfg.family == "olmo_hybrid" else ZeroCenteredRMSNorm
+
+
 # OLMo Hybrid's gated norm on the GDN output has a fixed eps
 OLMO_GATED_NORM_EPS = 1e-5
 
@@ -59,7 +64,7 @@ class DecoderLayer(nnx.Module):
         # the model reads the config; each layer gets the sizes it uses
         h = cfg.hidden_size
         kw: dict[str, Any] = dict(init_std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        norm = RMSNorm if olmo else ZeroCenteredRMSNorm
+        norm = _norm(cfg)
         self.post_norm = olmo and self.layer_type == "full_attention"
         if self.post_norm:
             self.post_attention_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
@@ -160,8 +165,7 @@ class CausalLM(nnx.Module):
                                       embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
         self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                                 for i in range(config.num_hidden_layers)])
-        norm = RMSNorm if config.family == "olmo_hybrid" else ZeroCenteredRMSNorm
-        self.norm = norm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = _norm(config)(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, dtype, param_dtype, config.initializer_range, rngs)
 
