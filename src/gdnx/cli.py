@@ -20,8 +20,8 @@ from gdnx.config.loading import DEFAULT_CONFIG, ConfigError, bundled_names
 # OSErrors that come from the machine or the user's files, not from gdnx
 _USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
                 errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
-MEMORY_HINT = ("reduce train.batch_size or data.seq_len, set model.remat_policy=full, or shard over more devices "
-               "(parallel.fsdp)")
+MEMORY_HINT = ("raise train.grad_accum_steps, reduce data.seq_len, set model.remat_policy=full, or shard over more "
+               "devices (parallel.fsdp)")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -14,7 +14,8 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,21 +49,72 @@ def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
                                    weight_decay=train_cfg.weight_decay, mask=decay_mask))
 
 
-def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+class Totals(NamedTuple):
+    """The denominators of a batch's metrics: counted positions, MQAR first
+    queries and UTF-8 bytes of the targets. Taken from the whole batch, so
+    micro-batches' losses and metrics add up to the whole batch's."""
+    tokens: jax.Array
+    first_tokens: jax.Array
+    text_bytes: jax.Array | None
+
+
+def batch_totals(batch: Batch) -> Totals:
+    text_bytes = None if batch.target_bytes is None else jnp.sum(batch.target_bytes * batch.mask)
+    return Totals(jnp.maximum(jnp.sum(batch.mask), 1).astype(jnp.float32),
+                  jnp.maximum(jnp.sum(batch.first), 1).astype(jnp.float32), text_bytes)
+
+
+def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float, totals: Totals | None = None,
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy over the masked positions (+ the MoE balancing loss),
     computed in blocks of positions (gdnx.loss). Metrics: loss and accuracy;
-    MQAR adds first-query accuracy, text bits per byte."""
+    MQAR adds first-query accuracy, text bits per byte. Sums are divided by
+    `totals` (the batch's own by default; a micro-batch gets its whole
+    batch's, and aux_coef its share)."""
+    totals = totals or batch_totals(batch)
     out = model.hidden_states(batch.inputs, segments=batch.segments)
     sums = blocked_cross_entropy(out.logits, model.logits, batch.targets, batch.mask, batch.first,
                                  vocab=model.config.vocab_size)
-    loss = sums.nll / jnp.maximum(sums.tokens, 1.0)
-    metrics = {"loss": loss, "accuracy": sums.hits / jnp.maximum(sums.tokens, 1.0)}
-    if batch.target_bytes is None:
-        metrics["first_query_accuracy"] = sums.first_hits / jnp.maximum(sums.first_tokens, 1.0)
+    loss = sums.nll / totals.tokens
+    metrics = {"loss": loss, "accuracy": sums.hits / totals.tokens}
+    if totals.text_bytes is None:
+        metrics["first_query_accuracy"] = sums.first_hits / totals.first_tokens
     else:
-        text_bytes = jnp.sum(batch.target_bytes * batch.mask)
-        metrics["bits_per_byte"] = sums.nll / math.log(2.0) / jnp.maximum(text_bytes, 1)
+        metrics["bits_per_byte"] = sums.nll / math.log(2.0) / jnp.maximum(totals.text_bytes, 1)
     return loss + aux_coef * out.aux_loss, metrics
+
+
+def micro_batches(batch: Batch, count: int) -> Batch:
+    """[B, ...] -> [count, B / count, ...]; micro-batch i takes rows i,
+    i + count, ..., so each keeps its share of every device's rows when the
+    batch axis is sharded."""
+    def split(x):
+        return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+    return jax.tree.map(split, batch)
+
+
+def accumulated_gradients(loss_fn: Callable[[Any, Batch, Totals, float], tuple[jax.Array, dict]], params: Any,
+                          batch: Batch, count: int) -> tuple[tuple[jax.Array, dict], Any]:
+    """value_and_grad of loss_fn(params, batch, totals, share) over `count`
+    micro-batches in a scan, summed (float32 as the parameters): the same
+    loss, metrics and gradient as one pass over the whole batch, holding one
+    micro-batch's activations. The MoE balancing loss, not a sum over
+    tokens, is the mean of the micro-batches' (as Megatron and Hugging Face
+    accumulate it)."""
+    totals = batch_totals(batch)
+    grad = jax.value_and_grad(loss_fn, has_aux=True)
+    if count == 1:
+        return grad(params, batch, totals, 1.0)
+
+    def body(acc, micro):
+        out = grad(params, _place_batch(micro), totals, 1.0 / count)
+        return jax.tree.map(jnp.add, acc, out), None
+
+    values = jax.eval_shape(grad, params, jax.tree.map(lambda x: x[:x.shape[0] // count], batch), totals, 1.0)[0]
+    # zeros_like keeps each parameter's sharding (an Explicit mesh types it)
+    zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), values), jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(body, zeros, micro_batches(batch, count))
+    return total
 
 
 def _place_batch(batch: Batch) -> Batch:
@@ -93,10 +145,12 @@ class Trainer:
             """The batch of `step`: made in the graph (MQAR) or given (text)."""
             return _place_batch(source_fn(seed)(step) if batch is None else batch)
 
+        def loss_fn(p, data, totals, share):
+            return loss_and_metrics(nnx.merge(self.graphdef, p), data, aux * share, totals)
+
         def step_fn(params, opt_state, step, batch):
-            def loss_fn(p):
-                return loss_and_metrics(nnx.merge(self.graphdef, p), batch_of(self.source.train, step, batch), aux)
-            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            (loss, metrics), grads = accumulated_gradients(
+                loss_fn, params, batch_of(self.source.train, step, batch), config.train.grad_accum_steps)
             updates, new_opt_state = self.tx.update(grads, opt_state, params)
             metrics["grad_norm"] = optax.tree.norm(grads)
             # a step whose loss, gradient or update is not finite leaves the

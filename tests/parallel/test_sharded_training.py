@@ -33,6 +33,16 @@ def test_sharded_steps_give_the_single_device_losses():
     np.testing.assert_allclose(sharded, one, rtol=1e-5)
 
 
+def test_gradient_accumulation_on_a_mesh_gives_the_single_device_losses():
+    """Micro-batches of the sharded batch (2 of 4 rows over data=2) in both
+    shard modes: the losses of whole-batch steps on one device."""
+    one = _losses(Trainer(load_config("tiny", SHARDABLE + ["train.steps=8"])))
+    accumulated = load_config("tiny", SHARDABLE + ["train.steps=8", "train.grad_accum_steps=2"])
+    for mode in ("auto", "explicit"):
+        sharded = _losses(Trainer(accumulated, mesh=mesh(mode, data=2, tensor=2, context=2)))
+        np.testing.assert_allclose(sharded, one, rtol=1e-5)
+
+
 def test_train_on_a_mesh_checkpoints_and_resumes(tmp_path):
     over = SHARDABLE + [f"train.out_dir={tmp_path}", "train.checkpoint_every=2", "parallel.tensor=2",
                         "parallel.shard_mode=explicit"]

@@ -219,6 +219,9 @@ class TrainConfig(_Strict):
 
     steps: PositiveInt = 4000
     batch_size: PositiveInt = 16
+    # micro-batches per step (gradients summed over them): the same step,
+    # one micro-batch's activations in memory
+    grad_accum_steps: PositiveInt = 1
     learning_rate: PositiveFloat = 3e-3
     warmup_steps: int = Field(100, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
@@ -241,6 +244,9 @@ class TrainConfig(_Strict):
     def _consistent(self):
         if self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps: must be < steps={self.steps}, got {self.warmup_steps}")
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(f"grad_accum_steps: must divide batch_size={self.batch_size}, "
+                             f"got {self.grad_accum_steps}")
         return self
 
 
