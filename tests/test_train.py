@@ -321,3 +321,21 @@ def test_training_with_gradient_accumulation_tracks_the_whole_batch(tmp_path):
     assert relative_error(*flat) <= 1e-5
     for a, b in zip(params[4], params[1], strict=True):
         assert relative_error(a, b) <= 1e-4
+
+
+def test_bfloat16_activations_track_the_float32_run(tmp_path):
+    """Mixed precision (model.dtype=bfloat16, float32 parameters, AdamW
+    moments, GDN state and decay): 100 MQAR steps follow the float32 run's
+    loss within 1% at every logged step and 0.3% on average (measured 0.16%
+    and 0.06%, while the loss falls from 3.40 to 2.86); parameters and optimizer state stay float32."""
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        train(load_config("tiny", SMALL + ["train.steps=100", "train.eval_every=0", "train.log_every=5",
+                                           f"model.dtype={dtype}", f"train.out_dir={out}"]))
+        losses[dtype] = np.array([r["loss"] for r in _strict_json_lines(out / "metrics.jsonl")])
+        assert all(x.dtype == np.float32 for x in jax_leaves(_params(out)[1]))
+    full, mixed = losses["float32"], losses["bfloat16"]
+    assert full[-1] < full[0] - 0.3  # it learns: the comparison is not between two flat lines
+    gap = np.abs(mixed - full) / full
+    assert gap.max() <= 0.01 and gap.mean() <= 0.003, (gap.max(), gap.mean())
