@@ -31,7 +31,7 @@ from gdnx.data import Batch, make_source
 from gdnx.data.tokens import HostBatch, Prefetcher, host_batch
 from gdnx.loss import blocked_cross_entropy
 from gdnx.models import CausalLM
-from gdnx.models.causal_lm import check_platform
+from gdnx.models.causal_lm import check_platform, layer_ndim
 from gdnx.parallel import constrain, make_mesh, shard, spec
 from gdnx.progress import Reporter
 
@@ -42,8 +42,9 @@ def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps,
         end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio)
-    # no decay on norms, biases and the per-head decay parameters (1-D)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    # no decay on norms, biases and the per-head decay parameters (1-D in each layer)
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(lambda path, p: layer_ndim(path, p.ndim) >= 2, params)
     return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip),
                        optax.adamw(schedule, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2,
                                    weight_decay=train_cfg.weight_decay, mask=decay_mask))

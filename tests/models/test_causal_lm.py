@@ -12,6 +12,7 @@ from flax import nnx
 from gdnx.config import ModelConfig, load_config
 from gdnx.measure import relative_error
 from gdnx.models import Cache, CausalLM
+from gdnx.models.causal_lm import layer_paths
 
 TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -120,7 +121,10 @@ def test_published_config_builds_the_80b_model():
     model = nnx.eval_shape(lambda: CausalLM(load_config("qwen3-next-80b-a3b").model))
     count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count == 79_674_391_296
-    assert [layer.layer_type for layer in model.layers[:4]] == ["linear_attention"] * 3 + ["full_attention"]
+    # 48 layers scanned: 12 repeats of 3 GDN + 1 attention, nothing left over
+    assert model.config.scanned and model.config.layer_cycle == 4 and not model.tail
+    assert [layer.layer_type for layer in model.cycle] == ["linear_attention"] * 3 + ["full_attention"]
+    assert model.cycle[0].mixer.A_log.shape == (12, 32)
 
 
 # bundled config -> (parameters gdnx builds, the published size in billions,
@@ -168,3 +172,79 @@ def test_packed_documents_match_each_document_alone(implementation, family):
     # the second row: the reversed tokens cut at the same boundaries
     assert relative_error(packed[1, :7], alone(model, row[:, ::-1][:, :7])[0]) <= 1e-5
     assert relative_error(packed[1, 7:27], alone(model, row[:, ::-1][:, 7:27])[0]) <= 1e-5
+
+
+def unrolled_view(model: CausalLM) -> dict[tuple, jax.Array]:
+    """A model's parameters by their unrolled paths ("layers", i, ...),
+    scanned or not (gdnx.models.causal_lm.layer_paths)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        paths, stacked = layer_paths(model.config, path)
+        out.update((q, var[i] if stacked else var[...]) for i, q in enumerate(paths))
+    return out
+
+
+# 7 layers: two repeats of (GDN dense, GDN MoE, attention MoE), then one GDN
+# dense layer left over
+SCANNED = dict(num_hidden_layers=7, layer_types=["linear_attention", "linear_attention", "full_attention"] * 2
+               + ["linear_attention"], mlp_only_layers=[0, 3, 6])
+
+
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "olmo_hybrid"])
+def test_scanned_layers_equal_the_unrolled_stack(family):
+    """The scanned model starts from the unrolled model's parameters (bit for
+    bit, stacked), and gives its logits, load-balancing loss, gradients and
+    prefill + decode logits within 1e-6 relative (float32: the same
+    operations, another program; each gradient leaf within 1e-5)."""
+    kw = {**FAMILIES[family], **SCANNED}
+    if family == "olmo_hybrid":
+        kw["mlp_only_layers"] = []
+    unrolled, scanned = _model(**kw, scan_layers=False), _model(**kw, scan_layers=True)
+    cfg = scanned.config
+    assert cfg.scanned and cfg.layer_cycle == 3 and len(scanned.tail) == 1 and not unrolled.config.scanned
+    ref, got = unrolled_view(unrolled), unrolled_view(scanned)
+    assert set(got) == set(ref)
+    for path in ref:
+        np.testing.assert_array_equal(got[path], ref[path], err_msg=str(path))
+    toks = _tokens(2, 40)
+    run = nnx.jit(lambda m, t: m.forward(t))
+    a, b = run(unrolled, toks), run(scanned, toks)
+    assert relative_error(b.logits, a.logits) <= 1e-6
+    assert abs(float(b.aux_loss) - float(a.aux_loss)) <= 1e-6 * abs(float(a.aux_loss))
+
+    def grads(model):
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def loss(p):
+            out = nnx.merge(graphdef, p).forward(toks)
+            return jnp.mean(out.logits ** 2) + out.aux_loss
+        g = nnx.merge(graphdef, jax.jit(jax.grad(loss))(params))
+        return unrolled_view(g)
+    ref_grads, got_grads = grads(unrolled), grads(scanned)
+    flat = [jnp.concatenate([g[path].ravel() for path in ref_grads]) for g in (got_grads, ref_grads)]
+    assert relative_error(*flat) <= 1e-6
+    for path in ref_grads:  # a leaf of tiny entries loses relative precision (measured 1.04e-6)
+        assert relative_error(got_grads[path], ref_grads[path]) <= 1e-5, path
+
+    def decode(model):
+        cache = Cache.init(model, 2, 32)
+        out = run_cached(model, toks[:, :21], cache)
+        steps = [out.logits]
+        for t in range(21, 25):
+            out = run_cached(model, toks[:, t:t + 1], out.cache)
+            steps.append(out.logits)
+        return jnp.concatenate(steps, axis=1)
+    run_cached = nnx.jit(lambda m, t, c: m.forward(t, c))
+    assert relative_error(decode(scanned), decode(unrolled)) <= 1e-6
+
+
+def test_layer_cycle_and_when_the_stack_is_scanned():
+    cycle = lambda **kw: ModelConfig(**{**TINY, **kw}).layer_cycle  # noqa: E731
+    assert cycle(num_hidden_layers=48, full_attention_interval=4) == 4
+    assert cycle(num_hidden_layers=6, full_attention_interval=4) == 4  # 4 + 2 left over
+    assert cycle(num_hidden_layers=8, full_attention_interval=4, decoder_sparse_step=2) == 4
+    assert cycle(num_hidden_layers=8, full_attention_interval=4, mlp_only_layers=[5]) == 8  # never repeats
+    scanned = lambda **kw: ModelConfig(**{**TINY, **kw}).scanned  # noqa: E731
+    assert not scanned(num_hidden_layers=4) and scanned(num_hidden_layers=8)  # unset: by depth
+    assert scanned(num_hidden_layers=4, scan_layers=True) and not scanned(num_hidden_layers=8, scan_layers=False)
+    assert not scanned(num_hidden_layers=8, mlp_only_layers=[5], scan_layers=True)  # one cycle: nothing to scan

@@ -23,9 +23,17 @@ from tests.hf_models import KINDS, _BASE, hf_and_gdnx, hf_logits, random_hf_mode
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=list(KINDS))
+# every kind unrolled, and with its layers scanned (the stacked layout: 2
+# repeats of a GDN + attention cycle)
+LAYOUTS = [(kind, False) for kind in KINDS] + [(kind, True) for kind in KINDS]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{k}-{'scanned' if s else 'unrolled'}" for k, s in LAYOUTS])
 def pair(request, tmp_path_factory):
-    return hf_and_gdnx(tmp_path_factory.mktemp(request.param), request.param)
+    kind, scanned = request.param
+    hf, model = hf_and_gdnx(tmp_path_factory.mktemp(kind), kind, scan_layers=scanned)
+    assert model.config.scanned == scanned
+    return hf, model
 
 
 @pytest.mark.parametrize("length", [1, 77, 130])
@@ -59,11 +67,12 @@ def test_aux_loss_matches_transformers(tmp_path):
     assert abs(float(out.aux_loss) - ref) <= 1e-5 * abs(ref), (float(out.aux_loss), ref)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_greedy_generation_matches_transformers(tmp_path, kind):
+@pytest.mark.parametrize("kind,scanned", [(kind, False) for kind in KINDS]
+                         + [("qwen3_5_moe", True), ("olmo_hybrid", True)])
+def test_greedy_generation_matches_transformers(tmp_path, kind, scanned):
     # weights scaled up so the next-token distribution is peaked: greedy ties
     # between near-equal logits would make the comparison about float noise
-    hf, model = hf_and_gdnx(tmp_path, kind, scale=5.0)
+    hf, model = hf_and_gdnx(tmp_path, kind, scale=5.0, scan_layers=scanned)
     prompt = tokens(1, 37, seed=1)
     with torch.no_grad():
         ref = hf.generate(torch.tensor(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False)

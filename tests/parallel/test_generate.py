@@ -47,3 +47,35 @@ def test_prefill_and_greedy_decoding_on_a_mesh(model, mode, name):
     err, where = worst_relative_error(cache, ref_cache)
     assert err <= TOL, f"cache {where}: rel. error {err:.2e}"
     np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("mode,name", [("explicit", "context4_tensor2"), ("auto", "data2_fsdp2_tensor2")])
+def test_scanned_generation_on_a_mesh_matches_the_unrolled_stack(mode, name):
+    """Prefill into the stacked cache and greedy decoding with the scanned
+    model on a mesh: the unrolled model's logits (1e-6 relative, float32),
+    cache (per layer) and tokens."""
+    from tests.parallel.test_model import SCANNED
+
+    prompt = jax.random.randint(jax.random.key(3), (8, 16), 0, 256, jnp.int32)
+    m = mesh(mode, **MESHES[name])
+    out = {}
+    for scan in (False, True):
+        model = CausalLM(load_config("tiny", MODEL + SCANNED + [f"model.scan_layers={str(scan).lower()}"]).model,
+                         seed=0)
+        graphdef, params = nnx.split(model)
+        with jax.set_mesh(m):
+            sharded = nnx.merge(graphdef, shard(params, model.config, m))
+            prefill = jax.jit(lambda s: s.forward(prompt, Cache.init(s, 8, 24)))(sharded)
+            tokens = np.asarray(jax.device_get(generate(sharded, prompt, 6)))
+        out[scan] = prefill, tokens, model.config
+    (ref, ref_tokens, _), (got, tokens, cfg) = out[False], out[True]
+    assert relative_error(got.logits, ref.logits) <= 1e-6
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    # the stacked cache, per layer: cycle position j of repeat r is layer r * cycle + j
+    cycle, repeats = cfg.layer_cycle, cfg.num_hidden_layers // cfg.layer_cycle
+    for i, layer_cache in enumerate(ref.cache.layers):
+        r, j = divmod(i, cycle)
+        got_layer = (jax.tree.map(lambda x: x[r], got.cache.layers[j]) if r < repeats
+                     else got.cache.layers[cycle + i - repeats * cycle])
+        err, where = worst_relative_error(got_layer, layer_cache)
+        assert err <= 1e-6, f"layer {i} cache {where}: {err:.2e}"

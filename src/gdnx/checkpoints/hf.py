@@ -18,8 +18,8 @@ import json
 import logging
 import os
 import re
-from typing import TYPE_CHECKING, Any
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,7 @@ from safetensors.flax import save_file
 from gdnx.checkpoints.files import atomic_write, atomic_write_text, read_json_object
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
 from gdnx.checkpoints.hf_names import Experts, locate
-
-if TYPE_CHECKING:  # the model imports this module to load and save itself
-    from gdnx.models.causal_lm import CausalLM
+from gdnx.models.causal_lm import CausalLM, layer_paths
 
 # not part of the language model: multi-token prediction (mtp.*), a
 # vision-language checkpoint's vision tower, RoPE tables
@@ -97,6 +95,14 @@ def _load_experts(reader: _Reader, where: Experts, num_experts: int) -> jax.Arra
     return _t(fused[:, :half] if part == "gate" else fused[:, half:])
 
 
+def _load_one(reader: _Reader, cfg, path: tuple, prefix: str) -> jax.Array:
+    """The parameter at an unrolled path, from its Hugging Face tensors."""
+    where = locate(cfg, path, prefix)
+    if isinstance(where, Experts):
+        return _load_experts(reader, where, cfg.num_experts)
+    return where.to_param(*(reader.get(k) for k in where.keys))
+
+
 def _note_skipped(directory: Path, keys: list[str]) -> None:
     for start, what in (("model.visual.", "the vision tower"), ("mtp.", "the multi-token prediction head")):
         count = sum(k.startswith(start) for k in keys)
@@ -118,19 +124,20 @@ def load_pretrained(cls: type[CausalLM], path: str | os.PathLike, **config_overr
     reader = _Reader(directory)
     missing, loaded = [], []
     for p, var in nnx.to_flat_state(params):
-        where = locate(cfg, p, prefix)
+        # a scanned model's stacked parameter gathers one tensor per layer
+        paths, stacked = layer_paths(cfg, p)
         try:
-            if isinstance(where, Experts):
-                value = _load_experts(reader, where, cfg.num_experts)
-            else:
-                value = where.to_param(*(reader.get(k) for k in where.keys))
+            values = [_load_one(reader, cfg, q, prefix) for q in paths]
         except KeyError as e:
             missing.append(str(e.args[0]))
             continue
+        value = jnp.stack(values) if stacked else values[0]
         if tuple(value.shape) != tuple(var.shape):
+            where = locate(cfg, paths[0], prefix)
             keys = where.prefix if isinstance(where, Experts) else ", ".join(where.keys)
-            raise ValueError(f"{directory}: {keys}: expected shape {tuple(var.shape)} for this config, "
-                             f"got {tuple(value.shape)}")
+            shape = var.shape[1:] if stacked else var.shape
+            raise ValueError(f"{directory}: {keys}: expected shape {tuple(shape)} for this config, "
+                             f"got {tuple(values[0].shape)}")
         loaded.append((p, var.replace(jnp.asarray(value, var.dtype))))
     if missing:
         raise ValueError(f"{directory}: missing weights: {', '.join(missing[:8])}"
@@ -150,13 +157,15 @@ def hf_state_dict(model: CausalLM) -> dict[str, jax.Array]:
     family's text model)."""
     out = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        where = locate(model.config, p)
-        value = var[...]
-        if isinstance(where, Experts):
-            for e in range(value.shape[0]):
-                out[f"{where.prefix}.{e}.{where.part}_proj.weight"] = _t(value[e])
-        else:
-            out.update(zip(where.keys, where.to_hf(value)))
+        paths, stacked = layer_paths(model.config, p)
+        for i, q in enumerate(paths):
+            where = locate(model.config, q)
+            value = var[i] if stacked else var[...]
+            if isinstance(where, Experts):
+                for e in range(value.shape[0]):
+                    out[f"{where.prefix}.{e}.{where.part}_proj.weight"] = _t(value[e])
+            else:
+                out.update(zip(where.keys, where.to_hf(value)))
     return out
 
 

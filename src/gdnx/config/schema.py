@@ -22,6 +22,8 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 # olmo_hybrid: OLMo Hybrid (docs/model.md has what differs between them)
 Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid"]
 FAMILIES: tuple[str, ...] = get_args(Family)
+# depth from which scan_layers: null scans the stack
+SCAN_MIN_LAYERS = 8
 # The GDN op's choices, from the op itself
 _CHOICES = {"gdn_implementation": ("auto", *CHUNK_IMPLEMENTATIONS), "gdn_chunk_size": CHUNK_SIZES,
             "gdn_residuals": RESIDUAL_POLICIES}
@@ -112,6 +114,10 @@ class ModelConfig(_Strict):
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat_policy: Literal["none", "full", "save_gdn_residuals"] = "none"
+    # the decoder stack under one scan over its repeating cycle of layers
+    # (compile time flat in depth) or unrolled; null: scanned from
+    # SCAN_MIN_LAYERS layers (docs/benchmarks.md has both at 4, 16, 48)
+    scan_layers: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -177,6 +183,23 @@ class ModelConfig(_Strict):
             return tuple(self.layer_types)
         return tuple("full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
                      for i in range(self.num_hidden_layers))
+
+    @property
+    def layer_cycle(self) -> int:
+        """The period of the stack: the fewest layers after which the layer
+        kinds (mixer and MLP) repeat; the whole depth if they never do."""
+        kinds = [(t, self.is_moe_layer(i)) for i, t in enumerate(self.resolved_layer_types)]
+        n = len(kinds)
+        return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+
+    @property
+    def scanned(self) -> bool:
+        """Whether the model runs its layers under a scan (scan_layers, or by
+        depth when unset); a stack that never repeats is unrolled."""
+        repeats = self.num_hidden_layers // self.layer_cycle
+        if self.scan_layers is None:
+            return self.num_hidden_layers >= SCAN_MIN_LAYERS and repeats >= 2
+        return self.scan_layers and repeats >= 2
 
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers

@@ -16,25 +16,33 @@ if TYPE_CHECKING:  # the model imports this module
 
 
 class Cache(NamedTuple):
-    layers: tuple  # KVCache or GDNState, one per layer
+    # KVCache or GDNState, one per layer; a scanned model's: one per position
+    # in its cycle (stacked over the repeats, leading dim), then one per
+    # layer after the last full cycle
+    layers: tuple
     length: jax.Array  # int32 scalar: tokens already seen
 
     @property
     def max_length(self) -> int:
         kv = [c for c in self.layers if isinstance(c, KVCache)]
-        return kv[0].k.shape[1] if kv else -1
+        return kv[0].k.shape[-3] if kv else -1
 
     @classmethod
     def init(cls, model, batch: int, max_length: int) -> "Cache":
         """An empty cache for `batch` rows and up to `max_length` tokens."""
         cfg, dtype = model.config, jnp.dtype(model.config.dtype)
-        layers = []
-        for layer in model.layers:
+
+        def empty(layer, lead: tuple[int, ...] = ()):
             if layer.layer_type == "full_attention":
-                shape = (batch, max_length, cfg.num_key_value_heads, cfg.head_dim)
-                layers.append(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
-            else:
-                layers.append(layer.mixer.zero_state(batch, dtype))
+                shape = (*lead, batch, max_length, cfg.num_key_value_heads, cfg.head_dim)
+                return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            state = layer.mixer.zero_state(batch, dtype)
+            return jax.tree.map(lambda z: jnp.zeros((*lead, *z.shape), z.dtype), state)
+
+        if not cfg.scanned:
+            return cls(tuple(empty(layer) for layer in model.layers), jnp.zeros((), jnp.int32))
+        repeats = cfg.num_hidden_layers // cfg.layer_cycle
+        layers = [empty(layer, (repeats,)) for layer in model.cycle] + [empty(layer) for layer in model.tail]
         return cls(tuple(layers), jnp.zeros((), jnp.int32))
 
 

@@ -35,7 +35,7 @@ from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.cache import Cache
 from gdnx.ops.gated_delta_rule import RESIDUAL_NAMES, DeltaRuleOptions
 from gdnx.ops.gated_delta_rule.tiles import KERNEL_PLATFORMS
-from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
+from gdnx.parallel.rules import HIDDEN, STACKED, constrain, current_mesh, out_sharding
 
 
 
@@ -146,6 +146,36 @@ def _run_layer(layer, *args):
     return layer(*args)
 
 
+def _stack(layers: list[DecoderLayer]) -> DecoderLayer:
+    """One layer module whose parameters stack those of `layers` (alike in
+    kind) on a new leading dim."""
+    graphdef = nnx.graphdef(layers[0])
+    states = [nnx.state(layer) for layer in layers]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def layer_ndim(key_path: tuple, ndim: int) -> int:
+    """The rank of one layer's parameter at this key path (a jax tree path
+    into the parameters or a tree holding them): a scanned stack's carry
+    one more dim, the repeats."""
+    stacked = any(getattr(k, "key", getattr(k, "name", None)) == STACKED for k in key_path)
+    return ndim - 1 if stacked else ndim
+
+
+def layer_paths(cfg: ModelConfig, path: tuple) -> tuple[list[tuple], bool]:
+    """The unrolled paths ("layers", i, ...) a parameter path of a CausalLM
+    holds, and whether they are stacked on its leading dim (a scanned
+    model's cycle; layer i = repeat * cycle + position). Any other path is
+    its own."""
+    if not cfg.scanned or path[0] not in (STACKED, "tail"):
+        return [path], False
+    cycle = cfg.layer_cycle
+    full = cfg.num_hidden_layers // cycle * cycle
+    if path[0] == "tail":
+        return [("layers", full + int(path[1]), *path[2:])], False
+    return [("layers", r + int(path[1]), *path[2:]) for r in range(0, full, cycle)], True
+
+
 def _remat_policy(name: str):
     if name == "save_gdn_residuals":
         return jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)
@@ -163,8 +193,18 @@ class CausalLM(nnx.Module):
         dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype,
                                       embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                                for i in range(config.num_hidden_layers)])
+        layers = [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                  for i in range(config.num_hidden_layers)]
+        if config.scanned:
+            # Built as the unrolled stack (the same initial values), then
+            # stacked per position in the cycle; the layers after the last
+            # full cycle stay unrolled (tail).
+            cycle = config.layer_cycle
+            full = config.num_hidden_layers // cycle * cycle
+            self.cycle = nnx.List([_stack(layers[j:full:cycle]) for j in range(cycle)])
+            self.tail = nnx.List(layers[full:])
+        else:
+            self.layers = nnx.List(layers)
         self.norm = _norm(config)(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, dtype, param_dtype, config.initializer_range, rngs)
@@ -239,16 +279,48 @@ class CausalLM(nnx.Module):
             positions[None] if segments is None else document_positions(segments),
             rotary_dim(cfg.head_dim, cfg.partial_rotary_factor), cfg.rope_theta)
         x = self._embed(constrain(tokens, ("batch", "length")))
-        stats: list[RouterStats] = []
-        new_layers = []
         run = _run_layer
         if cfg.remat_policy != "none" and cache is None:  # remat is for training; decoding keeps nothing
             run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat_policy))
-        for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else cache.layers[i]
-            x, layer_cache, s = run(layer, x, rope, positions, layer_cache, start, segments)
-            new_layers.append(layer_cache)
-            if s is not None:
-                stats.append(s)
-        new_cache = None if cache is None else Cache(tuple(new_layers), cache.length + t)
+
+        def through(layers, x, caches):
+            """x through `layers` in turn: (x, their new caches, router stats)."""
+            new, stats = [], []
+            for layer, layer_cache in zip(layers, caches, strict=True):
+                x, layer_cache, s = run(layer, x, rope, positions, layer_cache, start, segments)
+                new.append(layer_cache)
+                if s is not None:
+                    stats.append(s)
+            return x, tuple(new), stats
+
+        caches = list(cache.layers) if cache is not None else [None] * self._cache_slots()
+        if not cfg.scanned:
+            x, new_layers, stats = through(self.layers, x, caches)
+        else:
+            x, new_layers, stats = self._scan(through, x, caches)
+        new_cache = None if cache is None else Cache(new_layers, cache.length + t)
         return ModelOutput(self.norm(x), new_cache, load_balancing_loss(stats, cfg.num_experts))
+
+    def _cache_slots(self) -> int:
+        """Entries of a Cache: one per layer, or per cycle position and tail
+        layer when scanned."""
+        return len(self.cycle) + len(self.tail) if self.config.scanned else len(self.layers)
+
+    def _scan(self, through, x, caches):
+        """The cycle's layers under one scan over its repeats (each repeat's
+        parameters and cache sliced from the stacked ones), then the tail."""
+        cycle = len(self.cycle)
+        graphdef, stacked = nnx.split(self.cycle)
+
+        def body(x, xs):
+            params, layer_caches = xs
+            x, new, stats = through(nnx.merge(graphdef, params), x,
+                                    [None] * cycle if layer_caches is None else layer_caches)
+            return x, (None if layer_caches is None else new, stats)
+
+        stacked_caches = None if caches[0] is None else tuple(caches[:cycle])
+        x, (new_cycle, cycle_stats) = jax.lax.scan(body, x, (stacked, stacked_caches))
+        # the repeats' router statistics, pooled as the loss pools layers
+        stats = [RouterStats(*(jnp.sum(f, axis=0) for f in s)) for s in cycle_stats]
+        x, new_tail, tail_stats = through(self.tail, x, caches[cycle:])
+        return x, (*(new_cycle or [None] * cycle), *new_tail), stats + tail_stats

@@ -15,7 +15,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from gdnx.config.schema import ModelConfig
-from gdnx.parallel.rules import spec
+from gdnx.parallel.rules import STACKED, spec
 
 # (module name, parameter name) -> logical axes
 _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
@@ -57,7 +57,10 @@ def _names(key_path) -> list[str]:
 
 def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
     """The logical axes of the parameter at this path (module names then its
-    own name); whole for anything the table does not name."""
+    own name); whole for anything the table does not name. A scanned
+    stack's parameters lead with their "layers" dim."""
+    if STACKED in names:  # also under the optimizer's moments (mu, nu, ...)
+        return ("layers", *logical_axes([n for n in names if n != STACKED], ndim - 1))
     axes = _TABLE.get((names[-2], names[-1])) if len(names) >= 2 else None
     if axes is None or len(axes) != ndim:
         return (None,) * ndim  # norm weights, conv taps, scalars: small, kept whole

@@ -19,6 +19,9 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor", "context")
+# The module of a scanned model that holds the repeating cycle of layers:
+# each of its parameters has a leading dim over the cycle's repeats.
+STACKED = "cycle"
 
 # logical name -> mesh axes, in order of preference (later axes are dropped first)
 RULES: dict[str, tuple[str, ...]] = {
@@ -32,6 +35,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "key_heads": ("tensor",),    # GDN key heads; a key head's value heads go with it
     "value_heads": ("tensor",),
     "mlp": ("tensor",),
+    "layers": (),            # the repeats of a scanned stack: every device holds its share of each layer
 }
 
 
