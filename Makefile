@@ -29,7 +29,9 @@ demo: $(STAMP)
 # process); the rest, which imports torch for the transformers parity tests
 # (with torch loaded in the same process, XLA's CPU compiler segfaulted
 # compiling an op test's autodiff scan); and the deviceless compilation for
-# TPU and GPU targets, in .venv-aot with libtpu and the CUDA plugin. pytest
+# TPU and GPU targets (the kernels; `gdnx plan`'s train step for TPU
+# slices), in .venv-aot with libtpu and the CUDA plugin. libtpu admits one
+# process at a time. pytest
 # exits 5 when it collects nothing: that is a failure too, said plainly.
 test: $(STAMP) $(AOT_STAMP)
 	@run() { "$$@" || { rc=$$?; [ $$rc -eq 5 ] && echo "make test: pytest collected no tests: $$*" >&2; exit $$rc; }; }; \
@@ -37,8 +39,8 @@ test: $(STAMP) $(AOT_STAMP)
 	run $(VENV)/bin/python -m pytest tests/ops -m "not deviceless" --ignore=tests/ops/gated_delta_rule/test_numerics.py && \
 	run $(VENV)/bin/python -m pytest tests/ops/gated_delta_rule/test_numerics.py && \
 	run $(VENV)/bin/python -m pytest tests/parallel && \
-	run $(VENV)/bin/python -m pytest tests --ignore=tests/ops --ignore=tests/parallel && \
-	run env JAX_PLATFORMS=cpu TPU_WORKER_HOSTNAMES=localhost $(AOT_VENV)/bin/python -m pytest tests/ops -m deviceless
+	run $(VENV)/bin/python -m pytest tests --ignore=tests/ops --ignore=tests/parallel -m "not deviceless" && \
+	run env JAX_PLATFORMS=cpu TPU_WORKER_HOSTNAMES=localhost $(AOT_VENV)/bin/python -m pytest tests/ops tests/test_plan.py -m deviceless
 
 bench: $(STAMP)
 	$(VENV)/bin/gdnx bench

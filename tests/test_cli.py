@@ -39,6 +39,9 @@ def _error(capsys, argv) -> str:
     (["bench", "--seq-len", "0"], "gdnx bench: error: --seq-len: expected a positive integer"),
     (["train", "tiny", "parallel.tensor=2"], "gdnx train: error: parallel: the fixed axis sizes multiply to 2"),
     (["train", "tiny", "parallel.context=0"], "gdnx train: error: parallel.context: expected a positive axis size"),
+    (["plan", "tiny", "--topology", "v7:2x2"], "gdnx plan: error: --topology: expected <generation>:<shape>"),
+    (["plan", "tiny", "--topology", "v5p:2x2x1", "train.grad_accum_steps=3"],
+     "gdnx plan: error: train.grad_accum_steps: must divide batch_size=16"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)
@@ -204,6 +207,19 @@ def test_distributed_on_a_plain_host_and_out_of_memory_are_one_line(capsys, tmp_
     monkeypatch.setattr(train_module.Trainer, "step", exhausted)
     err = _error(capsys, ["train", "tiny", *SMALL, f"train.out_dir={tmp_path}"])
     assert "out of memory" in err and "train.batch_size" in err and "model.remat_policy=full" in err
+
+
+def test_plan_without_libtpu_says_what_to_install(capsys):
+    """This environment has no libtpu (the deviceless tests run where it is:
+    tests/test_plan.py)."""
+    pytest.importorskip("jax")
+    try:
+        import libtpu  # noqa: F401
+        pytest.skip("libtpu is installed here")
+    except ImportError:
+        pass
+    err = _error(capsys, ["plan", "tiny", "--topology", "v5p:2x2x1"])
+    assert "libtpu cannot describe it" in err and "pip install 'jax[tpu]==" in err
 
 
 def test_version_and_help_on_every_flag(capsys):

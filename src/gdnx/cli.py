@@ -1,4 +1,4 @@
-"""The `gdnx` command: train, generate, bench.
+"""The `gdnx` command: train, generate, prepare, plan, bench.
 
 User errors (a bad config key or value, a missing, unreadable or corrupt
 file, a checkpoint of another config, an option this machine cannot run, a
@@ -62,6 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--eos-token", default=None,
                       help="the tokenizer's end-of-document token (default: the first of <|endoftext|>, </s>, "
                            "<eos>, <|end_of_text|>, [SEP] it has)")
+    plan = sub.add_parser("plan", help="compile one train step for a TPU slice from this host: bytes per chip, "
+                                       "FLOPs, compile time",
+                          description="Build the model abstractly, compile its sharded train step (the Pallas TPU "
+                                      "kernel, compiled) for a TPU topology with libtpu, and print the bytes each "
+                                      "chip holds, whether that fits its HBM, the compile time and the FLOPs per "
+                                      "step. Needs jax[tpu] (libtpu); no TPU.")
+    plan.add_argument("config", help=f"a YAML file or a bundled config ({', '.join(bundled_names())})")
+    plan.add_argument("--topology", required=True,
+                      help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4")
+    plan.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="config overrides, e.g. parallel.fsdp=-1 parallel.data=1 train.batch_size=64")
     bench = sub.add_parser("bench", help="op timings and train-step time/memory, GDN hybrid vs attention")
     bench.add_argument("--batch", type=int, default=4, help="train-step batch (default 4)")
     bench.add_argument("--seq-len", type=int, default=1024, help="train-step sequence length (default 1024)")
@@ -124,6 +135,18 @@ def _prepare(args) -> None:
                   highlight=False, soft_wrap=True)
 
 
+def _plan(args) -> None:
+    from gdnx.config import load_config
+    from gdnx.plan import describe, plan
+
+    config = load_config(args.config, list(args.overrides))
+    try:
+        result = plan(config, args.topology)
+    except ValueError as e:  # the topology, the mesh or a model field
+        raise ConfigError(str(e)) from None
+    print(describe(result))
+
+
 def _run(args) -> int:
     if args.command == "train":
         _train(args)
@@ -133,6 +156,8 @@ def _run(args) -> int:
         run_generate(args)
     elif args.command == "prepare":
         _prepare(args)
+    elif args.command == "plan":
+        _plan(args)
     elif args.command == "bench":
         from gdnx.bench import run
 
@@ -154,7 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     from gdnx.checkpoints.orbax import CheckpointDamaged
     from gdnx.train import NonFiniteStop
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow the options (gdnx plan X --topology T key=value)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     say = lambda text: print(f"gdnx {args.command}: {text}", file=sys.stderr)  # noqa: E731
     try:
         return _run(args)

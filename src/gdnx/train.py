@@ -122,6 +122,39 @@ def _place_batch(batch: Batch) -> Batch:
     return jax.tree.map(lambda x: constrain(x, ("batch", "length")), batch)
 
 
+def _batch_of(source_fn: Callable | None, seed: int, step: jax.Array, batch: Batch | None) -> Batch:
+    """The batch of `step`: made in the graph (MQAR) or given (host-read)."""
+    if batch is None:
+        assert source_fn is not None  # in-graph sources give one
+        batch = source_fn(seed)(step)
+    return _place_batch(batch)
+
+
+def make_step_fn(config: Config, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                 source_fn: Callable | None = None) -> Callable:
+    """The train step (params, opt_state, step, batch) -> (params, opt_state,
+    metrics), to jit: the batch is given (host-read data) or, when None,
+    made in the graph by source_fn (MQAR). Gradients over
+    train.grad_accum_steps micro-batches; a step whose loss, gradient or
+    update is not finite leaves the parameters and optimizer state as they
+    were."""
+    aux = config.model.router_aux_loss_coef if config.model.num_experts else 0.0
+
+    def loss_fn(p, data, totals, share):
+        return loss_and_metrics(nnx.merge(graphdef, p), data, aux * share, totals)
+
+    def step_fn(params, opt_state, step, batch):
+        (loss, metrics), grads = accumulated_gradients(
+            loss_fn, params, _batch_of(source_fn, config.train.seed, step, batch), config.train.grad_accum_steps)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(optax.tree.norm(updates))
+        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), metrics
+    return step_fn
+
+
 class Trainer:
     """Holds the compiled step functions; state is passed in and out. With a
     mesh, parameters and optimizer state are sharded per gdnx.parallel and
@@ -138,31 +171,12 @@ class Trainer:
         self.source = make_source(config.data, config.train.batch_size, config.model.vocab_size,
                                   out_dir=Path(config.train.out_dir), evaluate=config.train.eval_every > 0)
         self.tokenizer = self.source.tokenizer
-        seed = config.train.seed
         self._prefetch: Prefetcher | None = None
         aux = config.model.router_aux_loss_coef if config.model.num_experts else 0.0
-
-        def batch_of(source_fn, step, batch):
-            """The batch of `step`: made in the graph (MQAR) or given (text)."""
-            return _place_batch(source_fn(seed)(step) if batch is None else batch)
-
-        def loss_fn(p, data, totals, share):
-            return loss_and_metrics(nnx.merge(self.graphdef, p), data, aux * share, totals)
-
-        def step_fn(params, opt_state, step, batch):
-            (loss, metrics), grads = accumulated_gradients(
-                loss_fn, params, batch_of(self.source.train, step, batch), config.train.grad_accum_steps)
-            updates, new_opt_state = self.tx.update(grads, opt_state, params)
-            metrics["grad_norm"] = optax.tree.norm(grads)
-            # a step whose loss, gradient or update is not finite leaves the
-            # parameters and optimizer state as they were
-            finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(optax.tree.norm(updates))
-            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-            return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), metrics
+        step_fn = make_step_fn(config, self.graphdef, self.tx, self.source.train)
 
         def eval_fn(params, index, batch):
-            data = batch_of(self.source.evaluation, index, batch)
+            data = _batch_of(self.source.evaluation, config.train.seed, index, batch)
             return loss_and_metrics(nnx.merge(self.graphdef, params), data, aux)[1]
 
         self.step_fn = jax.jit(step_fn, donate_argnums=(0, 1))

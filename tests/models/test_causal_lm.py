@@ -247,4 +247,5 @@ def test_layer_cycle_and_when_the_stack_is_scanned():
     scanned = lambda **kw: ModelConfig(**{**TINY, **kw}).scanned  # noqa: E731
     assert not scanned(num_hidden_layers=4) and scanned(num_hidden_layers=8)  # unset: by depth
     assert scanned(num_hidden_layers=4, scan_layers=True) and not scanned(num_hidden_layers=8, scan_layers=False)
-    assert not scanned(num_hidden_layers=8, mlp_only_layers=[5], scan_layers=True)  # one cycle: nothing to scan
+    assert not scanned(num_hidden_layers=8, mlp_only_layers=[5])  # unset, one cycle: nothing to gain
+    assert scanned(num_hidden_layers=8, mlp_only_layers=[5], scan_layers=True)  # a scan of one repeat

@@ -194,12 +194,11 @@ class ModelConfig(_Strict):
 
     @property
     def scanned(self) -> bool:
-        """Whether the model runs its layers under a scan (scan_layers, or by
-        depth when unset); a stack that never repeats is unrolled."""
-        repeats = self.num_hidden_layers // self.layer_cycle
+        """Whether the model runs its layers under a scan: scan_layers, or
+        when unset, a stack of SCAN_MIN_LAYERS or more whose cycle repeats."""
         if self.scan_layers is None:
-            return self.num_hidden_layers >= SCAN_MIN_LAYERS and repeats >= 2
-        return self.scan_layers and repeats >= 2
+            return self.num_hidden_layers >= SCAN_MIN_LAYERS and self.num_hidden_layers // self.layer_cycle >= 2
+        return self.scan_layers
 
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers

@@ -1,0 +1,149 @@
+"""`gdnx plan`: compile one training step for a TPU slice from this host.
+
+libtpu compiles for a topology that need not be attached (deviceless
+ahead-of-time compilation). The model is built abstractly (shapes only, no
+memory), its parameters and AdamW state are placed on the slice's mesh by
+the sharding rules, and the whole train step (the Pallas TPU kernel
+compiled, not interpreted; a host-fed batch of packed rows) is compiled for
+the slice. The compiled program's memory analysis gives the bytes each chip
+holds; its cost analysis the FLOPs. Needs `jax[tpu]` (libtpu) at the
+project's jax version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import typing
+import warnings
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from gdnx.config.schema import Config
+from gdnx.data.source import Batch
+from gdnx.models import CausalLM
+from gdnx.models.causal_lm import check_platform
+from gdnx.parallel import make_mesh, shardings, spec
+from gdnx.train import make_optimizer, make_step_fn
+
+# HBM per chip, bytes (Google Cloud's published figures)
+HBM_BYTES = {"v4": 32 * 2 ** 30, "v5e": 16 * 2 ** 30, "v5p": 95 * 2 ** 30, "v6e": 32 * 2 ** 30}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    topology: str
+    chips: int
+    mesh: dict[str, int]
+    parameters: int
+    argument_bytes: int     # per chip: parameters, optimizer state, batch
+    temp_bytes: int         # per chip: activations and everything else the step makes
+    output_bytes: int       # per chip: new parameters and optimizer state (donated: they reuse the arguments')
+    alias_bytes: int        # outputs written in place of donated arguments
+    hbm_bytes: int          # per chip
+    compile_s: float
+    flops: float            # the per-chip program's, from XLA's cost analysis
+    kernel_calls: int       # Mosaic kernels (the GDN op's) in the compiled program
+
+    @property
+    def peak_bytes(self) -> int:
+        """What a chip holds at once: arguments, temporaries and the outputs
+        that do not reuse a donated argument."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.hbm_bytes
+
+
+def generation(topology: str) -> str:
+    """"v5p" from "v5p:4x4x4", with the topology checked."""
+    name, _, shape = topology.partition(":")
+    if name not in HBM_BYTES or not shape or not all(d.isdigit() and int(d) > 0 for d in shape.split("x")):
+        raise ValueError(f"--topology: expected <generation>:<shape> with a generation of "
+                         f"{', '.join(HBM_BYTES)} (e.g. v5p:2x2x1, v5e:4x4), got {topology!r}")
+    return name
+
+
+def topology_devices(topology: str) -> list[jax.Device]:
+    from jax.experimental import topologies
+
+    generation(topology)
+    try:
+        devices = list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+        # a mesh takes one device per chip (megacore); libtpu lists a v4 chip's two TensorCores apart
+        return [d for d in devices if getattr(d, "core_on_chip", 0) == 0]
+    except Exception as e:  # no libtpu, a shape libtpu refuses, libtpu held by another process
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        hint = (f"; gdnx plan needs libtpu: pip install 'jax[tpu]=={jax.__version__}'"
+                if "not installed" in first else "")
+        raise ValueError(f"--topology {topology}: libtpu cannot describe it ({first}){hint}") from None
+
+
+def _abstract(tree, placements):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, placements)
+
+
+def plan(config: Config, topology: str) -> Plan:
+    """Compile config's train step for the TPU slice `topology`."""
+    hbm = HBM_BYTES[generation(topology)]
+    devices = topology_devices(topology)
+    model_cfg = config.model
+    if model_cfg.gdn_implementation == "auto":  # the kernel the TPU would pick, compiled
+        model_cfg = model_cfg.model_copy(update={"gdn_implementation": "pallas_tpu", "gdn_interpret": False})
+    config = config.model_copy(update={"model": model_cfg})
+    check_platform(model_cfg, "tpu")
+    mesh = make_mesh(config.parallel, devices)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "kernel on CPU": compiled for TPU here, not run
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(model_cfg)), nnx.Param)
+    params = _abstract(params, shardings(params, model_cfg, mesh))
+    tx = make_optimizer(config.train)
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_state = _abstract(opt_state, shardings(opt_state, model_cfg, mesh))
+    b, t = config.train.batch_size, config.data.seq_len
+    rows = NamedSharding(mesh, spec(("batch", "length"), (b, t), mesh=mesh))
+    ints = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows)
+    flags = jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=rows)
+    # packed rows, as the host loader gives them (abstract: shapes and placements)
+    batch = Batch(*(typing.cast(jax.Array, x) for x in (ints, ints, flags, flags, ints)))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    step_fn = jax.jit(make_step_fn(config, graphdef, tx), donate_argnums=(0, 1))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        lowered = step_fn.lower(params, opt_state, step, batch)
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            # libtpu refuses a program whose buffers overflow the chip's HBM
+            raise ValueError(f"{topology}: does NOT fit ({str(e).splitlines()[0][:300]}); shard over more chips "
+                             "(parallel.fsdp), raise train.grad_accum_steps or set model.remat_policy=full") from None
+    compile_s = time.perf_counter() - t0
+    memory = compiled.memory_analysis()
+    assert memory is not None  # TPU executables report it
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return Plan(topology, len(devices), dict(mesh.shape), sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
+                memory.argument_size_in_bytes, memory.temp_size_in_bytes, memory.output_size_in_bytes,
+                memory.alias_size_in_bytes, hbm, compile_s, float((cost or {}).get("flops", 0.0)),
+                (compiled.as_text() or "").count("tpu_custom_call"))
+
+
+def describe(p: Plan) -> str:
+    gib = lambda n: f"{n / 2 ** 30:,.2f} GiB"  # noqa: E731
+    axes = " x ".join(f"{k}={v}" for k, v in p.mesh.items())
+    verdict = "fits" if p.fits else "does NOT fit"
+    return "\n".join([
+        f"{p.topology}: {p.chips} chips, mesh {axes}; {p.parameters / 1e9:,.2f}B parameters",
+        f"per chip: arguments {gib(p.argument_bytes)}, temporaries {gib(p.temp_bytes)}, outputs "
+        f"{gib(p.output_bytes)} ({gib(p.alias_bytes)} in place of donated arguments)",
+        f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}",
+        f"compiled in {p.compile_s:.1f} s ({p.kernel_calls} Pallas TPU kernel calls); {p.flops:.3e} FLOPs per "
+        f"chip per step ({p.flops * p.chips:.3e} in all)",
+    ])

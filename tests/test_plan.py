@@ -1,0 +1,49 @@
+"""`gdnx plan`: the sharded train step compiled by libtpu for TPU slices
+that are not attached (deviceless). Runs in `.venv-aot` (`make test`
+installs libtpu there), marked `deviceless`."""
+
+import pytest
+
+from gdnx.config import load_config
+from gdnx.plan import plan
+
+pytestmark = pytest.mark.deviceless
+
+# the tiny model with attention and MoE layers, scanned, packed rows of 256
+SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_attention_interval=4",
+         "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=64",
+         "model.shared_expert_intermediate_size=64", "model.scan_layers=true", "model.gdn_chunk_size=64",
+         "data.seq_len=256", "train.batch_size=8"]
+
+
+@pytest.mark.parametrize("topology,axes", [
+    ("v5e:2x2", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2"]),
+    ("v5p:2x2x1", ["parallel.data=2", "parallel.context=2"]),
+    ("v6e:2x2", ["parallel.data=-1", "parallel.shard_mode=explicit"]),
+    ("v4:2x2x1", ["parallel.data=1", "parallel.fsdp=4"]),
+])
+def test_train_step_compiles_for_a_slice_with_the_kernel(topology, axes):
+    p = plan(load_config("tiny", SMALL + axes), topology)
+    assert p.chips == 4 and p.fits
+    assert p.kernel_calls > 0, "the GDN Pallas kernel is not in the compiled program"
+    # each chip holds at least its share of the parameters and both AdamW moments (float32)
+    assert p.argument_bytes >= 3 * 4 * p.parameters / p.chips
+    assert p.flops > 0
+
+
+def test_a_model_too_large_for_the_slice_is_refused_in_one_line():
+    """Width 4096 at a 151,936-token vocabulary, parameters whole on each chip
+    (data parallel only): float32 embeddings, their gradients and AdamW
+    moments exceed a v5e chip's 16 GiB, which libtpu says as it compiles."""
+    big = ["model.hidden_size=4096", "model.vocab_size=151936", "model.intermediate_size=128",
+           "model.tie_word_embeddings=false", "data.seq_len=128", "train.batch_size=4"]
+    with pytest.raises(ValueError, match=r"v5e:2x2: does NOT fit \(RESOURCE_EXHAUSTED.*parallel.fsdp"):
+        plan(load_config("tiny", big), "v5e:2x2")
+
+
+def test_cli_prints_the_plan(capsys):
+    from gdnx.cli import main
+
+    assert main(["plan", "tiny", "--topology", "v5e:2x2", "data.seq_len=128", "train.batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "v5e:2x2: 4 chips" in out and "fits" in out and "Pallas TPU kernel calls" in out
