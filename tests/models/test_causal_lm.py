@@ -66,11 +66,15 @@ def _grads(model, toks):
     return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("policy", ["full", "save_gdn_residuals"])
-def test_remat_policies_keep_gradients(policy):
+def test_remat_policies_keep_gradients(policy, scan):
+    """Remat per decoder layer, inside the scan when the layers are scanned
+    (the same parameter tree either way with scan: compared scanned to
+    scanned)."""
     toks = _tokens(2, 40)
-    ref = _grads(_model(), toks)
-    got = _grads(_model(remat_policy=policy), toks)
+    ref = _grads(_model(scan_layers=scan), toks)
+    got = _grads(_model(remat_policy=policy, scan_layers=scan), toks)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
