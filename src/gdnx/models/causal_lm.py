@@ -10,6 +10,12 @@ an output gate (NormedAttention) and may go without RoPE, its attention
 layers normalise each block's output (post-norm), and its GDN layers may
 take beta in [0, 2]. Qwen3.5 differs from Qwen3-Next only in how its
 checkpoints store the GDN projections (gdnx.checkpoints.hf_names).
+
+A deep stack runs scanned (ModelConfig.scan_layers): its repeating cycle
+of layers (Qwen3-Next: 3 GDN + 1 attention) under one lax.scan over
+parameters stacked per position in the cycle (`cycle`), so the compiled
+program does not grow with depth; layers after the last full cycle
+(`tail`) run unrolled. `layer_paths` maps either layout to per-layer names.
 """
 
 from __future__ import annotations
