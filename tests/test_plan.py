@@ -31,6 +31,20 @@ def test_train_step_compiles_for_a_slice_with_the_kernel(topology, axes):
     assert p.flops > 0
 
 
+def test_model_flops_against_xla_on_an_unrolled_model():
+    """Without loops over layers, XLA's count of the per-chip programs
+    (summed) is the architecture's count plus the elementwise work it leaves
+    out (norms, activations, softmax, the optimizer): measured 1.26x at
+    width 256, 4 layers, 4 x 1024 tokens; checked within [1, 1.5]."""
+    over = ["model.hidden_size=256", "model.intermediate_size=512", "model.linear_num_key_heads=4",
+            "model.linear_num_value_heads=8", "model.linear_key_head_dim=64", "model.linear_value_head_dim=64",
+            "model.num_hidden_layers=4", "model.layer_types=null", "model.full_attention_interval=4",
+            "model.num_attention_heads=4", "model.head_dim=64", "model.vocab_size=4096", "data.seq_len=1024",
+            "train.batch_size=4", "model.scan_layers=false"]
+    p = plan(load_config("tiny", over), "v5e:2x2")
+    assert 1.0 <= p.flops * p.chips / p.model_flops <= 1.5, p.flops * p.chips / p.model_flops
+
+
 def test_a_model_too_large_for_the_slice_is_refused_in_one_line():
     """Width 4096 at a 151,936-token vocabulary, parameters whole on each chip
     (data parallel only): float32 embeddings, their gradients and AdamW
