@@ -206,7 +206,7 @@ def test_distributed_on_a_plain_host_and_out_of_memory_are_one_line(capsys, tmp_
         raise MemoryError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0TiB")
     monkeypatch.setattr(train_module.Trainer, "step", exhausted)
     err = _error(capsys, ["train", "tiny", *SMALL, f"train.out_dir={tmp_path}"])
-    assert "out of memory" in err and "train.batch_size" in err and "model.remat_policy=full" in err
+    assert "out of memory" in err and "train.grad_accum_steps" in err and "model.remat_policy=full" in err
 
 
 def test_plan_without_libtpu_says_what_to_install(capsys):
