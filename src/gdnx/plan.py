@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import typing
 import warnings
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ class Plan:
         return self.peak_bytes <= self.hbm_bytes
 
 
-def model_flops(config: Config) -> float:
+def model_flops(config: Config, params: Any) -> float:
     """Training FLOPs of one step from the architecture: 6 per matmul
     parameter a token uses (forward 2, backward 4; the routed experts'
     top-k share), causal attention's scores and weighted sum (12 per head
@@ -69,11 +69,10 @@ def model_flops(config: Config) -> float:
     per value head (chunked form: read-out, update and the W S product,
     6 K V, plus the intra-chunk products, 2 C (K + V), times 3 for the
     backward). Recomputation under remat is not counted (model FLOPs, as
-    MFU counts them)."""
+    MFU counts them). params: the model's parameters (arrays or shapes)."""
     m = config.model
     tokens = config.train.batch_size * config.data.seq_len
-    shapes = jax.eval_shape(lambda: nnx.state(CausalLM(m), nnx.Param))
-    flat = [("/".join(map(str, path)), math.prod(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(shapes)
+    flat = [("/".join(map(str, path)), math.prod(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(params)
             if layer_ndim(path, len(x.shape)) >= 2]
     share = m.num_experts_per_tok / m.num_experts if m.num_experts else 1.0
     matmul = sum(n * (share if "experts_" in name else 1.0) for name, n in flat if "embed_tokens" not in name
@@ -128,7 +127,7 @@ def plan(config: Config, topology: str) -> Plan:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "kernel on CPU": compiled for TPU here, not run
         graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(model_cfg)), nnx.Param)
-        arithmetic = model_flops(config)
+    arithmetic = model_flops(config, params)
     params = _abstract(params, shardings(params, model_cfg, mesh))
     tx = make_optimizer(config.train)
     opt_state = jax.eval_shape(tx.init, params)
@@ -138,7 +137,7 @@ def plan(config: Config, topology: str) -> Plan:
     ints = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows)
     flags = jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=rows)
     # packed rows, as the host loader gives them (abstract: shapes and placements)
-    batch = Batch(*(typing.cast(jax.Array, x) for x in (ints, ints, flags, flags, ints)))
+    batch = Batch(*(cast(jax.Array, x) for x in (ints, ints, flags, flags, ints)))
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
     step_fn = jax.jit(make_step_fn(config, graphdef, tx), donate_argnums=(0, 1))
     t0 = time.perf_counter()

@@ -60,9 +60,11 @@ class Totals(NamedTuple):
 
 
 def batch_totals(batch: Batch) -> Totals:
-    text_bytes = None if batch.target_bytes is None else jnp.sum(batch.target_bytes * batch.mask)
-    return Totals(jnp.maximum(jnp.sum(batch.mask), 1).astype(jnp.float32),
-                  jnp.maximum(jnp.sum(batch.first), 1).astype(jnp.float32), text_bytes)
+    """Each at least 1, so that an empty batch divides by 1."""
+    def count(x):
+        return jnp.maximum(jnp.sum(x), 1).astype(jnp.float32)
+    text_bytes = None if batch.target_bytes is None else count(batch.target_bytes * batch.mask)
+    return Totals(count(batch.mask), count(batch.first), text_bytes)
 
 
 def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float, totals: Totals | None = None,
@@ -81,7 +83,7 @@ def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float, totals: Tot
     if totals.text_bytes is None:
         metrics["first_query_accuracy"] = sums.first_hits / totals.first_tokens
     else:
-        metrics["bits_per_byte"] = sums.nll / math.log(2.0) / jnp.maximum(totals.text_bytes, 1)
+        metrics["bits_per_byte"] = sums.nll / math.log(2.0) / totals.text_bytes
     return loss + aux_coef * out.aux_loss, metrics
 
 
@@ -130,6 +132,11 @@ def _batch_of(source_fn: Callable | None, seed: int, step: jax.Array, batch: Bat
     return _place_batch(batch)
 
 
+def aux_loss_coef(config: Config) -> float:
+    """The MoE balancing loss's weight in the training loss (0 when dense)."""
+    return config.model.router_aux_loss_coef if config.model.num_experts else 0.0
+
+
 def make_step_fn(config: Config, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                  source_fn: Callable | None = None) -> Callable:
     """The train step (params, opt_state, step, batch) -> (params, opt_state,
@@ -138,7 +145,7 @@ def make_step_fn(config: Config, graphdef: nnx.GraphDef, tx: optax.GradientTrans
     train.grad_accum_steps micro-batches; a step whose loss, gradient or
     update is not finite leaves the parameters and optimizer state as they
     were."""
-    aux = config.model.router_aux_loss_coef if config.model.num_experts else 0.0
+    aux = aux_loss_coef(config)
 
     def loss_fn(p, data, totals, share):
         return loss_and_metrics(nnx.merge(graphdef, p), data, aux * share, totals)
@@ -172,7 +179,7 @@ class Trainer:
                                   out_dir=Path(config.train.out_dir), evaluate=config.train.eval_every > 0)
         self.tokenizer = self.source.tokenizer
         self._prefetch: Prefetcher | None = None
-        aux = config.model.router_aux_loss_coef if config.model.num_experts else 0.0
+        aux = aux_loss_coef(config)
         step_fn = make_step_fn(config, self.graphdef, self.tx, self.source.train)
 
         def eval_fn(params, index, batch):

@@ -129,3 +129,18 @@ def test_save_refuses_what_the_family_cannot_store():
         hf_config_from_model(ModelConfig(linear_allow_neg_eigval=True))
     with pytest.raises(ValueError, match=r"num_experts: olmo_hybrid has dense MLPs only; set it to 0, got 512"):
         ModelConfig(family="olmo_hybrid")
+
+
+def test_a_wrong_shape_in_one_layer_of_a_scanned_stack_names_that_layer(tmp_path):
+    """Loading into the stacked layout checks each layer's tensor before
+    stacking: the odd one out is named, not a stacking error."""
+    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next", scan_layers=True)
+    sd = hf_state_dict(model)
+    key = "model.layers.2.linear_attn.dt_bias"
+    sd[key] = jnp.zeros(sd[key].shape[0] + 1)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    save_file(sd, odd / "model.safetensors")
+    (odd / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
+    with pytest.raises(ValueError, match=rf"{key}: expected shape \(4,\) for this config, got \(5,\)"):
+        CausalLM.from_pretrained(odd, scan_layers=True)

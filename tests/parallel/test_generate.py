@@ -72,7 +72,7 @@ def test_scanned_generation_on_a_mesh_matches_the_unrolled_stack(mode, name):
     assert relative_error(got.logits, ref.logits) <= 1e-6
     np.testing.assert_array_equal(tokens, ref_tokens)
     # the stacked cache, per layer: cycle position j of repeat r is layer r * cycle + j
-    cycle, repeats = cfg.layer_cycle, cfg.num_hidden_layers // cfg.layer_cycle
+    cycle, repeats = cfg.layer_cycle, cfg.cycle_repeats
     for i, layer_cache in enumerate(ref.cache.layers):
         r, j = divmod(i, cycle)
         got_layer = (jax.tree.map(lambda x: x[r], got.cache.layers[j]) if r < repeats

@@ -30,6 +30,7 @@ from safetensors.flax import save_file
 from gdnx.checkpoints.files import atomic_write, atomic_write_text, read_json_object
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
 from gdnx.checkpoints.hf_names import Experts, locate
+from gdnx.config.schema import ModelConfig
 from gdnx.models.causal_lm import CausalLM, layer_paths
 
 # not part of the language model: multi-token prediction (mtp.*), a
@@ -95,12 +96,19 @@ def _load_experts(reader: _Reader, where: Experts, num_experts: int) -> jax.Arra
     return _t(fused[:, :half] if part == "gate" else fused[:, half:])
 
 
-def _load_one(reader: _Reader, cfg, path: tuple, prefix: str) -> jax.Array:
-    """The parameter at an unrolled path, from its Hugging Face tensors."""
+def _load_one(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, directory: Path,
+              shape: tuple[int, ...]) -> jax.Array:
+    """The parameter at an unrolled path from its Hugging Face tensors,
+    refused unless it has this shape."""
     where = locate(cfg, path, prefix)
     if isinstance(where, Experts):
-        return _load_experts(reader, where, cfg.num_experts)
-    return where.to_param(*(reader.get(k) for k in where.keys))
+        value = _load_experts(reader, where, cfg.num_experts)
+    else:
+        value = where.to_param(*(reader.get(k) for k in where.keys))
+    if tuple(value.shape) != shape:
+        keys = where.prefix if isinstance(where, Experts) else ", ".join(where.keys)
+        raise ValueError(f"{directory}: {keys}: expected shape {shape} for this config, got {tuple(value.shape)}")
+    return value
 
 
 def _note_skipped(directory: Path, keys: list[str]) -> None:
@@ -126,18 +134,13 @@ def load_pretrained(cls: type[CausalLM], path: str | os.PathLike, **config_overr
     for p, var in nnx.to_flat_state(params):
         # a scanned model's stacked parameter gathers one tensor per layer
         paths, stacked = layer_paths(cfg, p)
+        shape = tuple(var.shape[1:] if stacked else var.shape)
         try:
-            values = [_load_one(reader, cfg, q, prefix) for q in paths]
+            values = [_load_one(reader, cfg, q, prefix, directory, shape) for q in paths]
         except KeyError as e:
             missing.append(str(e.args[0]))
             continue
         value = jnp.stack(values) if stacked else values[0]
-        if tuple(value.shape) != tuple(var.shape):
-            where = locate(cfg, paths[0], prefix)
-            keys = where.prefix if isinstance(where, Experts) else ", ".join(where.keys)
-            shape = var.shape[1:] if stacked else var.shape
-            raise ValueError(f"{directory}: {keys}: expected shape {tuple(shape)} for this config, "
-                             f"got {tuple(values[0].shape)}")
         loaded.append((p, var.replace(jnp.asarray(value, var.dtype))))
     if missing:
         raise ValueError(f"{directory}: missing weights: {', '.join(missing[:8])}"

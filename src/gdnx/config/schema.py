@@ -193,11 +193,17 @@ class ModelConfig(_Strict):
         return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
 
     @property
+    def cycle_repeats(self) -> int:
+        """Full cycles in the stack (a scanned model's leading parameter dim);
+        the layers after the last one are left over."""
+        return self.num_hidden_layers // self.layer_cycle
+
+    @property
     def scanned(self) -> bool:
         """Whether the model runs its layers under a scan: scan_layers, or
         when unset, a stack of SCAN_MIN_LAYERS or more whose cycle repeats."""
         if self.scan_layers is None:
-            return self.num_hidden_layers >= SCAN_MIN_LAYERS and self.num_hidden_layers // self.layer_cycle >= 2
+            return self.num_hidden_layers >= SCAN_MIN_LAYERS and self.cycle_repeats >= 2
         return self.scan_layers
 
     def is_moe_layer(self, i: int) -> bool:

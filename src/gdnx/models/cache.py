@@ -41,8 +41,8 @@ class Cache(NamedTuple):
 
         if not cfg.scanned:
             return cls(tuple(empty(layer) for layer in model.layers), jnp.zeros((), jnp.int32))
-        repeats = cfg.num_hidden_layers // cfg.layer_cycle
-        layers = [empty(layer, (repeats,)) for layer in model.cycle] + [empty(layer) for layer in model.tail]
+        layers = [empty(layer, (cfg.cycle_repeats,)) for layer in model.cycle]
+        layers += [empty(layer) for layer in model.tail]
         return cls(tuple(layers), jnp.zeros((), jnp.int32))
 
 

@@ -176,7 +176,7 @@ def layer_paths(cfg: ModelConfig, path: tuple) -> tuple[list[tuple], bool]:
     if not cfg.scanned or path[0] not in (STACKED, "tail"):
         return [path], False
     cycle = cfg.layer_cycle
-    full = cfg.num_hidden_layers // cycle * cycle
+    full = cfg.cycle_repeats * cycle
     if path[0] == "tail":
         return [("layers", full + int(path[1]), *path[2:])], False
     return [("layers", r + int(path[1]), *path[2:]) for r in range(0, full, cycle)], True
@@ -206,7 +206,7 @@ class CausalLM(nnx.Module):
             # stacked per position in the cycle; the layers after the last
             # full cycle stay unrolled (tail).
             cycle = config.layer_cycle
-            full = config.num_hidden_layers // cycle * cycle
+            full = config.cycle_repeats * cycle
             self.cycle = nnx.List([_stack(layers[j:full:cycle]) for j in range(cycle)])
             self.tail = nnx.List(layers[full:])
         else:
