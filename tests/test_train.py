@@ -49,16 +49,18 @@ def _cli(out: Path, steps: int):
 
 
 def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path):
-    """Kill the process once the step-3 checkpoint exists, start it again:
-    the final parameters equal those of a run that was never stopped, and the
-    metrics log has each step once."""
+    """Kill the process once the step-3 checkpoint is complete (its checksum
+    manifest is written last), start it again: the final parameters equal
+    those of a run that was never stopped, and the metrics log has each step
+    once. A kill while the first checkpoint is written is tested in
+    tests/checkpoints/test_orbax.py."""
     straight = _cli(tmp_path / "straight", 9)
     killed = _cli(tmp_path / "killed", 9)
-    ckpt = tmp_path / "killed" / "checkpoints" / "3"
+    ckpt = tmp_path / "killed" / "checksums" / "3.json"
     deadline = time.time() + 300
-    while not ckpt.is_dir() and killed.poll() is None and time.time() < deadline:
+    while not ckpt.is_file() and killed.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    assert ckpt.is_dir(), killed.communicate()[0]
+    assert ckpt.is_file(), killed.communicate()[0]
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     resumed = _cli(tmp_path / "killed", 9)

@@ -1,6 +1,7 @@
 """Training checkpoints: checksums written with each one, a damaged latest
 checkpoint (flipped bytes, a truncated file, no manifest) reported and
-moved aside, the newest intact one resumed; none intact is one line."""
+moved aside, the newest intact one resumed; none intact is one line, except
+a first checkpoint a kill left unfinished: the run starts over."""
 
 import json
 
@@ -85,3 +86,23 @@ def test_no_intact_checkpoint_is_one_line(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "1 2"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdnx")]
     assert len(err) == 1 and "no intact checkpoint under checkpoints/ (step 3: " in err[0], err
+
+
+def test_an_unfinished_first_checkpoint_starts_over(tmp_path, capsys, straight):
+    """A kill between orbax finishing the first checkpoint and its checksum
+    manifest: the run starts from step 0 (as if killed before it) and ends
+    where an uninterrupted run does; the unfinished checkpoint is kept aside."""
+    train(_run(tmp_path, 3))
+    (tmp_path / "checksums" / "3.json").unlink()
+    capsys.readouterr()
+    train(_run(tmp_path, 9))
+    err = capsys.readouterr().err
+    assert "step 3 is damaged: it has no checksum manifest" in err and "starts from step 0" in err
+    assert "resumed from" not in err and (tmp_path / "damaged" / "3").is_dir()
+    step, params = _params(tmp_path)
+    assert step == straight[0] == 9
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(straight[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r["split"] == "train"]
+    assert steps == sorted(set(steps))

@@ -119,10 +119,13 @@ def _digest(directory: Path) -> dict[str, str]:
     return out
 
 
+UNFINISHED = "it has no checksum manifest (the run stopped before writing it)"
+
+
 def damage(step_dir: Path, manifest: Path) -> str | None:
     """What is wrong with a checkpoint, or None when every file matches its checksum."""
     if not manifest.is_file():
-        return "it has no checksum manifest (the run stopped before writing it)"
+        return UNFINISHED
     try:
         want = json.loads(manifest.read_text())
     except ValueError:
@@ -158,9 +161,12 @@ class Checkpoints:
     def latest_intact_step(self) -> tuple[int | None, list[str]]:
         """The newest checkpoint whose files match their checksums, and one
         line per damaged newer one (moved aside to damaged/). Raises
-        CheckpointDamaged when there are checkpoints and none is intact."""
+        CheckpointDamaged when there are checkpoints and none is intact, unless
+        the only one is the first checkpoint left unfinished by a kill: the
+        run then starts over, as if killed before it."""
         step, damaged = newest_intact(self.out_dir, self.manager.all_steps())
-        if damaged and step is None:
+        first_unfinished = step is None and len(damaged) == 1 and damaged[0][1] == UNFINISHED
+        if damaged and step is None and not first_unfinished:
             raise CheckpointDamaged(f"train.out_dir {self.out_dir}: no intact checkpoint ("
                                     + "; ".join(f"step {s}: {what}" for s, what in damaged)
                                     + "); move checkpoints/ and checksums/ away to start over")
@@ -173,8 +179,11 @@ class Checkpoints:
                 (self.dir / str(s)).rename(target)
                 (self.sums / f"{s}.json").unlink(missing_ok=True)
             self.manager = self._manager()
-        return step, [f"the checkpoint at step {s} is damaged: {what}; moved to {self.out_dir / 'damaged' / str(s)}"
-                      for s, what in damaged]
+        lines = [f"the checkpoint at step {s} is damaged: {what}; moved to {self.out_dir / 'damaged' / str(s)}"
+                 for s, what in damaged]
+        if first_unfinished:
+            lines.append("no earlier checkpoint: training starts from step 0")
+        return step, lines
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
