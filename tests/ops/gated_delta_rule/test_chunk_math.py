@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gdnx.measure import relative_error
 from gdnx.ops.gated_delta_rule import chunk_math
 
 pytestmark = pytest.mark.usefixtures("x64")  # float64 references
@@ -101,3 +102,23 @@ def test_backward_parts_add_up_over_blocks():
     np.testing.assert_allclose(dgamma, ss_all.dgamma, rtol=1e-10)
     for x, y in zip(ks, ks_all):
         np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("exact", [0, 1])
+def test_a_bfloat16_operand_with_a_float32_one_is_exact(exact):
+    """`dot` of a raw bfloat16 block and a float32 factor (products in
+    float32) takes `exact_dot`'s three bfloat16 passes: as accurate as a
+    float32 product (relative error <= 1e-6 against float64, where float32
+    rounding of 64-term sums measures ~1e-7), in either operand order."""
+    rng = np.random.default_rng(0)
+    raw = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+    f32 = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    a, b = (raw, f32) if exact == 0 else (f32, raw)
+    want = np.asarray(a, np.float64).T @ np.asarray(b, np.float64)
+    got = chunk_math.dot(a, b, ((0,), (0,)))
+    assert got.dtype == jnp.float32
+    assert relative_error(got, want) <= 1e-6
+    # a single bfloat16 pass over the float32 factor would be ~1e-3 off
+    single = jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (((0,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    assert relative_error(single, want) > 1e-4

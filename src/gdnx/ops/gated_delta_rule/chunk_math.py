@@ -50,14 +50,20 @@ INVERSE_BLOCK = 16
 
 
 def dot(a, b, contract, matmul_dtype=None):
-    """dot_general of a and b over `contract` ((a dims,), (b dims,)), in a's dtype."""
+    """dot_general of a and b over `contract` ((a dims,), (b dims,)), in the
+    wider operand's dtype."""
     # matmul_dtype: None keeps the accumulation dtype; a dtype (bfloat16) rounds
     # both operands to it, accumulating in the accumulation dtype all the same.
     # HIGHEST asks for full float32 products (several MXU passes); on operands
     # of 16 bits or fewer there is nothing to split and Mosaic refuses it.
     # A DotAlgorithmPreset keeps the operands and names the algorithm (a
     # kernel that lowers float32 products to tensor-core passes).
-    acc = a.dtype
+    # A bfloat16 operand (a raw input block) with a float32 one, products in
+    # float32: `exact_dot`, as exact at half the registers of split pairs.
+    if a.dtype != b.dtype and jnp.bfloat16 in (a.dtype, b.dtype) and (
+            matmul_dtype is None or isinstance(matmul_dtype, jax.lax.DotAlgorithmPreset)):
+        return exact_dot(a, b, contract, exact=0 if a.dtype == jnp.bfloat16 else 1)
+    acc = jnp.promote_types(a.dtype, b.dtype)
     if isinstance(matmul_dtype, jax.lax.DotAlgorithmPreset):
         return jax.lax.dot_general(a, b, (contract, ((), ())), precision=matmul_dtype, preferred_element_type=acc)
     if matmul_dtype is not None:
@@ -92,15 +98,18 @@ def bf16_parts(x, parts: int = 3) -> list:
     return out
 
 
-def exact_dot(a, b, contract):
-    """dot_general of a, whose values are exactly bfloat16 (a bfloat16 input,
-    a 0/1 mask), with a float32 b, as bfloat16 passes over b's three parts:
-    each product exact, the sums in float32, so float32's accuracy at half
-    the registers of TF32 parts (what a GPU kernel runs out of first)."""
-    a = a.astype(jnp.bfloat16)
+def exact_dot(a, b, contract, *, exact: int = 0):
+    """dot_general of a and b where operand `exact` (0: a, 1: b) holds values
+    that are exactly bfloat16 (a bfloat16 input, a 0/1 mask) and the other is
+    float32: bfloat16 passes over the float32 operand's three parts, each
+    product exact, the sums in float32, so float32's accuracy at half the
+    registers of TF32 parts (what a GPU kernel runs out of first)."""
+    x, y = (a, b) if exact == 0 else (b, a)
+    x = x.astype(jnp.bfloat16)
     out = None
-    for part in bf16_parts(b):
-        term = jax.lax.dot_general(a, part, (contract, ((), ())), preferred_element_type=b.dtype)
+    for part in bf16_parts(y):
+        pair = (x, part) if exact == 0 else (part, x)
+        term = jax.lax.dot_general(*pair, (contract, ((), ())), preferred_element_type=y.dtype)
         out = term if out is None else out + term
     return out
 

@@ -214,28 +214,52 @@ def _decays(g_ref, idx, opts):
                              split_segments=opts.decay_dtype == jnp.float32)
 
 
-def _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk):
-    """P = scale tril(QK^T * D) of one value head's chunk, QK^T summed over K blocks."""
+def _bf16_products(opts) -> bool:
+    """Whether products of bfloat16 values may take one bfloat16 pass: each
+    product is exact in float32, so for float32 products as for bfloat16."""
+    return opts.matmul_dtype in (None, FLOAT32_PRODUCTS) or opts.matmul_dtype == jnp.bfloat16
+
+
+def _raw(x, opts):
+    """An input block as it enters products: bfloat16 as loaded (with a
+    float32 factor, `chunk_math.dot` takes exact bfloat16 passes), any other
+    dtype in the accumulation dtype."""
+    return x if x.dtype == jnp.bfloat16 else x.astype(opts.state_dtype)
+
+
+def _dot(x, y, contract, opts):
+    """dot_general in the accumulation dtype: two bfloat16 operands in one
+    pass when `_bf16_products`, anything else through `chunk_math.dot`."""
+    if x.dtype == y.dtype == jnp.bfloat16:
+        if _bf16_products(opts):
+            return jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=opts.state_dtype)
+        # chunk_math.dot accumulates two operands of one dtype in that dtype
+        x, y = x.astype(opts.state_dtype), y.astype(opts.state_dtype)
+    return chunk_math.dot(x, y, contract, opts.matmul_dtype)
+
+
+def _key_products(x_ref, y_ref, rx_ref, ry_ref, bk, opts):
+    """(rx x)(ry y)^T of one key head's chunk as rx (x y^T) ry: the raw
+    blocks' products summed over K, the l2norm scales applied once."""
     key = (0, 0, 0)
-    rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
 
-    def block(kb, qk):
-        q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
-        return qk + chunk_math.mm_nt(q, k, matmul_dtype=opts.matmul_dtype)
+    def block(kb, xy):
+        return xy + _dot(_raw(x_ref[_cols(key, kb, bk)], opts), _raw(y_ref[_cols(key, kb, bk)], opts),
+                         ((1,), (1,)), opts)
 
-    c = q_ref.shape[-2]
-    qk = _blocks(q_ref.shape[-1] // bk, block, jnp.zeros((c, c), opts.state_dtype))
-    return chunk_math.output_mix(qk, dec, scale=opts.scale)
+    c = x_ref.shape[-2]
+    xy = _blocks(x_ref.shape[-1] // bk, block, jnp.zeros((c, c), opts.state_dtype))
+    return chunk_math.row_to_col(rx_ref[key]) * xy * ry_ref[key]
+
+
+def _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk):
+    """P = scale tril(QK^T * D) of one value head's chunk."""
+    return chunk_math.output_mix(_key_products(q_ref, k_ref, rq_ref, rk_ref, bk, opts), dec, scale=opts.scale)
 
 
 def _key_dot(ref, idx, kb, bk, b, contract, opts):
-    """dot_general of q's or k's raw column block kb with a float32 b. When
-    the inputs are bfloat16 and the products float32, as `exact_dot`: exact
-    in bfloat16 passes, where TF32 parts of both operands spill registers."""
-    x = ref[_cols(idx, kb, bk)]
-    if x.dtype == jnp.bfloat16 and opts.matmul_dtype in (None, FLOAT32_PRODUCTS):
-        return chunk_math.exact_dot(x, b, contract)
-    return chunk_math.dot(x.astype(opts.state_dtype), b, contract, opts.matmul_dtype)
+    """dot_general of q's or k's raw column block kb with a float32 b."""
+    return chunk_math.dot(_raw(ref[_cols(idx, kb, bk)], opts), b, contract, opts.matmul_dtype)
 
 
 def _state_times(ref, idx, state, bk, opts):
@@ -260,12 +284,7 @@ def _prepare_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, *refs, opts, bk, bv, giv
     else:
         u_ref, w_ref, tinv_ref = refs
 
-        def kk_block(kb, kk):
-            k = _keys(k_ref, key, kb, bk, rk, opts)
-            return kk + chunk_math.mm_nt(k, k, matmul_dtype=opts.matmul_dtype)
-
-        c = k_ref.shape[-2]
-        kk = _blocks(nkb, kk_block, jnp.zeros((c, c), acc))
+        kk = _key_products(k_ref, k_ref, rk_ref, rk_ref, bk, opts)
         tinv = chunk_math.chunk_inverse(kk, beta, dec, inverse=chunk_math.unit_lower_inverse_loop)
         tinv_ref[head] = tinv
 
@@ -324,11 +343,11 @@ def _output_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, states_ref, vn_ref, o_re
     rq = chunk_math.row_to_col(rq_ref[key])
 
     def qs_block(kb, qs):
-        q = _keys(q_ref, key, kb, bk, rq, opts)
-        return qs + chunk_math.mm(q, states_ref[head + (_ds(kb, bk), slice(None))], matmul_dtype=opts.matmul_dtype)
+        # (rq q) S = rq (q S): the raw query block enters the product
+        return qs + _key_dot(q_ref, key, kb, bk, states_ref[head + (_ds(kb, bk), slice(None))], ((1,), (0,)), opts)
 
     qs = _blocks(q_ref.shape[-1] // bk, qs_block, jnp.zeros(o_ref.shape[-2:], opts.state_dtype))
-    o = (opts.scale * dec.eg) * qs + chunk_math.mm(p, vn_ref[head], matmul_dtype=opts.matmul_dtype)
+    o = (opts.scale * dec.eg * rq) * qs + chunk_math.mm(p, vn_ref[head], matmul_dtype=opts.matmul_dtype)
     o_ref[head] = o.astype(o_ref.dtype)
 
 
@@ -399,7 +418,7 @@ def _dv_local_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, do_ref, u_ref, w_ref, 
     """P^T dO (the part of dVn that needs no dS) and Vn = U - W S."""
     head = (0, 0, 0, 0)
     p = _output_mix(q_ref, k_ref, rq_ref, rk_ref, _decays(g_ref, head, opts), opts, bk)
-    dvl_ref[head] = chunk_math.mm_tn(p, do_ref[head].astype(opts.state_dtype), matmul_dtype=opts.matmul_dtype)
+    dvl_ref[head] = chunk_math.mm_tn(p, _raw(do_ref[head], opts), matmul_dtype=opts.matmul_dtype)
 
     def ws_block(kb, ws):
         w = w_ref[_cols(head, kb, bk)]
@@ -512,29 +531,42 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
     """dg, dbeta, and dq, dk with the QK^T, KK^T terms added."""
     acc = opts.state_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
+    rq = chunk_math.row_to_col(rq_ref[key])
     dec = _decays(g_ref, head, opts)
     beta = chunk_math.row_to_col(b_ref[head].astype(acc))
     nkb = q_ref.shape[-1] // bk
-
-    def products(kb, qk_kk):
-        q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
-        return tuple(a + b for a, b in zip(qk_kk, chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)))
-
-    c = q_ref.shape[-2]
-    qk, kk = _blocks(nkb, products, (jnp.zeros((c, c), acc),) * 2)
+    qk = _key_products(q_ref, k_ref, rq_ref, rk_ref, bk, opts)
+    kk = _key_products(k_ref, k_ref, rk_ref, rk_ref, bk, opts)
     terms = chunk_math.GateTerms(da=da_ref[head], dp=dp_ref[head], dbeta=chunk_math.row_to_col(dbeta_ref[head]),
                                  dgcum=chunk_math.row_to_col(dgcum_ref[head]))
     gg = chunk_math.gate_grads(qk, kk, dec, beta, terms, scale=opts.scale)
     dg_ref[head] = gg.dg.astype(dg_ref.dtype)
     db_ref[head] = gg.dbeta.astype(db_ref.dtype)
 
-    def key_block(kb):
-        cols = _cols(head, kb, bk)
-        q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
-        dq, dk = chunk_math.key_products_bwd(q, k, gg.dqk, gg.dkk, matmul_dtype=opts.matmul_dtype)
-        dq_ref[cols] = dqv_ref[cols] + dq
-        dk_ref[cols] = dkv_ref[cols] + dk
+    # through (rq q)(rk k)^T and (rk k)(rk k)^T. Products in float32: the
+    # l2norm scales go on the [C, C] cotangents so that the raw key blocks
+    # enter exact bfloat16 passes. Products in bfloat16: scaled key blocks,
+    # rounded, and two [C, C] factors, not three (ptxas: 4 B spilled on H100).
+    if opts.matmul_dtype == jnp.bfloat16:
+        rk = chunk_math.row_to_col(rk_ref[key])
+
+        def key_block(kb):
+            cols = _cols(head, kb, bk)
+            q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
+            dq, dk = chunk_math.key_products_bwd(q, k, gg.dqk, gg.dkk, matmul_dtype=opts.matmul_dtype)
+            dq_ref[cols] = dqv_ref[cols] + dq
+            dk_ref[cols] = dkv_ref[cols] + dk
+    else:
+        rk_row = rk_ref[key]
+        dqk_k, dqk_q_t = gg.dqk * rk_row, jnp.transpose(gg.dqk * rq)
+        dkk_k = (gg.dkk + jnp.transpose(gg.dkk)) * rk_row
+
+        def key_block(kb):
+            cols = _cols(head, kb, bk)
+            q, k = _raw(q_ref[_cols(key, kb, bk)], opts), _raw(k_ref[_cols(key, kb, bk)], opts)
+            dq_ref[cols] = dqv_ref[cols] + _dot(dqk_k, k, ((1,), (0,)), opts)
+            dk_ref[cols] = (dkv_ref[cols] + _dot(dqk_q_t, q, ((1,), (0,)), opts)
+                            + _dot(dkk_k, k, ((1,), (0,)), opts))
 
     _each_block(nkb, key_block)
 
