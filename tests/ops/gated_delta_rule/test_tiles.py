@@ -20,6 +20,8 @@ def test_tiles_are_checked():
         GpuTiles(block_v=48)
     with pytest.raises(ValueError, match="tiles.block_k: expected a power of two >= 16, got 8"):
         GpuTiles(block_k=8)
+    with pytest.raises(ValueError, match="tiles.grads_num_warps: expected a positive int, got 0"):
+        GpuTiles(grads_num_warps=0)
 
 
 def test_tiles_table_falls_back_off_target():

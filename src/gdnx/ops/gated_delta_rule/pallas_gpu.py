@@ -155,11 +155,12 @@ def _norm_rows(x, opts):
 
 
 def _call(kernel, *, grid, in_specs, out_specs, out_shape, tiles: GpuTiles, interpret: bool, flops: int, exps: int,
-          args):
+          args, num_warps: int | None = None):
+    """pallas_call at the tiles' warps (num_warps: this kernel's own) and stages."""
     outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, cost_estimate=pallas_common.cost(flops, exps, list(args) + list(outs)),
     )(*args)
 
@@ -431,43 +432,56 @@ def _dv_local_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, do_ref, u_ref, w_ref, 
 def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w_ref, g_ref, do_ref, dvl_ref,
                    dfinal_ref, dvn_ref, dstates_ref, dh0_ref, *, num_chunks, opts, bk):
     """Walk a row's chunks in reverse carrying dS (as K/BK blocks):
-    dVn = P^T dO + ek (k dS'), dS = gamma dS' + q^T (eq dO) - W^T dVn."""
+    dVn = P^T dO + ek (k dS'), dS = gamma dS' + q^T (eq dO) - W^T dVn.
+
+    The carry is dS^T, [BV, BK] per block, so that no float32 operand of a
+    product is transposed: k dS' is (dS'^T k^T)^T with the bfloat16 key
+    block transposed, and the dS^T terms are (eq dO)^T q and dVn^T W. A
+    transposed float32 operand costs registers (ptxas on H100: 252 B spilled
+    with the dS form, 12 B with this one; A100 52 B -> 0).
+    """
     acc = opts.state_dtype
     nkb = k_ref.shape[-1] // bk
 
     def rows(idx, kb):
         return idx + (_ds(kb, bk), slice(None))
 
-    def chunk(step, dstate):
+    def chunk(step, dstate_t):
         c = num_chunks - 1 - step
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
-        dstate = tuple(s + jnp.where(last, dfinal_ref[rows((seq, 0, 0), kb)].astype(acc), 0.0)
-                       for kb, s in enumerate(dstate))
-        for kb, s in enumerate(dstate):
-            dstates_ref[rows((c, 0, 0, 0), kb)] = s
+        dstate_t = tuple(s + jnp.where(last, jnp.transpose(dfinal_ref[rows((seq, 0, 0), kb)].astype(acc)), 0.0)
+                         for kb, s in enumerate(dstate_t))
+        for kb, s in enumerate(dstate_t):
+            dstates_ref[rows((c, 0, 0, 0), kb)] = jnp.transpose(s)
         key, head = (c, 0, 0), (c, 0, 0, 0)
-        rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
+        rk = jnp.transpose(rk_ref[key])
         dec = _decays(g_ref, head, opts)
         # the l2norm scales multiply the [C, BV] factors, not the key blocks
-        k_ds = sum(_key_dot(k_ref, key, kb, bk, s, ((1,), (0,)), opts) for kb, s in enumerate(dstate))
-        dvn = dvl_ref[head] + (rk * dec.ek) * k_ds
+        k_ds_t = sum(chunk_math.dot(s, _raw(k_ref[_cols(key, kb, bk)], opts), ((1,), (1,)), opts.matmul_dtype)
+                     for kb, s in enumerate(dstate_t))
+        dvn = dvl_ref[head] + (rk * dec.ek) * jnp.transpose(k_ds_t)
         dvn_ref[head] = dvn
-        eq_do = (rq * opts.scale * dec.eg) * do_ref[head].astype(acc)
-        dstate_in = tuple(
-            _key_dot(q_ref, key, kb, bk, eq_do, ((0,), (0,)), opts)
+        dvn_t = jnp.transpose(dvn)
+        # eq from a cumulative sum of one-sign gates (no [C, C] tile); scaled
+        # before the transpose (XLA:CPU, interpreting, cannot run a bf16 dot
+        # of row * transpose(dO))
+        eg_row = jnp.exp(jax.lax.cumsum(g_ref[head].astype(opts.decay_dtype), axis=1)).astype(acc)
+        eq_do_t = jnp.transpose(jnp.transpose(rq_ref[key] * opts.scale * eg_row) * do_ref[head].astype(acc))
+        dstate_in_t = tuple(
+            chunk_math.dot(eq_do_t, _raw(q_ref[_cols(key, kb, bk)], opts), ((1,), (0,)), opts.matmul_dtype)
             + dec.gamma * s
-            - chunk_math.mm_tn(w_ref[_cols(head, kb, bk)], dvn, matmul_dtype=opts.matmul_dtype)
-            for kb, s in enumerate(dstate))
+            - chunk_math.mm(dvn_t, w_ref[_cols(head, kb, bk)], matmul_dtype=opts.matmul_dtype)
+            for kb, s in enumerate(dstate_t))
 
         @pl.when(reset)
         def _():
-            for kb, s in enumerate(dstate_in):
-                dh0_ref[rows((seq, 0, 0), kb)] = s.astype(dh0_ref.dtype)
+            for kb, s in enumerate(dstate_in_t):
+                dh0_ref[rows((seq, 0, 0), kb)] = jnp.transpose(s).astype(dh0_ref.dtype)
 
-        return tuple(jnp.where(reset, 0.0, s) for s in dstate_in)
+        return tuple(jnp.where(reset, 0.0, s) for s in dstate_in_t)
 
     bv = dh0_ref.shape[-1]
-    jax.lax.fori_loop(0, num_chunks, chunk, tuple(jnp.zeros((bk, bv), acc) for _ in range(nkb)))
+    jax.lax.fori_loop(0, num_chunks, chunk, tuple(jnp.zeros((bv, bk), acc) for _ in range(nkb)))
 
 
 def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, vn_ref, states_ref,
@@ -617,7 +631,8 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
         out_specs=[lay.head_spec(c, kp)] * 2 + [lay.head_spec(c, vp)] + [lay.head_spec(c, c)] * 2 + rows,
         out_shape=[ck, ck, jax.ShapeDtypeStruct(shape + (c, vp), v.dtype), cc, cc, row_shape, row_shape],
         tiles=tiles, interpret=interpret, flops=heads * (3 * mm(c, c, vp) + 3 * mm(c, vp, kp) + 2 * mm(c, c, kp)),
-        exps=heads * exps, args=(q, k, rq, rk, v, g, beta, tinv, u, w, vn, states, dstates, do, dvn))
+        exps=heads * exps, args=(q, k, rq, rk, v, g, beta, tinv, u, w, vn, states, dstates, do, dvn),
+        num_warps=tiles.grads_num_warps)
     dq, dk, dg, dbeta = _call(
         functools.partial(_gate_grads_kernel, opts=opts, bk=bk), grid=lay.head_grid,
         in_specs=keys + rows + [lay.head_spec(c, c)] * 2 + rows + [lay.head_spec(c, kp)] * 2,

@@ -26,11 +26,12 @@ class GpuTiles:
     state_block_k: int = 32   # rows of K per block of the state the sequential kernels carry
     state_block_v: int = 16   # V per program of the sequential kernels
     num_warps: int = 8
+    grads_num_warps: int = 8  # warps of the V/K-sum gradient kernel (its own register balance)
     num_stages: int = 2       # software pipelining depth of the loops' loads
 
     def __post_init__(self):
         for name in ("block_k", "block_v", "output_block_v", "state_block_k", "state_block_v", "num_warps",
-                     "num_stages"):
+                     "grads_num_warps", "num_stages"):
             x = getattr(self, name)
             if not isinstance(x, int) or isinstance(x, bool) or x < 1:
                 raise ValueError(f"tiles.{name}: expected a positive int, got {x!r}")
@@ -55,13 +56,14 @@ class TpuTiles:
 # GPU by compute capability: the sizes that measured fewest spilled registers
 # (ptxas, docs/benchmarks.md). The output-side kernels recompute QK^T per V
 # block, so they take V blocks as wide as registers allow (64 on sm_90, 32
-# on sm_80). At K = V = 128 no kernel asks for more than ~100 KiB of shared
+# on sm_80). The gradient-sum kernel with float32 products spills 116 B at 8
+# warps on sm_90 and 8-16 B at 4 (on sm_80, 4 warps spill more than 8). At K = V = 128 no kernel asks for more than ~100 KiB of shared
 # memory with two stages (H100/H200 give a block 232,448 B, A100 166,912 B).
 GPU_TILES = {
     "9.0": GpuTiles(block_k=16, block_v=16, output_block_v=64, state_block_k=32, state_block_v=16, num_warps=8,
-                    num_stages=2),
+                    grads_num_warps=4, num_stages=2),
     "8.0": GpuTiles(block_k=16, block_v=16, output_block_v=32, state_block_k=32, state_block_v=16, num_warps=8,
-                    num_stages=2),
+                    grads_num_warps=8, num_stages=2),
 }
 GPU_FALLBACK = GpuTiles()
 # TPU by device kind. v5p and v6e have the VMEM for two key heads per step
