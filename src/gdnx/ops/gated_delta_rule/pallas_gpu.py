@@ -437,8 +437,8 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w
     The carry is dS^T, [BV, BK] per block, so that no float32 operand of a
     product is transposed: k dS' is (dS'^T k^T)^T with the bfloat16 key
     block transposed, and the dS^T terms are (eq dO)^T q and dVn^T W. A
-    transposed float32 operand costs registers (ptxas on H100: 252 B spilled
-    with the dS form, 12 B with this one; A100 52 B -> 0).
+    transposed float32 operand measured more registers (ptxas on H100: 252 B
+    spilled with the dS form, 8-24 B with this one; A100 52 B -> 0).
     """
     acc = opts.state_dtype
     nkb = k_ref.shape[-1] // bk

@@ -57,8 +57,9 @@ class TpuTiles:
 # (ptxas, docs/benchmarks.md). The output-side kernels recompute QK^T per V
 # block, so they take V blocks as wide as registers allow (64 on sm_90, 32
 # on sm_80). The gradient-sum kernel with float32 products spills 116 B at 8
-# warps on sm_90 and 8-16 B at 4 (on sm_80, 4 warps spill more than 8). At K = V = 128 no kernel asks for more than ~100 KiB of shared
-# memory with two stages (H100/H200 give a block 232,448 B, A100 166,912 B).
+# warps on sm_90 and 8-16 B at 4 (on sm_80, 4 warps spill more than 8). At
+# K = V = 128 no kernel asks for more than ~100 KiB of shared memory with two
+# stages (H100/H200 give a block 232,448 B, A100 166,912 B).
 GPU_TILES = {
     "9.0": GpuTiles(block_k=16, block_v=16, output_block_v=64, state_block_k=32, state_block_v=16, num_warps=8,
                     grads_num_warps=4, num_stages=2),
