@@ -61,3 +61,29 @@ def test_cli_prints_the_plan(capsys):
     assert main(["plan", "tiny", "--topology", "v5e:2x2", "data.seq_len=128", "train.batch_size=4"]) == 0
     out = capsys.readouterr().out
     assert "v5e:2x2: 4 chips" in out and "fits" in out and "Pallas TPU kernel calls" in out
+
+
+@pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2"])
+def test_olmo_hybrid_7b_gdn_layer_compiles_with_the_slices_tiles(monkeypatch, topology):
+    """OLMo-Hybrid-7B's GDN layer shape (30 key and value heads, K=96, V=192;
+    a narrower model width, which the kernel does not see) under tensor=2:
+    v5p's and v6e's table entry takes two key heads per grid step, which does
+    not divide the 15 heads a shard holds. The step compiles with the
+    slice's entry (not this host's fallback of one) fitted to the shard."""
+    from gdnx.ops.gated_delta_rule import api, tiles
+
+    chosen = []
+
+    def spy(implementation, given, *, key_heads):
+        out = choose(implementation, given, key_heads=key_heads)
+        chosen.append((tiles.tiles_for(implementation).head_tile, key_heads, out.head_tile))
+        return out
+
+    choose = api.choose_tiles
+    monkeypatch.setattr(api, "choose_tiles", spy)
+    over = ["model.num_hidden_layers=1", "model.layer_types=null", "model.hidden_size=256", "model.vocab_size=512",
+            "model.intermediate_size=256", "data.seq_len=256", "train.batch_size=2", "parallel.tensor=2",
+            "parallel.data=-1", "parallel.fsdp=1"]
+    p = plan(load_config("olmo-hybrid-7b", over), topology)
+    assert p.kernel_calls > 0
+    assert set(chosen) == {(2, 15, 1)}  # (the slice's entry, key heads per shard, the head tile run)

@@ -27,6 +27,7 @@ from gdnx.config.schema import Config
 from gdnx.data.source import Batch
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import check_platform, layer_ndim
+from gdnx.ops.gated_delta_rule.tiles import compile_target
 from gdnx.parallel import make_mesh, shardings, spec
 from gdnx.train import make_optimizer, make_step_fn
 
@@ -141,7 +142,8 @@ def plan(config: Config, topology: str) -> Plan:
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
     step_fn = jax.jit(make_step_fn(config, graphdef, tx), donate_argnums=(0, 1))
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
+    # the kernels take the slice's tiles (tiles.py), not this host's
+    with jax.set_mesh(mesh), compile_target(devices[0]):
         lowered = step_fn.lower(params, opt_state, step, batch)
         try:
             compiled = lowered.compile()

@@ -29,3 +29,28 @@ def test_tiles_table_falls_back_off_target():
     from gdnx.ops.gated_delta_rule.tiles import GPU_FALLBACK, TPU_FALLBACK
 
     assert tiles_for("pallas_gpu") == GPU_FALLBACK and tiles_for("pallas_tpu") == TPU_FALLBACK
+
+
+def test_table_entry_is_fitted_to_the_key_heads_of_the_call():
+    """A target whose entry takes two key heads per grid step (TPU v5p's) and
+    a call with three key heads: the head tile is cut to one that divides
+    them, and the kernel runs (interpret mode) with the xla path's result.
+    Explicit tiles that do not fit are refused, naming the field."""
+    import types
+
+    import jax.numpy as jnp
+
+    from gdnx.ops.gated_delta_rule.tiles import choose_tiles, compile_target
+
+    v5p = types.SimpleNamespace(platform="tpu", device_kind="TPU v5")
+    with compile_target(v5p):  # type: ignore[arg-type]
+        assert tiles_for("pallas_tpu") == TpuTiles(head_tile=2)
+        assert choose_tiles("pallas_tpu", None, key_heads=4) == TpuTiles(head_tile=2)
+        assert choose_tiles("pallas_tpu", None, key_heads=3) == TpuTiles(head_tile=1)
+        q, k, v, g, beta, _ = make_inputs(Case("odd_heads", b=1, t=16, dk=16, dv=16, hk=3, hv=3, chunk=16))
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas_tpu")
+    assert tiles_for("pallas_tpu") == TpuTiles(head_tile=1)  # the context is left
+    ref, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="xla")
+    assert float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref)) < 1e-5  # float32 rounding
+    with pytest.raises(ValueError, match=r"tiles.head_tile=2 must divide the key heads HK=3"):
+        choose_tiles("pallas_tpu", TpuTiles(head_tile=2), key_heads=3)

@@ -26,7 +26,7 @@ from gdnx.ops.gated_delta_rule.chunked import RESIDUAL_POLICIES
 from gdnx.ops.gated_delta_rule.pallas_gpu import chunk_gated_delta_rule_pallas_gpu
 from gdnx.ops.gated_delta_rule.pallas_tpu import chunk_gated_delta_rule_pallas_tpu
 from gdnx.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
-from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, check_tiles
+from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, choose_tiles
 from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
 
 CHUNK_SIZES = (16, 32, 64, 128)
@@ -162,7 +162,7 @@ def _run(allowed, kind, name, q, k, v, g, beta, *, scale, initial_state, output_
     if impl.kernel:
         if interpret is not None and not isinstance(interpret, bool):
             raise TypeError(f"interpret: expected None or a bool, got {type(interpret).__name__}")
-        knobs.update(interpret=interpret, tiles=check_tiles(name, tiles))
+        knobs.update(interpret=interpret, tiles=choose_tiles(name, tiles, key_heads=q.shape[2]))
     else:
         kernels = sorted(n for n, i in IMPLEMENTATIONS.items() if i.kernel)
         for what, x in (("interpret", interpret), ("tiles", tiles)):
@@ -242,6 +242,9 @@ def chunk_gated_delta_rule(
         interpret mode exactly when the default backend is the CPU; False
         always lowers for the hardware (also from a CPU host, for
         jax.export); True always interprets.
+      tiles: Pallas implementations only. None: the table's entry for the
+        target device, fitted to the shapes (gdnx.ops.gated_delta_rule.tiles);
+        GpuTiles or TpuTiles to choose them, checked against the shapes.
       residuals: what the backward gets from the forward (hand-written VJPs:
         xla and the kernels). "save": each chunk's incoming state and the
         chunk inverse, named gdn_chunk_states and gdn_chunk_inverse for remat

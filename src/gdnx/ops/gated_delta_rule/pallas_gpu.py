@@ -45,7 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions
-from gdnx.ops.gated_delta_rule.tiles import GpuTiles, check_tiles
+from gdnx.ops.gated_delta_rule.tiles import GpuTiles
 
 # Custom-call targets of a Triton kernel (the name moved between JAX
 # versions). jax.export refuses them unless told: they carry no
@@ -644,12 +644,11 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     return (dq.sum(3)[..., :k_dim], dk.sum(3)[..., :k_dim], dv[..., :v_dim], dg, dbeta, dh0[..., :k_dim, :v_dim])
 
 
-def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, h0, *, interpret: bool | None = None,
-                                      tiles: GpuTiles | None = None, **kw):
+def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, h0, *, interpret: bool | None, tiles: GpuTiles, **kw):
     """Validated [B, T, H, D] inputs in, (o, final) out; `chunked.run`'s
-    keywords. tiles None: the table's entry for the device (`tiles.py`)."""
+    keywords and the tiles chosen for the call (`tiles.choose_tiles`)."""
     pallas_common.check_dims("pallas_gpu", q.shape[-1], v.shape[-1])
-    run_interpreted, gpu_tiles = pallas_common.resolve_interpret(interpret), check_tiles("pallas_gpu", tiles)
-    backend = chunked.Backend(functools.partial(forward, interpret=run_interpreted, tiles=gpu_tiles),
-                              functools.partial(backward, interpret=run_interpreted, tiles=gpu_tiles), fold_batch=True)
+    run_interpreted = pallas_common.resolve_interpret(interpret)
+    backend = chunked.Backend(functools.partial(forward, interpret=run_interpreted, tiles=tiles),
+                              functools.partial(backward, interpret=run_interpreted, tiles=tiles), fold_batch=True)
     return chunked.run(backend, q, k, v, g, beta, h0, **kw)

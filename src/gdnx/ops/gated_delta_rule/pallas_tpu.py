@@ -27,7 +27,6 @@ refused with an error that says so.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,7 @@ from jax.sharding import AxisType
 
 from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags
-from gdnx.ops.gated_delta_rule.tiles import TpuTiles, check_tiles, tiles_for
+from gdnx.ops.gated_delta_rule.tiles import TpuTiles
 
 MIN_VMEM_LIMIT = 16 * 2**20
 MAX_VMEM_LIMIT = 64 * 2**20
@@ -244,17 +243,11 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpr
                  args=(q, k, v, g, beta, tinv, states, do, dfinal))
 
 
-def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, h0, *, interpret: bool | None = None,
-                                      tiles: TpuTiles | None = None, **kw):
+def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, h0, *, interpret: bool | None, tiles: TpuTiles, **kw):
     """Validated [B, T, H, D] inputs in, (o, final) out; `chunked.run`'s
-    keywords. tiles None: the table's entry for the device (`tiles.py`),
-    its head tile cut to one that divides HK."""
+    keywords and the tiles chosen for the call (`tiles.choose_tiles`)."""
     pallas_common.check_dims("pallas_tpu", q.shape[-1], v.shape[-1])
-    if tiles is None:
-        head_tile = math.gcd(tiles_for("pallas_tpu").head_tile, q.shape[2])
-    else:
-        head_tile = check_tiles("pallas_tpu", tiles).head_tile
-    knobs = dict(interpret=pallas_common.resolve_interpret(interpret), head_tile=head_tile)
+    knobs = dict(interpret=pallas_common.resolve_interpret(interpret), head_tile=tiles.head_tile)
     backend = chunked.Backend(functools.partial(forward, **knobs), functools.partial(backward, **knobs),
                               fold_batch=True)
     return chunked.run(backend, q, k, v, g, beta, h0, **kw)

@@ -1,16 +1,22 @@
-"""Tile sizes of the Pallas kernels, per target, with a fallback.
+"""Tile sizes of the Pallas kernels, chosen per target device and shape.
 
-`chunk_gated_delta_rule(..., tiles=None)` looks up the table of the kernel
-for the device the op runs on (TPU by device kind, GPU by compute
-capability) and falls back to the default entry for a device it does not
-list, or when the kernel is compiled from a host without that device
-(deviceless compilation: pass `tiles_for(implementation, device)` of the
-target device). Every entry is compiled for its target in the test suite.
+`chunk_gated_delta_rule(..., tiles=None)` takes the table's entry for the
+device the kernel is compiled for (TPU by device kind, GPU by compute
+capability; the default entry for a device the table does not list) and
+fits it to the call's shapes (`choose_tiles`). That device is the default
+backend's first one, or the one named by `compile_target` while a program
+is traced for another machine (deviceless compilation: `gdnx plan`, the
+compile tests). Explicit tiles win and are checked against the shapes.
+Every entry is compiled for its target in the test suite.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import math
+from collections.abc import Iterator
 from typing import Literal, overload
 
 import jax
@@ -78,6 +84,20 @@ TPU_TILES = {
 TPU_FALLBACK = TpuTiles()
 KERNEL_PLATFORMS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
+_TARGET: contextvars.ContextVar[jax.Device | None] = contextvars.ContextVar("gdnx_compile_target", default=None)
+
+
+@contextlib.contextmanager
+def compile_target(device: jax.Device) -> Iterator[None]:
+    """Choose the kernels' tiles for `device` while tracing inside this
+    context: a program traced here and compiled for another machine (a TPU
+    slice's topology device, a GPU target) gets that machine's tiles."""
+    token = _TARGET.set(device)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
 
 @overload
 def tiles_for(implementation: Literal["pallas_gpu"], device: jax.Device | None = None) -> GpuTiles: ...
@@ -87,10 +107,11 @@ def tiles_for(implementation: Literal["pallas_tpu"], device: jax.Device | None =
 def tiles_for(implementation: str, device: jax.Device | None = None) -> GpuTiles | TpuTiles: ...
 def tiles_for(implementation: str, device: jax.Device | None = None) -> GpuTiles | TpuTiles:
     """The table's tiles of `implementation` ("pallas_gpu" or "pallas_tpu")
-    for `device` (default: the first device of the default backend)."""
+    for `device` (default: the `compile_target`, else the first device of
+    the default backend), before they are fitted to a call's shapes."""
     if implementation not in KERNEL_PLATFORMS:
         raise ValueError(f"implementation: expected one of {sorted(KERNEL_PLATFORMS)}, got {implementation!r}")
-    device = jax.devices()[0] if device is None else device
+    device = device or _TARGET.get() or jax.devices()[0]
     on_target = device.platform == KERNEL_PLATFORMS[implementation]
     if implementation == "pallas_gpu":
         key = str(getattr(device, "compute_capability", ""))
@@ -99,15 +120,26 @@ def tiles_for(implementation: str, device: jax.Device | None = None) -> GpuTiles
 
 
 @overload
-def check_tiles(implementation: Literal["pallas_gpu"], tiles: object) -> GpuTiles: ...
+def choose_tiles(implementation: Literal["pallas_gpu"], tiles: object, *, key_heads: int) -> GpuTiles: ...
 @overload
-def check_tiles(implementation: Literal["pallas_tpu"], tiles: object) -> TpuTiles: ...
-def check_tiles(implementation: str, tiles: object) -> GpuTiles | TpuTiles:
-    """`tiles` (None: from the table) as the kind the implementation takes."""
+def choose_tiles(implementation: Literal["pallas_tpu"], tiles: object, *, key_heads: int) -> TpuTiles: ...
+@overload
+def choose_tiles(implementation: str, tiles: object, *, key_heads: int) -> GpuTiles | TpuTiles: ...
+def choose_tiles(implementation: str, tiles: object, *, key_heads: int) -> GpuTiles | TpuTiles:
+    """The tiles a kernel runs with on a call with `key_heads` key heads (per
+    shard under shard_map). None: the target's table entry fitted to the
+    shapes (a head tile cut to one that divides the key heads: OLMo Hybrid's
+    30 key heads split over tensor=2 leave 15 per shard). Explicit tiles
+    are checked: their kind, and that they fit the shapes."""
     if tiles is None:
-        return tiles_for(implementation)
+        chosen = tiles_for(implementation)
+        if isinstance(chosen, TpuTiles):
+            chosen = dataclasses.replace(chosen, head_tile=math.gcd(chosen.head_tile, key_heads))
+        return chosen
     kind = GpuTiles if implementation == "pallas_gpu" else TpuTiles
     if not isinstance(tiles, kind):
         raise TypeError(f"tiles: implementation={implementation!r} takes {kind.__name__} or None, "
                         f"got {type(tiles).__name__}")
+    if isinstance(tiles, TpuTiles) and key_heads % tiles.head_tile:
+        raise ValueError(f"tiles.head_tile={tiles.head_tile} must divide the key heads HK={key_heads}")
     return tiles
