@@ -74,11 +74,11 @@ def _one_hot_loss(model, batch, aux_coef):
 def _compiled_bytes(work: Path, seq: int, batch: int, one_hot: bool) -> int:
     import jax.numpy as jnp
 
-    from gdnx import train as train_module
+    from gdnx.training import loop as train_module, step as train_step
     from gdnx.config import load_config
 
     if one_hot:
-        train_module.loss_and_metrics = _one_hot_loss
+        train_step.loss_and_metrics = _one_hot_loss
     trainer = train_module.Trainer(load_config("tiny", _overrides(work, seq, batch)))
     opt = trainer.init_opt_state(trainer.params)
     batch = trainer.device_batch(trainer.host_batch("train", 0))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 def measure(depth: int, scan: bool, steps: int) -> tuple[float, float, float]:
     from gdnx.config import load_config
-    from gdnx.train import Trainer
+    from gdnx.training import Trainer
 
     cfg = load_config("tiny", [f"model.num_hidden_layers={depth}", "model.layer_types=null",
                                "model.full_attention_interval=4", f"model.scan_layers={str(scan).lower()}",

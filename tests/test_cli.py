@@ -195,7 +195,7 @@ def test_every_generate_mistake_is_one_line(capsys, tmp_path):
 def test_distributed_on_a_plain_host_and_out_of_memory_are_one_line(capsys, tmp_path, monkeypatch):
     import jax
 
-    from gdnx import train as train_module
+    from gdnx.training import loop as train_module
 
     def no_cluster(*a, **k):
         raise ValueError("coordinator_address should be defined.")

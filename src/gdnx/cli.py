@@ -85,8 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args) -> None:
     from gdnx.checkpoints.orbax import quiet_refused_writes
     from gdnx.config import load_config
-    from gdnx.train import prepare
-    from gdnx.train import run as run_training
+    from gdnx.training import build_trainer
 
     overrides = list(args.overrides)
     if args.distributed:
@@ -103,11 +102,11 @@ def _train(args) -> None:
         name, overrides = None, [name] + overrides
     config = load_config(name, overrides)
     try:
-        trainer = prepare(config)
+        trainer = build_trainer(config)
     except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
         raise ConfigError(str(e)) from None
     quiet_refused_writes()
-    run_training(trainer)
+    trainer.run()
 
 
 def _prepare(args) -> None:
@@ -116,15 +115,15 @@ def _prepare(args) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from gdnx.data.prepare import prepare
+    from gdnx.data.prepare import prepare_corpus
 
     console = Console(stderr=True)
     with Progress("prepare", BarColumn(), DownloadColumn(), TimeRemainingColumn(), console=console) as bar:
         task = bar.add_task("prepare", total=None)
         try:
-            meta = prepare([Path(p) for p in args.inputs], Path(args.out), tokenizer=args.tokenizer,
-                           eos_token=args.eos_token, val_fraction=args.val_fraction,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+            meta = prepare_corpus([Path(p) for p in args.inputs], Path(args.out), tokenizer=args.tokenizer,
+                                  eos_token=args.eos_token, val_fraction=args.val_fraction,
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
         except (ValueError, OSError) as e:
             raise ConfigError(str(e)) from None
     splits = meta["splits"]
@@ -147,7 +146,7 @@ def _plan(args) -> None:
     print(describe(result))
 
 
-def _run(args) -> int:
+def _dispatch(args) -> int:
     if args.command == "train":
         _train(args)
     elif args.command == "generate":
@@ -159,15 +158,15 @@ def _run(args) -> int:
     elif args.command == "plan":
         _plan(args)
     elif args.command == "bench":
-        from gdnx.bench import run
+        from gdnx.bench import run_benchmarks
 
         for flag in ("batch", "seq_len", "repeats"):
             if getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')}: expected a positive integer")
         if args.quick:
-            run(batch=1, seq_len=256, repeats=2, op_tokens=256)
+            run_benchmarks(batch=1, seq_len=256, repeats=2, op_tokens=256)
         else:
-            run(batch=args.batch, seq_len=args.seq_len, repeats=args.repeats)
+            run_benchmarks(batch=args.batch, seq_len=args.seq_len, repeats=args.repeats)
     return 0
 
 
@@ -177,7 +176,7 @@ def _out_of_memory(e: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from gdnx.checkpoints.orbax import CheckpointDamaged
-    from gdnx.train import NonFiniteStop
+    from gdnx.training import NonFiniteStop
 
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     say = lambda text: print(f"gdnx {args.command}: {text}", file=sys.stderr)  # noqa: E731
     try:
-        return _run(args)
+        return _dispatch(args)
     except (ConfigError, FileNotFoundError, CheckpointDamaged) as e:
         say(f"error: {e}")
         return 2

@@ -87,7 +87,7 @@ def run_generate(args) -> None:
     import jax.numpy as jnp
 
     from gdnx.models.cache import cache_bytes
-    from gdnx.train import memory_capacity
+    from gdnx.training.loop import memory_capacity
 
     from gdnx.generate import check_sampling, generate
 

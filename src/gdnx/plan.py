@@ -29,7 +29,7 @@ from gdnx.models import CausalLM
 from gdnx.models.causal_lm import check_platform, layer_ndim
 from gdnx.ops.gated_delta_rule.tiles import compile_target
 from gdnx.parallel import make_mesh, shardings, spec
-from gdnx.train import make_optimizer, make_step_fn
+from gdnx.training.step import make_optimizer, make_step_fn
 
 # HBM per chip, bytes (Google Cloud's published figures)
 HBM_BYTES = {"v4": 32 * 2 ** 30, "v5e": 16 * 2 ** 30, "v5p": 95 * 2 ** 30, "v6e": 32 * 2 ** 30}

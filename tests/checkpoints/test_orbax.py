@@ -12,7 +12,7 @@ import pytest
 from gdnx.checkpoints.orbax import CheckpointDamaged, Checkpoints, damage
 from gdnx.cli import main
 from gdnx.config import load_config
-from gdnx.train import train
+from gdnx.training import train
 from tests.test_train import SMALL, _params
 
 

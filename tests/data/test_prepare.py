@@ -10,7 +10,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from gdnx.cli import main
-from gdnx.data.prepare import BYTES_EOS, prepare
+from gdnx.data.prepare import BYTES_EOS, prepare_corpus
 from gdnx.data.tokens import TokenShards
 
 
@@ -27,7 +27,7 @@ def _all_tokens(directory):
 
 
 def test_bytes_documents_split_and_rerun(tmp_path):
-    meta = prepare([_corpus(tmp_path)], tmp_path / "out", val_fraction=0.1)
+    meta = prepare_corpus([_corpus(tmp_path)], tmp_path / "out", val_fraction=0.1)
     splits = meta["splits"]
     assert splits["train"]["documents"] + splits["val"]["documents"] == 201
     assert 5 <= splits["val"]["documents"] <= 40 and meta["dtype"] == "uint16"
@@ -40,10 +40,10 @@ def test_bytes_documents_split_and_rerun(tmp_path):
     assert bytes(range(1, 256)) * 3 in texts  # the .txt file's raw bytes, unchanged
     assert "doc 3 doc 3 doc 3 doc 3 ".encode() in texts
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
-    again = prepare([_corpus_again(tmp_path)], tmp_path / "out", val_fraction=0.1)
+    again = prepare_corpus([_corpus_again(tmp_path)], tmp_path / "out", val_fraction=0.1)
     assert again.get("up_to_date") and {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
     # the split is a function of each document, not of the run
-    prepare([tmp_path / "docs"], tmp_path / "out2", val_fraction=0.1)
+    prepare_corpus([tmp_path / "docs"], tmp_path / "out2", val_fraction=0.1)
     for s in ("train", "val"):
         np.testing.assert_array_equal(_all_tokens(tmp_path / "out2")[s][0], shards[s][0])
 
@@ -60,7 +60,7 @@ def test_a_tokenizer_and_a_large_vocabulary(tmp_path):
         tok = Tokenizer(WordLevel(vocab=words, unk_token="[UNK]"))
         tok.pre_tokenizer = Whitespace()
         tok.save(str(tmp_path / f"tok{vocab}.json"))
-        meta = prepare([corpus / "a.jsonl"], tmp_path / f"out{vocab}", tokenizer=str(tmp_path / f"tok{vocab}.json"))
+        meta = prepare_corpus([corpus / "a.jsonl"], tmp_path / f"out{vocab}", tokenizer=str(tmp_path / f"tok{vocab}.json"))
         assert meta["dtype"] == dtype and meta["vocab_size"] == vocab
         tokens, ends = _all_tokens(tmp_path / f"out{vocab}")["train"]
         assert (tokens[ends - 1] == 1).all() and tokens[0] == 2  # "doc" then its number; </s> ends each
@@ -78,7 +78,7 @@ def test_prepare_command_and_its_errors(tmp_path, capsys):
     assert main(["prepare", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--val-fraction"):
-        prepare([corpus], tmp_path / "o", val_fraction=1.0)
+        prepare_corpus([corpus], tmp_path / "o", val_fraction=1.0)
 
 
 def test_a_tokenizer_without_a_known_end_token_needs_one_named(tmp_path):
@@ -87,7 +87,7 @@ def test_a_tokenizer_without_a_known_end_token_needs_one_named(tmp_path):
     tok.pre_tokenizer = Whitespace()
     tok.save(str(tmp_path / "tok.json"))
     with pytest.raises(ValueError, match=r"name its end-of-document token \(gdnx prepare --eos-token, or "):
-        prepare([corpus / "a.jsonl"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"))
-    meta = prepare([corpus / "a.jsonl"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"), eos_token="|end|")
+        prepare_corpus([corpus / "a.jsonl"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"))
+    meta = prepare_corpus([corpus / "a.jsonl"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"), eos_token="|end|")
     tokens, ends = _all_tokens(tmp_path / "out")["train"]
     assert meta["fingerprint"]["eos"] == 2 and (tokens[ends - 1] == 2).all()

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from gdnx.data.prepare import BYTES_EOS, prepare
+from gdnx.data.prepare import BYTES_EOS, prepare_corpus
 from gdnx.data.tokens import PackedRows, Prefetcher, TokenShards, host_batch
 
 T = 32
@@ -15,7 +15,7 @@ T = 32
 def _rows(tmp_path):
     docs = [f"document {i} " * (i % 4 + 1) for i in range(60)] + ["L" * (3 * T + 5)]  # one longer than 3 rows
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
-    prepare([tmp_path / "c.jsonl"], tmp_path / "out", val_fraction=0.0)
+    prepare_corpus([tmp_path / "c.jsonl"], tmp_path / "out", val_fraction=0.0)
     return PackedRows(TokenShards(tmp_path / "out", "train"), T)
 
 

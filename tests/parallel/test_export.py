@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from gdnx.config.loading import load_config
-from gdnx.train import Trainer
+from gdnx.training import Trainer
 from tests.parallel.helpers import mesh
 from tests.parallel.test_model import MODEL
 

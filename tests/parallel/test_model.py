@@ -17,7 +17,7 @@ from gdnx.config.loading import load_config
 from gdnx.data import Batch
 from gdnx.models import CausalLM
 from gdnx.parallel import shard, spec
-from gdnx.train import loss_and_metrics
+from gdnx.training import loss_and_metrics
 from gdnx.measure import relative_error
 from tests.parallel.helpers import MESHES, mesh, worst_relative_error
 

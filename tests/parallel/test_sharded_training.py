@@ -10,7 +10,7 @@ from flax import nnx
 
 from gdnx.config.loading import load_config
 from gdnx.measure import relative_error
-from gdnx.train import Trainer, train
+from gdnx.training import Trainer, train
 from tests.parallel.helpers import mesh
 from tests.test_train import SMALL
 

@@ -125,7 +125,7 @@ def _fingerprint(files: list[Path], tokenizer: str | None, eos: int, val_fractio
                        for f in files]}
 
 
-def prepare(paths: list[Path], out: Path, *, tokenizer: str | None = None, eos_token: str | None = None,
+def prepare_corpus(paths: list[Path], out: Path, *, tokenizer: str | None = None, eos_token: str | None = None,
             val_fraction: float = 0.01, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Tokenize `paths` into shards under `out` (see the module doc); returns
     meta.json's content. progress(bytes done, bytes total) is called as it goes."""

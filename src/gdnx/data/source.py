@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from gdnx.config.schema import DataConfig
 from gdnx.data.mqar import mqar_batch
-from gdnx.data.prepare import prepare
+from gdnx.data.prepare import prepare_corpus
 from gdnx.data.text import Tokenizer, make_tokenizer
 from gdnx.data.tokens import PackedRows, TokenShards
 
@@ -73,7 +73,7 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
     directory = prepared_dir(data_cfg, out_dir or Path("."))
     if data_cfg.source == "text":
         try:
-            prepare([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer, eos_token=data_cfg.eos_token,
+            prepare_corpus([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer, eos_token=data_cfg.eos_token,
                     val_fraction=data_cfg.val_fraction, progress=progress)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"data.path: {e}") from None

@@ -115,10 +115,10 @@ class Prefetcher:
         self.make, self.next_step = make, start
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(start,), daemon=True)
+        self.thread = threading.Thread(target=self._produce, args=(start,), daemon=True, name="gdnx-prefetch")
         self.thread.start()
 
-    def _run(self, step: int) -> None:
+    def _produce(self, step: int) -> None:
         while not self.stop.is_set():
             item: tuple[int, HostBatch | None, Exception | None]
             try:
@@ -144,4 +144,6 @@ class Prefetcher:
         return batch
 
     def close(self) -> None:
+        """Stop the thread and wait for it (a batch being made is finished first)."""
         self.stop.set()
+        self.thread.join()

@@ -36,7 +36,7 @@ def test_decay_is_masked_before_exp():
     q = jnp.zeros((c, 8))
     g = jnp.full((1, c), -100.0)
     qk, kk = chunk_math.key_products(q, q)
-    prep = chunk_math.prepare(q, q, jnp.zeros((c, 4)), g, jnp.ones((1, c)), qk, kk, scale=1.0,
+    prep = chunk_math.chunk_terms(q, q, jnp.zeros((c, 4)), g, jnp.ones((1, c)), qk, kk, scale=1.0,
                               decay_dtype=jnp.float32)
     assert np.all(np.isfinite(prep.dec.dm)) and np.all(np.triu(np.asarray(prep.dec.dm), 1) == 0)
     np.testing.assert_allclose(np.diagonal(np.asarray(prep.dec.dm)), 1.0)

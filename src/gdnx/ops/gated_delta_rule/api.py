@@ -152,7 +152,7 @@ def l2norm(x: jax.Array) -> jax.Array:
     return chunk_math.l2norm(x.astype(jnp.promote_types(x.dtype, jnp.float32))).astype(x.dtype)
 
 
-def _run(allowed, kind, name, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
+def _call(allowed, kind, name, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
          use_qk_l2norm, state_dtype, decay_dtype, chunk_size=None, interpret=None, tiles=None, residuals="save",
          matmul_dtype=None):
     if name not in allowed:
@@ -264,7 +264,7 @@ def chunk_gated_delta_rule(
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
     if implementation is None:
         implementation = default_chunk_implementation()
-    return _run(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", implementation, q, k, v, g, beta,
+    return _call(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", implementation, q, k, v, g, beta,
                 scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
                 decay_dtype=decay_dtype, chunk_size=chunk_size, interpret=interpret, tiles=tiles,
@@ -284,7 +284,7 @@ def recurrent_gated_delta_rule(
     """
     if implementation is None:
         implementation = "reference"
-    return _run(RECURRENT_IMPLEMENTATIONS, "recurrent_gated_delta_rule", implementation, q, k, v, g, beta,
+    return _call(RECURRENT_IMPLEMENTATIONS, "recurrent_gated_delta_rule", implementation, q, k, v, g, beta,
                 scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
                 decay_dtype=decay_dtype)

@@ -291,7 +291,7 @@ def wy_keys(tinv, k, beta_col, dec: Decays, *, matmul_dtype=None):
     return mm(tinv, (beta_col * dec.eg) * k, matmul_dtype=matmul_dtype)
 
 
-class Prepared(NamedTuple):
+class ChunkTerms(NamedTuple):
     """One value head's chunk quantities that do not depend on the state."""
 
     dec: Decays
@@ -303,7 +303,7 @@ class Prepared(NamedTuple):
     eq: jax.Array     # [C, 1]  scale exp(G)
 
 
-def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse,
+def chunk_terms(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse,
             matmul_dtype=None):
     """Everything one value head's chunk needs before it sees the state.
 
@@ -316,18 +316,18 @@ def prepare(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=
     if tinv is None:
         tinv = chunk_inverse(kk, beta, dec, inverse=inverse)
     u, w = wy(tinv, k, v, beta, dec, matmul_dtype=matmul_dtype)
-    return Prepared(dec=dec, beta=beta, tinv=tinv, u=u, w=w, p=output_mix(qk, dec, scale=scale),
+    return ChunkTerms(dec=dec, beta=beta, tinv=tinv, u=u, w=w, p=output_mix(qk, dec, scale=scale),
                     eq=scale * dec.eg)
 
 
-def step(state, q, k, prep: Prepared, *, matmul_dtype=None):
+def step(state, q, k, prep: ChunkTerms, *, matmul_dtype=None):
     """One chunk's output [C, V] and outgoing state [K, V]."""
     vn = prep.u - mm(prep.w, state, matmul_dtype=matmul_dtype)
     o = prep.eq * mm(q, state, matmul_dtype=matmul_dtype) + mm(prep.p, vn, matmul_dtype=matmul_dtype)
     return o, prep.dec.gamma * state + mm_tn(k, prep.dec.ek * vn, matmul_dtype=matmul_dtype)
 
 
-def step_bwd(do, dstate_out, q, k, prep: Prepared, *, matmul_dtype=None):
+def step_bwd(do, dstate_out, q, k, prep: ChunkTerms, *, matmul_dtype=None):
     """Adjoint of `step` along the state path: (dVn, dS_in)."""
     dvn = mm_tn(prep.p, do, matmul_dtype=matmul_dtype) + prep.dec.ek * mm(k, dstate_out, matmul_dtype=matmul_dtype)
     dstate_in = (mm_tn(q, prep.eq * do, matmul_dtype=matmul_dtype) + prep.dec.gamma * dstate_out
@@ -466,7 +466,7 @@ def key_products_bwd(q, k, dqk, dkk, *, matmul_dtype=None):
 def value_head_forward(q, k, v, g, beta, qk, kk, state, *, scale, decay_dtype, inverse=unit_lower_inverse,
                        matmul_dtype=None):
     """One value head's chunk: (o [C, V], outgoing state [K, V], (I + A)^-1)."""
-    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, inverse=inverse,
+    prep = chunk_terms(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, inverse=inverse,
                    matmul_dtype=matmul_dtype)
     o, new_state = step(state, q, k, prep, matmul_dtype=matmul_dtype)
     return o, new_state, prep.tinv
@@ -487,7 +487,7 @@ def value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_out, *
                         matmul_dtype=None):
     """Adjoint of `value_head_forward` given the chunk's saved inverse and
     incoming state, the output cotangent and the outgoing state's cotangent."""
-    prep = prepare(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv, matmul_dtype=matmul_dtype)
+    prep = chunk_terms(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv, matmul_dtype=matmul_dtype)
     vn = prep.u - mm(prep.w, state, matmul_dtype=matmul_dtype)
     dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep, matmul_dtype=matmul_dtype)
     dv, vsums = value_grads(do, dvn, vn, prep.u, v, prep.tinv, prep.beta, matmul_dtype=matmul_dtype)

@@ -1,5 +1,6 @@
-"""`gdnx train`: AdamW with warmup + cosine decay and gradient clipping,
-checkpoints every N steps with resume, progress, JSONL metrics and a plot.
+"""`gdnx train`'s loop: the Trainer (the compiled step and evaluation,
+host-read batches), checkpoints every N steps with resume, progress, JSONL
+metrics and a plot.
 
 Batch s is a function of (seed, s) only, and a resumed run restores the
 parameters and optimizer state of the last checkpoint, so stopping and
@@ -14,152 +15,26 @@ import math
 import os
 import time
 from pathlib import Path
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from rich.console import Console
 
 from gdnx.checkpoints.files import atomic_write_text
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
-from gdnx.config.schema import Config, TrainConfig
+from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source
 from gdnx.data.tokens import HostBatch, Prefetcher, host_batch
-from gdnx.loss import blocked_cross_entropy
 from gdnx.models import CausalLM
-from gdnx.models.causal_lm import check_platform, layer_ndim
-from gdnx.parallel import constrain, make_mesh, shard, spec
+from gdnx.models.causal_lm import check_platform
+from gdnx.parallel import make_mesh, shard, spec
 from gdnx.progress import Reporter
+from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
 
 EVAL_BATCHES = 4
-
-
-def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps,
-        end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio)
-    # no decay on norms, biases and the per-head decay parameters (1-D in each layer)
-    def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(lambda path, p: layer_ndim(path, p.ndim) >= 2, params)
-    return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip),
-                       optax.adamw(schedule, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2,
-                                   weight_decay=train_cfg.weight_decay, mask=decay_mask))
-
-
-class Totals(NamedTuple):
-    """The denominators of a batch's metrics: counted positions, MQAR first
-    queries and UTF-8 bytes of the targets. Taken from the whole batch, so
-    micro-batches' losses and metrics add up to the whole batch's."""
-    tokens: jax.Array
-    first_tokens: jax.Array
-    text_bytes: jax.Array | None
-
-
-def batch_totals(batch: Batch) -> Totals:
-    """Each at least 1, so that an empty batch divides by 1."""
-    def count(x):
-        return jnp.maximum(jnp.sum(x), 1).astype(jnp.float32)
-    text_bytes = None if batch.target_bytes is None else count(batch.target_bytes * batch.mask)
-    return Totals(count(batch.mask), count(batch.first), text_bytes)
-
-
-def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float, totals: Totals | None = None,
-                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Cross-entropy over the masked positions (+ the MoE balancing loss),
-    computed in blocks of positions (gdnx.loss). Metrics: loss and accuracy;
-    MQAR adds first-query accuracy, text bits per byte. Sums are divided by
-    `totals` (the batch's own by default; a micro-batch gets its whole
-    batch's, and aux_coef its share)."""
-    totals = totals or batch_totals(batch)
-    out = model.hidden_states(batch.inputs, segments=batch.segments)
-    sums = blocked_cross_entropy(out.logits, model.logits, batch.targets, batch.mask, batch.first,
-                                 vocab=model.config.vocab_size)
-    loss = sums.nll / totals.tokens
-    metrics = {"loss": loss, "accuracy": sums.hits / totals.tokens}
-    if totals.text_bytes is None:
-        metrics["first_query_accuracy"] = sums.first_hits / totals.first_tokens
-    else:
-        metrics["bits_per_byte"] = sums.nll / math.log(2.0) / totals.text_bytes
-    return loss + aux_coef * out.aux_loss, metrics
-
-
-def micro_batches(batch: Batch, count: int) -> Batch:
-    """[B, ...] -> [count, B / count, ...]; micro-batch i takes rows i,
-    i + count, ..., so each keeps its share of every device's rows when the
-    batch axis is sharded."""
-    def split(x):
-        return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
-    return jax.tree.map(split, batch)
-
-
-def accumulated_gradients(loss_fn: Callable[[Any, Batch, Totals, float], tuple[jax.Array, dict]], params: Any,
-                          batch: Batch, count: int) -> tuple[tuple[jax.Array, dict], Any]:
-    """value_and_grad of loss_fn(params, batch, totals, share) over `count`
-    micro-batches in a scan, summed (float32 as the parameters): the same
-    loss, metrics and gradient as one pass over the whole batch, holding one
-    micro-batch's activations. The MoE balancing loss, not a sum over
-    tokens, is the mean of the micro-batches' (as Megatron and Hugging Face
-    accumulate it)."""
-    totals = batch_totals(batch)
-    grad = jax.value_and_grad(loss_fn, has_aux=True)
-    if count == 1:
-        return grad(params, batch, totals, 1.0)
-
-    def body(acc, micro):
-        out = grad(params, _place_batch(micro), totals, 1.0 / count)
-        return jax.tree.map(jnp.add, acc, out), None
-
-    values = jax.eval_shape(grad, params, jax.tree.map(lambda x: x[:x.shape[0] // count], batch), totals, 1.0)[0]
-    # zeros_like keeps each parameter's sharding (an Explicit mesh types it)
-    zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), values), jax.tree.map(jnp.zeros_like, params))
-    total, _ = jax.lax.scan(body, zeros, micro_batches(batch, count))
-    return total
-
-
-def _place_batch(batch: Batch) -> Batch:
-    return jax.tree.map(lambda x: constrain(x, ("batch", "length")), batch)
-
-
-def _batch_of(source_fn: Callable | None, seed: int, step: jax.Array, batch: Batch | None) -> Batch:
-    """The batch of `step`: made in the graph (MQAR) or given (host-read)."""
-    if batch is None:
-        assert source_fn is not None  # in-graph sources give one
-        batch = source_fn(seed)(step)
-    return _place_batch(batch)
-
-
-def aux_loss_coef(config: Config) -> float:
-    """The MoE balancing loss's weight in the training loss (0 when dense)."""
-    return config.model.router_aux_loss_coef if config.model.num_experts else 0.0
-
-
-def make_step_fn(config: Config, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                 source_fn: Callable | None = None) -> Callable:
-    """The train step (params, opt_state, step, batch) -> (params, opt_state,
-    metrics), to jit: the batch is given (host-read data) or, when None,
-    made in the graph by source_fn (MQAR). Gradients over
-    train.grad_accum_steps micro-batches; a step whose loss, gradient or
-    update is not finite leaves the parameters and optimizer state as they
-    were."""
-    aux = aux_loss_coef(config)
-
-    def loss_fn(p, data, totals, share):
-        return loss_and_metrics(nnx.merge(graphdef, p), data, aux * share, totals)
-
-    def step_fn(params, opt_state, step, batch):
-        (loss, metrics), grads = accumulated_gradients(
-            loss_fn, params, _batch_of(source_fn, config.train.seed, step, batch), config.train.grad_accum_steps)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(optax.tree.norm(updates))
-        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), metrics
-    return step_fn
 
 
 class Trainer:
@@ -183,7 +58,7 @@ class Trainer:
         step_fn = make_step_fn(config, self.graphdef, self.tx, self.source.train)
 
         def eval_fn(params, index, batch):
-            data = _batch_of(self.source.evaluation, config.train.seed, index, batch)
+            data = batch_of(self.source.evaluation, config.train.seed, index, batch)
             return loss_and_metrics(nnx.merge(self.graphdef, params), data, aux)[1]
 
         self.step_fn = jax.jit(step_fn, donate_argnums=(0, 1))
@@ -223,8 +98,19 @@ class Trainer:
             return self.step_fn(params, opt_state, step, batch)
 
     def close(self) -> None:
+        """Stop the prefetch thread (host-read data); a later step starts another."""
         if self._prefetch is not None:
             self._prefetch.close()
+            self._prefetch = None
+
+    def run(self, *, console: Console | None = None) -> dict[str, float]:
+        """Run (or resume) the run in the config's train.out_dir. Returns the
+        last evaluation. The checkpoint manager, the metrics log, the progress
+        display and the prefetch thread are closed on every exit: a finished
+        run, a refusal, a failed save, KeyboardInterrupt."""
+        with contextlib.ExitStack() as resources:
+            resources.callback(self.close)
+            return _run(self, resources, console)
 
     def init_opt_state(self, params: Any) -> Any:
         opt_state = self.tx.init(params)
@@ -292,7 +178,7 @@ def _check_fits(config: Config, devices: list[jax.Device]) -> None:
                          "that holds it (docs/sharding.md), or for a smaller model of its family")
 
 
-def prepare(config: Config) -> Trainer:
+def build_trainer(config: Config) -> Trainer:
     """Everything that can refuse a run, before anything is written: the
     out_dir, the mesh, the out_dir's earlier config, whether the model fits,
     the platform, the data. Raises ValueError (or OSError for a file) naming
@@ -308,18 +194,17 @@ def prepare(config: Config) -> Trainer:
 def train(config: Config, *, console: Console | None = None) -> dict[str, float]:
     """Run (or resume) the training run in config.train.out_dir. Returns the
     last evaluation."""
-    return run(prepare(config), console=console)
+    return build_trainer(config).run(console=console)
 
 
-def run(trainer: Trainer, *, console: Console | None = None) -> dict[str, float]:
-    """Run (or resume) a prepared run in its config's train.out_dir. Returns
-    the last evaluation."""
+def _run(trainer: Trainer, resources: contextlib.ExitStack, console: Console | None) -> dict[str, float]:
     config = trainer.config
     t_cfg = config.train
     target = t_cfg.target_accuracy
     out = Path(t_cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoints(out, config)
+    resources.callback(ckpt.close)
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
     primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
     report = Reporter(console=console, quiet=not primary)
@@ -341,8 +226,6 @@ def run(trainer: Trainer, *, console: Console | None = None) -> dict[str, float]
                 report.note(f"already at {100 * last_eval['accuracy']:.2f}% answer accuracy (target "
                             f"{100 * t_cfg.target_accuracy:.0f}%); nothing to do. Raise train.target_accuracy "
                             "or use another train.out_dir to train further.")
-                ckpt.close()
-                trainer.close()
                 return {"step": start, **last_eval}
     metrics_file = out / "metrics.jsonl"
     if primary:
@@ -351,50 +234,46 @@ def run(trainer: Trainer, *, console: Console | None = None) -> dict[str, float]
     step = start
     log_path = metrics_file if primary else Path(os.devnull)
     nonfinite = 0
-    with report.progress(start, t_cfg.steps) as bar, log_path.open("a") as log:
-        t0, since = time.perf_counter(), start
-        while step < t_cfg.steps:
-            params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(step, jnp.int32))
-            step += 1
-            if float(metrics["skipped"]):
-                nonfinite += 1
-                report.note(f"step {step}: the loss or gradient is not finite; parameters not updated")
-                if nonfinite >= t_cfg.nonfinite_steps_limit:
-                    log.flush()
-                    last = ckpt.latest_step()
-                    ckpt.close()
-                    trainer.close()
-                    where = f"step {last} in {ckpt.dir}" if last else "none"
-                    raise NonFiniteStop(f"stopped at step {step}: {nonfinite} steps in a row had a non-finite loss "
-                                        f"or gradient norm (train.nonfinite_steps_limit); the last good checkpoint "
-                                        f"is {where}. Lower train.learning_rate or raise train.warmup_steps")
-            else:
-                nonfinite = 0
-            done = step == t_cfg.steps
-            if step % t_cfg.log_every == 0 or done:
-                logged = {k: float(v) for k, v in metrics.items()}
-                elapsed = time.perf_counter() - t0
-                logged["tokens_per_s"] = tokens_per_step * (step - since) / max(elapsed, 1e-9)
-                t0, since = time.perf_counter(), step
-                log.write(_json_line({"step": step, "split": "train", **logged}))
-                bar.update(step, logged)
-            evaluate = t_cfg.eval_every and (step % t_cfg.eval_every == 0 or done)
-            reached = False
-            if evaluate:
-                last_eval = trainer.evaluate(params)
-                log.write(_json_line({"step": step, "split": "eval", **last_eval}))
-                report.eval(step, last_eval)
-                reached = target is not None and last_eval["accuracy"] >= target
-            if step % t_cfg.checkpoint_every == 0 or done or reached:
-                log.flush()
-                ckpt.save(step, params, opt_state)
-                if primary:
-                    report.plot(out, metrics_file)
-            if reached and target is not None:
-                report.note(f"reached {100 * last_eval['accuracy']:.2f}% answer accuracy "
-                            f"(target {100 * target:.0f}%) at step {step}")
-                break
-    ckpt.close()
-    trainer.close()
+    bar = resources.enter_context(report.progress(start, t_cfg.steps))
+    log = resources.enter_context(log_path.open("a"))
+    t0, since = time.perf_counter(), start
+    while step < t_cfg.steps:
+        params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(step, jnp.int32))
+        step += 1
+        if float(metrics["skipped"]):
+            nonfinite += 1
+            report.note(f"step {step}: the loss or gradient is not finite; parameters not updated")
+            if nonfinite >= t_cfg.nonfinite_steps_limit:
+                last = ckpt.latest_step()
+                where = f"step {last} in {ckpt.dir}" if last else "none"
+                raise NonFiniteStop(f"stopped at step {step}: {nonfinite} steps in a row had a non-finite loss "
+                                    f"or gradient norm (train.nonfinite_steps_limit); the last good checkpoint "
+                                    f"is {where}. Lower train.learning_rate or raise train.warmup_steps")
+        else:
+            nonfinite = 0
+        done = step == t_cfg.steps
+        if step % t_cfg.log_every == 0 or done:
+            logged = {k: float(v) for k, v in metrics.items()}
+            elapsed = time.perf_counter() - t0
+            logged["tokens_per_s"] = tokens_per_step * (step - since) / max(elapsed, 1e-9)
+            t0, since = time.perf_counter(), step
+            log.write(_json_line({"step": step, "split": "train", **logged}))
+            bar.update(step, logged)
+        evaluate = t_cfg.eval_every and (step % t_cfg.eval_every == 0 or done)
+        reached = False
+        if evaluate:
+            last_eval = trainer.evaluate(params)
+            log.write(_json_line({"step": step, "split": "eval", **last_eval}))
+            report.eval(step, last_eval)
+            reached = target is not None and last_eval["accuracy"] >= target
+        if step % t_cfg.checkpoint_every == 0 or done or reached:
+            log.flush()
+            ckpt.save(step, params, opt_state)
+            if primary:
+                report.plot(out, metrics_file)
+        if reached and target is not None:
+            report.note(f"reached {100 * last_eval['accuracy']:.2f}% answer accuracy "
+                        f"(target {100 * target:.0f}%) at step {step}")
+            break
     report.finish(out, step)
     return {"step": step, **last_eval}

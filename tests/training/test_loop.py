@@ -1,11 +1,13 @@
 """`gdnx train` end to end on a very small run: metrics, plot, checkpoints,
-and resume after the process is killed."""
+resume after the process is killed, and the loop's resources closed on
+every exit."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from gdnx.config import load_config
-from gdnx.train import Trainer, train
+from gdnx.training import Trainer, train
 
 SMALL = ["model.hidden_size=32", "model.intermediate_size=32", "data.seq_len=40", "data.num_pairs=4",
          "data.num_keys=16", "data.num_values=16", "model.vocab_size=32", "train.batch_size=4",
@@ -121,7 +123,7 @@ def test_non_finite_steps_do_not_update_and_stop_the_run(tmp_path, capsys, monke
     parameters; metrics.jsonl stays strict JSON."""
     import jax.numpy as jnp
 
-    from gdnx import train as train_module
+    from gdnx.training import step as train_module
     from gdnx.cli import main
 
     real = train_module.loss_and_metrics
@@ -146,7 +148,7 @@ def test_non_finite_steps_do_not_update_and_stop_the_run(tmp_path, capsys, monke
 def test_a_run_with_some_non_finite_steps_goes_on(tmp_path, capsys, monkeypatch):
     import jax.numpy as jnp
 
-    from gdnx import train as train_module
+    from gdnx.training import step as train_module
 
     real = train_module.loss_and_metrics
 
@@ -271,39 +273,6 @@ def test_a_corpus_ten_times_larger_takes_no_more_memory_and_resumes_bit_identica
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("count", [2, 4, 8])
-def test_accumulated_gradients_equal_the_whole_batch(tmp_path, count):
-    """Loss, metrics and the gradient of `count` micro-batches match one pass
-    over the batch of 8 within 1e-6 relative (float32: the same sums in
-    another order); each gradient leaf within 1e-5, since a leaf summed
-    from terms that nearly cancel (a per-head decay parameter's, measured
-    1.6e-6 at 8 micro-batches) loses relative precision in any order."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from gdnx.measure import relative_error
-    from gdnx.train import accumulated_gradients, loss_and_metrics
-
-    trainer = Trainer(load_config("tiny", SMALL + ["train.batch_size=8", f"train.out_dir={tmp_path}"]))
-    batch = trainer.source.train(0)(jnp.int32(3))
-
-    def loss_fn(p, data, totals, share):
-        return loss_and_metrics(nnx.merge(trainer.graphdef, p), data, 0.0, totals)
-
-    def run(n):
-        return jax.jit(lambda p: accumulated_gradients(loss_fn, p, batch, n))(trainer.params)
-    (loss, metrics), grads = run(1)
-    (loss_n, metrics_n), grads_n = run(count)
-    assert relative_error(loss_n, loss) <= 1e-6
-    for k in metrics:
-        assert relative_error(metrics_n[k], metrics[k]) <= 1e-6, k
-    flat = [jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)]) for g in (grads_n, grads)]
-    assert relative_error(*flat) <= 1e-6
-    for a, b in zip(jax.tree.leaves(grads_n), jax.tree.leaves(grads), strict=True):
-        assert relative_error(a, b) <= 1e-5
-
-
 def test_training_with_gradient_accumulation_tracks_the_whole_batch(tmp_path):
     """Three optimizer steps with 4 micro-batches of 2 rows land on the
     parameters of three steps on batches of 8: 1e-5 relative over all
@@ -341,3 +310,45 @@ def test_bfloat16_activations_track_the_float32_run(tmp_path):
     assert full[-1] < full[0] - 0.3  # it learns: the comparison is not between two flat lines
     gap = np.abs(mixed - full) / full
     assert gap.max() <= 0.01 and gap.mean() <= 0.003, (gap.max(), gap.mean())
+
+
+def _text_run(tmp_path: Path) -> list[str]:
+    """A host-read run (the prefetch thread runs), on a small byte corpus."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(40)))
+    return SMALL + ["data.source=text", f"data.path={corpus}", "model.vocab_size=256", "train.steps=8",
+                    "train.checkpoint_every=2", f"train.out_dir={tmp_path / 'run'}"]
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "gdnx-prefetch" and t.is_alive()]
+
+
+@pytest.mark.parametrize("failure", ["save", "interrupt"])
+def test_a_failed_save_or_an_interrupt_leaves_no_thread_running(tmp_path, monkeypatch, failure):
+    """The loop closes the prefetch thread, the metrics log and the checkpoint
+    manager on every exit: here a save that raises (a full disk) and a
+    KeyboardInterrupt in the middle of the run."""
+    from gdnx.checkpoints.orbax import Checkpoints
+    from gdnx.training import loop
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if failure == "save":
+        monkeypatch.setattr(Checkpoints, "save", disk_full)
+        expected: type[BaseException] = OSError
+    else:
+        monkeypatch.setattr(loop.Trainer, "evaluate", interrupt)
+        expected = KeyboardInterrupt
+    closed = []
+    real_close = Checkpoints.close
+    monkeypatch.setattr(Checkpoints, "close", lambda self: (closed.append(True), real_close(self))[1])
+    trainer = loop.build_trainer(load_config("tiny", _text_run(tmp_path)))
+    with pytest.raises(expected):
+        trainer.run()
+    assert trainer._prefetch is None and not _loop_threads()
+    assert closed == [True]

@@ -1,0 +1,145 @@
+"""The train step: AdamW with warmup + cosine decay and gradient clipping,
+the loss and its metrics, gradient accumulation over micro-batches, and
+the step function that the loop (gdnx.training.loop) and `gdnx plan` jit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from gdnx.config.schema import Config, TrainConfig
+from gdnx.data import Batch
+from gdnx.loss import blocked_cross_entropy
+from gdnx.models import CausalLM
+from gdnx.models.causal_lm import layer_ndim
+from gdnx.parallel import constrain
+
+def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps,
+        end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio)
+    # no decay on norms, biases and the per-head decay parameters (1-D in each layer)
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(lambda path, p: layer_ndim(path, p.ndim) >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip),
+                       optax.adamw(schedule, b1=train_cfg.adam_b1, b2=train_cfg.adam_b2,
+                                   weight_decay=train_cfg.weight_decay, mask=decay_mask))
+
+
+class Totals(NamedTuple):
+    """The denominators of a batch's metrics: counted positions, MQAR first
+    queries and UTF-8 bytes of the targets. Taken from the whole batch, so
+    micro-batches' losses and metrics add up to the whole batch's."""
+    tokens: jax.Array
+    first_tokens: jax.Array
+    text_bytes: jax.Array | None
+
+
+def batch_totals(batch: Batch) -> Totals:
+    """Each at least 1, so that an empty batch divides by 1."""
+    def count(x):
+        return jnp.maximum(jnp.sum(x), 1).astype(jnp.float32)
+    text_bytes = None if batch.target_bytes is None else count(batch.target_bytes * batch.mask)
+    return Totals(count(batch.mask), count(batch.first), text_bytes)
+
+
+def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float, totals: Totals | None = None,
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Cross-entropy over the masked positions (+ the MoE balancing loss),
+    computed in blocks of positions (gdnx.loss). Metrics: loss and accuracy;
+    MQAR adds first-query accuracy, text bits per byte. Sums are divided by
+    `totals` (the batch's own by default; a micro-batch gets its whole
+    batch's, and aux_coef its share)."""
+    totals = totals or batch_totals(batch)
+    out = model.hidden_states(batch.inputs, segments=batch.segments)
+    sums = blocked_cross_entropy(out.logits, model.logits, batch.targets, batch.mask, batch.first,
+                                 vocab=model.config.vocab_size)
+    loss = sums.nll / totals.tokens
+    metrics = {"loss": loss, "accuracy": sums.hits / totals.tokens}
+    if totals.text_bytes is None:
+        metrics["first_query_accuracy"] = sums.first_hits / totals.first_tokens
+    else:
+        metrics["bits_per_byte"] = sums.nll / math.log(2.0) / totals.text_bytes
+    return loss + aux_coef * out.aux_loss, metrics
+
+
+def micro_batches(batch: Batch, count: int) -> Batch:
+    """[B, ...] -> [count, B / count, ...]; micro-batch i takes rows i,
+    i + count, ..., so each keeps its share of every device's rows when the
+    batch axis is sharded."""
+    def split(x):
+        return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+    return jax.tree.map(split, batch)
+
+
+def accumulated_gradients(loss_fn: Callable[[Any, Batch, Totals, float], tuple[jax.Array, dict]], params: Any,
+                          batch: Batch, count: int) -> tuple[tuple[jax.Array, dict], Any]:
+    """value_and_grad of loss_fn(params, batch, totals, share) over `count`
+    micro-batches in a scan, summed (float32 as the parameters): the same
+    loss, metrics and gradient as one pass over the whole batch, holding one
+    micro-batch's activations. The MoE balancing loss, not a sum over
+    tokens, is the mean of the micro-batches' (as Megatron and Hugging Face
+    accumulate it)."""
+    totals = batch_totals(batch)
+    grad = jax.value_and_grad(loss_fn, has_aux=True)
+    if count == 1:
+        return grad(params, batch, totals, 1.0)
+
+    def body(acc, micro):
+        out = grad(params, place_batch(micro), totals, 1.0 / count)
+        return jax.tree.map(jnp.add, acc, out), None
+
+    values = jax.eval_shape(grad, params, jax.tree.map(lambda x: x[:x.shape[0] // count], batch), totals, 1.0)[0]
+    # zeros_like keeps each parameter's sharding (an Explicit mesh types it)
+    zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), values), jax.tree.map(jnp.zeros_like, params))
+    total, _ = jax.lax.scan(body, zeros, micro_batches(batch, count))
+    return total
+
+
+def place_batch(batch: Batch) -> Batch:
+    return jax.tree.map(lambda x: constrain(x, ("batch", "length")), batch)
+
+
+def batch_of(source_fn: Callable | None, seed: int, step: jax.Array, batch: Batch | None) -> Batch:
+    """The batch of `step`: made in the graph (MQAR) or given (host-read)."""
+    if batch is None:
+        assert source_fn is not None  # in-graph sources give one
+        batch = source_fn(seed)(step)
+    return place_batch(batch)
+
+
+def aux_loss_coef(config: Config) -> float:
+    """The MoE balancing loss's weight in the training loss (0 when dense)."""
+    return config.model.router_aux_loss_coef if config.model.num_experts else 0.0
+
+
+def make_step_fn(config: Config, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                 source_fn: Callable | None = None) -> Callable:
+    """The train step (params, opt_state, step, batch) -> (params, opt_state,
+    metrics), to jit: the batch is given (host-read data) or, when None,
+    made in the graph by source_fn (MQAR). Gradients over
+    train.grad_accum_steps micro-batches; a step whose loss, gradient or
+    update is not finite leaves the parameters and optimizer state as they
+    were."""
+    aux = aux_loss_coef(config)
+
+    def loss_fn(p, data, totals, share):
+        return loss_and_metrics(nnx.merge(graphdef, p), data, aux * share, totals)
+
+    def step_fn(params, opt_state, step, batch):
+        (loss, metrics), grads = accumulated_gradients(
+            loss_fn, params, batch_of(source_fn, config.train.seed, step, batch), config.train.grad_accum_steps)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(optax.tree.norm(updates))
+        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), metrics
+    return step_fn
