@@ -46,7 +46,13 @@ from gdnx.parallel.rules import HIDDEN, STACKED, constrain, current_mesh, out_sh
 
 
 class ModelOutput(NamedTuple):
-    logits: jax.Array  # [B, T, vocab] float32 (hidden_states: [B, T, hidden])
+    logits: jax.Array  # [B, T, vocab] float32
+    cache: Cache | None
+    aux_loss: jax.Array  # load-balancing loss (0 for dense models)
+
+
+class HiddenOutput(NamedTuple):
+    hidden: jax.Array  # [B, T, hidden]: the final (normed) hidden states
     cache: Cache | None
     aux_loss: jax.Array  # load-balancing loss (0 for dense models)
 
@@ -254,7 +260,7 @@ class CausalLM(nnx.Module):
         document (GDN state and conv window restart, attention masked,
         positions restart)."""
         out = self.hidden_states(tokens, cache, segments)
-        return out._replace(logits=self.logits(out.logits))
+        return ModelOutput(self.logits(out.hidden), out.cache, out.aux_loss)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """The LM head on final hidden states [B, T, hidden]: float32 [B, T, vocab]."""
@@ -266,7 +272,7 @@ class CausalLM(nnx.Module):
         return logits.astype(jnp.float32)
 
     def hidden_states(self, tokens: jax.Array, cache: Cache | None = None, segments: jax.Array | None = None,
-                      ) -> ModelOutput:
+                      ) -> HiddenOutput:
         """As forward, with the final (normed) hidden states [B, T, hidden] in
         place of the logits: what a loss computed in blocks (gdnx.loss) takes."""
         if not hasattr(tokens, "ndim") or tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -305,7 +311,7 @@ class CausalLM(nnx.Module):
         else:
             x, new_layers, stats = self._scan(through, x, caches)
         new_cache = None if cache is None else Cache(new_layers, cache.length + t)
-        return ModelOutput(self.norm(x), new_cache, load_balancing_loss(stats, cfg.num_experts))
+        return HiddenOutput(self.norm(x), new_cache, load_balancing_loss(stats, cfg.num_experts))
 
     def _cache_slots(self) -> int:
         """Entries of a Cache: one per layer, or per cycle position and tail

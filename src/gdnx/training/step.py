@@ -59,7 +59,7 @@ def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float, totals: Tot
     batch's, and aux_coef its share)."""
     totals = totals or batch_totals(batch)
     out = model.hidden_states(batch.inputs, segments=batch.segments)
-    sums = blocked_cross_entropy(out.logits, model.logits, batch.targets, batch.mask, batch.first,
+    sums = blocked_cross_entropy(out.hidden, model.logits, batch.targets, batch.mask, batch.first,
                                  vocab=model.config.vocab_size)
     loss = sums.nll / totals.tokens
     metrics = {"loss": loss, "accuracy": sums.hits / totals.tokens}

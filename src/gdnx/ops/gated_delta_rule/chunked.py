@@ -208,10 +208,10 @@ _chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
 
 
 def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, scale: float, state_dtype,
-        decay_dtype, use_qk_l2norm: bool, residuals: str = "save", matmul_dtype=None, custom_vjp: bool = True):
+        decay_dtype, use_qk_l2norm: bool, residuals: str = "save", matmul_dtype=None, hand_written_vjp: bool = True):
     """Validated [B, T, H, D] inputs in, (o [B, T, HV, V], final [N, HV, K, V]) out.
 
-    custom_vjp=False differentiates the backend's forward with plain
+    hand_written_vjp=False differentiates the backend's forward with plain
     autodiff (only for a backend written in plain JAX: the baseline the
     gradient tests and benchmarks compare with).
     """
@@ -224,7 +224,7 @@ def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, 
     h0b = h0.astype(opts.state_dtype).reshape(h0.shape[0], hk, hv // hk, k_dim, v_dim)
     flags = _flags(plan)
     blocks = to_blocks(q, k, v, g, beta, plan)
-    if custom_vjp:
+    if hand_written_vjp:
         o, final = _chunk_scan(*blocks, h0b, flags, plan.nonempty, backend, opts)
     else:
         o, final = _forward(backend, *blocks, h0b, flags, plan.nonempty, opts, False)

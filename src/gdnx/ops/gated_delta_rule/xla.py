@@ -107,4 +107,4 @@ def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, 
     """
     return chunked.run(BACKEND, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
                        state_dtype=state_dtype, decay_dtype=decay_dtype, use_qk_l2norm=use_qk_l2norm,
-                       residuals=residuals, matmul_dtype=matmul_dtype, custom_vjp=hand_written_vjp)
+                       residuals=residuals, matmul_dtype=matmul_dtype, hand_written_vjp=hand_written_vjp)
