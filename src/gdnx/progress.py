@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from gdnx.checkpoints.files import atomic_write
+from gdnx.files import atomic_write
 
 PLOT_FILE = "metrics.png"
 

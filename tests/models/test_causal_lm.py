@@ -12,7 +12,7 @@ from flax import nnx
 from gdnx.config import ModelConfig, load_config
 from gdnx.measure import relative_error
 from gdnx.models import Cache, CausalLM
-from gdnx.models.causal_lm import layer_paths
+from gdnx.stacking import layer_paths
 
 TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -180,7 +180,7 @@ def test_packed_documents_match_each_document_alone(implementation, family):
 
 def unrolled_view(model: CausalLM) -> dict[tuple, jax.Array]:
     """A model's parameters by their unrolled paths ("layers", i, ...),
-    scanned or not (gdnx.models.causal_lm.layer_paths)."""
+    scanned or not (gdnx.stacking.layer_paths)."""
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         paths, stacked = layer_paths(model.config, path)

@@ -18,8 +18,9 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +28,27 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
-from gdnx.checkpoints.files import atomic_write, atomic_write_text, read_json_object
+from gdnx.files import atomic_write, atomic_write_text, read_json_object
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
 from gdnx.checkpoints.hf_names import Experts, locate
 from gdnx.config.schema import ModelConfig
-from gdnx.models.causal_lm import CausalLM, layer_paths
+from gdnx.stacking import layer_paths
 
 # not part of the language model: multi-token prediction (mtp.*), a
 # vision-language checkpoint's vision tower, RoPE tables
 SKIPPED = re.compile(r"^mtp\.|^model\.visual\.|rotary_emb\.inv_freq$")
 SHARD_BYTES = 4 * 2 ** 30
 log = logging.getLogger("gdnx")
+# The model as checkpoints see it: an nnx.Module built from a ModelConfig,
+# holding it as `config`, with parameters named as gdnx.stacking lays them out.
+Model = TypeVar("Model", bound=nnx.Module)
+
+
+def _config_of(model: nnx.Module) -> ModelConfig:
+    cfg = getattr(model, "config", None)
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"model: expected a module holding its ModelConfig as .config, got {type(model).__name__}")
+    return cfg
 
 
 def _t(x):
@@ -119,7 +130,10 @@ def _note_skipped(directory: Path, keys: list[str]) -> None:
                         "language model")
 
 
-def load_pretrained(cls: type[CausalLM], path: str | os.PathLike, **config_overrides: Any) -> CausalLM:
+def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLike, **config_overrides: Any,
+                    ) -> Model:
+    """The model `build` makes from the directory's config.json (with
+    `config_overrides`), holding the directory's weights."""
     directory = Path(path)
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -127,7 +141,7 @@ def load_pretrained(cls: type[CausalLM], path: str | os.PathLike, **config_overr
     hf = read_json_object(config_file)
     cfg = model_config_from_hf(hf, config_overrides)
     prefix = "model.language_model." if hf.get("model_type") in VISION_LANGUAGE else "model."
-    abstract = nnx.eval_shape(lambda: cls(cfg))
+    abstract = nnx.eval_shape(lambda: build(cfg))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]  # two filters, three parts
     reader = _Reader(directory)
     missing, loaded = [], []
@@ -155,14 +169,15 @@ def load_pretrained(cls: type[CausalLM], path: str | os.PathLike, **config_overr
     return nnx.merge(graphdef, params, rest)
 
 
-def hf_state_dict(model: CausalLM) -> dict[str, jax.Array]:
+def hf_state_dict(model: nnx.Module) -> dict[str, jax.Array]:
     """The model's parameters under Hugging Face names and layouts (its
     family's text model)."""
+    cfg = _config_of(model)
     out = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        paths, stacked = layer_paths(model.config, p)
+        paths, stacked = layer_paths(cfg, p)
         for i, q in enumerate(paths):
-            where = locate(model.config, q)
+            where = locate(cfg, q)
             value = var[i] if stacked else var[...]
             if isinstance(where, Experts):
                 for e in range(value.shape[0]):
@@ -176,7 +191,7 @@ def _save_shard(tensors: dict[str, jax.Array], path: str) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def save_pretrained(model: CausalLM, path: str | os.PathLike, *, shard_bytes: int = SHARD_BYTES) -> None:
+def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: int = SHARD_BYTES) -> None:
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: jnp.asarray(v) for k, v in hf_state_dict(model).items()}
@@ -196,6 +211,6 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, shard_bytes: in
         index = {"metadata": {"total_size": int(sum(v.nbytes for v in tensors.values()))},
                  "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
         atomic_write_text(directory / "model.safetensors.index.json", json.dumps(index, indent=2))
-    config = hf_config_from_model(model.config)
+    config = hf_config_from_model(_config_of(model))
     atomic_write_text(directory / "config.json", json.dumps(config, indent=2))
 

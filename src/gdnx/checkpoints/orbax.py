@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from gdnx.checkpoints.files import atomic_write_text, read_json_object
+from gdnx.files import atomic_write_text, read_json_object
 from gdnx.config.schema import Config
 
 CONFIG_FILE = "config.json"

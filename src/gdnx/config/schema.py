@@ -14,8 +14,15 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from gdnx.ops.checks import float_dtype
-from gdnx.ops.gated_delta_rule import CHUNK_IMPLEMENTATIONS, CHUNK_SIZES, RESIDUAL_POLICIES
-from gdnx.ops.gated_delta_rule.tiles import KERNEL_PLATFORMS
+from gdnx.ops.gated_delta_rule.options import (
+    CHUNK_IMPLEMENTATIONS,
+    CHUNK_SIZES,
+    DEFAULTS,
+    KERNEL_PLATFORMS,
+    RESIDUAL_POLICIES,
+    Implementation,
+    ResidualPolicy,
+)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 # qwen3_next: Qwen3-Next; qwen3_5: Qwen3.5, dense (num_experts 0) or MoE;
@@ -102,13 +109,13 @@ class ModelConfig(_Strict):
     pad_token_id: int | None = None
 
     # GDN op knobs
-    gdn_implementation: str = "auto"  # auto: the op's choice for the platform, or an implementation's name
+    gdn_implementation: Literal["auto"] | Implementation = "auto"  # auto: the op's choice for the platform
     gdn_interpret: bool | None = None
-    gdn_state_dtype: str = "float32"
-    gdn_decay_dtype: str = "float32"
+    gdn_state_dtype: str = str(DEFAULTS.state_dtype)
+    gdn_decay_dtype: str = str(DEFAULTS.decay_dtype)
     gdn_matmul_dtype: str | None = None
-    gdn_chunk_size: int = 64
-    gdn_residuals: str = "save"
+    gdn_chunk_size: int = DEFAULTS.chunk_size
+    gdn_residuals: ResidualPolicy = DEFAULTS.residuals
 
     # numerics and memory
     dtype: str = "float32"
@@ -137,7 +144,7 @@ class ModelConfig(_Strict):
     def _matmul_dtype(cls, v, info):
         return None if v is None else float_dtype(v).name
 
-    @field_validator(*_CHOICES)
+    @field_validator(*_CHOICES, mode="before")
     @classmethod
     def _one_of(cls, v, info):
         choices = _CHOICES[info.field_name]

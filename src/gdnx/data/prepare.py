@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from gdnx.checkpoints.files import atomic_write_text
+from gdnx.files import atomic_write_text
 from gdnx.data.text import HFTokenizer
 
 FORMAT = 1

@@ -27,7 +27,7 @@ from gdnx.layers.documents import document_starts
 from gdnx.layers.linear import linear
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, recurrent_gated_delta_rule
 from gdnx.ops.causal_conv1d import cross_document_terms
-from gdnx.ops.gated_delta_rule import DeltaRuleOptions
+from gdnx.ops.gated_delta_rule.options import DeltaRuleOptions
 from gdnx.parallel.context import context_causal_conv1d, context_cross_document_terms, context_gated_delta_rule
 from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
 from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
@@ -131,7 +131,7 @@ class GatedDeltaNet(nnx.Module):
             o, rec = context_gated_delta_rule(q, k, v, g, beta, axis=context_axis, **common,
                                               **self.op.chunk_kwargs())
         else:
-            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, **common, **self.op.chunk_kwargs())
+            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, **common, options=self.op)
         return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec
 
     def __call__(self, x: jax.Array, state: GDNState | None = None, segments: jax.Array | None = None,

@@ -4,15 +4,12 @@ tokens are already in it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from gdnx.layers.attention import KVCache
-
-if TYPE_CHECKING:  # the model imports this module
-    from gdnx.models.causal_lm import CausalLM
 
 
 class Cache(NamedTuple):
@@ -28,8 +25,9 @@ class Cache(NamedTuple):
         return kv[0].k.shape[-3] if kv else -1
 
     @classmethod
-    def init(cls, model, batch: int, max_length: int) -> "Cache":
-        """An empty cache for `batch` rows and up to `max_length` tokens."""
+    def init(cls, model: Any, batch: int, max_length: int) -> "Cache":
+        """An empty cache for `batch` rows and up to `max_length` tokens of
+        `model` (a CausalLM: its config and its layers, unrolled or scanned)."""
         cfg, dtype = model.config, jnp.dtype(model.config.dtype)
 
         def empty(layer, lead: tuple[int, ...] = ()):
@@ -46,7 +44,7 @@ class Cache(NamedTuple):
         return cls(tuple(layers), jnp.zeros((), jnp.int32))
 
 
-def cache_bytes(model: CausalLM, length: int, batch: int = 1) -> int:
+def cache_bytes(model: Any, length: int, batch: int = 1) -> int:
     """Bytes of the cache Cache.init(model, batch, length) holds."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
         lambda: Cache.init(model, batch, length))))

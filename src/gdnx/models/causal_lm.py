@@ -15,7 +15,8 @@ A deep stack runs scanned (ModelConfig.scan_layers): its repeating cycle
 of layers (Qwen3-Next: 3 GDN + 1 attention) under one lax.scan over
 parameters stacked per position in the cycle (`cycle`), so the compiled
 program does not grow with depth; layers after the last full cycle
-(`tail`) run unrolled. `layer_paths` maps either layout to per-layer names.
+(`tail`) run unrolled. gdnx.stacking owns the layout and maps it to
+per-layer names.
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.cache import Cache
-from gdnx.ops.gated_delta_rule import RESIDUAL_NAMES, DeltaRuleOptions
-from gdnx.ops.gated_delta_rule.tiles import KERNEL_PLATFORMS
-from gdnx.parallel.rules import HIDDEN, STACKED, constrain, current_mesh, out_sharding
+from gdnx.ops.gated_delta_rule.options import KERNEL_PLATFORMS, RESIDUAL_NAMES, DeltaRuleOptions
+from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
 
 
 
@@ -164,28 +164,6 @@ def _stack(layers: list[DecoderLayer]) -> DecoderLayer:
     graphdef = nnx.graphdef(layers[0])
     states = [nnx.state(layer) for layer in layers]
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
-
-
-def layer_ndim(key_path: tuple, ndim: int) -> int:
-    """The rank of one layer's parameter at this key path (a jax tree path
-    into the parameters or a tree holding them): a scanned stack's carry
-    one more dim, the repeats."""
-    stacked = any(getattr(k, "key", getattr(k, "name", None)) == STACKED for k in key_path)
-    return ndim - 1 if stacked else ndim
-
-
-def layer_paths(cfg: ModelConfig, path: tuple) -> tuple[list[tuple], bool]:
-    """The unrolled paths ("layers", i, ...) a parameter path of a CausalLM
-    holds, and whether they are stacked on its leading dim (a scanned
-    model's cycle; layer i = repeat * cycle + position). Any other path is
-    its own."""
-    if not cfg.scanned or path[0] not in (STACKED, "tail"):
-        return [path], False
-    cycle = cfg.layer_cycle
-    full = cfg.cycle_repeats * cycle
-    if path[0] == "tail":
-        return [("layers", full + int(path[1]), *path[2:])], False
-    return [("layers", r + int(path[1]), *path[2:]) for r in range(0, full, cycle)], True
 
 
 def _remat_policy(name: str):

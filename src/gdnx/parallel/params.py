@@ -15,7 +15,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from gdnx.config.schema import ModelConfig
-from gdnx.parallel.rules import STACKED, spec
+from gdnx.parallel.rules import spec
+from gdnx.stacking import STACKED
 
 # (module name, parameter name) -> logical axes
 _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {

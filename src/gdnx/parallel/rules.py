@@ -19,9 +19,6 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor", "context")
-# The module of a scanned model that holds the repeating cycle of layers:
-# each of its parameters has a leading dim over the cycle's repeats.
-STACKED = "cycle"
 
 # logical name -> mesh axes, in order of preference (later axes are dropped first)
 RULES: dict[str, tuple[str, ...]] = {

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from rich.console import Console
 
-from gdnx.checkpoints.files import atomic_write_text
+from gdnx.files import atomic_write_text
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
 from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source

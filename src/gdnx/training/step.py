@@ -18,8 +18,8 @@ from gdnx.config.schema import Config, TrainConfig
 from gdnx.data import Batch
 from gdnx.loss import blocked_cross_entropy
 from gdnx.models import CausalLM
-from gdnx.models.causal_lm import layer_ndim
 from gdnx.parallel import constrain
+from gdnx.stacking import layer_ndim
 
 def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(

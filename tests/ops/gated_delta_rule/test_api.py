@@ -83,3 +83,22 @@ def test_residual_policy_is_checked(args):
         call(args, implementation="reference", matmul_dtype="bfloat16")
     with pytest.raises(ValueError, match="matmul_dtype: unknown dtype"):
         call(args, matmul_dtype="bf17")
+
+
+def test_options_object_is_the_keywords(args):
+    """DeltaRuleOptions carries the keywords' settings (the same program and
+    result); given with a changed keyword it is refused, naming both; every
+    implementation the options name has an entry in the op's table."""
+    from gdnx.ops.gated_delta_rule import DeltaRuleOptions
+    from gdnx.ops.gated_delta_rule.api import IMPLEMENTATIONS
+    from gdnx.ops.gated_delta_rule.options import CHUNK_IMPLEMENTATIONS, DEFAULTS
+
+    opts = DeltaRuleOptions(implementation="xla", chunk_size=16, residuals="recompute")
+    o_opts, _ = call(args, options=opts)
+    o_kw, _ = call(args, implementation="xla", chunk_size=16, residuals="recompute")
+    np.testing.assert_array_equal(np.asarray(o_opts), np.asarray(o_kw))
+    with pytest.raises(ValueError, match="options: given together with chunk_size, residuals"):
+        call(args, options=opts, chunk_size=32, residuals="recompute", state_dtype=DEFAULTS.state_dtype)
+    with pytest.raises(TypeError, match="options: expected a DeltaRuleOptions or None, got dict"):
+        call(args, options={"chunk_size": 16})
+    assert set(IMPLEMENTATIONS) == set(CHUNK_IMPLEMENTATIONS)

@@ -22,39 +22,24 @@ from jax.typing import DTypeLike
 
 from gdnx.ops.checks import check_cu_seqlens, float_dtype
 from gdnx.ops.gated_delta_rule import chunk_math
-from gdnx.ops.gated_delta_rule.chunked import RESIDUAL_POLICIES
+from gdnx.ops.gated_delta_rule.options import (
+    CHUNK_IMPLEMENTATIONS,
+    CHUNK_SIZES,
+    DEFAULTS,
+    DeltaRuleOptions,
+    RECURRENT_IMPLEMENTATIONS,
+    RESIDUAL_POLICIES,
+    Implementation,
+    ResidualPolicy,
+)
 from gdnx.ops.gated_delta_rule.pallas_gpu import chunk_gated_delta_rule_pallas_gpu
 from gdnx.ops.gated_delta_rule.pallas_tpu import chunk_gated_delta_rule_pallas_tpu
 from gdnx.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
 from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, choose_tiles
 from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
 
-CHUNK_SIZES = (16, 32, 64, 128)
-
-
 @dataclasses.dataclass(frozen=True)
-class DeltaRuleOptions:
-    """The settings a model fixes once for every call of the op: keyword
-    arguments of `chunk_gated_delta_rule` (the recurrent op takes the two
-    dtypes). The op checks them at each call."""
-
-    implementation: str | None = None
-    chunk_size: int = 64
-    state_dtype: DTypeLike = jnp.float32
-    decay_dtype: DTypeLike = jnp.float32
-    residuals: str = "save"
-    matmul_dtype: DTypeLike | None = None
-    interpret: bool | None = None
-
-    def chunk_kwargs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    def recurrent_kwargs(self) -> dict[str, Any]:
-        return dict(state_dtype=self.state_dtype, decay_dtype=self.decay_dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
+class ImplementationEntry:
     """One implementation of the op and what it takes.
 
     run(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype, decay_dtype,
@@ -76,16 +61,14 @@ def _reference(q, k, v, g, beta, h0, *, chunk_size=None, **kw):
     return recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, **kw)
 
 
-IMPLEMENTATIONS = {
+IMPLEMENTATIONS: dict[str, ImplementationEntry] = {
     impl.name: impl for impl in (
-        Implementation("xla", chunk_gated_delta_rule_xla, chunked=True),
-        Implementation("pallas_tpu", chunk_gated_delta_rule_pallas_tpu, chunked=True, kernel=True),
-        Implementation("pallas_gpu", chunk_gated_delta_rule_pallas_gpu, chunked=True, kernel=True),
-        Implementation("reference", _reference, chunked=False),
+        ImplementationEntry("xla", chunk_gated_delta_rule_xla, chunked=True),
+        ImplementationEntry("pallas_tpu", chunk_gated_delta_rule_pallas_tpu, chunked=True, kernel=True),
+        ImplementationEntry("pallas_gpu", chunk_gated_delta_rule_pallas_gpu, chunked=True, kernel=True),
+        ImplementationEntry("reference", _reference, chunked=False),
     )
 }
-CHUNK_IMPLEMENTATIONS = tuple(IMPLEMENTATIONS)
-RECURRENT_IMPLEMENTATIONS = ("reference",)
 _AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
@@ -152,36 +135,37 @@ def l2norm(x: jax.Array) -> jax.Array:
     return chunk_math.l2norm(x.astype(jnp.promote_types(x.dtype, jnp.float32))).astype(x.dtype)
 
 
-def _call(allowed, kind, name, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
-         use_qk_l2norm, state_dtype, decay_dtype, chunk_size=None, interpret=None, tiles=None, residuals="save",
-         matmul_dtype=None):
+def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, q, k, v, g, beta, *, scale,
+          initial_state, output_final_state, cu_seqlens, use_qk_l2norm, tiles):
+    """Check the arguments of `op` (whose implementations are `allowed`) and
+    run the implementation `opts` names, jitted."""
+    name = opts.implementation or default_chunk_implementation()
     if name not in allowed:
-        raise ValueError(f"implementation: expected None or one of {sorted(allowed)} for {kind}, got {name!r}")
+        raise ValueError(f"implementation: expected None or one of {sorted(allowed)} for {op}, got {name!r}")
     impl = IMPLEMENTATIONS[name]
-    knobs = {}
+    knobs: dict[str, Any] = {}
     if impl.kernel:
-        if interpret is not None and not isinstance(interpret, bool):
-            raise TypeError(f"interpret: expected None or a bool, got {type(interpret).__name__}")
-        knobs.update(interpret=interpret, tiles=choose_tiles(name, tiles, key_heads=q.shape[2]))
+        if opts.interpret is not None and not isinstance(opts.interpret, bool):
+            raise TypeError(f"interpret: expected None or a bool, got {type(opts.interpret).__name__}")
+        knobs.update(interpret=opts.interpret, tiles=choose_tiles(name, tiles, key_heads=q.shape[2]))
     else:
         kernels = sorted(n for n, i in IMPLEMENTATIONS.items() if i.kernel)
-        for what, x in (("interpret", interpret), ("tiles", tiles)):
+        for what, x in (("interpret", opts.interpret), ("tiles", tiles)):
             if x is not None:
                 raise ValueError(f"{what}: applies to the Pallas implementations {kernels}, not to {name!r}")
-    if residuals not in RESIDUAL_POLICIES:
-        raise ValueError(f"residuals: expected one of {RESIDUAL_POLICIES}, got {residuals!r}")
-    if matmul_dtype is not None:
-        matmul_dtype = _resolve_dtype("matmul_dtype", matmul_dtype)
+    if opts.residuals not in RESIDUAL_POLICIES:
+        raise ValueError(f"residuals: expected one of {RESIDUAL_POLICIES}, got {opts.residuals!r}")
+    matmul_dtype = None if opts.matmul_dtype is None else _resolve_dtype("matmul_dtype", opts.matmul_dtype)
     if impl.chunked:
-        knobs.update(chunk_size=chunk_size, residuals=residuals, matmul_dtype=matmul_dtype,
+        knobs.update(chunk_size=opts.chunk_size, residuals=opts.residuals, matmul_dtype=matmul_dtype,
                      use_qk_l2norm=use_qk_l2norm)
-    elif residuals != "save" or matmul_dtype is not None:
-        what = "residuals" if residuals != "save" else "matmul_dtype"
+    elif opts.residuals != DEFAULTS.residuals or matmul_dtype is not None:
+        what = "residuals" if opts.residuals != DEFAULTS.residuals else "matmul_dtype"
         chunked = sorted(n for n, i in IMPLEMENTATIONS.items() if i.chunked)
         raise ValueError(f"{what}: applies to the chunked implementations {chunked}, not to {name!r}")
     n = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
-    state_dtype = _resolve_dtype("state_dtype", state_dtype)
-    decay_dtype = _resolve_dtype("decay_dtype", decay_dtype)
+    state_dtype = _resolve_dtype("state_dtype", opts.state_dtype)
+    decay_dtype = _resolve_dtype("decay_dtype", opts.decay_dtype)
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state: expected a bool, got {type(output_final_state).__name__}")
     k_dim, v_dim, hv = q.shape[3], v.shape[3], v.shape[2]
@@ -195,6 +179,20 @@ def _call(allowed, kind, name, q, k, v, g, beta, *, scale, initial_state, output
     o, final = _dispatch(q, k, v, g, beta, h0, cu, fn=impl.run, l2norm_inputs=use_qk_l2norm and not impl.chunked,
                          scale=scale, state_dtype=state_dtype, decay_dtype=decay_dtype, **knobs)
     return o, (final if output_final_state else None)
+
+
+def _options(options: DeltaRuleOptions | None, **given) -> DeltaRuleOptions:
+    """The op's settings: `options`, or the keyword arguments (whose defaults
+    are DeltaRuleOptions'), not both. A keyword at its default value counts
+    as not given."""
+    if options is None:
+        return dataclasses.replace(DEFAULTS, **given)
+    if not isinstance(options, DeltaRuleOptions):
+        raise TypeError(f"options: expected a DeltaRuleOptions or None, got {type(options).__name__}")
+    changed = sorted(k for k, v in given.items() if v is not getattr(DEFAULTS, k) and v != getattr(DEFAULTS, k))
+    if changed:
+        raise ValueError(f"options: given together with {', '.join(changed)}; set them in the DeltaRuleOptions")
+    return options
 
 
 @functools.partial(jax.jit, static_argnames=("fn", "l2norm_inputs", "use_qk_l2norm", "scale", "state_dtype",
@@ -211,9 +209,11 @@ def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, l2norm_inputs=False, **kw
 def chunk_gated_delta_rule(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
     initial_state: jax.Array | None = None, output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
-    use_qk_l2norm: bool = False, chunk_size: int = 64, state_dtype: DTypeLike = jnp.float32,
-    decay_dtype: DTypeLike = jnp.float32, implementation: str | None = None, interpret: bool | None = None,
-    tiles: GpuTiles | TpuTiles | None = None, residuals: str = "save", matmul_dtype: DTypeLike | None = None,
+    use_qk_l2norm: bool = False, options: DeltaRuleOptions | None = None, chunk_size: int = DEFAULTS.chunk_size,
+    state_dtype: DTypeLike = DEFAULTS.state_dtype, decay_dtype: DTypeLike = DEFAULTS.decay_dtype,
+    implementation: Implementation | None = DEFAULTS.implementation, interpret: bool | None = DEFAULTS.interpret,
+    tiles: GpuTiles | TpuTiles | None = None, residuals: ResidualPolicy = DEFAULTS.residuals,
+    matmul_dtype: DTypeLike | None = DEFAULTS.matmul_dtype,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gated delta rule over whole sequences, chunk by chunk.
 
@@ -232,6 +232,8 @@ def chunk_gated_delta_rule(
         be 1). The state starts from initial_state[n] at each start and never
         crosses a boundary. Values are checked when known at trace time.
       use_qk_l2norm: normalise q and k to unit length inside the op.
+      options: the settings below as one DeltaRuleOptions (what a model
+        fixes once), in place of the keywords chunk_size ... interpret.
       chunk_size: one of 16, 32, 64, 128; T need not be a multiple.
       state_dtype: dtype of the state and of every accumulation.
       decay_dtype: dtype of the gate cumulative sums and decay factors.
@@ -260,31 +262,28 @@ def chunk_gated_delta_rule(
       (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] in state_dtype
       or None).
     """
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
-    if implementation is None:
-        implementation = default_chunk_implementation()
-    return _call(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", implementation, q, k, v, g, beta,
-                scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
-                decay_dtype=decay_dtype, chunk_size=chunk_size, interpret=interpret, tiles=tiles,
-                residuals=residuals, matmul_dtype=matmul_dtype)
+    opts = _options(options, implementation=implementation, chunk_size=chunk_size, state_dtype=state_dtype,
+                    decay_dtype=decay_dtype, residuals=residuals, matmul_dtype=matmul_dtype, interpret=interpret)
+    if opts.chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {opts.chunk_size!r}")
+    return _call(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
+                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                 use_qk_l2norm=use_qk_l2norm, tiles=tiles)
 
 
 def recurrent_gated_delta_rule(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None = None,
     initial_state: jax.Array | None = None, output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
-    use_qk_l2norm: bool = False, state_dtype: DTypeLike = jnp.float32, decay_dtype: DTypeLike = jnp.float32,
-    implementation: str | None = None,
+    use_qk_l2norm: bool = False, state_dtype: DTypeLike = DEFAULTS.state_dtype,
+    decay_dtype: DTypeLike = DEFAULTS.decay_dtype, implementation: Implementation | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gated delta rule token by token: decode steps, and the definition.
 
     Same arguments and results as `chunk_gated_delta_rule`, without
     chunk_size. implementation: None or "reference".
     """
-    if implementation is None:
-        implementation = "reference"
-    return _call(RECURRENT_IMPLEMENTATIONS, "recurrent_gated_delta_rule", implementation, q, k, v, g, beta,
-                scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, state_dtype=state_dtype,
-                decay_dtype=decay_dtype)
+    opts = DeltaRuleOptions(implementation=implementation or "reference", state_dtype=state_dtype,
+                            decay_dtype=decay_dtype)
+    return _call(RECURRENT_IMPLEMENTATIONS, "recurrent_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
+                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                 use_qk_l2norm=use_qk_l2norm, tiles=None)

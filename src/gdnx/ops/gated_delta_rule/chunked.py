@@ -35,10 +35,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from gdnx.ops.gated_delta_rule import chunk_math
 from gdnx.ops.gated_delta_rule.layout import ChunkPlan, from_slots, make_plan, to_slots
+from gdnx.ops.gated_delta_rule.options import DEFAULTS, RESIDUAL_NAMES, ResidualPolicy
 
-RESIDUAL_POLICIES = ("save", "recompute")
-# checkpoint_name of the saved residuals, for remat policies
-RESIDUAL_NAMES = ("gdn_chunk_states", "gdn_chunk_inverse")
 
 
 class ChunkOptions(NamedTuple):
@@ -47,7 +45,7 @@ class ChunkOptions(NamedTuple):
     scale: float
     state_dtype: jnp.dtype          # the state and every accumulation
     decay_dtype: jnp.dtype          # gate sums and decay factors
-    residuals: str = "save"         # RESIDUAL_POLICIES
+    residuals: ResidualPolicy = DEFAULTS.residuals
     matmul_dtype: jnp.dtype | jax.lax.DotAlgorithmPreset | None = None  # see chunk_math
     use_qk_l2norm: bool = False     # normalise q, k inside
 
@@ -208,7 +206,8 @@ _chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
 
 
 def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, scale: float, state_dtype,
-        decay_dtype, use_qk_l2norm: bool, residuals: str = "save", matmul_dtype=None, hand_written_vjp: bool = True):
+        decay_dtype, use_qk_l2norm: bool, residuals: ResidualPolicy = DEFAULTS.residuals, matmul_dtype=None,
+        hand_written_vjp: bool = True):
     """Validated [B, T, H, D] inputs in, (o [B, T, HV, V], final [N, HV, K, V]) out.
 
     hand_written_vjp=False differentiates the backend's forward with plain

@@ -21,6 +21,8 @@ from typing import Literal, overload
 
 import jax
 
+from gdnx.ops.gated_delta_rule.options import KERNEL_PLATFORMS
+
 
 @dataclasses.dataclass(frozen=True)
 class GpuTiles:
@@ -82,7 +84,6 @@ TPU_TILES = {
     "TPU v6 lite": TpuTiles(head_tile=2),
 }
 TPU_FALLBACK = TpuTiles()
-KERNEL_PLATFORMS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 
 _TARGET: contextvars.ContextVar[jax.Device | None] = contextvars.ContextVar("gdnx_compile_target", default=None)
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from gdnx.ops.gated_delta_rule import chunk_math, chunked
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions, select
+from gdnx.ops.gated_delta_rule.options import DEFAULTS
 
 
 def _keys(fn):
@@ -99,7 +100,8 @@ BACKEND = chunked.Backend(forward, backward)
 
 
 def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
-                               use_qk_l2norm=False, residuals="save", matmul_dtype=None, hand_written_vjp=True):
+                               use_qk_l2norm=False, residuals=DEFAULTS.residuals, matmul_dtype=None,
+                               hand_written_vjp=True):
     """Validated inputs in, (o [B, T, HV, V] in q's dtype, final [N, HV, K, V]) out.
 
     hand_written_vjp=False differentiates the same forward with plain

@@ -1,0 +1,91 @@
+"""How the modules import each other: one way, downward.
+
+The graph is read from the source (every `import` statement, inside
+functions and under TYPE_CHECKING too, since each is a dependency a
+reader must follow), not from what happens to be loaded."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in (SRC / "gdnx").rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """gdnx module -> the gdnx modules it imports (`from a.b import c` is
+    a.b.c when c is a module, else a.b)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                for a in node.names:
+                    target = f"{base}.{a.name}"
+                    deps.add(target if target in modules else base)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles (one path each), by depth-first search."""
+    found, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                found.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_graph_sees_an_import_cycle():
+    """The check itself: a made-up cycle is found."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_leaves_import_no_kernel_and_no_model():
+    """The config, the op's options and the file helpers import neither the
+    Pallas kernels nor the model (checked in a fresh interpreter)."""
+    code = ("import sys, gdnx.config, gdnx.ops.gated_delta_rule.options, gdnx.files; "
+            "print(' '.join(m for m in sys.modules if m.startswith('gdnx.')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    heavy = [m for m in loaded if m.split(".")[1] in ("models", "layers", "parallel", "training", "checkpoints")
+             or m.startswith("gdnx.ops.gated_delta_rule.") and m.rpartition(".")[2] not in ("options",)]
+    assert not heavy, heavy
+
+
+def test_checkpoints_know_the_model_by_interface():
+    """Checkpoint code never imports the model class."""
+    graph = import_graph()
+    for name, deps in graph.items():
+        if name.startswith("gdnx.checkpoints"):
+            assert not {d for d in deps if d.startswith("gdnx.models")}, (name, deps)
