@@ -4,7 +4,10 @@ Parameter names follow Hugging Face's, so one table keyed by a parameter's
 name (and its module's) gives its logical axes. Matrices are split over
 fsdp on the model width and over tensor on heads / the MLP width; columns
 that belong to a head group (a GDN key head's q|k|v|z, an attention head's
-q|gate) are split by whole groups. Norm weights and the conv taps stay whole.
+q|gate) are split by whole groups. The conv taps stay whole, and so do the
+vectors (norm weights, biases the table does not name, per-head decays).
+Every parameter of two or more dims (per layer) must be in the table: one
+it does not name is an error, never silently replicated.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("mlp", "experts_down"): (None, "mlp", "embed"),
     ("gate", "kernel"): ("embed", None),
     ("shared_expert_gate", "kernel"): ("embed", None),
+    ("mixer", "conv_weight"): (None, None),  # [width, channels]: small, kept whole
 }
 
 
@@ -58,14 +62,18 @@ def _names(key_path) -> list[str]:
 
 def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
     """The logical axes of the parameter at this path (module names then its
-    own name); whole for anything the table does not name. A scanned
-    stack's parameters lead with their "layers" dim."""
+    own name). A scanned stack's parameters lead with their "layers" dim.
+    Vectors and scalars the table does not name stay whole; a matrix it does
+    not name raises ValueError."""
     if STACKED in names:  # also under the optimizer's moments (mu, nu, ...)
         return ("layers", *logical_axes([n for n in names if n != STACKED], ndim - 1))
     axes = _TABLE.get((names[-2], names[-1])) if len(names) >= 2 else None
-    if axes is None or len(axes) != ndim:
-        return (None,) * ndim  # norm weights, conv taps, scalars: small, kept whole
-    return axes
+    if axes is not None and len(axes) == ndim:
+        return axes
+    if ndim >= 2:
+        raise ValueError(f"parameter {'/'.join(names)} (rank {ndim}): no sharding declared for it in "
+                         f"gdnx.parallel.params._TABLE" + ("" if axes is None else f" at rank {ndim}"))
+    return (None,) * ndim  # norm weights, biases, per-head decays, scalars: small, kept whole
 
 
 def shardings(tree: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
