@@ -437,8 +437,8 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w
     The carry is dS^T, [BV, BK] per block, so that no float32 operand of a
     product is transposed: k dS' is (dS'^T k^T)^T with the bfloat16 key
     block transposed, and the dS^T terms are (eq dO)^T q and dVn^T W. A
-    transposed float32 operand measured more registers (ptxas on H100: 252 B
-    spilled with the dS form, 8-24 B with this one; A100 52 B -> 0).
+    transposed float32 operand costs registers (the carried dS form spills
+    far more under ptxas: docs/benchmarks.md).
     """
     acc = opts.state_dtype
     nkb = k_ref.shape[-1] // bk
@@ -560,7 +560,7 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
     # through (rq q)(rk k)^T and (rk k)(rk k)^T. Products in float32: the
     # l2norm scales go on the [C, C] cotangents so that the raw key blocks
     # enter exact bfloat16 passes. Products in bfloat16: scaled key blocks,
-    # rounded, and two [C, C] factors, not three (ptxas: 4 B spilled on H100).
+    # rounded, and two [C, C] factors, not three (fewer registers).
     if opts.matmul_dtype == jnp.bfloat16:
         rk = chunk_math.row_to_col(rk_ref[key])
 

@@ -61,11 +61,11 @@ class TpuTiles:
             raise ValueError(f"tiles.head_tile: expected a positive int, got {self.head_tile!r}")
 
 
-# GPU by compute capability: the sizes that measured fewest spilled registers
-# (ptxas, docs/benchmarks.md). The output-side kernels recompute QK^T per V
-# block, so they take V blocks as wide as registers allow (64 on sm_90, 32
-# on sm_80). The gradient-sum kernel with float32 products spills 116 B at 8
-# warps on sm_90 and 8-16 B at 4 (on sm_80, 4 warps spill more than 8). At
+# GPU by compute capability: the sizes with the fewest spilled registers
+# under ptxas (the per-kernel table is in docs/benchmarks.md). The
+# output-side kernels recompute QK^T per V block, so they take V blocks as
+# wide as registers allow (64 on sm_90, 32 on sm_80). The gradient-sum
+# kernel takes 4 warps on sm_90 and 8 on sm_80, where each spills least. At
 # K = V = 128 no kernel asks for more than ~100 KiB of shared memory with two
 # stages (H100/H200 give a block 232,448 B, A100 166,912 B).
 GPU_TILES = {
