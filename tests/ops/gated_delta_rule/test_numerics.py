@@ -1,5 +1,7 @@
-"""Every implementation against the float64 token-by-token oracle
-(metric and tolerances: helpers.py)."""
+"""The xla implementation and the token recurrence against the float64
+oracle (the shared contract, contract.py), and what only the chunked
+algebra has to show: chunk sizes, float64 exactness, the hand-written VJP,
+padding, packing, traced offsets (metric and tolerances: helpers.py)."""
 
 import jax
 import jax.test_util
@@ -10,21 +12,22 @@ import pytest
 from gdnx.measure import relative_error
 from gdnx.ops import chunk_gated_delta_rule
 from tests.ops.gated_delta_rule.cases import CASES, Case, by_name, make_inputs
+from tests.ops.gated_delta_rule.contract import ImplementationContract
 from tests.ops.gated_delta_rule.helpers import NAMES, check_against_oracle, run_op, run_oracle
 
 pytestmark = pytest.mark.usefixtures("x64")
-IMPLEMENTATIONS = ["xla", "reference"]
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_oracle(case, implementation):
-    check_against_oracle(case, implementation)
+class TestXla(ImplementationContract):
+    implementation = "xla"
+    cases = CASES
+    recompute_cases = by_name(CASES, "gva2_T63_c16", "packed", "bf16")
+    matmul_bf16 = True  # its backward is checked against autodiff below
 
 
-@pytest.mark.parametrize("case", by_name(CASES, "gva2_T63_c16", "packed", "bf16"), ids=str)
-def test_recompute_policy_matches_oracle(case):
-    check_against_oracle(case, "xla", residuals="recompute")
+class TestReference(ImplementationContract):
+    implementation = "reference"
+    cases = CASES
 
 
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128])

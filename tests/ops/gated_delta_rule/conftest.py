@@ -1,0 +1,17 @@
+"""Contract tests take their cases from the implementation's class
+(contract.py: `over`)."""
+
+import pytest
+
+
+def pytest_generate_tests(metafunc):
+    attribute = getattr(metafunc.function, "contract_cases", None)
+    if attribute is None or metafunc.cls is None:
+        return
+    values = list(getattr(metafunc.cls, attribute))
+    if not values:  # the contract's test does not apply to this implementation
+        skip = pytest.mark.skip(reason=f"{metafunc.cls.__name__} has no {attribute}")
+        metafunc.parametrize("case", [pytest.param(None, marks=skip)], ids=["none"])
+        return
+    metafunc.parametrize("case", values, ids=[str(v) if hasattr(v, "name") else f"{type(v).__name__}{i}"
+                                              for i, v in enumerate(values)])

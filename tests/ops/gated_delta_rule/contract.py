@@ -1,0 +1,90 @@
+"""The contract every implementation of the op meets, as one test base.
+
+An implementation's test class subclasses `ImplementationContract` and sets
+what it is and which cases it runs (small ones for the interpreted
+kernels); the base runs each against the float64 oracle (metric and
+tolerances: helpers.py). A new backend is covered by one more subclass.
+Class attributes name the cases a test takes (`over`), read by this
+directory's conftest.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from gdnx.measure import relative_error
+from gdnx.ops import chunk_gated_delta_rule
+from tests.ops.gated_delta_rule.cases import Case, make_inputs
+from tests.ops.gated_delta_rule.helpers import NAMES, check_against_oracle, run_oracle
+
+
+def over(attribute: str):
+    """Parametrize a contract test by the subclass's `attribute` (a list of
+    cases, or of other values), as `case`."""
+    def mark(fn):
+        fn.contract_cases = attribute
+        return fn
+    return mark
+
+
+@pytest.mark.usefixtures("x64")  # float64 references
+class ImplementationContract:
+    implementation: str
+    cases: list[Case] = []             # against the oracle, gradients included
+    recompute_cases: list[Case] = []   # again with residuals="recompute" (chunked implementations)
+    matmul_bf16 = False                # takes matmul_dtype="bfloat16"
+    gradient_peer: str | None = None   # an implementation whose backward it must match to float32 rounding
+    tiles: list = []                   # non-default tiles (kernels)
+
+    @over("cases")
+    def test_matches_oracle(self, case):
+        check_against_oracle(case, self.implementation)
+
+    @over("recompute_cases")
+    def test_recompute_policy_matches_oracle(self, case):
+        check_against_oracle(case, self.implementation, residuals="recompute")
+
+    def test_forward_without_grad(self):
+        """The plain forward (no residual outputs), packed, gives the oracle's numbers."""
+        case = Case("fwd", b=1, t=40, dk=64, dv=64, chunk=16, cu_seqlens=(0, 17, 40))
+        q, k, v, g, beta, h0 = make_inputs(case)
+        o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                          chunk_size=16, cu_seqlens=jnp.asarray(case.cu_seqlens),
+                                          implementation=self.implementation)
+        ref_o, ref_f = run_oracle(case, (q, k, v, g, beta, h0))
+        assert relative_error(o, ref_o) < 1e-5 and relative_error(final, ref_f) < 1e-5
+
+    def test_gradients_match_peer(self):
+        """The backward against another implementation's on the same float32
+        inputs: the same algebra, so they agree to float32 rounding."""
+        if self.gradient_peer is None:
+            pytest.skip("no peer implementation to compare the backward with")
+        case = Case("vs_peer", b=2, t=50, dk=64, dv=64, chunk=16, l2norm=True)
+        args = make_inputs(case)
+
+        def grads(impl):
+            def loss(*a):
+                o, f = chunk_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=16,
+                                              use_qk_l2norm=True, implementation=impl)
+                return jnp.sum(jnp.sin(o)) + jnp.sum(f * f)
+            return jax.grad(loss, argnums=range(6))(*args)
+
+        for name, x, y in zip(NAMES, grads(self.implementation), grads(self.gradient_peer)):
+            assert relative_error(x, y) < 1e-5, name
+
+    def test_bf16_matmul_operands(self):
+        """matmul_dtype=bfloat16 rounds matmul operands: bfloat16-level errors
+        (2e-2 tolerance, as for bfloat16 inputs), every gradient included."""
+        if not self.matmul_bf16:
+            pytest.skip("matmul_dtype applies to the chunked implementations")
+        case = Case("mm_bf16", b=1, t=64, dk=64, dv=64, chunk=32, l2norm=True, cu_seqlens=(0, 20, 64))
+        errs = check_against_oracle(case, self.implementation, tol=2e-2, matmul_dtype="bfloat16")
+        # the knob must bite: float32 inputs land near bfloat16 rounding, not at 1e-7
+        assert errs["o"] > 1e-4
+
+    @over("tiles")
+    def test_tiles(self, case):
+        """Tiles off the default entry (K = V = 64: several blocks of each kind)."""
+        check_against_oracle(Case("tiles", b=1, t=40, dk=64, dv=64, chunk=16), self.implementation, tiles=case)
