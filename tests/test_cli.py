@@ -13,7 +13,7 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from gdnx.cli import main
 from tests.hf_models import VOCAB, hf_and_gdnx
-from tests.test_train import SMALL
+from tests.training.test_loop import SMALL
 
 
 def _error(capsys, argv) -> str:

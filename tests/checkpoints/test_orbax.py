@@ -13,7 +13,7 @@ from gdnx.checkpoints.orbax import CheckpointDamaged, Checkpoints, damage
 from gdnx.cli import main
 from gdnx.config import load_config
 from gdnx.training import train
-from tests.test_train import SMALL, _params
+from tests.training.test_loop import SMALL, _params
 
 
 def _run(out, steps, **kw):

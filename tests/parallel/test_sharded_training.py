@@ -12,7 +12,7 @@ from gdnx.config.loading import load_config
 from gdnx.measure import relative_error
 from gdnx.training import Trainer, train
 from tests.parallel.helpers import mesh
-from tests.test_train import SMALL
+from tests.training.test_loop import SMALL
 
 # 4 key heads so that tensor=2 splits them; batch 8 over data=4
 SHARDABLE = SMALL + ["model.linear_num_key_heads=4", "model.linear_num_value_heads=4",
