@@ -110,7 +110,7 @@ class Trainer:
         run, a refusal, a failed save, KeyboardInterrupt."""
         with contextlib.ExitStack() as resources:
             resources.callback(self.close)
-            return _run(self, resources, console)
+            return _loop(self, resources, console)
 
     def init_opt_state(self, params: Any) -> Any:
         opt_state = self.tx.init(params)
@@ -197,7 +197,7 @@ def train(config: Config, *, console: Console | None = None) -> dict[str, float]
     return build_trainer(config).run(console=console)
 
 
-def _run(trainer: Trainer, resources: contextlib.ExitStack, console: Console | None) -> dict[str, float]:
+def _loop(trainer: Trainer, resources: contextlib.ExitStack, console: Console | None) -> dict[str, float]:
     config = trainer.config
     t_cfg = config.train
     target = t_cfg.target_accuracy
