@@ -352,3 +352,33 @@ def test_a_failed_save_or_an_interrupt_leaves_no_thread_running(tmp_path, monkey
         trainer.run()
     assert trainer._prefetch is None and not _loop_threads()
     assert closed == [True]
+
+
+def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    """Another process holds train.out_dir: `gdnx train` there is one line and
+    exit 2, and nothing in the directory changes. A lock whose holder was
+    killed (its pid left in the file, its flock gone with it) is taken over,
+    with one line."""
+    from gdnx.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = ["train", "tiny", *SMALL, "train.steps=4", f"train.out_dir={out}"]
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from gdnx.files import directory_lock\n"
+        "with directory_lock(Path(sys.argv[1]), 'train.out_dir'):\n    print('held', flush=True); time.sleep(60)"),
+        str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert main(argv) == 2
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("gdnx")]
+        assert lines == [f"gdnx train: error: train.out_dir {out}: in use by another run (pid {holder.pid}); "
+                         "wait for it to end or choose another train.out_dir"]
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(argv) == 0  # killed: its pid stays in the lock file, its flock is gone
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long notes
+    assert f"its lock was left by a run that ended without releasing it (pid {holder.pid}); taken over" in err
+    assert (out / ".lock").read_text() == ""  # released at the end of the run

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from rich.console import Console
 
-from gdnx.files import atomic_write_text
+from gdnx.files import atomic_write_text, directory_lock
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
 from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source
@@ -203,11 +203,16 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, console: Console | 
     target = t_cfg.target_accuracy
     out = Path(t_cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
+    report = Reporter(console=console, quiet=not primary)
+    if primary:  # one run at a time in a directory: the first process of a run holds it
+        stale = resources.enter_context(directory_lock(out, "train.out_dir"))
+        if stale is not None:
+            report.note(f"train.out_dir {out}: its lock was left by a run that ended without releasing it "
+                        f"(pid {stale}); taken over")
     ckpt = Checkpoints(out, config)
     resources.callback(ckpt.close)
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
-    primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
-    report = Reporter(console=console, quiet=not primary)
     intact, damaged = ckpt.latest_intact_step()
     for line in damaged:
         report.note(line)
