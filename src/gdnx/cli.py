@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         hint = {errno.ENOSPC: "free space or point train.out_dir elsewhere", errno.EDQUOT: "free space or point "
                 "train.out_dir elsewhere", errno.EFBIG: "raise the file size limit (ulimit -f)"}.get(e.errno)
-        say(f"error: {e.filename or ''}: {e.strerror}"
+        say(f"error: {f'{e.filename}: ' if e.filename else ''}{e.strerror}"
             + (f"; {hint}; the run resumes from its last checkpoint" if hint else ""))
         return 2
     except KeyboardInterrupt:

@@ -382,3 +382,17 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_stale_lock_taken_over(t
     err = " ".join(capsys.readouterr().err.split())  # the console wraps long notes
     assert f"its lock was left by a run that ended without releasing it (pid {holder.pid}); taken over" in err
     assert (out / ".lock").read_text() == ""  # released at the end of the run
+
+
+def test_a_damaged_metrics_log_does_not_block_the_resume(tmp_path, capsys):
+    """A full disk can leave metrics.jsonl ending mid-line: the resumed run
+    drops that line, says so, and continues the log as strict JSON."""
+    over = SMALL + ["train.checkpoint_every=2", "train.eval_every=0", "train.warmup_steps=1",
+                    f"train.out_dir={tmp_path}"]
+    train(load_config("tiny", over + ["train.steps=2"]))
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "split": "tr')
+    capsys.readouterr()
+    train(load_config("tiny", over + ["train.steps=4"]))
+    assert "dropped 1 damaged line(s)" in " ".join(capsys.readouterr().err.split())
+    assert [r["step"] for r in _strict_json_lines(tmp_path / "metrics.jsonl")] == [2, 4]

@@ -140,12 +140,26 @@ def _json_line(record: dict) -> str:
     return json.dumps(clean, allow_nan=False) + "\n"
 
 
-def _rewrite_metrics(path: Path, upto: int) -> None:
-    """Keep the lines of steps <= upto: a resumed run continues the log."""
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line; None for a damaged one (a full disk can
+    cut the last line short)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _rewrite_metrics(path: Path, upto: int) -> int:
+    """Keep the lines of steps <= upto: a resumed run continues the log.
+    Returns how many damaged lines were dropped."""
     if not path.is_file():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto]
+        return 0
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line]
+    steps = [_step_of(line) for line in lines]
+    keep = [line for line, s in zip(lines, steps) if s is not None and s <= upto]
     atomic_write_text(path, "".join(line + "\n" for line in keep))
+    return steps.count(None)
 
 
 def _check_out_dir(out: Path) -> None:
@@ -233,8 +247,8 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, console: Console | 
                             "or use another train.out_dir to train further.")
                 return {"step": start, **last_eval}
     metrics_file = out / "metrics.jsonl"
-    if primary:
-        _rewrite_metrics(metrics_file, start)
+    if primary and (dropped := _rewrite_metrics(metrics_file, start)):
+        report.note(f"{metrics_file}: dropped {dropped} damaged line(s) (a write cut short)")
     tokens_per_step = t_cfg.batch_size * config.data.seq_len
     step = start
     log_path = metrics_file if primary else Path(os.devnull)
