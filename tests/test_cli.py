@@ -139,6 +139,21 @@ def test_every_data_and_file_mistake_is_one_line(capsys, tmp_path, monkeypatch):
     assert f"{tmp_path} is not writable" in err
 
 
+def test_a_run_that_failed_before_its_first_checkpoint_does_not_bind_the_out_dir(capsys, tmp_path, monkeypatch):
+    """Out of memory at the first step leaves config.json and no checkpoint:
+    rerunning there with the error's advice (another shape) trains."""
+    from gdnx.training import loop
+
+    def exhausted(*a, **k):
+        raise MemoryError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0TiB")
+    out = f"train.out_dir={tmp_path}"
+    with monkeypatch.context() as m:
+        m.setattr(loop.Trainer, "step", exhausted)
+        assert "out of memory" in _error(capsys, ["train", "tiny", *SMALL, "train.steps=3", out])
+    assert (tmp_path / "config.json").is_file()
+    assert main(["train", "tiny", *SMALL, "data.seq_len=36", "train.steps=3", out]) == 0
+
+
 def test_every_config_and_size_mistake_is_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert "train.learning_rate: Input should be a finite number" in _error(

@@ -176,6 +176,7 @@ def _out_of_memory(e: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from gdnx.checkpoints.orbax import CheckpointDamaged
+    from gdnx.files import DirectoryBusy
     from gdnx.training import NonFiniteStop
 
     parser = _parser()
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda text: print(f"gdnx {args.command}: {text}", file=sys.stderr)  # noqa: E731
     try:
         return _dispatch(args)
-    except (ConfigError, FileNotFoundError, CheckpointDamaged) as e:
+    except (ConfigError, FileNotFoundError, CheckpointDamaged, DirectoryBusy) as e:
         say(f"error: {e}")
         return 2
     except NonFiniteStop as e:
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         hint = {errno.ENOSPC: "free space or point train.out_dir elsewhere", errno.EDQUOT: "free space or point "
                 "train.out_dir elsewhere", errno.EFBIG: "raise the file size limit (ulimit -f)"}.get(e.errno)
-        say(f"error: {e.filename or ''}: {e.strerror}"
+        say(f"error: {f'{e.filename}: ' if e.filename else ''}{e.strerror}"
             + (f"; {hint}; the run resumes from its last checkpoint" if hint else ""))
         return 2
     except KeyboardInterrupt:

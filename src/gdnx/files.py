@@ -1,13 +1,15 @@
 """Atomic file writes: a file is either its old self or complete, never half
 written, whatever kills the process (a temporary file in the same directory,
-then os.replace)."""
+then os.replace). And a directory lock that a killed process leaves free."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -46,3 +48,41 @@ def read_json_object(path: Path, advice: str = "") -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object{tail}")
     return data
+
+
+class DirectoryBusy(ValueError):
+    """Another live process holds the directory's lock."""
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def directory_lock(directory: Path, what: str) -> Iterator[int | None]:
+    """Hold `directory`'s lock (an flock on directory/.lock holding the
+    holder's pid) for the with block; yields the pid of a holder that ended
+    without releasing it (killed: the kernel freed its flock, its pid stayed
+    in the file), else None. DirectoryBusy, naming `what` (the config field
+    the directory comes from), when a live process holds it."""
+    path = Path(directory) / LOCK_FILE
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise DirectoryBusy(f"{what} {directory}: in use by another run (pid {holder}); wait for it to end "
+                                f"or choose another {what}") from None
+        f.seek(0)
+        left = f.read().strip()
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield int(left) if left.isdigit() else None
+        finally:
+            f.seek(0)
+            f.truncate()
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)

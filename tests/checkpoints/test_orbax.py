@@ -16,7 +16,7 @@ from gdnx.training import train
 from tests.training.test_loop import SMALL, _params
 
 
-def _run(out, steps, **kw):
+def _config(out, steps, **kw):
     return load_config("tiny", SMALL + [f"train.steps={steps}", "train.checkpoint_every=3",
                                         "train.keep_checkpoints=3", f"train.out_dir={out}"])
 
@@ -43,13 +43,13 @@ def _no_manifest(out):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    train(_run(out, 9))
+    train(_config(out, 9))
     return _params(out)
 
 
 @pytest.mark.parametrize("harm", ["flip", "truncate", "no_manifest"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, capsys, straight, harm):
-    train(_run(tmp_path, 6))
+    train(_config(tmp_path, 6))
     manifest = json.loads((tmp_path / "checksums" / "6.json").read_text())
     assert manifest and all(len(h) == 64 for h in manifest.values())
     if harm == "flip":
@@ -61,7 +61,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, c
     assert damage(tmp_path / "checkpoints" / "6", tmp_path / "checksums" / "6.json") is not None
     assert damage(tmp_path / "checkpoints" / "3", tmp_path / "checksums" / "3.json") is None
     capsys.readouterr()
-    train(_run(tmp_path, 9))
+    train(_config(tmp_path, 9))
     err = capsys.readouterr().err
     assert "the checkpoint at step 6 is damaged" in err and "resumed from the checkpoint at step 3" in err
     assert (tmp_path / "damaged" / "6").is_dir()
@@ -72,10 +72,10 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, c
 
 
 def test_no_intact_checkpoint_is_one_line(tmp_path, capsys):
-    train(_run(tmp_path, 3))
+    train(_config(tmp_path, 3))
     _flip(_biggest_file(tmp_path / "checkpoints" / "3"))
     with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint \(step 3: .* does not match its checksum\)"):
-        Checkpoints(tmp_path, _run(tmp_path, 6)).latest_intact_step()
+        Checkpoints(tmp_path, _config(tmp_path, 6)).latest_intact_step()
     capsys.readouterr()
     argv = ["train", "tiny", *SMALL, "train.steps=6", "train.checkpoint_every=3", "train.keep_checkpoints=3",
             f"train.out_dir={tmp_path}"]
@@ -92,10 +92,10 @@ def test_an_unfinished_first_checkpoint_starts_over(tmp_path, capsys, straight):
     """A kill between orbax finishing the first checkpoint and its checksum
     manifest: the run starts from step 0 (as if killed before it) and ends
     where an uninterrupted run does; the unfinished checkpoint is kept aside."""
-    train(_run(tmp_path, 3))
+    train(_config(tmp_path, 3))
     (tmp_path / "checksums" / "3.json").unlink()
     capsys.readouterr()
-    train(_run(tmp_path, 9))
+    train(_config(tmp_path, 9))
     err = capsys.readouterr().err
     assert "step 3 is damaged: it has no checksum manifest" in err and "starts from step 0" in err
     assert "resumed from" not in err and (tmp_path / "damaged" / "3").is_dir()

@@ -55,3 +55,19 @@ def test_file_errors(tmp_path):
     (tmp_path / "loop.yml").write_text("base: loop.yml\n")
     with pytest.raises(ConfigError, match=r"loops back"):
         load_config(str(tmp_path / "loop.yml"))
+
+
+def test_a_hash_in_an_override_value_is_kept(tmp_path):
+    """`#` would start a YAML comment: an override value holding one is taken
+    as written, not cut (which could resume another run's directory)."""
+    cfg = load_config("tiny", [f"train.out_dir={tmp_path}/exp #2", "data.eos_token=<|end #1|>"])
+    assert cfg.train.out_dir == str(tmp_path / "exp #2") and cfg.data.eos_token == "<|end #1|>"
+    assert load_config("tiny", ["model.mlp_only_layers=[0, 1]"]).model.mlp_only_layers == [0, 1]
+
+
+def test_a_yaml_error_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text("model:\n  hidden_size: [1, 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(bad))
+    assert "not valid YAML" in str(e.value) and "\n" not in str(e.value)

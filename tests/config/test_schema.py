@@ -132,5 +132,8 @@ def test_train_and_data_checks():
         build_config({"data": {"seq_len": 32}})
     with pytest.raises(ConfigError, match=r"model.vocab_size: MQAR with 128 keys and 128 values needs >= 256"):
         build_config({"model": {"vocab_size": 200}})
+    # accepted for training, generation would refuse it later: refused now
+    with pytest.raises(ConfigError, match=r"data.seq_len: 512 is more than the model's 256 positions"):
+        build_config({"data": {"seq_len": 512}, "model": {"max_position_embeddings": 256}})
     with pytest.raises(ConfigError, match=r"train.learning_rate: .*greater than 0"):
         build_config({"train": {"learning_rate": 0}})

@@ -41,7 +41,8 @@ FAMILIES = {
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_prefill_then_decode_equals_one_pass(family):
     """Prefill 21 tokens into a cache, decode 6 one by one: the logits equal
-    a single pass over all 27 (fp32; 1e-5 relative)."""
+    a single pass over all 27 (fp32; 1e-5 relative: the chunked and the
+    token-by-token GDN paths sum in different orders, ~1e-7 per layer)."""
     model = _model(**FAMILIES[family])
     toks = _tokens(2, 27)
     full = model(toks)
@@ -75,8 +76,10 @@ def test_remat_policies_keep_gradients(policy, scan):
     toks = _tokens(2, 40)
     ref = _grads(_model(scan_layers=scan), toks)
     got = _grads(_model(remat_policy=policy, scan_layers=scan), toks)
+    # each gradient leaf within 1e-5 relative: remat recomputes the same
+    # float32 forward, so only XLA's fusion choices can move the last bits
     for a, b in zip(got, ref):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        assert relative_error(a, b) <= 1e-5
 
 
 def test_kernel_on_and_off_agree_in_a_train_step():

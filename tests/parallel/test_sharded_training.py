@@ -20,6 +20,12 @@ SHARDABLE = SMALL + ["model.linear_num_key_heads=4", "model.linear_num_value_hea
                      "model.gdn_chunk_size=16"]
 
 
+
+def max_relative(got, ref) -> float:
+    """The largest per-step relative difference of two loss curves."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    return float(np.max(np.abs(got - ref) / np.abs(ref)))
+
 def _losses(trainer, steps=3):
     params, opt = trainer.params, trainer.init_opt_state(trainer.params)
     out = []
@@ -33,7 +39,9 @@ def test_sharded_steps_give_the_single_device_losses():
     cfg = load_config("tiny", SHARDABLE + ["train.steps=8"])
     one = _losses(Trainer(cfg))
     sharded = _losses(Trainer(cfg, mesh=mesh("explicit", data=2, tensor=2, context=2)))
-    np.testing.assert_allclose(sharded, one, rtol=1e-5)
+    # each step's loss within 1e-5 relative: float32 sums split over shards
+    # and added in another order drift by ~1e-7 per step over 8 steps
+    assert max_relative(sharded, one) <= 1e-5
 
 
 def test_gradient_accumulation_on_a_mesh_gives_the_single_device_losses():
@@ -43,7 +51,7 @@ def test_gradient_accumulation_on_a_mesh_gives_the_single_device_losses():
     accumulated = load_config("tiny", SHARDABLE + ["train.steps=8", "train.grad_accum_steps=2"])
     for mode in ("auto", "explicit"):
         sharded = _losses(Trainer(accumulated, mesh=mesh(mode, data=2, tensor=2, context=2)))
-        np.testing.assert_allclose(sharded, one, rtol=1e-5)
+        assert max_relative(sharded, one) <= 1e-5  # as above: float32 sums in another order
 
 
 def test_train_on_a_mesh_checkpoints_and_resumes(tmp_path):
@@ -68,7 +76,7 @@ def test_packed_text_rows_on_a_mesh_give_the_single_device_losses(tmp_path):
     one = _losses(Trainer(load_config("tiny", over)))
     for mode in ("auto", "explicit"):
         sharded = _losses(Trainer(load_config("tiny", over), mesh=mesh(mode, data=4, tensor=2)))
-        np.testing.assert_allclose(sharded, one, rtol=1e-5)
+        assert max_relative(sharded, one) <= 1e-5  # as above: float32 sums in another order
 
 
 def test_scanned_training_on_a_mesh_matches_the_unrolled_stack():
@@ -92,6 +100,6 @@ def test_scanned_training_on_a_mesh_matches_the_unrolled_stack():
         view = unrolled_view(nnx.merge(trainer.graphdef, jax.device_get(params)))
         out[scan] = np.array(losses), view
     (ref_losses, ref), (losses, got) = out["false"], out["true"]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert max_relative(losses, ref_losses) <= 1e-6
     flat = [np.concatenate([np.ravel(g[p]) for p in ref]) for g in (got, ref)]
     assert relative_error(*flat) <= 1e-6

@@ -352,3 +352,47 @@ def test_a_failed_save_or_an_interrupt_leaves_no_thread_running(tmp_path, monkey
         trainer.run()
     assert trainer._prefetch is None and not _loop_threads()
     assert closed == [True]
+
+
+def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    """Another process holds train.out_dir: `gdnx train` there is one line and
+    exit 2, and nothing in the directory changes. A lock whose holder was
+    killed (its pid left in the file, its flock gone with it) is taken over,
+    with one line."""
+    from gdnx.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = ["train", "tiny", *SMALL, "train.steps=4", f"train.out_dir={out}"]
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from gdnx.files import directory_lock\n"
+        "with directory_lock(Path(sys.argv[1]), 'train.out_dir'):\n    print('held', flush=True); time.sleep(60)"),
+        str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert main(argv) == 2
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("gdnx")]
+        assert lines == [f"gdnx train: error: train.out_dir {out}: in use by another run (pid {holder.pid}); "
+                         "wait for it to end or choose another train.out_dir"]
+        assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(argv) == 0  # killed: its pid stays in the lock file, its flock is gone
+    err = " ".join(capsys.readouterr().err.split())  # the console wraps long notes
+    assert f"its lock was left by a run that ended without releasing it (pid {holder.pid}); taken over" in err
+    assert (out / ".lock").read_text() == ""  # released at the end of the run
+
+
+def test_a_damaged_metrics_log_does_not_block_the_resume(tmp_path, capsys):
+    """A full disk can leave metrics.jsonl ending mid-line: the resumed run
+    drops that line, says so, and continues the log as strict JSON."""
+    over = SMALL + ["train.checkpoint_every=2", "train.eval_every=0", "train.warmup_steps=1",
+                    f"train.out_dir={tmp_path}"]
+    train(load_config("tiny", over + ["train.steps=2"]))
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "split": "tr')
+    capsys.readouterr()
+    train(load_config("tiny", over + ["train.steps=4"]))
+    assert "dropped 1 damaged line(s)" in " ".join(capsys.readouterr().err.split())
+    assert [r["step"] for r in _strict_json_lines(tmp_path / "metrics.jsonl")] == [2, 4]

@@ -27,10 +27,10 @@ def test_accumulated_gradients_equal_the_whole_batch(tmp_path, count):
     def loss_fn(p, data, totals, share):
         return loss_and_metrics(nnx.merge(trainer.graphdef, p), data, 0.0, totals)
 
-    def run(n):
+    def accumulate(n):
         return jax.jit(lambda p: accumulated_gradients(loss_fn, p, batch, n))(trainer.params)
-    (loss, metrics), grads = run(1)
-    (loss_n, metrics_n), grads_n = run(count)
+    (loss, metrics), grads = accumulate(1)
+    (loss_n, metrics_n), grads_n = accumulate(count)
     assert relative_error(loss_n, loss) <= 1e-6
     for k in metrics:
         assert relative_error(metrics_n[k], metrics[k]) <= 1e-6, k

@@ -58,15 +58,22 @@ def _read_config(out_dir: Path) -> dict | None:
 
 def check_compatible(out_dir: Path, config: Config) -> None:
     """Refuse to resume the run in out_dir with a change that alters its
-    results, naming each changed field with its old and new value."""
+    results, naming each changed field with its old and new value. A
+    directory without a checkpoint (a first run that failed before its
+    first save) holds nothing to resume: any config may start there."""
     saved = _read_config(out_dir)
-    if saved is None:
+    if saved is None or not _has_checkpoints(out_dir):
         return
     before, now = _fixed(saved), _fixed(json.loads(config.model_dump_json()))
     diffs = [f"{k}: {before.get(k)!r} there, {v!r} here" for k, v in now.items() if before.get(k) != v]
     if diffs:
         raise ValueError(f"train.out_dir {out_dir} holds checkpoints of another config ({'; '.join(diffs[:4])}); "
                          "use another train.out_dir or the same values")
+
+
+def _has_checkpoints(out_dir: Path) -> bool:
+    steps = out_dir / "checkpoints"
+    return steps.is_dir() and any(p.name.isdigit() for p in steps.iterdir())
 
 
 def config_changes(out_dir: Path, config: Config) -> dict[str, list]:

@@ -4,7 +4,9 @@
 
 A config names its parent with `base: <file or bundled name>`; mappings merge
 key by key, the child winning. Overrides are dotted keys with YAML values
-("true", "1e-3", "[0, 2]"), type-checked by the schema like the file itself.
+("true", "1e-3", "[0, 2]"), type-checked by the schema like the file itself;
+a value holding `#` is taken as written (YAML would cut it at a comment:
+`train.out_dir=runs/exp #2` is the directory "runs/exp #2").
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config {path}: not valid YAML ({e})") from None
+        raise ConfigError(f"config {path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping at the top level")
     base = data.pop("base", None)
@@ -69,10 +71,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
-        try:
-            value = yaml.safe_load(raw) if raw else None
-        except yaml.YAMLError:
+        value: object
+        if "#" in raw and not raw.lstrip().startswith(("'", '"', "[", "{")):
             value = raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw else None
+            except yaml.YAMLError:
+                value = raw
         *parents, leaf = key.split(".")
         node = data
         for p in parents:

@@ -322,4 +322,9 @@ class Config(_Strict):
             if self.model.vocab_size < need:
                 raise ValueError(f"model.vocab_size: MQAR with {self.data.num_keys} keys and "
                                  f"{self.data.num_values} values needs >= {need}, got {self.model.vocab_size}")
+        if self.data.seq_len > self.model.max_position_embeddings:
+            # what generation would refuse later is refused before training
+            raise ValueError(f"data.seq_len: {self.data.seq_len} is more than the model's "
+                             f"{self.model.max_position_embeddings} positions; lower it or raise "
+                             "model.max_position_embeddings")
         return self

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from rich.console import Console
 
-from gdnx.files import atomic_write_text
+from gdnx.files import atomic_write_text, directory_lock
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
 from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source
@@ -110,7 +110,7 @@ class Trainer:
         run, a refusal, a failed save, KeyboardInterrupt."""
         with contextlib.ExitStack() as resources:
             resources.callback(self.close)
-            return _run(self, resources, console)
+            return _loop(self, resources, console)
 
     def init_opt_state(self, params: Any) -> Any:
         opt_state = self.tx.init(params)
@@ -140,12 +140,26 @@ def _json_line(record: dict) -> str:
     return json.dumps(clean, allow_nan=False) + "\n"
 
 
-def _rewrite_metrics(path: Path, upto: int) -> None:
-    """Keep the lines of steps <= upto: a resumed run continues the log."""
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line; None for a damaged one (a full disk can
+    cut the last line short)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _rewrite_metrics(path: Path, upto: int) -> int:
+    """Keep the lines of steps <= upto: a resumed run continues the log.
+    Returns how many damaged lines were dropped."""
     if not path.is_file():
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= upto]
+        return 0
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line]
+    steps = [_step_of(line) for line in lines]
+    keep = [line for line, s in zip(lines, steps) if s is not None and s <= upto]
     atomic_write_text(path, "".join(line + "\n" for line in keep))
+    return steps.count(None)
 
 
 def _check_out_dir(out: Path) -> None:
@@ -197,17 +211,22 @@ def train(config: Config, *, console: Console | None = None) -> dict[str, float]
     return build_trainer(config).run(console=console)
 
 
-def _run(trainer: Trainer, resources: contextlib.ExitStack, console: Console | None) -> dict[str, float]:
+def _loop(trainer: Trainer, resources: contextlib.ExitStack, console: Console | None) -> dict[str, float]:
     config = trainer.config
     t_cfg = config.train
     target = t_cfg.target_accuracy
     out = Path(t_cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
+    report = Reporter(console=console, quiet=not primary)
+    if primary:  # one run at a time in a directory: the first process of a run holds it
+        stale = resources.enter_context(directory_lock(out, "train.out_dir"))
+        if stale is not None:
+            report.note(f"train.out_dir {out}: its lock was left by a run that ended without releasing it "
+                        f"(pid {stale}); taken over")
     ckpt = Checkpoints(out, config)
     resources.callback(ckpt.close)
     params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
-    primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
-    report = Reporter(console=console, quiet=not primary)
     intact, damaged = ckpt.latest_intact_step()
     for line in damaged:
         report.note(line)
@@ -228,8 +247,8 @@ def _run(trainer: Trainer, resources: contextlib.ExitStack, console: Console | N
                             "or use another train.out_dir to train further.")
                 return {"step": start, **last_eval}
     metrics_file = out / "metrics.jsonl"
-    if primary:
-        _rewrite_metrics(metrics_file, start)
+    if primary and (dropped := _rewrite_metrics(metrics_file, start)):
+        report.note(f"{metrics_file}: dropped {dropped} damaged line(s) (a write cut short)")
     tokens_per_step = t_cfg.batch_size * config.data.seq_len
     step = start
     log_path = metrics_file if primary else Path(os.devnull)

@@ -91,7 +91,7 @@ def test_options_object_is_the_keywords(args):
     implementation the options name has an entry in the op's table."""
     from gdnx.ops.gated_delta_rule import DeltaRuleOptions
     from gdnx.ops.gated_delta_rule.api import IMPLEMENTATIONS
-    from gdnx.ops.gated_delta_rule.options import CHUNK_IMPLEMENTATIONS, DEFAULTS
+    from gdnx.ops.gated_delta_rule.options import CHUNK_IMPLEMENTATIONS, DEFAULTS, KERNEL_PLATFORMS
 
     opts = DeltaRuleOptions(implementation="xla", chunk_size=16, residuals="recompute")
     o_opts, _ = call(args, options=opts)
@@ -102,3 +102,5 @@ def test_options_object_is_the_keywords(args):
     with pytest.raises(TypeError, match="options: expected a DeltaRuleOptions or None, got dict"):
         call(args, options={"chunk_size": 16})
     assert set(IMPLEMENTATIONS) == set(CHUNK_IMPLEMENTATIONS)
+    # the kernels' platforms as the options module (which the config reads) states them
+    assert {n: b.platform for n, b in IMPLEMENTATIONS.items() if b.kernel} == KERNEL_PLATFORMS

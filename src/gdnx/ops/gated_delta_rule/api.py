@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,44 +31,15 @@ from gdnx.ops.gated_delta_rule.options import (
     Implementation,
     ResidualPolicy,
 )
-from gdnx.ops.gated_delta_rule.pallas_gpu import chunk_gated_delta_rule_pallas_gpu
-from gdnx.ops.gated_delta_rule.pallas_tpu import chunk_gated_delta_rule_pallas_tpu
-from gdnx.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
+from gdnx.ops.gated_delta_rule import chunked, pallas_gpu, pallas_tpu, reference, xla
+from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, choose_tiles
-from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
 
-@dataclasses.dataclass(frozen=True)
-class ImplementationEntry:
-    """One implementation of the op and what it takes.
-
-    run(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype, decay_dtype,
-        [chunk_size, use_qk_l2norm, residuals, matmul_dtype,] [interpret,])
-        -> (o, final)
-    """
-
-    name: str
-    run: Callable
-    # Chunked with a hand-written VJP (chunked.run): takes chunk_size, a
-    # residual policy and matmul_dtype, and applies l2norm itself.
-    chunked: bool
-    # A Pallas kernel: takes `interpret`.
-    kernel: bool = False
-
-
-def _reference(q, k, v, g, beta, h0, *, chunk_size=None, **kw):
-    del chunk_size  # the token recurrence has no chunks
-    return recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, **kw)
-
-
-IMPLEMENTATIONS: dict[str, ImplementationEntry] = {
-    impl.name: impl for impl in (
-        ImplementationEntry("xla", chunk_gated_delta_rule_xla, chunked=True),
-        ImplementationEntry("pallas_tpu", chunk_gated_delta_rule_pallas_tpu, chunked=True, kernel=True),
-        ImplementationEntry("pallas_gpu", chunk_gated_delta_rule_pallas_gpu, chunked=True, kernel=True),
-        ImplementationEntry("reference", _reference, chunked=False),
-    )
-}
-_AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+# the op's table: one Backend per implementation (backend.py)
+IMPLEMENTATIONS: dict[str, Backend] = {
+    b.name: b for b in (xla.BACKEND, pallas_tpu.BACKEND, pallas_gpu.BACKEND, reference.BACKEND)}
+# the default implementation per platform: the kernel written for it
+_AUTO = {b.platform: b.name for b in IMPLEMENTATIONS.values() if b.platform}
 
 
 def default_chunk_implementation(platform: str | None = None) -> str:
@@ -143,7 +113,7 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
     if name not in allowed:
         raise ValueError(f"implementation: expected None or one of {sorted(allowed)} for {op}, got {name!r}")
     impl = IMPLEMENTATIONS[name]
-    knobs: dict[str, Any] = {}
+    knobs: dict[str, Any] = {"use_qk_l2norm": use_qk_l2norm}
     if impl.kernel:
         if opts.interpret is not None and not isinstance(opts.interpret, bool):
             raise TypeError(f"interpret: expected None or a bool, got {type(opts.interpret).__name__}")
@@ -155,10 +125,11 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
                 raise ValueError(f"{what}: applies to the Pallas implementations {kernels}, not to {name!r}")
     if opts.residuals not in RESIDUAL_POLICIES:
         raise ValueError(f"residuals: expected one of {RESIDUAL_POLICIES}, got {opts.residuals!r}")
+    if impl.chunked and opts.residuals not in impl.residual_policies:
+        raise ValueError(f"residuals: {name!r} takes {impl.residual_policies}, got {opts.residuals!r}")
     matmul_dtype = None if opts.matmul_dtype is None else _resolve_dtype("matmul_dtype", opts.matmul_dtype)
     if impl.chunked:
-        knobs.update(chunk_size=opts.chunk_size, residuals=opts.residuals, matmul_dtype=matmul_dtype,
-                     use_qk_l2norm=use_qk_l2norm)
+        knobs.update(chunk_size=opts.chunk_size, residuals=opts.residuals, matmul_dtype=matmul_dtype)
     elif opts.residuals != DEFAULTS.residuals or matmul_dtype is not None:
         what = "residuals" if opts.residuals != DEFAULTS.residuals else "matmul_dtype"
         chunked = sorted(n for n, i in IMPLEMENTATIONS.items() if i.chunked)
@@ -176,8 +147,8 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
         h0 = jnp.asarray(initial_state).astype(state_dtype)
     cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens).astype(jnp.int32)
     q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-    o, final = _dispatch(q, k, v, g, beta, h0, cu, fn=impl.run, l2norm_inputs=use_qk_l2norm and not impl.chunked,
-                         scale=scale, state_dtype=state_dtype, decay_dtype=decay_dtype, **knobs)
+    o, final = _dispatch(q, k, v, g, beta, h0, cu, backend=impl, scale=scale, state_dtype=state_dtype,
+                         decay_dtype=decay_dtype, **knobs)
     return o, (final if output_final_state else None)
 
 
@@ -195,14 +166,18 @@ def _options(options: DeltaRuleOptions | None, **given) -> DeltaRuleOptions:
     return options
 
 
-@functools.partial(jax.jit, static_argnames=("fn", "l2norm_inputs", "use_qk_l2norm", "scale", "state_dtype",
-                                             "decay_dtype", "chunk_size", "interpret", "tiles", "residuals",
-                                             "matmul_dtype"))
-def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, fn, l2norm_inputs=False, **kw):
+@functools.partial(jax.jit, static_argnames=("backend", "use_qk_l2norm", "scale", "state_dtype", "decay_dtype",
+                                             "chunk_size", "interpret", "tiles", "residuals", "matmul_dtype"))
+def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, backend: Backend, use_qk_l2norm=False, **kw):
     # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
-    if l2norm_inputs:  # implementations that do not apply l2norm themselves
-        q, k = l2norm(q), l2norm(k)
-    o, final = fn(q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, **kw)
+    if backend.chunked:
+        o, final = chunked.run(backend, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                               **kw)
+    else:
+        assert backend.run is not None
+        if use_qk_l2norm:  # the token recurrence does not apply l2norm itself
+            q, k = l2norm(q), l2norm(k)
+        o, final = backend.run(q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, **kw)
     return o, final.astype(kw["state_dtype"])
 
 

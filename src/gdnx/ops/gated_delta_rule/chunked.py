@@ -1,22 +1,14 @@
-"""What every chunked implementation shares: its static options, the chunk
-block layout, and the one custom VJP they all run behind.
-
-A chunked implementation is a `Backend`, a pair of functions over chunk
-blocks ([NC, R, HK, (G,) C, D], gate rows [NC, R, HK, G, 1, C], packed
-sequences already re-laid by the chunk plan):
-
-    forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals)
-        -> (o, final[, states, tinv])
-    backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts)
-        -> (dq, dk, dv, dg, dbeta, dh0)
+"""What every chunked implementation shares: the chunk block layout and
+the one custom VJP they all run behind (backend.py has the contract of the
+forward and backward a chunked `Backend` gives).
 
 flags are the plan's `ChunkFlags`, int32 [NC, R] (kernels take no bool
-arrays); states the incoming state of every chunk, tinv the chunk inverses. Every backend takes the same
-l2norm contract: q and k come raw, the backend normalises them itself when
-opts.use_qk_l2norm, and its dq, dk are with respect to the normalised q, k (this
-module chains them through l2norm). A backend never visits an empty packed
-sequence; this module passes h0 to its final state and the final state's
-cotangent back to h0.
+arrays); states the incoming state of every chunk, tinv the chunk inverses.
+Every backend takes the same l2norm contract: q and k come raw, the backend
+normalises them itself when opts.use_qk_l2norm, and its dq, dk are with
+respect to the normalised q, k (this module chains them through l2norm). A
+backend never visits an empty packed sequence; this module passes h0 to its
+final state and the final state's cotangent back to h0.
 
 Residual policy: "save" keeps states and tinv from the forward (named
 gdn_chunk_states and gdn_chunk_inverse for remat policies); "recompute"
@@ -25,6 +17,7 @@ keeps only the inputs and reruns the forward in the backward.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -34,6 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from gdnx.ops.gated_delta_rule import chunk_math
+from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.layout import ChunkPlan, from_slots, make_plan, to_slots
 from gdnx.ops.gated_delta_rule.options import DEFAULTS, RESIDUAL_NAMES, ResidualPolicy
 
@@ -65,14 +59,6 @@ class ChunkFlags(NamedTuple):
     reset: jax.Array  # != 0: the chunk starts its sequence; its incoming state is h0[seq]
     seq: jax.Array    # the chunk's sequence
     last: jax.Array   # != 0: the chunk ends its sequence; its outgoing state is final[seq]
-
-
-class Backend(NamedTuple):
-    forward: Callable
-    backward: Callable
-    # Kernels: a vmap rule folds a mapped axis into their rows (pallas_call's
-    # own batching rule adds a grid axis Mosaic's dimension semantics reject).
-    fold_batch: bool = False
 
 
 def select(mask, a, b):
@@ -207,13 +193,22 @@ _chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
 
 def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, scale: float, state_dtype,
         decay_dtype, use_qk_l2norm: bool, residuals: ResidualPolicy = DEFAULTS.residuals, matmul_dtype=None,
-        hand_written_vjp: bool = True):
+        hand_written_vjp: bool = True, **knobs):
     """Validated [B, T, H, D] inputs in, (o [B, T, HV, V], final [N, HV, K, V]) out.
+
+    knobs go to the backend's forward and backward (a kernel's interpret
+    and tiles).
 
     hand_written_vjp=False differentiates the backend's forward with plain
     autodiff (only for a backend written in plain JAX: the baseline the
     gradient tests and benchmarks compare with).
     """
+    if backend.check_shapes is not None:
+        backend.check_shapes(q.shape[-1], v.shape[-1])
+    if knobs:
+        assert backend.forward is not None and backend.backward is not None  # chunked
+        backend = dataclasses.replace(backend, forward=functools.partial(backend.forward, **knobs),
+                                      backward=functools.partial(backend.backward, **knobs))
     opts = ChunkOptions(scale=scale, state_dtype=jnp.dtype(state_dtype), decay_dtype=jnp.dtype(decay_dtype),
                         residuals=residuals, matmul_dtype=matmul_dtype, use_qk_l2norm=use_qk_l2norm)
     r, t, hk, k_dim = q.shape

@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
+from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions
 from gdnx.ops.gated_delta_rule.tiles import GpuTiles
 
@@ -376,8 +377,9 @@ def _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret):
                  interpret=interpret, flops=flops, exps=heads * exps, args=(k, rk, v, g, beta))
 
 
-def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool, interpret: bool,
-            tiles: GpuTiles):
+def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool,
+            interpret: bool | None, tiles: GpuTiles):
+    interpret = pallas_common.resolve_interpret(interpret)
     lay = _Layout(q, v, h0.shape[0], tiles)
     opts = _hardware(opts, interpret)
     acc = opts.state_dtype
@@ -585,8 +587,9 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
     _each_block(nkb, key_block)
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions, interpret: bool,
-             tiles: GpuTiles):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions,
+             interpret: bool | None, tiles: GpuTiles):
+    interpret = pallas_common.resolve_interpret(interpret)
     lay = _Layout(q, v, dfinal.shape[0], tiles)
     opts = _hardware(opts, interpret)
     acc = opts.state_dtype
@@ -644,11 +647,5 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     return (dq.sum(3)[..., :k_dim], dk.sum(3)[..., :k_dim], dv[..., :v_dim], dg, dbeta, dh0[..., :k_dim, :v_dim])
 
 
-def chunk_gated_delta_rule_pallas_gpu(q, k, v, g, beta, h0, *, interpret: bool | None, tiles: GpuTiles, **kw):
-    """Validated [B, T, H, D] inputs in, (o, final) out; `chunked.run`'s
-    keywords and the tiles chosen for the call (`tiles.choose_tiles`)."""
-    pallas_common.check_dims("pallas_gpu", q.shape[-1], v.shape[-1])
-    run_interpreted = pallas_common.resolve_interpret(interpret)
-    backend = chunked.Backend(functools.partial(forward, interpret=run_interpreted, tiles=tiles),
-                              functools.partial(backward, interpret=run_interpreted, tiles=tiles), fold_batch=True)
-    return chunked.run(backend, q, k, v, g, beta, h0, **kw)
+BACKEND = Backend("pallas_gpu", platform="gpu", forward=forward, backward=backward, tiles=GpuTiles,
+                  check_shapes=functools.partial(pallas_common.check_dims, "pallas_gpu"), fold_batch=True)

@@ -35,6 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 
 from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
+from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags
 from gdnx.ops.gated_delta_rule.tiles import TpuTiles
 
@@ -194,7 +195,8 @@ def _check_tile(hk, head_tile):
         raise ValueError(f"head_tile={head_tile} must divide the key heads HK={hk}")
 
 
-def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret, head_tile=1):
+def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret: bool | None, tiles: TpuTiles):
+    head_tile, interpret = tiles.head_tile, pallas_common.resolve_interpret(interpret)
     nc, rows, hk, c, k_dim = q.shape
     grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
@@ -217,7 +219,8 @@ def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret, hea
                  head_tile=head_tile, interpret=interpret, cost=cost, flags=flags, args=(q, k, v, g, beta, h0))
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret, head_tile=1):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret: bool | None, tiles: TpuTiles):
+    head_tile, interpret = tiles.head_tile, pallas_common.resolve_interpret(interpret)
     nc, rows, hk, c, k_dim = q.shape
     grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
@@ -243,11 +246,5 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpr
                  args=(q, k, v, g, beta, tinv, states, do, dfinal))
 
 
-def chunk_gated_delta_rule_pallas_tpu(q, k, v, g, beta, h0, *, interpret: bool | None, tiles: TpuTiles, **kw):
-    """Validated [B, T, H, D] inputs in, (o, final) out; `chunked.run`'s
-    keywords and the tiles chosen for the call (`tiles.choose_tiles`)."""
-    pallas_common.check_dims("pallas_tpu", q.shape[-1], v.shape[-1])
-    knobs = dict(interpret=pallas_common.resolve_interpret(interpret), head_tile=tiles.head_tile)
-    backend = chunked.Backend(functools.partial(forward, **knobs), functools.partial(backward, **knobs),
-                              fold_batch=True)
-    return chunked.run(backend, q, k, v, g, beta, h0, **kw)
+BACKEND = Backend("pallas_tpu", platform="tpu", forward=forward, backward=backward, tiles=TpuTiles,
+                  check_shapes=functools.partial(pallas_common.check_dims, "pallas_tpu"), fold_batch=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.layout import from_slots, make_plan, to_slots
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -52,3 +53,6 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, *, cu_seqlens, sc
     (_, final), o = jax.lax.scan(body, init, xs)
     o = jnp.moveaxis(o, 0, 1).reshape(r, plan.padded_length, hv, dv)
     return from_slots(o, plan).astype(q.dtype), final.reshape(h0.shape[0], hv, dk, dv)
+
+
+BACKEND = Backend("reference", run=recurrent_gated_delta_rule_reference)

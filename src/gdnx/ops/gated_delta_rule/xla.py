@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from gdnx.ops.gated_delta_rule import chunk_math, chunked
+from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions, select
 from gdnx.ops.gated_delta_rule.options import DEFAULTS
 
@@ -96,7 +97,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     return dq, dk, dv, dg, dbeta, dh0
 
 
-BACKEND = chunked.Backend(forward, backward)
+BACKEND = Backend("xla", forward=forward, backward=backward)
 
 
 def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
