@@ -32,21 +32,22 @@ KERNEL_CASES = [
 ]
 
 
-class TestPallasTpu(ImplementationContract):
-    implementation = "pallas_tpu"
+class KernelContract(ImplementationContract):
+    """What both kernels run: the small cases, both residual policies,
+    bfloat16 products, and the backward against xla's."""
     cases = KERNEL_CASES
     recompute_cases = by_name(KERNEL_CASES, "k64_v128_packed_l2", "k128_v64_bf16_l2")
     matmul_bf16 = True
     gradient_peer = "xla"
+
+
+class TestPallasTpu(KernelContract):
+    implementation = "pallas_tpu"
     tiles = [TpuTiles(head_tile=2)]  # two key heads per grid step
 
 
-class TestPallasGpu(ImplementationContract):
+class TestPallasGpu(KernelContract):
     implementation = "pallas_gpu"
-    cases = KERNEL_CASES
-    recompute_cases = by_name(KERNEL_CASES, "k64_v128_packed_l2", "k128_v64_bf16_l2")
-    matmul_bf16 = True
-    gradient_peer = "xla"
     # every block size off its default
     tiles = [GpuTiles(block_k=32, block_v=32, output_block_v=16, state_block_k=16, state_block_v=32, num_warps=4)]
 
