@@ -31,7 +31,7 @@ from gdnx.ops.gated_delta_rule.options import (
     Implementation,
     ResidualPolicy,
 )
-from gdnx.ops.gated_delta_rule import chunked, pallas_gpu, pallas_tpu, reference, xla
+from gdnx.ops.gated_delta_rule import chunked, pallas_common, pallas_gpu, pallas_tpu, reference, xla
 from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, choose_tiles
 
@@ -117,16 +117,16 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
     if impl.kernel:
         if opts.interpret is not None and not isinstance(opts.interpret, bool):
             raise TypeError(f"interpret: expected None or a bool, got {type(opts.interpret).__name__}")
-        knobs.update(interpret=opts.interpret, tiles=choose_tiles(name, tiles, key_heads=q.shape[2]))
+        knobs.update(interpret=pallas_common.resolve_interpret(opts.interpret),
+                     tiles=choose_tiles(name, tiles, key_heads=q.shape[2]))
     else:
         kernels = sorted(n for n, i in IMPLEMENTATIONS.items() if i.kernel)
         for what, x in (("interpret", opts.interpret), ("tiles", tiles)):
             if x is not None:
                 raise ValueError(f"{what}: applies to the Pallas implementations {kernels}, not to {name!r}")
-    if opts.residuals not in RESIDUAL_POLICIES:
-        raise ValueError(f"residuals: expected one of {RESIDUAL_POLICIES}, got {opts.residuals!r}")
-    if impl.chunked and opts.residuals not in impl.residual_policies:
-        raise ValueError(f"residuals: {name!r} takes {impl.residual_policies}, got {opts.residuals!r}")
+    policies = impl.residual_policies if impl.chunked else RESIDUAL_POLICIES
+    if opts.residuals not in policies:
+        raise ValueError(f"residuals: expected one of {policies}, got {opts.residuals!r}")
     matmul_dtype = None if opts.matmul_dtype is None else _resolve_dtype("matmul_dtype", opts.matmul_dtype)
     if impl.chunked:
         knobs.update(chunk_size=opts.chunk_size, residuals=opts.residuals, matmul_dtype=matmul_dtype)

@@ -377,9 +377,8 @@ def _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret):
                  interpret=interpret, flops=flops, exps=heads * exps, args=(k, rk, v, g, beta))
 
 
-def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool,
-            interpret: bool | None, tiles: GpuTiles):
-    interpret = pallas_common.resolve_interpret(interpret)
+def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool, interpret: bool,
+            tiles: GpuTiles):
     lay = _Layout(q, v, h0.shape[0], tiles)
     opts = _hardware(opts, interpret)
     acc = opts.state_dtype
@@ -587,9 +586,8 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
     _each_block(nkb, key_block)
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions,
-             interpret: bool | None, tiles: GpuTiles):
-    interpret = pallas_common.resolve_interpret(interpret)
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions, interpret: bool,
+             tiles: GpuTiles):
     lay = _Layout(q, v, dfinal.shape[0], tiles)
     opts = _hardware(opts, interpret)
     acc = opts.state_dtype

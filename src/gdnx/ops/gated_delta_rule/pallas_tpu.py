@@ -195,8 +195,8 @@ def _check_tile(hk, head_tile):
         raise ValueError(f"head_tile={head_tile} must divide the key heads HK={hk}")
 
 
-def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret: bool | None, tiles: TpuTiles):
-    head_tile, interpret = tiles.head_tile, pallas_common.resolve_interpret(interpret)
+def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret: bool, tiles: TpuTiles):
+    head_tile = tiles.head_tile
     nc, rows, hk, c, k_dim = q.shape
     grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
@@ -219,8 +219,8 @@ def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret: boo
                  head_tile=head_tile, interpret=interpret, cost=cost, flags=flags, args=(q, k, v, g, beta, h0))
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret: bool | None, tiles: TpuTiles):
-    head_tile, interpret = tiles.head_tile, pallas_common.resolve_interpret(interpret)
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret: bool, tiles: TpuTiles):
+    head_tile = tiles.head_tile
     nc, rows, hk, c, k_dim = q.shape
     grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
