@@ -26,15 +26,13 @@ def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 deps.update(a.name for a in node.names if a.name in modules)
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                assert node.level == 0 and node.module, f"{path}: gdnx imports absolutely ({ast.unparse(node)})"
+                base = node.module
                 for a in node.names:
                     target = f"{base}.{a.name}"
                     deps.add(target if target in modules else base)

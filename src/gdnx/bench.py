@@ -71,7 +71,8 @@ def train_step_row(cfg: ModelConfig, batch: int, seq_len: int, repeats: int):
     return n_params, median_ms(jitted, args, repeats), compiled_peak_bytes(jitted, args)
 
 
-def run_benchmarks(*, batch: int = 4, seq_len: int = 1024, repeats: int = 5, op_tokens: int = 2048, print_fn=print) -> dict:
+def run_benchmarks(*, batch: int = 4, seq_len: int = 1024, repeats: int = 5, op_tokens: int = 2048,
+                   print_fn=print) -> dict:
     print_fn(f"gdnx bench  jax {jax.__version__} on {jax.default_backend()}  (medians of {repeats} runs)")
     shape, rows = op_rows(t=op_tokens, repeats=repeats)
     print_fn(f"\nchunk_gated_delta_rule  {shape}")

@@ -60,7 +60,8 @@ def test_a_tokenizer_and_a_large_vocabulary(tmp_path):
         tok = Tokenizer(WordLevel(vocab=words, unk_token="[UNK]"))
         tok.pre_tokenizer = Whitespace()
         tok.save(str(tmp_path / f"tok{vocab}.json"))
-        meta = prepare_corpus([corpus / "a.jsonl"], tmp_path / f"out{vocab}", tokenizer=str(tmp_path / f"tok{vocab}.json"))
+        meta = prepare_corpus([corpus / "a.jsonl"], tmp_path / f"out{vocab}",
+                              tokenizer=str(tmp_path / f"tok{vocab}.json"))
         assert meta["dtype"] == dtype and meta["vocab_size"] == vocab
         tokens, ends = _all_tokens(tmp_path / f"out{vocab}")["train"]
         assert (tokens[ends - 1] == 1).all() and tokens[0] == 2  # "doc" then its number; </s> ends each
@@ -88,6 +89,7 @@ def test_a_tokenizer_without_a_known_end_token_needs_one_named(tmp_path):
     tok.save(str(tmp_path / "tok.json"))
     with pytest.raises(ValueError, match=r"name its end-of-document token \(gdnx prepare --eos-token, or "):
         prepare_corpus([corpus / "a.jsonl"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"))
-    meta = prepare_corpus([corpus / "a.jsonl"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"), eos_token="|end|")
+    meta = prepare_corpus([corpus / "a.jsonl"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"),
+                          eos_token="|end|")
     tokens, ends = _all_tokens(tmp_path / "out")["train"]
     assert meta["fingerprint"]["eos"] == 2 and (tokens[ends - 1] == 2).all()

@@ -73,8 +73,8 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
     directory = prepared_dir(data_cfg, out_dir or Path("."))
     if data_cfg.source == "text":
         try:
-            prepare_corpus([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer, eos_token=data_cfg.eos_token,
-                    val_fraction=data_cfg.val_fraction, progress=progress)
+            prepare_corpus([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer,
+                           eos_token=data_cfg.eos_token, val_fraction=data_cfg.val_fraction, progress=progress)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"data.path: {e}") from None
         except ValueError as e:

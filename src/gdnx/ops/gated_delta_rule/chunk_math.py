@@ -304,7 +304,7 @@ class ChunkTerms(NamedTuple):
 
 
 def chunk_terms(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse,
-            matmul_dtype=None):
+                matmul_dtype=None):
     """Everything one value head's chunk needs before it sees the state.
 
     q, k, v, qk, kk come in the accumulation dtype; g and beta as [1, C] rows
@@ -317,7 +317,7 @@ def chunk_terms(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inve
         tinv = chunk_inverse(kk, beta, dec, inverse=inverse)
     u, w = wy(tinv, k, v, beta, dec, matmul_dtype=matmul_dtype)
     return ChunkTerms(dec=dec, beta=beta, tinv=tinv, u=u, w=w, p=output_mix(qk, dec, scale=scale),
-                    eq=scale * dec.eg)
+                      eq=scale * dec.eg)
 
 
 def step(state, q, k, prep: ChunkTerms, *, matmul_dtype=None):
@@ -467,7 +467,7 @@ def value_head_forward(q, k, v, g, beta, qk, kk, state, *, scale, decay_dtype, i
                        matmul_dtype=None):
     """One value head's chunk: (o [C, V], outgoing state [K, V], (I + A)^-1)."""
     prep = chunk_terms(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, inverse=inverse,
-                   matmul_dtype=matmul_dtype)
+                       matmul_dtype=matmul_dtype)
     o, new_state = step(state, q, k, prep, matmul_dtype=matmul_dtype)
     return o, new_state, prep.tinv
 
@@ -487,7 +487,8 @@ def value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_out, *
                         matmul_dtype=None):
     """Adjoint of `value_head_forward` given the chunk's saved inverse and
     incoming state, the output cotangent and the outgoing state's cotangent."""
-    prep = chunk_terms(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv, matmul_dtype=matmul_dtype)
+    prep = chunk_terms(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv,
+                       matmul_dtype=matmul_dtype)
     vn = prep.u - mm(prep.w, state, matmul_dtype=matmul_dtype)
     dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep, matmul_dtype=matmul_dtype)
     dv, vsums = value_grads(do, dvn, vn, prep.u, v, prep.tinv, prep.beta, matmul_dtype=matmul_dtype)

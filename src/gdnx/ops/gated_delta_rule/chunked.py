@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -30,7 +29,6 @@ from gdnx.ops.gated_delta_rule import chunk_math
 from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.layout import ChunkPlan, from_slots, make_plan, to_slots
 from gdnx.ops.gated_delta_rule.options import DEFAULTS, RESIDUAL_NAMES, ResidualPolicy
-
 
 
 class ChunkOptions(NamedTuple):

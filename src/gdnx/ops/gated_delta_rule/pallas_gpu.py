@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
+from gdnx.ops.gated_delta_rule import chunk_math, pallas_common
 from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions
 from gdnx.ops.gated_delta_rule.tiles import GpuTiles

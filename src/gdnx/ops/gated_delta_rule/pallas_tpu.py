@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 
-from gdnx.ops.gated_delta_rule import chunk_math, chunked, pallas_common
+from gdnx.ops.gated_delta_rule import chunk_math, pallas_common
 from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags
 from gdnx.ops.gated_delta_rule.tiles import TpuTiles
