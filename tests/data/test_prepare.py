@@ -30,7 +30,7 @@ def test_bytes_documents_split_and_rerun(tmp_path):
     meta = prepare_corpus([_corpus(tmp_path)], tmp_path / "out", val_fraction=0.1)
     splits = meta["splits"]
     assert splits["train"]["documents"] + splits["val"]["documents"] == 201
-    assert 5 <= splits["val"]["documents"] <= 40 and meta["dtype"] == "uint16"
+    assert splits["val"]["documents"] == 20 and meta["dtype"] == "uint16"  # int(201 * 0.1), exactly
     shards = _all_tokens(tmp_path / "out")
     texts = []
     for tokens, ends in shards.values():
@@ -40,16 +40,14 @@ def test_bytes_documents_split_and_rerun(tmp_path):
     assert bytes(range(1, 256)) * 3 in texts  # the .txt file's raw bytes, unchanged
     assert "doc 3 doc 3 doc 3 doc 3 ".encode() in texts
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
-    again = prepare_corpus([_corpus_again(tmp_path)], tmp_path / "out", val_fraction=0.1)
+    again = prepare_corpus([tmp_path / "docs"], tmp_path / "out", val_fraction=0.1)
     assert again.get("up_to_date") and {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
-    # the split is a function of each document, not of the run
-    prepare_corpus([tmp_path / "docs"], tmp_path / "out2", val_fraction=0.1)
+    # the split is a function of the documents, not of the run or of where the files lie
+    (tmp_path / "elsewhere").mkdir()
+    moved = (tmp_path / "docs").rename(tmp_path / "elsewhere" / "corpus")
+    prepare_corpus([moved], tmp_path / "out2", val_fraction=0.1)
     for s in ("train", "val"):
         np.testing.assert_array_equal(_all_tokens(tmp_path / "out2")[s][0], shards[s][0])
-
-
-def _corpus_again(tmp_path):
-    return tmp_path / "docs"
 
 
 def test_a_tokenizer_and_a_large_vocabulary(tmp_path):

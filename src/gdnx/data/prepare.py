@@ -5,8 +5,10 @@ Inputs are .txt files (one document each) and .jsonl files (one
 is tokenized (raw bytes, or a Hugging Face tokenizer.json), followed by the
 end-of-document token, and appended to its split's shard: `<split>.tokens`
 (uint16 when the vocabulary fits, else uint32) with `<split>.docs`, the
-int64 end offset of every document. A document goes to the validation
-split by a hash of its file and number, so the split is stable. Reading is
+int64 end offset of every document. Every 1/val_fraction-th document, counted
+across the sorted inputs, goes to the validation split: the split holds the
+fraction exactly (to a document), does not depend on where the files lie,
+and appending documents leaves earlier ones where they were. Reading is
 streamed (memory does not grow with the corpus). `meta.json`, written last,
 records the inputs (path, size, mtime), the tokenizer and the settings: a
 rerun on the same inputs finds it and does nothing.
@@ -26,7 +28,7 @@ import numpy as np
 from gdnx.files import atomic_write_text
 from gdnx.data.text import HFTokenizer
 
-FORMAT = 1
+FORMAT = 2
 SPLITS = ("train", "val")
 BYTES_EOS = 0  # byte tokenization: NUL ends a document (text does not contain it)
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -110,9 +112,10 @@ class _Encoder:
             yield np.asarray(self.hf.encode(carry.decode("utf-8", errors="replace")), np.int64)
 
 
-def _in_val(path: Path, number: int, fraction: float) -> bool:
-    digest = hashlib.blake2b(f"{path}:{number}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2 ** 64 < fraction
+def _in_val(index: int, fraction: float) -> bool:
+    """Whether document `index` (0-based, across all inputs) is held out: the
+    held-out count steps by one each 1/fraction documents."""
+    return int((index + 1) * fraction) > int(index * fraction)
 
 
 def _fingerprint(files: list[Path], tokenizer: str | None, eos: int, val_fraction: float) -> dict[str, Any]:
@@ -149,10 +152,12 @@ def prepare_corpus(paths: list[Path], out: Path, *, tokenizer: str | None = None
     done = 0
     counts = {s: [0, 0] for s in SPLITS}  # tokens, documents
     handles = {s: ((out / f"{s}.tokens.tmp").open("wb"), (out / f"{s}.docs.tmp").open("wb")) for s in SPLITS}
+    index = 0
     try:
         for path in files:
-            for number, blocks in enumerate(_documents(path)):
-                split = "val" if _in_val(path, number, val_fraction) else "train"
+            for blocks in _documents(path):
+                split = "val" if _in_val(index, val_fraction) else "train"
+                index += 1
                 tokens, docs = handles[split]
                 for ids in encoder.encode(blocks):
                     tokens.write(ids.astype(dtype).tobytes())
