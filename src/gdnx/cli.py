@@ -4,18 +4,25 @@ User errors (a bad config key or value, a missing, unreadable or corrupt
 file, a checkpoint of another config, an option this machine cannot run, a
 full disk, running out of memory) print one line and exit with status 2,
 without a traceback; docs/errors.md lists them. A run stopped by the
-non-finite guard exits with status 3. Anything else is a bug and keeps its
-traceback.
+non-finite guard exits with status 3; one whose other process died, 4; one
+stopped by SIGTERM or SIGINT after saving a checkpoint, 75. Anything else
+is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
+
+from typing import TYPE_CHECKING
 
 from gdnx import __version__
 from gdnx.config.loading import DEFAULT_CONFIG, ConfigError, bundled_names
+
+if TYPE_CHECKING:
+    from gdnx.distributed import ProcessGroup
 
 # OSErrors that come from the machine or the user's files, not from gdnx
 _USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
@@ -35,9 +42,7 @@ def _parser() -> argparse.ArgumentParser:
                             f"default {DEFAULT_CONFIG}. A key=value here is taken as an override.")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, e.g. train.steps=100 parallel.tensor=4")
-    train.add_argument("--distributed", action="store_true",
-                       help="multi-host: call jax.distributed.initialize() first (run the same command on every "
-                            "host; docs/sharding.md)")
+    _distributed_options(train)
     gen = sub.add_parser("generate", help="generate from a gdnx checkpoint or a Hugging Face directory")
     gen.add_argument("--checkpoint", required=True,
                      help="a gdnx train.out_dir or a Hugging Face directory (Qwen3-Next, Qwen3.5, OLMo Hybrid)")
@@ -49,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("overrides", nargs="*", metavar="key=value",
                      help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla")
+    _distributed_options(gen)
     prep = sub.add_parser("prepare", help="tokenize text into memory-mapped shards for data.source=tokens",
                           description="Tokenize .txt / .jsonl files (or directories of them) into token shards "
                                       "with a document index and a validation split; a rerun on the same inputs "
@@ -82,21 +88,53 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _distributed_options(command: argparse.ArgumentParser) -> None:
+    group = command.add_argument_group("several processes (docs/sharding.md)")
+    group.add_argument("--distributed", action="store_true",
+                       help="one of several processes of a run: start JAX's distributed runtime first (run the same "
+                            "command in every process); the options below, else JAX_COORDINATOR_ADDRESS, "
+                            "JAX_NUM_PROCESSES, JAX_PROCESS_ID, else the cluster (Cloud TPU, SLURM, Open MPI) say "
+                            "where. Any of the options below implies it")
+    group.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="process 0's address")
+    group.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0 .. N-1")
+    group.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
+                       help="a process silent this long is taken for dead and the others stop (default 100)")
+
+
+def _wants_distributed(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "distributed", False)) or any(
+        getattr(args, k, None) is not None for k in ("coordinator", "num_processes", "process_id",
+                                                     "heartbeat_timeout"))
+
+
+def _process_group(args: argparse.Namespace) -> ProcessGroup:
+    from gdnx.distributed import HEARTBEAT_TIMEOUT_S, process_group
+
+    try:
+        return process_group(args.coordinator, args.num_processes, args.process_id,
+                             HEARTBEAT_TIMEOUT_S if args.heartbeat_timeout is None else args.heartbeat_timeout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _start_distributed(args: argparse.Namespace) -> None:
+    from gdnx.distributed import initialize, native_output_to_supervisor
+
+    group = _process_group(args)
+    native_output_to_supervisor()
+    try:
+        initialize(group)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _train(args) -> None:
     from gdnx.checkpoints.orbax import quiet_refused_writes
     from gdnx.config import load_config
     from gdnx.training import build_trainer
 
     overrides = list(args.overrides)
-    if args.distributed:
-        import jax
-
-        try:
-            jax.distributed.initialize()  # coordinator etc. from the cluster's environment
-        except (ValueError, RuntimeError) as e:
-            raise ConfigError(f"--distributed: jax.distributed.initialize() failed ({str(e).splitlines()[0]}); "
-                              "run it where a cluster environment (TPU pod, SLURM, coordinator address) is "
-                              "set") from None
     name = args.config
     if name is not None and "=" in name:
         name, overrides = None, [name] + overrides
@@ -147,6 +185,8 @@ def _plan(args) -> None:
 
 
 def _dispatch(args) -> int:
+    if _wants_distributed(args):
+        _start_distributed(args)
     if args.command == "train":
         _train(args)
     elif args.command == "generate":
@@ -176,18 +216,23 @@ def _out_of_memory(e: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from gdnx.checkpoints.orbax import CheckpointDamaged
+    from gdnx.distributed import PREEMPTED_STATUS, SUPERVISED, exit_peer_lost, peer_failure, supervise
     from gdnx.files import DirectoryBusy
-    from gdnx.training import NonFiniteStop
+    from gdnx.training import NonFiniteStop, Preempted
 
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may also follow the options (gdnx plan X --topology T key=value)
     if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    say = lambda text: print(f"gdnx {args.command}: {text}", file=sys.stderr)  # noqa: E731
+    say = lambda text: print(f"gdnx {args.command}: {text}", file=sys.stderr, flush=True)  # noqa: E731
     try:
+        if _wants_distributed(args) and SUPERVISED not in os.environ:
+            _process_group(args)  # a bad option is refused before any process starts
+            return supervise(argv, args.command)  # the work runs in a child: see gdnx.distributed
         return _dispatch(args)
     except (ConfigError, FileNotFoundError, CheckpointDamaged, DirectoryBusy) as e:
         say(f"error: {e}")
@@ -195,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteStop as e:
         say(str(e))
         return 3
+    except Preempted as e:
+        say(str(e))
+        return PREEMPTED_STATUS
     except OSError as e:
         if e.errno not in _USER_ERRNOS:
             raise
@@ -207,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         say("interrupted")
         return 130
     except Exception as e:
+        if (lost := peer_failure(e)) is not None:
+            exit_peer_lost(args.command, lost)
         if not _out_of_memory(e):
             raise
         say(f"error: out of memory ({str(e).splitlines()[0][:160]}); {MEMORY_HINT}")

@@ -113,11 +113,14 @@ def run_generate(args) -> None:
     if len(ids) + args.max_new_tokens > limit:
         raise ConfigError(f"--max-new-tokens: the prompt's {len(ids)} tokens + {args.max_new_tokens} exceed the "
                           f"model's {limit} positions (max_position_embeddings)")
-    need, have = cache_bytes(model, len(ids) + args.max_new_tokens), memory_capacity(jax.devices())
+    need, have = cache_bytes(model, len(ids) + args.max_new_tokens), memory_capacity(jax.local_devices()[:1])
     if need > have:
         raise ConfigError(f"--max-new-tokens: the generation cache for {len(ids) + args.max_new_tokens} tokens needs "
                           f"{need / 2 ** 30:,.1f} GiB and the device holds {have / 2 ** 30:,.1f} GiB")
-    print(f"loaded {loaded}; prompt of {len(ids)} tokens", file=sys.stderr)
+    # with several processes each generates the same tokens (same seed); process 0 shows them
+    shows = jax.process_index() == 0
+    if shows:
+        print(f"loaded {loaded}; prompt of {len(ids)} tokens", file=sys.stderr)
     out: list[int] = []
     shown = ""
 
@@ -126,11 +129,12 @@ def run_generate(args) -> None:
         out.append(int(tok_step[0]))
         text = tok.decode(out)
         # a multi-byte character shows once complete
-        if not text.endswith("\ufffd"):
+        if shows and not text.endswith("\ufffd"):
             sys.stdout.write(text[len(shown):])
             sys.stdout.flush()
             shown = text
 
     generate(model, jnp.asarray([ids], jnp.int32), args.max_new_tokens, temperature=args.temperature,
              top_p=args.top_p, seed=args.seed, on_token=stream)
-    sys.stdout.write("\n")
+    if shows:
+        sys.stdout.write("\n")

@@ -6,7 +6,14 @@ Each checkpoint also gets a manifest of SHA-256 checksums of its files
 (checksums/<step>.json, written after the checkpoint is complete). A
 checkpoint whose files do not match, or that has no manifest, is damaged:
 resuming reports it, moves it aside (damaged/<step>) and takes the newest
-intact one.
+intact one. Checkpoints beyond train.keep_checkpoints are deleted only after
+the new one's manifest is written, so a kill at any moment leaves an intact
+checkpoint behind.
+
+With several processes, each writes its shards (orbax's multi-process
+save); process 0 writes the manifest, the config and moves damaged
+checkpoints aside, and tells the others which step to resume from. The
+run directory must be one filesystem that every process sees.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from gdnx.files import atomic_write_text, read_json_object
@@ -155,15 +163,19 @@ class Checkpoints:
         self.primary = jax.process_index() == 0
         self.manager = self._manager()
         changes = config_changes(out_dir, config)
-        if changes and self.primary:  # allowed changes on resume are recorded
+        if not self.primary:
+            return
+        if changes:  # allowed changes on resume are recorded
             record = json.dumps({"step": self.manager.latest_step(), "changed": changes})
             history = out_dir / CHANGES_FILE
             atomic_write_text(history, (history.read_text() if history.is_file() else "") + record + "\n")
         atomic_write_text(out_dir / CONFIG_FILE, config.model_dump_json(indent=2))
 
     def _manager(self) -> ocp.CheckpointManager:
+        # max_to_keep stays None: orbax would delete the oldest inside save(),
+        # before the new checkpoint's manifest exists (see save)
         return ocp.CheckpointManager(self.dir.resolve(), options=ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep, create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True))
+            create=True, enable_async_checkpointing=False, cleanup_tmp_directories=True))
 
     def latest_intact_step(self) -> tuple[int | None, list[str]]:
         """The newest checkpoint whose files match their checksums, and one
@@ -171,13 +183,10 @@ class Checkpoints:
         CheckpointDamaged when there are checkpoints and none is intact, unless
         the only one is the first checkpoint left unfinished by a kill: the
         run then starts over, as if killed before it."""
-        step, damaged = newest_intact(self.out_dir, self.manager.all_steps())
+        step, damaged = newest_intact(self.out_dir, self.manager.all_steps()) if self.primary else (None, [])
         first_unfinished = step is None and len(damaged) == 1 and damaged[0][1] == UNFINISHED
-        if damaged and step is None and not first_unfinished:
-            raise CheckpointDamaged(f"train.out_dir {self.out_dir}: no intact checkpoint ("
-                                    + "; ".join(f"step {s}: {what}" for s, what in damaged)
-                                    + "); move checkpoints/ and checksums/ away to start over")
-        if damaged and self.primary:
+        refused = bool(damaged) and step is None and not first_unfinished
+        if damaged and not refused:
             self.manager.close()
             for s, _ in damaged:
                 target = self.out_dir / "damaged" / str(s)
@@ -185,6 +194,21 @@ class Checkpoints:
                 shutil.rmtree(target, ignore_errors=True)
                 (self.dir / str(s)).rename(target)
                 (self.sums / f"{s}.json").unlink(missing_ok=True)
+        if jax.process_count() > 1:  # process 0 judged; every process takes its word
+            from jax.experimental import multihost_utils
+
+            word = multihost_utils.broadcast_one_to_all(np.asarray([-1 if step is None else step, len(damaged),
+                                                                    refused], np.int64))
+            step, moved, refused = (None if word[0] < 0 else int(word[0])), int(word[1]), bool(word[2])
+        else:
+            moved = len(damaged)
+        if refused:
+            raise CheckpointDamaged(f"train.out_dir {self.out_dir}: no intact checkpoint ("
+                                    + "; ".join(f"step {s}: {what}" for s, what in damaged)
+                                    + "); move checkpoints/ and checksums/ away to start over")
+        if moved:
+            if not self.primary:
+                self.manager.close()
             self.manager = self._manager()
         lines = [f"the checkpoint at step {s} is damaged: {what}; moved to {self.out_dir / 'damaged' / str(s)}"
                  for s, what in damaged]
@@ -211,6 +235,11 @@ class Checkpoints:
         if self.primary:
             self.sums.mkdir(exist_ok=True)
             atomic_write_text(self.sums / f"{step}.json", json.dumps(_digest(self.dir / str(step)), indent=1))
+        # only now, with the new checkpoint verifiable, may the oldest go
+        # (a collective: process 0 deletes, the others wait for it)
+        for old in sorted(self.manager.all_steps())[:-self.keep] if self.keep else []:
+            self.manager.delete(old)
+        if self.primary:
             kept = {f"{s}.json" for s in self.manager.all_steps()}
             for stale in self.sums.glob("*.json"):
                 if stale.name not in kept:
@@ -252,7 +281,14 @@ def newest_intact(run_dir: Path, steps: Any) -> tuple[int | None, list[tuple[int
 
 def load_params(run_dir: Path, abstract_params: Any) -> tuple[Any, int, list[str]]:
     """Parameters of the newest intact checkpoint under a train.out_dir (for
-    generate), its step, and one line per damaged newer checkpoint."""
+    generate), its step, and one line per damaged newer checkpoint. Leaves
+    of `abstract_params` without a sharding are placed on this process's
+    first device, whatever mesh wrote the checkpoint."""
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract_params = jax.tree.map(
+        lambda x: x if getattr(x, "sharding", None) is not None else jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                                           sharding=here),
+        abstract_params)
     manager = ocp.CheckpointManager((run_dir / "checkpoints").resolve())
     try:
         step, damaged = newest_intact(run_dir, manager.all_steps())

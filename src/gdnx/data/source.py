@@ -3,9 +3,9 @@ run sees exactly the data an uninterrupted one would.
 
 MQAR is generated inside the compiled step (a function of the step
 number). Text is tokenized into memory-mapped shards first (`gdnx
-prepare`, or automatically for data.source=text) and read on the host,
-packed documents per row (gdnx.data.tokens): nothing of the corpus enters
-the compiled program.
+prepare`, or automatically for data.source=text, by process 0 of a run
+while the others wait) and read on the host, packed documents per row
+(gdnx.data.tokens): nothing of the corpus enters the compiled program.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from gdnx.data.mqar import mqar_batch
 from gdnx.data.prepare import prepare_corpus
 from gdnx.data.text import Tokenizer, make_tokenizer
 from gdnx.data.tokens import PackedRows, TokenShards
+from gdnx.distributed import wait_for_first
 
 EVAL_SEED_OFFSET = 1_000_003
+PREPARE_TIMEOUT_S = 24 * 3600  # how long the other processes wait for process 0 to tokenize data.path
 
 
 class Batch(NamedTuple):
@@ -72,13 +74,16 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
     assert data_cfg.path is not None
     directory = prepared_dir(data_cfg, out_dir or Path("."))
     if data_cfg.source == "text":
-        try:
-            prepare_corpus([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer,
-                           eos_token=data_cfg.eos_token, val_fraction=data_cfg.val_fraction, progress=progress)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"data.path: {e}") from None
-        except ValueError as e:
-            raise ValueError(e if str(e).startswith("data.") else f"data.path: {e}") from None
+        # with several processes, process 0 prepares and the others wait for it (never two writers)
+        if jax.process_index() == 0:
+            try:
+                prepare_corpus([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer,
+                               eos_token=data_cfg.eos_token, val_fraction=data_cfg.val_fraction, progress=progress)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"data.path: {e}") from None
+            except ValueError as e:
+                raise ValueError(e if str(e).startswith("data.") else f"data.path: {e}") from None
+        wait_for_first("prepare", PREPARE_TIMEOUT_S)
     train_shards = TokenShards(directory, "train")
     if train_shards.vocab_size > vocab_size:
         raise ValueError(f"model.vocab_size: the tokenizer has {train_shards.vocab_size} tokens, "

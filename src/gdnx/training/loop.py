@@ -4,7 +4,13 @@ metrics and a plot.
 
 Batch s is a function of (seed, s) only, and a resumed run restores the
 parameters and optimizer state of the last checkpoint, so stopping and
-restarting continues the same run: no step lost or repeated.
+restarting continues the same run: no step lost or repeated. SIGTERM or
+SIGINT stops the run after a step that every process agrees on, with a
+checkpoint there (Preempted).
+
+With several processes, each reads only its rows of a host-read batch,
+every process writes its shards of a checkpoint, and process 0 alone
+writes the rest (the lock, the log, the manifest, the plot, the bar).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +32,7 @@ from rich.console import Console
 
 from gdnx.files import atomic_write_text, directory_lock
 from gdnx.checkpoints.orbax import Checkpoints, check_compatible
+from gdnx.distributed import StopSignals
 from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source
 from gdnx.data.tokens import HostBatch, Prefetcher, host_batch
@@ -68,18 +76,26 @@ class Trainer:
         """The context the step functions trace and run in."""
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
+    def _batch_sharding(self) -> NamedSharding | None:
+        if self.mesh is None:
+            return None
+        shape = (self.config.train.batch_size, self.config.data.seq_len)
+        return NamedSharding(self.mesh, spec(("batch", "length"), shape, mesh=self.mesh))
+
     def _rows(self) -> range:
-        """This process's rows of the global batch."""
-        b, n, i = self.config.train.batch_size, jax.process_count(), jax.process_index()
-        return range(i * b // n, (i + 1) * b // n)
+        """This process's rows of the global batch: those its devices hold."""
+        sharding = self._batch_sharding()
+        if sharding is None:
+            return range(self.config.train.batch_size)
+        return process_rows(sharding, (self.config.train.batch_size, self.config.data.seq_len))
 
     def device_batch(self, host: HostBatch) -> Batch:
         """A host batch as global arrays, each process giving its rows."""
         arrays = (host.inputs, host.targets, host.mask, host.mask, host.segments, host.target_bytes)
         shape = (self.config.train.batch_size, self.config.data.seq_len)
-        if self.mesh is None:
+        sharding = self._batch_sharding()
+        if sharding is None:
             return Batch(*(jnp.asarray(x) for x in arrays))
-        sharding = NamedSharding(self.mesh, spec(("batch", "length"), shape, mesh=self.mesh))
         return Batch(*(jax.make_array_from_process_local_data(sharding, x, shape) for x in arrays))
 
     def host_batch(self, which: str, step: int) -> HostBatch:
@@ -107,10 +123,11 @@ class Trainer:
         """Run (or resume) the run in the config's train.out_dir. Returns the
         last evaluation. The checkpoint manager, the metrics log, the progress
         display and the prefetch thread are closed on every exit: a finished
-        run, a refusal, a failed save, KeyboardInterrupt."""
+        run, a refusal, a failed save, a stop signal (Preempted), KeyboardInterrupt."""
         with contextlib.ExitStack() as resources:
             resources.callback(self.close)
-            return _loop(self, resources, console)
+            signals = resources.enter_context(StopSignals())
+            return _loop(self, resources, signals, console)
 
     def init_opt_state(self, params: Any) -> Any:
         opt_state = self.tx.init(params)
@@ -130,8 +147,26 @@ class Trainer:
         return out
 
 
+def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> range:
+    """The rows (first axis) of a global array of `shape` that this
+    process's devices hold; contiguous, as every gdnx mesh orders them."""
+    spans = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows = index[0] if index else slice(None)
+        spans.add((rows.start or 0, shape[0] if rows.stop is None else rows.stop))
+    start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+    if sum(b - a for a, b in spans) != stop - start and len(spans) > 1:
+        raise ValueError(f"parallel: this process's devices hold rows {sorted(spans)} of the batch, not one run of "
+                         "rows; order the mesh so that each process's devices are neighbours")
+    return range(start, stop)
+
+
 class NonFiniteStop(RuntimeError):
     """Too many steps in a row had a non-finite loss or gradient."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM or SIGINT stopped the run, with a checkpoint at the step reached."""
 
 
 def _json_line(record: dict) -> str:
@@ -171,11 +206,14 @@ def _check_out_dir(out: Path) -> None:
 
 
 def memory_capacity(devices: list[jax.Device]) -> int:
-    """Bytes the devices hold (host memory on CPU)."""
-    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-    if all(limits):
-        return int(sum(limits))  # type: ignore[arg-type]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # host memory (CPU)
+    """Bytes the devices hold (host memory on CPU). Another process's
+    devices are taken to hold what this process's devices of their kind do."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in local]
+    if local and all(limits):
+        return int(sum(limits) * len(devices) / len(local))  # type: ignore[arg-type]
+    hosts = len({d.process_index for d in devices})
+    return hosts * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # host memory (CPU)
 
 
 def _check_fits(config: Config, devices: list[jax.Device]) -> None:
@@ -211,7 +249,8 @@ def train(config: Config, *, console: Console | None = None) -> dict[str, float]
     return build_trainer(config).run(console=console)
 
 
-def _loop(trainer: Trainer, resources: contextlib.ExitStack, console: Console | None) -> dict[str, float]:
+def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignals,
+          console: Console | None) -> dict[str, float]:
     config = trainer.config
     t_cfg = config.train
     target = t_cfg.target_accuracy
@@ -277,19 +316,25 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, console: Console | 
             logged["tokens_per_s"] = tokens_per_step * (step - since) / max(elapsed, 1e-9)
             t0, since = time.perf_counter(), step
             log.write(_json_line({"step": step, "split": "train", **logged}))
+            log.flush()  # each line as it comes: the log is what a user (or a scheduler's hook) watches
             bar.update(step, logged)
         evaluate = t_cfg.eval_every and (step % t_cfg.eval_every == 0 or done)
         reached = False
         if evaluate:
             last_eval = trainer.evaluate(params)
             log.write(_json_line({"step": step, "split": "eval", **last_eval}))
+            log.flush()
             report.eval(step, last_eval)
             reached = target is not None and last_eval["accuracy"] >= target
-        if step % t_cfg.checkpoint_every == 0 or done or reached:
-            log.flush()
+        stop = signals.reached()
+        if step % t_cfg.checkpoint_every == 0 or done or reached or stop:
             ckpt.save(step, params, opt_state)
             if primary:
                 report.plot(out, metrics_file)
+        if stop and not done:
+            why = signal.Signals(signals.signal or signal.SIGTERM).name
+            raise Preempted(f"stopped by {why} at step {step} of {t_cfg.steps}, with a checkpoint in {ckpt.dir}; "
+                            "run the same command again to resume")
         if reached and target is not None:
             report.note(f"reached {100 * last_eval['accuracy']:.2f}% answer accuracy "
                         f"(target {100 * target:.0f}%) at step {step}")

@@ -1,0 +1,254 @@
+"""Several processes, one run: starting JAX's distributed runtime, stop
+signals every process agrees on, waiting for the first process, and the
+supervisor that turns a lost process into one line.
+
+The coordinator address, the number of processes and this process's id come
+from the command line, else from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES
+and JAX_PROCESS_ID, else from JAX's cluster detection (Cloud TPU, SLURM,
+Open MPI, Kubernetes). On CPU the processes' collectives run over gloo.
+
+When a process of the run dies, JAX's runtime ends the others from native
+code (a fatal log and abort) once the heartbeat timeout passes, or at once
+when the coordinator itself is gone; Python cannot catch that. So a
+`gdnx train --distributed` runs the work in a child process whose native
+output goes through the supervisor: it passes that output on (less gloo's
+line per collective group), and replaces the runtime's fatal report with one
+line and exit status PEER_LOST_STATUS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, NoReturn
+
+import jax
+import numpy as np
+
+HEARTBEAT_TIMEOUT_S = 100  # JAX's default: how long a silent process is taken for alive
+PREEMPTED_STATUS = 75  # stopped by SIGTERM / SIGINT with a checkpoint (sysexits' EX_TEMPFAIL: run it again)
+PEER_LOST_STATUS = 4   # another process of the run died; rerunning resumes from the last intact checkpoint
+SUPERVISED = "GDNX_SUPERVISED"  # set in the child: the fd the supervisor reads native output from
+_FATAL_MARK = b"Terminating process because the JAX distributed service detected fatal errors"
+# gloo's line per new collective group, from several threads at once (so also in pieces)
+_GLOO_CHATTER = re.compile(rb"\[Gloo\] Rank|connected peer ranks")
+_PR_SET_PDEATHSIG = 1
+
+
+class PeerLost(RuntimeError):
+    """Another process of the run stopped answering."""
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """Where this process stands in a run of several: what
+    jax.distributed.initialize needs; None leaves a value to cluster detection."""
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {value!r}") from None
+
+
+def process_group(coordinator: str | None, num_processes: int | None, process_id: int | None,
+                  heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+                  env: Mapping[str, str] = os.environ) -> ProcessGroup:
+    """Options first, then the environment; checks what is given."""
+    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
+    num_processes = num_processes if num_processes is not None else _env_int(env, "JAX_NUM_PROCESSES")
+    process_id = process_id if process_id is not None else _env_int(env, "JAX_PROCESS_ID")
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--coordinator: expected HOST:PORT, got {coordinator!r}")
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"--num-processes: expected a positive integer, got {num_processes}")
+    if process_id is not None and (process_id < 0 or (num_processes is not None and process_id >= num_processes)):
+        raise ValueError(f"--process-id: expected 0 <= id < --num-processes ({num_processes}), got {process_id}")
+    if heartbeat_timeout_s < 1:
+        raise ValueError(f"--heartbeat-timeout: expected a positive number of seconds, got {heartbeat_timeout_s}")
+    return ProcessGroup(coordinator, num_processes, process_id, heartbeat_timeout_s)
+
+
+def initialize(group: ProcessGroup) -> None:
+    """Start JAX's distributed runtime; before anything else touches JAX's
+    devices. A process that stops answering for group.heartbeat_timeout_s
+    ends the others' runs."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id,
+                                   heartbeat_timeout_seconds=group.heartbeat_timeout_s,
+                                   initialization_timeout=max(60, group.heartbeat_timeout_s))
+    except (ValueError, RuntimeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--distributed: the distributed runtime did not start ({first[:200]}); give --coordinator "
+                         "HOST:PORT --num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "
+                         "JAX_NUM_PROCESSES, JAX_PROCESS_ID), or run where a cluster (Cloud TPU, SLURM, Open MPI) "
+                         "is detected") from None
+
+
+def is_distributed() -> bool:
+    return jax.process_count() > 1
+
+
+_PEER_FAILURE = re.compile(r"Gloo \w+ failed|Connection (reset|closed|refused)|Socket closed|heartbeat|UNAVAILABLE")
+
+
+def peer_failure(e: BaseException) -> str | None:
+    """What a collective's error says when another process of the run is
+    gone (its sockets closed under a gloo collective, its heartbeats
+    stopped), else None."""
+    from jax.errors import JaxRuntimeError
+
+    if not isinstance(e, (JaxRuntimeError, PeerLost)) or not is_distributed():
+        return None
+    text = str(e).strip()
+    if not isinstance(e, PeerLost) and not _PEER_FAILURE.search(text):
+        return None
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def exit_peer_lost(command: str, what: str) -> NoReturn:
+    """One line and PEER_LOST_STATUS, at once: the runtime's shutdown at
+    exit would wait for the lost process until the heartbeat timeout and
+    then abort with a fatal report."""
+    print(f"gdnx {command}: error: another process of the run stopped ({what}); start every process again to "
+          "resume from the last intact checkpoint", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(PEER_LOST_STATUS)
+
+
+def wait_for_first(name: str, timeout_s: int) -> None:
+    """Every process waits here until all have arrived (process 0 after its
+    work); a barrier of the distributed runtime, not a device collective, so
+    it may wait long (a corpus being prepared)."""
+    if not is_distributed():
+        return
+    from jax._src import distributed as state
+
+    client = state.global_state.client
+    assert client is not None  # is_distributed() means initialize() ran
+    try:
+        client.wait_at_barrier(f"gdnx:{name}", timeout_in_ms=timeout_s * 1000)
+    except Exception as e:  # the runtime's own error type
+        raise PeerLost(f"while waiting for every process at {name!r}: {str(e).splitlines()[0][:200]}") from None
+
+
+class StopSignals:
+    """SIGTERM (a scheduler's preemption notice) and SIGINT ask the run to
+    stop after a step; `reached()` is True after the same step on every
+    process: each step the processes share whether any of them got a signal
+    (one small all-gather; the step already waits for its metrics). A second
+    SIGINT interrupts at once. `signal` is the signal any process got."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers belong to the main thread; an embedding program keeps its own
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            # this replaces JAX's own SIGTERM notifier too: the agreement below is gdnx's
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        print(f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint "
+              "(SIGINT again interrupts at once)", file=sys.stderr, flush=True)
+
+    def reached(self) -> bool:
+        if is_distributed():
+            from jax.experimental import multihost_utils
+
+            got = multihost_utils.process_allgather(np.asarray(self.signal or 0, np.int32))
+            self.signal = int(np.max(got)) or None
+        return self.signal is not None
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: die when the supervisor dies (Linux), so
+    that killing `gdnx train` never leaves its worker running."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def supervise(argv: list[str], command: str) -> int:
+    """Run `gdnx <argv>` as a child and wait for it; SIGINT and SIGTERM are
+    passed on. Returns the child's exit status (128 + N for signal N), or
+    PEER_LOST_STATUS, with one line, when JAX's runtime ended it because
+    another process was lost."""
+    read_end, write_end = os.pipe()
+    # native logs below FATAL stay quiet unless asked for: a lost process
+    # makes the coordinator log its view of it in many lines before the fatal report
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", **os.environ, SUPERVISED: str(write_end)}
+    child = subprocess.Popen([sys.executable, "-m", "gdnx", *argv], env=env,
+                             pass_fds=(write_end,), start_new_session=True, preexec_fn=_die_with_parent)
+    os.close(write_end)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        child.send_signal(signum)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    fatal: list[str] = []
+    try:
+        with os.fdopen(read_end, "rb") as native:
+            for line in native:
+                if fatal or _FATAL_MARK in line:
+                    fatal.append(line.decode(errors="replace"))
+                elif not _GLOO_CHATTER.search(line):
+                    sys.stderr.buffer.write(line)
+                    sys.stderr.flush()
+        status = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if fatal:
+        # the status follows "absl::Status:" and may run on to the next line (the lost tasks' ids)
+        reason = " ".join(x.strip() for x in [fatal[0].split("absl::Status:", 1)[-1], *fatal[1:2]] if x.strip())
+        exit_peer_lost(command, reason[:200])
+    return status if status >= 0 else 128 - status
+
+
+def native_output_to_supervisor() -> None:
+    """In a supervised child: what native code writes to fd 1 and 2 goes
+    to the supervisor (which passes it on to stderr); Python's sys.stdout
+    and sys.stderr keep the terminal, so output, progress and messages are
+    unchanged."""
+    fd = os.environ.pop(SUPERVISED, None)
+    if fd is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal_out, terminal_err = os.dup(1), os.dup(2)
+    os.dup2(int(fd), 1)
+    os.dup2(int(fd), 2)
+    os.close(int(fd))
+    sys.stdout = os.fdopen(terminal_out, "w", buffering=1, errors="backslashreplace")
+    sys.stderr = os.fdopen(terminal_err, "w", buffering=1, errors="backslashreplace")

@@ -1,0 +1,247 @@
+"""Several processes, one run, on this machine: each `gdnx train` process
+with its own CPU devices, collectives over gloo, the coordinator on
+127.0.0.1. Against one process with all the devices: the same loss at every
+step and the same final parameters (1e-6 relative: the two reduce the data
+axis in another order, so they differ in the last float32 bits); against an
+uninterrupted run with the same processes: bit for bit. Every process a test
+starts is bounded in time and stopped at the end."""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flax import nnx
+
+from gdnx.cli_generate import load_for_generation
+from gdnx.distributed import PEER_LOST_STATUS, PREEMPTED_STATUS, process_group
+
+# mesh data=2 x fsdp=2 x tensor=2 on 8 devices however they are split into processes
+RUN = ["model.hidden_size=32", "model.intermediate_size=32", "data.seq_len=40", "data.num_pairs=4",
+       "data.num_keys=16", "data.num_values=16", "model.vocab_size=32", "train.batch_size=8", "train.warmup_steps=2",
+       "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=100", "train.target_accuracy=null",
+       "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"]
+STEPS = 8
+LIMIT_S = 300  # a run of a few steps takes well under a minute; a hang fails the test instead of CI
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Run:
+    """`gdnx train` as `processes` processes of `8 / processes` CPU devices each."""
+
+    def __init__(self, out: Path, processes: int, extra: list[str] = (), *, steps: int = STEPS,
+                 heartbeat_s: int | None = None):
+        devices = 8 // processes
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
+        port = _free_port()
+        self.out, self.logs, self.procs = out, [], []
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for i in range(processes):
+            args = [sys.executable, "-m", "gdnx", "train", "tiny", *RUN, *extra, f"train.steps={steps}",
+                    f"train.out_dir={out}"]
+            if processes > 1:
+                args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
+                         "--process-id", str(i)]
+                if heartbeat_s is not None:
+                    args += ["--heartbeat-timeout", str(heartbeat_s)]
+            log = out.parent / f"{out.name}.{i}.log"
+            self.logs.append(log)
+            with log.open("ab") as f:
+                self.procs.append(subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env))
+
+    def wait(self, timeout: float = LIMIT_S) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in self.procs]
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def output(self, i: int = 0) -> str:
+        return self.logs[i].read_text(errors="replace")
+
+    def wait_for_step(self, step: int, timeout: float = LIMIT_S) -> None:
+        """Until the metrics log has a line of `step` (or later)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                raise AssertionError(f"a process ended early:\n{self.output()[-2000:]}")
+            if _losses(self.out) and max(_losses(self.out)) >= step:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"step {step} not reached in {timeout} s:\n{self.output()[-2000:]}")
+
+
+@contextlib.contextmanager
+def _running(*runs: _Run):
+    try:
+        yield runs
+    finally:
+        for run in runs:
+            run.kill()
+
+
+def _losses(out: Path) -> dict[int, float]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+
+
+def _params(out: Path):
+    """The latest checkpoint's step and parameters, loaded as `gdnx
+    generate` loads them: onto this process's one device, whatever mesh
+    wrote them."""
+    model, _, loaded = load_for_generation(out, [])
+    return int(loaded.split()[1]), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _assert_same(a: Path, b: Path, *, exact: bool) -> None:
+    la, lb = _losses(a), _losses(b)
+    assert sorted(la) == sorted(lb) == list(range(1, STEPS + 1))
+    pa, pb = _params(a), _params(b)
+    assert pa[0] == pb[0] == STEPS
+    flat_a, flat_b = (dict(_leaves(p[1])) for p in (pa, pb))
+    assert flat_a.keys() == flat_b.keys()
+    if exact:
+        assert la == lb
+        for k in flat_a:
+            np.testing.assert_array_equal(flat_a[k], flat_b[k], err_msg=k)
+    else:
+        np.testing.assert_allclose([la[s] for s in sorted(la)], [lb[s] for s in sorted(lb)], rtol=1e-6)
+        for k in flat_a:
+            np.testing.assert_allclose(flat_a[k], flat_b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}/{k}")
+    else:
+        yield prefix, np.asarray(tree)
+
+
+def test_the_process_group_comes_from_options_then_the_environment():
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert process_group(None, None, None, env=env) == process_group("10.0.0.1:1234", 4, 3, env={})
+    assert process_group("127.0.0.1:9", 2, 1, env=env).num_processes == 2  # options win
+    assert process_group(None, None, None, env={}).coordinator is None  # left to cluster detection
+    for args, field in [(("nohost", 2, 0), "--coordinator"), (("h:1", 0, 0), "--num-processes"),
+                        (("h:1", 2, 2), "--process-id"), (("h:1", 2, -1), "--process-id")]:
+        with pytest.raises(ValueError, match=field):
+            process_group(*args, env={})
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
+        process_group(None, None, None, env={"JAX_NUM_PROCESSES": "two"})
+    with pytest.raises(ValueError, match="--heartbeat-timeout"):
+        process_group("h:1", 2, 0, 0, env={})
+
+
+def test_two_processes_match_one_then_sigterm_checkpoints_and_any_process_count_resumes(tmp_path):
+    """2 x 4 devices against 1 x 8, uninterrupted; then a 2 x 4 run that
+    every process gets SIGTERM in (as a scheduler sends it): a checkpoint at
+    the step they agree on, exit status 75, and resumed by 2 processes (bit
+    for bit the uninterrupted 2 x 4 run), by 1 and by 4."""
+    with _running(_Run(tmp_path / "one", 1), _Run(tmp_path / "two", 2)) as (one, two):
+        assert one.wait() == [0], one.output()
+        assert two.wait() == [0, 0], two.output()
+    _assert_same(tmp_path / "one", tmp_path / "two", exact=False)
+
+    with _running(_Run(tmp_path / "stopped", 2)) as (stopped,):
+        stopped.wait_for_step(2)
+        for p in stopped.procs:
+            p.send_signal(signal.SIGTERM)
+        assert stopped.wait() == [PREEMPTED_STATUS] * 2, stopped.output()
+    reached = max(_losses(tmp_path / "stopped"))
+    assert 2 <= reached < STEPS and _params(tmp_path / "stopped")[0] == reached
+    assert f"stopped by SIGTERM at step {reached} of {STEPS}" in stopped.output(0)
+    for name in ("on_one", "on_four"):
+        shutil.copytree(tmp_path / "stopped", tmp_path / name)
+    # one after another: gloo gives a peer 30 s to reach a collective, and
+    # seven processes compiling at once on a 2-core machine can take longer
+    for name, processes in (("stopped", 2), ("on_one", 1), ("on_four", 4)):
+        with _running(_Run(tmp_path / name, processes)) as (run,):
+            assert set(run.wait()) == {0}, run.output()
+            assert f"resumed from the checkpoint at step {reached}" in run.output(0)
+    _assert_same(tmp_path / "two", tmp_path / "stopped", exact=True)
+    _assert_same(tmp_path / "two", tmp_path / "on_one", exact=False)
+    _assert_same(tmp_path / "two", tmp_path / "on_four", exact=False)
+
+
+def test_text_on_two_processes_matches_one_and_sigterm_to_one_process_stops_both(tmp_path):
+    """data.source=text: process 0 prepares the corpus while process 1
+    waits; each reads its rows. SIGTERM to process 1 alone stops both at one
+    step with a checkpoint; the resumed run ends as one process's run does."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "some words " * (i % 7 + 1)}) + "\n"
+                              for i in range(200)))
+    text = ["data.source=text", f"data.path={corpus}", "model.vocab_size=256"]
+    with _running(_Run(tmp_path / "one", 1, text), _Run(tmp_path / "two", 2, text)) as (one, two):
+        assert one.wait() == [0], one.output()
+        two.wait_for_step(2)
+        two.procs[1].send_signal(signal.SIGTERM)
+        assert two.wait() == [PREEMPTED_STATUS] * 2, two.output()
+    assert all("stopped by SIGTERM at step" in two.output(i) for i in (0, 1))
+    assert (tmp_path / "two" / "data" / "meta.json").is_file()
+    with _running(_Run(tmp_path / "two", 2, text)) as (resumed,):
+        assert resumed.wait() == [0, 0], resumed.output()
+    _assert_same(tmp_path / "one", tmp_path / "two", exact=False)
+
+
+def test_a_killed_process_ends_the_others_in_one_line_and_the_run_resumes(tmp_path):
+    """kill -9 of process 1: process 0 exits within the heartbeat timeout
+    with one line and status 4; the run then resumes from its checkpoint."""
+    with _running(_Run(tmp_path / "run", 2, ["train.checkpoint_every=2"], heartbeat_s=5)) as (run,):
+        run.wait_for_step(3)
+        run.procs[1].kill()
+        start = time.monotonic()
+        status = run.procs[0].wait(timeout=60)
+        took = time.monotonic() - start
+    assert status == PEER_LOST_STATUS, run.output(0)
+    assert took < 30  # the heartbeat timeout (5 s) and the runtime's polling, not a hang
+    lines = [line for line in run.output(0).splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith("gdnx train: error: another process of the run stopped")
+    assert "Traceback" not in run.output(0) and "Check failure" not in run.output(0)
+    assert "[Gloo]" not in run.output(0)
+    with _running(_Run(tmp_path / "run", 1, ["train.checkpoint_every=2"])) as (resumed,):
+        assert resumed.wait() == [0], resumed.output()
+    assert "resumed from the checkpoint at step" in resumed.output(0)
+    assert sorted(_losses(tmp_path / "run")) == list(range(1, STEPS + 1))
+
+    # generate runs under the distributed runtime too: the same tokens, shown once
+    gen = [sys.executable, "-m", "gdnx", "generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "1 2 3 4",
+           "--max-new-tokens", "4"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    alone = subprocess.run(gen, capture_output=True, text=True, env=env, timeout=LIMIT_S)
+    assert alone.returncode == 0 and len(alone.stdout.split()) == 4, alone.stderr
+    port = _free_port()
+    procs = [subprocess.Popen(gen + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                                     str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=LIMIT_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0] == alone.stdout and outs[1][0] == ""
