@@ -5,6 +5,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import save_file as save_numpy
 import pytest
 import torch
 from safetensors import safe_open
@@ -81,7 +82,9 @@ def test_overrides_and_load_errors(tmp_path):
         CausalLM.from_pretrained(tmp_path / "in", gdn_chunk_size=48)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         CausalLM.from_pretrained(tmp_path / "nothing")
-    shape_error = r"model.layers.0.linear_attn.conv1d.weight: expected shape \(64, 4\) for this config, got \(96, 4\)"
+    # the file's own shape is named (not gdnx's transposed or squeezed view of it)
+    shape_error = (r"model.layers.0.linear_attn.conv1d.weight: the file's shape \(96, 1, 4\) does not fit this "
+                   r"config, which needs \(64, 4\)")
     with pytest.raises(ValueError, match=shape_error):
         CausalLM.from_pretrained(tmp_path / "in", linear_value_head_dim=8)
     sd = {k: v for k, v in hf_state_dict(model).items() if "lm_head" not in k}
@@ -92,6 +95,15 @@ def test_overrides_and_load_errors(tmp_path):
     (bad / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
     with pytest.raises(ValueError, match=r"missing weights: lm_head.weight"):
         CausalLM.from_pretrained(bad)
+    # weights that are not weights: integers, booleans, NaN
+    full = {k: np.asarray(v) for k, v in hf_state_dict(model).items()}
+    key = "model.layers.0.input_layernorm.weight"
+    for value, what in [(np.ones(full[key].shape, np.int64), "is int64, expected floating-point"),
+                        (np.ones(full[key].shape, bool), "is bool, expected floating-point"),
+                        (np.full(full[key].shape, np.nan, np.float32), "holds NaN or infinite values")]:
+        save_numpy({**full, key: value}, bad / "model.safetensors")
+        with pytest.raises(ValueError, match=rf"{key} {what}"):
+            CausalLM.from_pretrained(bad)
 
 
 def test_config_mapping():
@@ -142,5 +154,5 @@ def test_a_wrong_shape_in_one_layer_of_a_scanned_stack_names_that_layer(tmp_path
     odd.mkdir()
     save_file(sd, odd / "model.safetensors")
     (odd / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
-    with pytest.raises(ValueError, match=rf"{key}: expected shape \(4,\) for this config, got \(5,\)"):
+    with pytest.raises(ValueError, match=rf"{key}: the file's shape \(5,\) does not fit this config, which needs \(4,\)"):
         CausalLM.from_pretrained(odd, scan_layers=True)

@@ -106,3 +106,37 @@ def test_an_unfinished_first_checkpoint_starts_over(tmp_path, capsys, straight):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if r["split"] == "train"]
     assert steps == sorted(set(steps))
+
+
+def test_keeping_one_checkpoint_never_leaves_none_intact(tmp_path, capsys, straight, monkeypatch):
+    """train.keep_checkpoints=1: the previous checkpoint is deleted only
+    after the new one's manifest is written. A kill just before that
+    manifest (simulated: its write fails) leaves the previous checkpoint
+    intact, and the next run resumes from it and ends where an uninterrupted
+    run does."""
+    import gdnx.checkpoints.orbax as module
+
+    one = lambda steps: load_config("tiny", SMALL + [f"train.steps={steps}", "train.checkpoint_every=3",  # noqa: E731
+                                                     "train.keep_checkpoints=1", f"train.out_dir={tmp_path}"])
+    train(one(3))
+    real = module.atomic_write_text
+
+    def killed_at_step_6(path, text):
+        if path.name == "6.json":
+            raise KeyboardInterrupt  # the process dies here
+        real(path, text)
+    monkeypatch.setattr(module, "atomic_write_text", killed_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        train(one(9))
+    monkeypatch.setattr(module, "atomic_write_text", real)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
+    capsys.readouterr()
+    train(one(9))
+    err = capsys.readouterr().err
+    assert "step 6 is damaged: it has no checksum manifest" in err and "resumed from the checkpoint at step 3" in err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["9"]
+    assert sorted(p.name for p in (tmp_path / "checksums").iterdir()) == ["9.json"]
+    step, params = _params(tmp_path)
+    assert step == straight[0] == 9
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(straight[1]), strict=True):
+        np.testing.assert_array_equal(a, b)

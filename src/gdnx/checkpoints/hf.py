@@ -55,6 +55,10 @@ def _t(x):
     return jnp.swapaxes(x, -1, -2)
 
 
+_STORED_INTEGERS = {"BOOL": "bool", **{f"{c}{b}": f"{n}{b}" for c, n in (("I", "int"), ("U", "uint"))
+                                         for b in (8, 16, 32, 64)}}
+
+
 class _Reader:
     """Tensors by name across the directory's safetensors files."""
 
@@ -91,9 +95,19 @@ class _Reader:
             raise KeyError(key)
         self.used.add(key)
         try:
-            return self.handles[self.weight_map[key]].get_tensor(key)
+            handle = self.handles[self.weight_map[key]]
+            stored = handle.get_slice(key).get_dtype()  # as in the file: F32, BF16, I64, BOOL, ...
+            value = handle.get_tensor(key)
         except SafetensorError as e:
             raise ValueError(f"{self.weight_map[key]}: {key} cannot be read ({e}); truncated or corrupt?") from None
+        # a weight is floating point and finite; an integer, boolean or NaN tensor is not one to cast and use
+        if not stored.startswith(("F", "BF")):
+            name = _STORED_INTEGERS.get(stored, stored.lower())
+            raise ValueError(f"{self.weight_map[key]}: {key} is {name}, expected floating-point weights; "
+                             "the file was not written as a model's weights")
+        if not bool(jnp.isfinite(value).all()):
+            raise ValueError(f"{self.weight_map[key]}: {key} holds NaN or infinite values; the checkpoint is damaged")
+        return value
 
 
 def _load_experts(reader: _Reader, where: Experts, num_experts: int) -> jax.Array:
@@ -114,11 +128,15 @@ def _load_one(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, direc
     where = locate(cfg, path, prefix)
     if isinstance(where, Experts):
         value = _load_experts(reader, where, cfg.num_experts)
+        stored = f"{tuple(value.shape)} (experts stacked, in gdnx's [in, out] layout)"
     else:
-        value = where.to_param(*(reader.get(k) for k in where.keys))
+        tensors = [reader.get(k) for k in where.keys]
+        value = where.to_param(*tensors)
+        stored = " and ".join(str(tuple(t.shape)) for t in tensors)
     if tuple(value.shape) != shape:
         keys = where.prefix if isinstance(where, Experts) else ", ".join(where.keys)
-        raise ValueError(f"{directory}: {keys}: expected shape {shape} for this config, got {tuple(value.shape)}")
+        raise ValueError(f"{directory}: {keys}: the file's shape {stored} does not fit this config, which needs "
+                         f"{shape} in gdnx's layout (a matrix's [in, out]; the file stores [out, in])")
     return value
 
 
