@@ -89,6 +89,11 @@ def test_train_on_a_text_file(tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().err  # the evaluation line of a text run
     assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "line 3", "--max-new-tokens", "4"]) == 0
     capsys.readouterr()
+    # the text changed under a run with checkpoints: refused, not re-tokenized and resumed on other data
+    data.write_text(data.read_text() + "\n" + json.dumps({"text": "one more line"}))
+    err = _error(capsys, ["train", "tiny", *SMALL, "data.source=text", f"data.path={data}", "model.vocab_size=256",
+                          "train.steps=4", f"train.out_dir={tmp_path / 'run'}"])
+    assert "data.path: " in err and "changed since" in err and "restore the text, or use another train.out_dir" in err
     # shards from gdnx prepare: generate finds their tokenizer
     assert main(["prepare", str(data), "--out", str(tmp_path / "shards")]) == 0
     assert main(["train", "tiny", *SMALL, "data.source=tokens", f"data.path={tmp_path / 'shards'}",
@@ -176,7 +181,10 @@ def test_resume_refuses_a_change_that_alters_results_and_records_the_others(caps
     (tmp_path / "config.json").write_text("{corrupt")
     assert "config.json: not valid JSON" in _error(capsys, ["train", "tiny", *SMALL, "train.steps=4", out])
     (tmp_path / "config.json").write_text(saved)
+    capsys.readouterr()
     assert main(["train", "tiny", *SMALL, "train.steps=4", "train.log_every=1", out]) == 0
+    said = " ".join(capsys.readouterr().err.split())  # (the console wraps long notes)
+    assert "train.steps: 3 there, 4 here: the learning rate's cosine decay now ends at step 4" in said
     change = json.loads((tmp_path / "config_changes.jsonl").read_text().splitlines()[-1])
     assert change["step"] == 3 and change["changed"]["train.steps"] == [3, 4]
     assert change["changed"]["train.log_every"] == [2, 1]
@@ -191,6 +199,13 @@ def test_every_generate_mistake_is_one_line(capsys, tmp_path):
     gen = ["generate", "--checkpoint", str(run), "--prompt", "1 2 3"]
     err = _error(capsys, [*gen, "--max-new-tokens", str(10 ** 12)])
     assert "--max-new-tokens: the prompt's 3 tokens + 1000000000000 exceed the model's 262144 positions" in err
+    import gdnx.training.loop as loop
+
+    with pytest.MonkeyPatch.context() as patch:  # a device too small: generate's own advice, not training's
+        patch.setattr(loop, "memory_capacity", lambda devices: 1000)
+        err = _error(capsys, [*gen, "--max-new-tokens", "8"])
+    assert "--max-new-tokens: 11 tokens need" in err and "the prompt's pass" in err and "--max-new-tokens" in err
+    assert "shorten the prompt" in err and "train.grad_accum_steps" not in err
     assert "model.hidden_size: generate takes overrides of the model.gdn_* fields" in _error(
         capsys, [*gen, "model.hidden_size=48"])
     (run / "config.json").write_text("{corrupt")

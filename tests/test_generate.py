@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdnx.generate import generate, sample
+from types import SimpleNamespace
+
+from gdnx.config import load_config
+from gdnx.generate import generate, prefill_bytes, sample
 
 
 def test_greedy_is_argmax():
@@ -39,3 +42,16 @@ def test_bad_arguments(kw, match):
     args = {"max_new_tokens": 2, **kw}
     with pytest.raises(ValueError, match=match):
         generate(None, jnp.zeros((1, 3), jnp.int32), args.pop("max_new_tokens"), **args)
+
+
+def test_the_prompt_pass_of_an_attention_model_grows_with_prompt_times_cache():
+    """A hybrid's attention layer holds float32 scores and probabilities
+    [heads, T, S] over the prompt: a 100k-token prompt on a 16-head model is
+    over 100 GB, which the check before generating refuses; a GDN-only model
+    holds none."""
+    hybrid = load_config("base").model  # Qwen3-Next-80B: full attention every 4th layer, 16 heads
+    gdn_only = load_config("tiny").model
+    long = prefill_bytes(SimpleNamespace(config=hybrid), 100_000, 100_032)
+    assert long > 100 * 2 ** 30
+    assert prefill_bytes(SimpleNamespace(config=hybrid), 1_000, 1_032) < long / 5_000
+    assert prefill_bytes(SimpleNamespace(config=gdn_only), 100_000, 100_032) < 2 ** 30

@@ -259,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             exit_peer_lost(args.command, lost)
         if not _out_of_memory(e):
             raise
-        say(f"error: out of memory ({str(e).splitlines()[0][:160]}); {MEMORY_HINT}")
+        hint = MEMORY_HINT
+        if args.command == "generate":
+            from gdnx.cli_generate import GENERATE_MEMORY_HINT as hint
+        say(f"error: out of memory ({str(e).splitlines()[0][:160]}); {hint}")
         return 2
 
 

@@ -29,6 +29,8 @@ class _IdTokenizer:
         return " ".join(str(int(i)) for i in ids) + " "
 
 
+GENERATE_MEMORY_HINT = ("shorten the prompt or --max-new-tokens, or load the weights in bfloat16 "
+                        "(model.param_dtype=bfloat16 model.dtype=bfloat16)")
 # what generate may change: how the model computes, not its shapes
 _GENERATE_FIELDS = ("dtype", "param_dtype")
 
@@ -89,7 +91,7 @@ def run_generate(args) -> None:
     from gdnx.models.cache import cache_bytes
     from gdnx.training.loop import memory_capacity
 
-    from gdnx.generate import check_sampling, generate
+    from gdnx.generate import check_sampling, generate, prefill_bytes
 
     try:
         check_sampling(args.temperature, args.top_p, args.max_new_tokens)
@@ -113,10 +115,15 @@ def run_generate(args) -> None:
     if len(ids) + args.max_new_tokens > limit:
         raise ConfigError(f"--max-new-tokens: the prompt's {len(ids)} tokens + {args.max_new_tokens} exceed the "
                           f"model's {limit} positions (max_position_embeddings)")
-    need, have = cache_bytes(model, len(ids) + args.max_new_tokens), memory_capacity(jax.local_devices()[:1])
-    if need > have:
-        raise ConfigError(f"--max-new-tokens: the generation cache for {len(ids) + args.max_new_tokens} tokens needs "
-                          f"{need / 2 ** 30:,.1f} GiB and the device holds {have / 2 ** 30:,.1f} GiB")
+    total = len(ids) + args.max_new_tokens
+    cache, prefill = cache_bytes(model, total), prefill_bytes(model, len(ids), total)
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    have = memory_capacity(jax.local_devices()[:1])
+    if weights + cache + prefill > have:
+        raise ConfigError(f"--max-new-tokens: {total} tokens need {(weights + cache + prefill) / 2 ** 30:,.1f} GiB "
+                          f"(weights {weights / 2 ** 30:,.1f}, the generation cache {cache / 2 ** 30:,.1f}, the "
+                          f"prompt's pass {prefill / 2 ** 30:,.1f}) and the device holds {have / 2 ** 30:,.1f} GiB; "
+                          f"{GENERATE_MEMORY_HINT}")
     # with several processes each generates the same tokens (same seed); process 0 shows them
     shows = jax.process_index() == 0
     if shows:

@@ -32,6 +32,17 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_p
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def prefill_bytes(model: CausalLM, prompt_length: int, cache_length: int, batch: int = 1) -> int:
+    """Bytes the prompt's pass holds beyond the cache and the weights, at
+    its peak: an attention layer's float32 scores and probabilities over
+    the prompt and the cache [B, heads, T, S], or the layers' activations."""
+    cfg = model.config
+    attention = 2 * 4 * batch * cfg.num_attention_heads * prompt_length * cache_length
+    has_attention = "full_attention" in cfg.resolved_layer_types
+    activations = 4 * 4 * batch * prompt_length * max(cfg.hidden_size, cfg.intermediate_size)
+    return (attention if has_attention else 0) + activations
+
+
 def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
     if not temperature >= 0.0:
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
@@ -55,9 +66,12 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *, tempera
 
     @jax.jit
     def step(state, tokens, cache):
-        out = nnx.merge(graphdef, state).forward(tokens, cache)
-        # on a context-split mesh the last position lives on one shard: gather the length first
-        return constrain(out.logits, ("batch", None, "vocab"))[:, -1], out.cache
+        model = nnx.merge(graphdef, state)
+        out = model.hidden_states(tokens, cache)
+        # only the last position's logits (a long prompt's [T, vocab] would not fit); on a
+        # context-split mesh that position lives on one shard: gather the length first
+        last = constrain(out.hidden, ("batch", None, "hidden"))[:, -1:]
+        return model.logits(last)[:, 0], out.cache
 
     cache = Cache.init(model, prompt.shape[0], prompt.shape[1] + max_new_tokens)
     logits, cache = step(state, prompt, cache)

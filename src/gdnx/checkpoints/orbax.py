@@ -41,6 +41,7 @@ CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"
 # Fields whose change alters what a resumed run computes; the others (steps,
 # cadences, logging, the mesh, memory and kernel knobs) may change on resume.
+# train.steps moves the end of the learning-rate decay: the loop says so.
 _FREE_MODEL_FIELDS = ("gdn_implementation", "gdn_interpret", "gdn_residuals", "remat_policy")
 _FIXED_TRAIN_FIELDS = ("batch_size", "learning_rate", "warmup_steps", "min_lr_ratio", "weight_decay", "adam_b1",
                        "adam_b2", "grad_clip", "seed")
@@ -70,7 +71,7 @@ def check_compatible(out_dir: Path, config: Config) -> None:
     directory without a checkpoint (a first run that failed before its
     first save) holds nothing to resume: any config may start there."""
     saved = _read_config(out_dir)
-    if saved is None or not _has_checkpoints(out_dir):
+    if saved is None or not has_checkpoints(out_dir):
         return
     before, now = _fixed(saved), _fixed(json.loads(config.model_dump_json()))
     diffs = [f"{k}: {before.get(k)!r} there, {v!r} here" for k, v in now.items() if before.get(k) != v]
@@ -79,7 +80,8 @@ def check_compatible(out_dir: Path, config: Config) -> None:
                          "use another train.out_dir or the same values")
 
 
-def _has_checkpoints(out_dir: Path) -> bool:
+def has_checkpoints(out_dir: Path) -> bool:
+    """Whether a train.out_dir holds a checkpoint (intact or not)."""
     steps = out_dir / "checkpoints"
     return steps.is_dir() and any(p.name.isdigit() for p in steps.iterdir())
 
@@ -162,7 +164,7 @@ class Checkpoints:
         self.keep = config.train.keep_checkpoints
         self.primary = jax.process_index() == 0
         self.manager = self._manager()
-        changes = config_changes(out_dir, config)
+        changes = self.changes = config_changes(out_dir, config)
         if not self.primary:
             return
         if changes:  # allowed changes on resume are recorded

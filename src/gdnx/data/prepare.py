@@ -129,9 +129,12 @@ def _fingerprint(files: list[Path], tokenizer: str | None, eos: int, val_fractio
 
 
 def prepare_corpus(paths: list[Path], out: Path, *, tokenizer: str | None = None, eos_token: str | None = None,
-            val_fraction: float = 0.01, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+            val_fraction: float = 0.01, progress: Callable[[int, int], None] | None = None,
+            keep: bool = False) -> dict[str, Any]:
     """Tokenize `paths` into shards under `out` (see the module doc); returns
-    meta.json's content. progress(bytes done, bytes total) is called as it goes."""
+    meta.json's content. progress(bytes done, bytes total) is called as it
+    goes. keep: shards already there must be of these very inputs (a run
+    resumes on them); ValueError if the inputs changed since."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction: expected a fraction in [0, 1), got {val_fraction}")
     files = input_files(paths)
@@ -145,6 +148,11 @@ def prepare_corpus(paths: list[Path], out: Path, *, tokenizer: str | None = None
             meta = {}
         if meta.get("fingerprint") == fingerprint and all((out / f"{s}.tokens").is_file() for s in SPLITS):
             return {**meta, "up_to_date": True}
+        if keep and meta:
+            raise ValueError(f"data.path: {', '.join(map(str, paths))} changed since {out} was tokenized from it "
+                             "(a file's size or time, the tokenizer or data.val_fraction); the run's checkpoints "
+                             "were trained on the earlier text and its validation split: restore the text, or "
+                             "use another train.out_dir")
     out.mkdir(parents=True, exist_ok=True)
     meta_file.unlink(missing_ok=True)  # the shards below are being rewritten
     dtype = np.dtype(np.uint16 if encoder.vocab_size <= 2 ** 16 else np.uint32)

@@ -66,9 +66,12 @@ def prepared_dir(data_cfg: DataConfig, out_dir: Path) -> Path:
 
 
 def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_dir: Path | None = None,
-                evaluate: bool = True, progress: Callable[[int, int], None] | None = None) -> Source:
+                evaluate: bool = True, progress: Callable[[int, int], None] | None = None,
+                resuming: bool = False) -> Source:
     """The data of a run. Text is prepared into <out_dir>/data first
-    (data.source=text) or read from a prepared directory (data.source=tokens)."""
+    (data.source=text) or read from a prepared directory (data.source=tokens).
+    resuming: the run has checkpoints, so text already prepared must not
+    change under it."""
     if data_cfg.source == "mqar":
         return _mqar(data_cfg, batch_size)
     assert data_cfg.path is not None
@@ -78,7 +81,8 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
         if jax.process_index() == 0:
             try:
                 prepare_corpus([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer,
-                               eos_token=data_cfg.eos_token, val_fraction=data_cfg.val_fraction, progress=progress)
+                               eos_token=data_cfg.eos_token, val_fraction=data_cfg.val_fraction, progress=progress,
+                               keep=resuming)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"data.path: {e}") from None
             except ValueError as e:

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from rich.console import Console
 
 from gdnx.files import atomic_write_text, directory_lock
-from gdnx.checkpoints.orbax import Checkpoints, check_compatible
+from gdnx.checkpoints.orbax import Checkpoints, check_compatible, has_checkpoints
 from gdnx.distributed import StopSignals
 from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source
@@ -58,8 +58,9 @@ class Trainer:
         if mesh is not None:
             self.params = shard(self.params, config.model, mesh)
         self.tx = make_optimizer(config.train)
-        self.source = make_source(config.data, config.train.batch_size, config.model.vocab_size,
-                                  out_dir=Path(config.train.out_dir), evaluate=config.train.eval_every > 0)
+        out_dir = Path(config.train.out_dir)
+        self.source = make_source(config.data, config.train.batch_size, config.model.vocab_size, out_dir=out_dir,
+                                  evaluate=config.train.eval_every > 0, resuming=has_checkpoints(out_dir))
         self.tokenizer = self.source.tokenizer
         self._prefetch: Prefetcher | None = None
         aux = aux_loss_coef(config)
@@ -277,6 +278,10 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignal
     if start:
         params, opt_state = ckpt.restore(start, params, opt_state)
         report.note(f"resumed from the checkpoint at step {start} in {ckpt.dir}")
+        if "train.steps" in ckpt.changes:
+            before, now = ckpt.changes["train.steps"]
+            report.note(f"train.steps: {before} there, {now} here: the learning rate's cosine decay now ends at "
+                        f"step {now}, so the steps after {start} differ from those of the {before}-step run")
         if t_cfg.target_accuracy is not None:
             # a run that already reached its target is finished, not extended
             last_eval = trainer.evaluate(params)
