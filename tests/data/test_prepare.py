@@ -91,3 +91,30 @@ def test_a_tokenizer_without_a_known_end_token_needs_one_named(tmp_path):
                           eos_token="|end|")
     tokens, ends = _all_tokens(tmp_path / "out")["train"]
     assert meta["fingerprint"]["eos"] == 2 and (tokens[ends - 1] == 2).all()
+
+
+def test_text_without_newlines_is_tokenized_a_block_at_a_time(tmp_path, monkeypatch):
+    """A .txt file with no newline is not held whole until its end (a 20 MB
+    one used to take gigabytes): it is cut at spaces, or at a character's
+    boundary, a block at a time, and gives the tokens of the whole text."""
+    import gdnx.data.prepare as module
+
+    words = {"[UNK]": 0, "</s>": 1, **{f"w{i}": 2 + i for i in range(10)}}
+    tok = Tokenizer(WordLevel(vocab=words, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    text = " ".join(f"w{i % 10}" for i in range(5000)) + " " + "é" * 300  # one line; then no space either
+    (tmp_path / "one.txt").write_text(text)
+    block = 64
+    monkeypatch.setattr(module, "_TEXT_BLOCK", block)
+    sizes = []
+    real = module.HFTokenizer.encode
+    monkeypatch.setattr(module.HFTokenizer, "encode", lambda self, t: sizes.append(t) or real(self, t))
+    prepare_corpus([tmp_path / "one.txt"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"), val_fraction=0.0)
+    assert max(len(t.encode()) for t in sizes) <= 2 * block and len(sizes) > 100
+    assert not any("\ufffd" in t for t in sizes)
+    tokens = np.asarray(TokenShards(tmp_path / "out", "train").tokens)
+    want = [words[w] for w in text.split()[:-1]]
+    np.testing.assert_array_equal(tokens[:len(want)], want)
+    # the é run, cut between characters (never inside one: no U+FFFD), is unknown words, then </s>
+    assert set(tokens[len(want):-1].tolist()) == {0} and tokens[-1] == 1

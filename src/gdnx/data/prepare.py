@@ -78,6 +78,20 @@ def _documents(path: Path) -> Iterator[Iterator[bytes]]:
             yield iter((text.encode("utf-8", errors="surrogatepass"),))
 
 
+def _cut(data: bytes) -> int:
+    """Where to end the text tokenized now, the rest carried to the next
+    block: after the last newline; where that would carry more than a block
+    (text without newlines must not be held whole), after the last space,
+    else at the last character boundary."""
+    for mark in (b"\n", b" "):
+        if (at := data.rfind(mark)) >= 0 and len(data) - at - 1 <= _TEXT_BLOCK:
+            return at + 1
+    at = len(data)
+    while at > 0 and data[at - 1] & 0xC0 == 0x80:  # back over a character's continuation bytes
+        at -= 1
+    return at - 1 if at > 0 and data[at - 1] >= 0xC0 else at  # and its lead byte, if it is incomplete
+
+
 class _Encoder:
     """Bytes -> token ids: raw bytes, or a tokenizer.json on UTF-8 text."""
 
@@ -103,7 +117,7 @@ class _Encoder:
                 yield np.frombuffer(block, np.uint8)
                 continue
             data = carry + block
-            cut = data.rfind(b"\n") + 1 if len(block) == _TEXT_BLOCK else len(data)  # whole lines at a time
+            cut = _cut(data) if len(block) == _TEXT_BLOCK else len(data)
             text, carry = data[:cut], data[cut:]
             if text:
                 yield np.asarray(self.hf.encode(text.decode("utf-8", errors="replace")), np.int64)
