@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from tokenizers import Tokenizer
@@ -170,6 +171,10 @@ def test_every_config_and_size_mistake_is_one_line(capsys, tmp_path, monkeypatch
     err = _error(capsys, ["train", "base"])
     assert "79.7B parameters need about" in err and "is a base for a run on a slice" in err
     assert not (tmp_path / "runs").exists()
+    # a very deep stack is counted, not built: refused at once (building 100000 layers took hours)
+    start = time.monotonic()
+    err = _error(capsys, ["train", "base", "model.num_hidden_layers=100000", "model.layer_types=null"])
+    assert "164692.4B parameters need about" in err and time.monotonic() - start < 30
 
 
 def test_resume_refuses_a_change_that_alters_results_and_records_the_others(capsys, tmp_path):

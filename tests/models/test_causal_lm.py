@@ -12,6 +12,7 @@ from flax import nnx
 from gdnx.config import ModelConfig, load_config
 from gdnx.measure import relative_error
 from gdnx.models import Cache, CausalLM
+from gdnx.models.causal_lm import parameter_count
 from gdnx.stacking import layer_paths
 
 TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
@@ -256,3 +257,20 @@ def test_layer_cycle_and_when_the_stack_is_scanned():
     assert scanned(num_hidden_layers=4, scan_layers=True) and not scanned(num_hidden_layers=8, scan_layers=False)
     assert not scanned(num_hidden_layers=8, mlp_only_layers=[5])  # unset, one cycle: nothing to gain
     assert scanned(num_hidden_layers=8, mlp_only_layers=[5], scan_layers=True)  # a scan of one repeat
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("tiny", []),
+    ("base", ["model.num_hidden_layers=8", "model.hidden_size=64", "model.intermediate_size=32",
+              "model.moe_intermediate_size=16", "model.shared_expert_intermediate_size=16", "model.vocab_size=300",
+              "model.num_experts=4", "model.num_experts_per_tok=2", "model.mlp_only_layers=[1,5]",
+              "model.decoder_sparse_step=2", "model.num_attention_heads=2", "model.num_key_value_heads=1",
+              "model.linear_num_value_heads=4", "model.linear_num_key_heads=2"]),
+    ("olmo-hybrid-7b", ["model.num_hidden_layers=6"]),
+])
+def test_the_parameter_count_is_the_built_models(name, overrides):
+    """Counted from one layer of each kind (mixer; MoE or dense, by
+    mlp_only_layers and decoder_sparse_step): equal to the full model's."""
+    cfg = load_config(name, overrides).model
+    built = jax.eval_shape(lambda: nnx.state(CausalLM(cfg), nnx.Param))
+    assert parameter_count(cfg) == sum(x.size for x in jax.tree.leaves(built))

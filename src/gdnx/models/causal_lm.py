@@ -314,3 +314,23 @@ class CausalLM(nnx.Module):
         stats = [RouterStats(*(jnp.sum(f, axis=0) for f in s)) for s in cycle_stats]
         x, new_tail, tail_stats = through(self.tail, x, caches[cycle:])
         return x, (*(new_cycle or [None] * cycle), *new_tail), stats + tail_stats
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of CausalLM(cfg), counted on a model of one layer of each
+    kind (mixer, MoE or dense MLP) and multiplied out: building every layer,
+    even abstractly, takes time that grows faster than the depth."""
+    kinds = [(t, cfg.is_moe_layer(i)) for i, t in enumerate(cfg.resolved_layer_types)]
+    unique = list(dict.fromkeys(kinds))
+    small = cfg.model_copy(update={
+        "num_hidden_layers": len(unique), "layer_types": [t for t, _ in unique], "scan_layers": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": [i for i, (_, moe) in enumerate(unique) if not moe]})
+    state = jax.eval_shape(lambda: nnx.state(CausalLM(small), nnx.Param))
+    per_kind = [0] * len(unique)
+    rest = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if getattr(path[0], "key", None) == "layers":
+            per_kind[path[1].key] += leaf.size  # type: ignore[attr-defined]
+        else:
+            rest += leaf.size
+    return rest + sum(per_kind[unique.index(k)] for k in kinds)

@@ -37,7 +37,7 @@ from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source
 from gdnx.data.tokens import HostBatch, Prefetcher, host_batch
 from gdnx.models import CausalLM
-from gdnx.models.causal_lm import check_platform
+from gdnx.models.causal_lm import check_platform, parameter_count
 from gdnx.parallel import make_mesh, shard, spec
 from gdnx.progress import Reporter
 from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
@@ -220,8 +220,7 @@ def memory_capacity(devices: list[jax.Device]) -> int:
 def _check_fits(config: Config, devices: list[jax.Device]) -> None:
     """Refuse, before building anything, a model whose training state
     (parameters, gradients, two AdamW moments) cannot fit the devices."""
-    shapes = jax.eval_shape(lambda: nnx.state(CausalLM(config.model), nnx.Param))
-    count = sum(x.size for x in jax.tree.leaves(shapes))
+    count = parameter_count(config.model)
     need = 4 * count * jnp.dtype(config.model.param_dtype).itemsize
     have = memory_capacity(devices)
     if need > have:
