@@ -330,7 +330,7 @@ def parameter_count(cfg: ModelConfig) -> int:
     rest = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         if getattr(path[0], "key", None) == "layers":
-            per_kind[path[1].key] += leaf.size  # type: ignore[attr-defined]
+            per_kind[path[1].key] += leaf.size
         else:
             rest += leaf.size
     return rest + sum(per_kind[unique.index(k)] for k in kinds)
