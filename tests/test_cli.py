@@ -185,6 +185,10 @@ def test_resume_refuses_a_change_that_alters_results_and_records_the_others(caps
     saved = (tmp_path / "config.json").read_text()
     (tmp_path / "config.json").write_text("{corrupt")
     assert "config.json: not valid JSON" in _error(capsys, ["train", "tiny", *SMALL, "train.steps=4", out])
+    # no config.json beside the checkpoints: refused in one line, and nothing overwritten
+    (tmp_path / "config.json").unlink()
+    err = _error(capsys, ["train", "tiny", *SMALL, "model.hidden_size=48", "train.steps=4", out])
+    assert "holds checkpoints but no config.json" in err and not (tmp_path / "config.json").exists()
     (tmp_path / "config.json").write_text(saved)
     capsys.readouterr()
     assert main(["train", "tiny", *SMALL, "train.steps=4", "train.log_every=1", out]) == 0

@@ -245,3 +245,31 @@ def test_a_killed_process_ends_the_others_in_one_line_and_the_run_resumes(tmp_pa
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
     assert outs[0][0] == alone.stdout and outs[1][0] == ""
+
+
+def test_a_silent_process_ends_the_others_after_the_heartbeat_timeout(tmp_path):
+    """A process that stops answering with its connections open (SIGSTOP:
+    as when its host vanishes) is taken for dead after --heartbeat-timeout
+    seconds: the other exits with one line and status 4, not a hang."""
+    with _running(_Run(tmp_path / "run", 2, heartbeat_s=5)) as (run,):
+        run.wait_for_step(1)
+        worker = _child_of(run.procs[1].pid)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            status = run.procs[0].wait(timeout=120)
+            took = time.monotonic() - start
+        finally:
+            os.kill(worker, signal.SIGKILL)
+    assert status == PEER_LOST_STATUS, run.output(0)
+    assert 3 < took < 60, took  # the 5 s timeout and the runtime's polling, not an instant error nor a hang
+    lines = [line for line in run.output(0).splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith("gdnx train: error: another process of the run stopped"), lines
+    assert "Check failure" not in run.output(0) and "Traceback" not in run.output(0)
+
+
+def _child_of(pid: int) -> int:
+    """The worker a `gdnx train --distributed` supervisor started."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])

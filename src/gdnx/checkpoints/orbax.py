@@ -70,9 +70,12 @@ def check_compatible(out_dir: Path, config: Config) -> None:
     results, naming each changed field with its old and new value. A
     directory without a checkpoint (a first run that failed before its
     first save) holds nothing to resume: any config may start there."""
-    saved = _read_config(out_dir)
-    if saved is None or not has_checkpoints(out_dir):
+    if not has_checkpoints(out_dir):
         return
+    saved = _read_config(out_dir)
+    if saved is None:  # the checkpoints' shapes alone cannot say which fields they were trained with
+        raise ValueError(f"train.out_dir {out_dir} holds checkpoints but no {CONFIG_FILE} to say which config made "
+                         f"them; restore {CONFIG_FILE}, or move checkpoints/ away to start over")
     before, now = _fixed(saved), _fixed(json.loads(config.model_dump_json()))
     diffs = [f"{k}: {before.get(k)!r} there, {v!r} here" for k, v in now.items() if before.get(k) != v]
     if diffs:
