@@ -12,8 +12,9 @@ code (a fatal log and abort) once the heartbeat timeout passes, or at once
 when the coordinator itself is gone; Python cannot catch that. So a
 `gdnx train --distributed` runs the work in a child process whose native
 output goes through the supervisor: it passes that output on (less gloo's
-line per collective group), and replaces the runtime's fatal report with one
-line and exit status PEER_LOST_STATUS.
+line per collective group and the coordination service's account of a lost
+process), and replaces the runtime's fatal report with one line and exit
+status PEER_LOST_STATUS.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ PEER_LOST_STATUS = 4   # another process of the run died; rerunning resumes from
 SUPERVISED = "GDNX_SUPERVISED"  # set in the child: the fd the supervisor reads native output from
 _FATAL_MARK = b"Terminating process because the JAX distributed service detected fatal errors"
 # gloo's line per new collective group, from several threads at once (so also in pieces)
-_GLOO_CHATTER = re.compile(rb"\[Gloo\] Rank|connected peer ranks")
+_GLOO_CHATTER = re.compile(rb"\[Gloo\] Rank|connected peer ranks|^\s*\d*\s*$")
+# a native log record's first line: severity, date, time, thread, file:line]
+_NATIVE_LOG = re.compile(rb"^[IWEF]\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\]")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -206,9 +209,7 @@ def supervise(argv: list[str], command: str) -> int:
     PEER_LOST_STATUS, with one line, when JAX's runtime ended it because
     another process was lost."""
     read_end, write_end = os.pipe()
-    # native logs below FATAL stay quiet unless asked for: a lost process
-    # makes the coordinator log its view of it in many lines before the fatal report
-    env = {"TF_CPP_MIN_LOG_LEVEL": "3", **os.environ, SUPERVISED: str(write_end)}
+    env = {**os.environ, SUPERVISED: str(write_end)}
     child = subprocess.Popen([sys.executable, "-m", "gdnx", *argv], env=env,
                              pass_fds=(write_end,), start_new_session=True, preexec_fn=_die_with_parent)
     os.close(write_end)
@@ -219,10 +220,14 @@ def supervise(argv: list[str], command: str) -> int:
     fatal: list[str] = []
     try:
         with os.fdopen(read_end, "rb") as native:
+            quiet = False  # inside a log record of the coordination service (it spans lines)
             for line in native:
                 if fatal or _FATAL_MARK in line:
                     fatal.append(line.decode(errors="replace"))
-                elif not _GLOO_CHATTER.search(line):
+                    continue
+                if record := _NATIVE_LOG.match(line):
+                    quiet = record.group(1).startswith(b"coordination_service")
+                if not quiet and not _GLOO_CHATTER.search(line):
                     sys.stderr.buffer.write(line)
                     sys.stderr.flush()
         status = child.wait()
