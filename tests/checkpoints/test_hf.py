@@ -129,7 +129,8 @@ def test_family_config_mapping():
         "model_type": "qwen3_5_moe_text", "num_experts": 8, "num_experts_per_tok": 2}})
     assert (vl.family, vl.num_experts, vl.num_experts_per_tok, vl.tie_word_embeddings) == ("qwen3_5", 8, 2, True)
     olmo = model_config_from_hf({"model_type": "olmo_hybrid", "hidden_size": 96, "num_attention_heads": 6,
-                                 "linear_allow_neg_eigval": True, "rope_parameters": {"rope_theta": 5e5}})
+                                 "num_key_value_heads": 2, "linear_allow_neg_eigval": True,
+                                 "rope_parameters": {"rope_theta": 5e5}})
     assert (olmo.family, olmo.head_dim, olmo.partial_rotary_factor, olmo.rope_theta) == ("olmo_hybrid", 16, 1.0, 5e5)
     assert olmo.linear_allow_neg_eigval and olmo.num_experts == 0
 
@@ -154,5 +155,6 @@ def test_a_wrong_shape_in_one_layer_of_a_scanned_stack_names_that_layer(tmp_path
     odd.mkdir()
     save_file(sd, odd / "model.safetensors")
     (odd / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
-    with pytest.raises(ValueError, match=rf"{key}: the file's shape \(5,\) does not fit this config, which needs \(4,\)"):
+    odd_shape = rf"{key}: the file's shape \(5,\) does not fit this config, which needs \(4,\)"
+    with pytest.raises(ValueError, match=odd_shape):
         CausalLM.from_pretrained(odd, scan_layers=True)

@@ -117,3 +117,15 @@ def test_unsupported_model_type_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "kimi_linear"}')
     with pytest.raises(ValueError, match=r"model_type 'kimi_linear' is not a GDN hybrid gdnx builds \(supported: "):
         CausalLM.from_pretrained(tmp_path)
+
+
+def test_olmo_hybrid_with_its_own_head_dim(tmp_path):
+    """An OLMo Hybrid config.json with head_dim other than hidden / heads
+    (transformers takes it from the file) loads and matches."""
+    hf = random_hf_model("olmo_hybrid", head_dim=12)
+    assert hf.model.layers[1].self_attn.head_dim == 12
+    hf.save_pretrained(tmp_path)
+    model = CausalLM.from_pretrained(tmp_path)
+    assert model.config.head_dim == 12
+    toks = tokens(2, 33)
+    assert relative_error(model(jnp.asarray(toks, jnp.int32)), hf_logits(hf, toks)) <= TOL

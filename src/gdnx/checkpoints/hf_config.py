@@ -21,7 +21,35 @@ FIELDS = {
                    "mlp_only_layers", "full_attention_interval"),
     "qwen3_5": (*_COMMON, "head_dim", "intermediate_size"),
     "qwen3_5_moe": (*_COMMON, "head_dim", *_MOE),
-    "olmo_hybrid": (*_COMMON, "intermediate_size", "linear_allow_neg_eigval"),
+    "olmo_hybrid": (*_COMMON, "head_dim", "intermediate_size", "linear_allow_neg_eigval"),
+}
+# What transformers (5.24) takes for a field config.json leaves out: its config
+# class's default, per family; gdnx reads a missing field as it does.
+# tests/checkpoints/test_hf.py compares this table with transformers' classes.
+_QWEN_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+                  "initializer_range": 0.02, "num_attention_heads": 16, "attention_bias": False,
+                  "max_position_embeddings": 32768, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                  "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                  "head_dim": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.25}}
+_MOE_DEFAULTS = {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "router_aux_loss_coef": 0.001}
+TRANSFORMERS_DEFAULTS: dict[str, dict] = {
+    "qwen3_next": {**_QWEN_DEFAULTS, **_MOE_DEFAULTS, "vocab_size": 151936, "hidden_size": 2048,
+                   "num_hidden_layers": 48, "num_key_value_heads": 2, "intermediate_size": 5632, "num_experts": 512,
+                   "num_experts_per_tok": 10, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                   "mlp_only_layers": []},
+    "qwen3_5": {**_QWEN_DEFAULTS, "vocab_size": 248320, "hidden_size": 4096, "num_hidden_layers": 32,
+                "num_key_value_heads": 4, "intermediate_size": 12288},
+    "qwen3_5_moe": {**_QWEN_DEFAULTS, **_MOE_DEFAULTS, "vocab_size": 248320, "hidden_size": 2048,
+                    "num_hidden_layers": 40, "num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8},
+    "olmo_hybrid": {"vocab_size": 100352, "hidden_size": 3840, "num_hidden_layers": 32, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02,
+                    "num_attention_heads": 30, "num_key_value_heads": 30, "attention_bias": False,
+                    "max_position_embeddings": 65536, "linear_num_key_heads": 30, "linear_num_value_heads": 30,
+                    "linear_key_head_dim": 96, "linear_value_head_dim": 192, "linear_conv_kernel_dim": 4,
+                    "eos_token_id": 100257, "pad_token_id": 100277, "intermediate_size": 11008,
+                    "linear_allow_neg_eigval": True, "rope_parameters": {"rope_type": "default",
+                                                                         "rope_theta": 10000.0}},
 }
 # model_type -> (family, the FIELDS entry); the vision-language ones carry a text_config
 MODEL_TYPES = {
@@ -70,13 +98,18 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
     if model_type not in MODEL_TYPES:
         raise ValueError(f"config.json: model_type {model_type!r} is not a GDN hybrid gdnx builds "
                          f"(supported: {', '.join(MODEL_TYPES)})")
-    hf = language_model_config(hf)
     family, kind = MODEL_TYPES[model_type]
+    # a field config.json leaves out is transformers' default (an explicit null stays null)
+    given = language_model_config(hf)
+    defaults = dict(TRANSFORMERS_DEFAULTS[kind])
+    if "rope_parameters" not in given and ("rope_scaling" in given or "rope_theta" in given):
+        del defaults["rope_parameters"]  # the older spelling of the same fields is given
+    hf = {**defaults, **given}
     fields: dict = {"family": family}
     fields.update({k: hf[k] for k in FIELDS[kind] if hf.get(k) is not None})
     fields.update(_rope_fields(hf, family))
-    if family == "olmo_hybrid":
-        fields["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+    if family == "olmo_hybrid":  # as transformers: config.json's head_dim, else hidden / heads
+        fields["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         fields["num_experts"] = 0
     elif kind == "qwen3_5":
         fields["num_experts"] = 0
@@ -107,7 +140,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     if kind == "qwen3_5_moe":  # every layer routed, top-k probabilities renormalised
         _refuse(cfg, kind, {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
     if cfg.family == "olmo_hybrid":
-        _refuse(cfg, kind, {"head_dim": cfg.hidden_size // cfg.num_attention_heads, "partial_rotary_factor": 1.0})
+        _refuse(cfg, kind, {"partial_rotary_factor": 1.0})
     model_type = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(kind, kind)
     out: dict[str, object] = {"architectures": [arch], "model_type": model_type}
     out.update({k: getattr(cfg, k) for k in FIELDS[kind]})
