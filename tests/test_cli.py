@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -119,6 +121,22 @@ def test_train_and_generate_each_family(capsys, tmp_path, family):
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "1 17 2 18 1", "--max-new-tokens", "3"]) == 0
     assert len(capsys.readouterr().out.split()) == 3
+    # exported, transformers computes the run's logits (1e-4 relative, the parity tests' tolerance)
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "hf")]) == 0
+    assert "no tokenizer.json: none copied" in capsys.readouterr().err  # MQAR has token ids only
+    import torch
+    import transformers
+
+    from gdnx.measure import relative_error
+    from gdnx.runs import load_run
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    toks = np.random.default_rng(0).integers(0, 32, (2, 24))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(toks)).logits.numpy()
+    ours = load_run(tmp_path).model(jnp.asarray(toks, jnp.int32))
+    assert relative_error(ours, theirs) <= 1e-4
+    assert "--out " in _error(capsys, ["export", str(tmp_path), "--out", str(tmp_path / "hf")])  # not empty
 
 
 def _tokenizer(path):

@@ -1,4 +1,4 @@
-"""The `gdnx` command: train, generate, prepare, plan, bench.
+"""The `gdnx` command: train, generate, export, prepare, plan, bench.
 
 User errors (a bad config key or value, a missing, unreadable or corrupt
 file, a checkpoint of another config, an option this machine cannot run, a
@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("overrides", nargs="*", metavar="key=value",
                      help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla")
     _distributed_options(gen)
+    export = sub.add_parser("export", help="a training run's newest intact checkpoint as a Hugging Face directory",
+                            description="Write the run's newest intact checkpoint as config.json and safetensors "
+                                        "(sharded with an index above 4 GiB) in the family's Hugging Face layout, "
+                                        "with the run's tokenizer files: what transformers loads.")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a gdnx train.out_dir")
+    export.add_argument("--out", required=True, help="the directory to write (new or empty)")
     prep = sub.add_parser("prepare", help="tokenize text into memory-mapped shards for data.source=tokens",
                           description="Tokenize .txt / .jsonl files (or directories of them) into token shards "
                                       "with a document index and a validation split; a rerun on the same inputs "
@@ -172,6 +178,21 @@ def _prepare(args) -> None:
                   highlight=False, soft_wrap=True)
 
 
+def _export(args) -> None:
+    from pathlib import Path
+
+    from gdnx.export import export_run
+
+    try:
+        step, notes = export_run(Path(args.run_dir), Path(args.out))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for line in notes:
+        print(f"gdnx export: {line}", file=sys.stderr)
+    print(f"gdnx export: step {step} of {args.run_dir} written to {args.out} (transformers: "
+          f"AutoModelForCausalLM.from_pretrained({str(args.out)!r}))", file=sys.stderr)
+
+
 def _plan(args) -> None:
     from gdnx.config import load_config
     from gdnx.plan import describe, plan
@@ -195,6 +216,8 @@ def _dispatch(args) -> int:
         run_generate(args)
     elif args.command == "prepare":
         _prepare(args)
+    elif args.command == "export":
+        _export(args)
     elif args.command == "plan":
         _plan(args)
     elif args.command == "bench":

@@ -3,15 +3,13 @@ directory of any family gdnx builds, tokenize the prompt, stream the continuatio
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 from pathlib import Path
 
 from flax import nnx
 
-from gdnx.config.loading import ConfigError, apply_overrides, build_config
-from gdnx.config.schema import Config
+from gdnx.config.loading import ConfigError, apply_overrides
 from gdnx.data.prepare import prepared_tokenizer
 from gdnx.data.text import HFTokenizer, make_tokenizer
 
@@ -50,31 +48,30 @@ def _model_overrides(overrides: list[str]) -> dict:
 
 def load_for_generation(path: Path, overrides: list[str]):
     """(model, tokenizer, what was loaded) from a gdnx out_dir or a Hugging Face directory."""
-    from gdnx.checkpoints.orbax import CONFIG_FILE, load_params
+    from gdnx.checkpoints.orbax import CONFIG_FILE
     from gdnx.models import CausalLM
+    from gdnx.runs import is_run, load_run
 
     if not path.is_dir():
         raise ConfigError(f"--checkpoint: no such directory {path}")
     model_overrides = _model_overrides(overrides)
-    if (path / "checkpoints").is_dir() and (path / CONFIG_FILE).is_file():
+    if is_run(path):
         try:
-            saved = json.loads((path / CONFIG_FILE).read_text())
-            saved["model"] = {**saved["model"], **model_overrides}
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"--checkpoint: {path / CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
-        config: Config = build_config(saved)
-        abstract = nnx.eval_shape(lambda: CausalLM(config.model))
-        graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-        params, step, damaged = load_params(path, abstract_params)
-        for line in damaged:
+            run = load_run(path, model_overrides)
+        except ValueError as e:
+            if "not a gdnx run config" in str(e):
+                raise ConfigError(f"--checkpoint: {e}") from None
+            raise
+        for line in run.notes:
             print(f"gdnx generate: {line}", file=sys.stderr)
+        config = run.config
         if config.data.source == "mqar":
             tok: Any = _IdTokenizer()
         elif config.data.source == "tokens":  # the tokenizer the shards were prepared with
             tok = make_tokenizer(prepared_tokenizer(Path(config.data.path or "")))
         else:
             tok = make_tokenizer(config.data.tokenizer)
-        return nnx.merge(graphdef, params), tok, f"step {step} of {path}"
+        return run.model, tok, f"step {run.step} of {path}"
     if (path / "config.json").is_file():
         model = CausalLM.from_pretrained(path, **model_overrides)
         if not (path / "tokenizer.json").is_file():
