@@ -9,12 +9,12 @@ Open MPI, Kubernetes). On CPU the processes' collectives run over gloo.
 
 When a process of the run dies, JAX's runtime ends the others from native
 code (a fatal log and abort) once the heartbeat timeout passes, or at once
-when the coordinator itself is gone; Python cannot catch that. So a
-`gdnx train --distributed` runs the work in a child process whose native
-output goes through the supervisor: it passes that output on (less gloo's
-line per collective group and the coordination service's account of a lost
-process), and replaces the runtime's fatal report with one line and exit
-status PEER_LOST_STATUS.
+when the coordinator itself is gone; Python cannot catch that. So `gdnx
+train` and `gdnx generate` with --distributed run the work in a child
+process whose native output goes through the supervisor: it passes that
+output on (less gloo's line per collective group and the coordination
+service's account of a lost process), and replaces the runtime's fatal
+report with one line and exit status PEER_LOST_STATUS.
 """
 
 from __future__ import annotations
