@@ -197,10 +197,10 @@ def test_text_on_two_processes_matches_one_and_sigterm_to_one_process_stops_both
                               for i in range(200)))
     text = ["data.source=text", f"data.path={corpus}", "model.vocab_size=256"]
     with _running(_Run(tmp_path / "one", 1, text), _Run(tmp_path / "two", 2, text)) as (one, two):
-        assert one.wait() == [0], one.output()
-        two.wait_for_step(2)
+        two.wait_for_step(2)  # (before waiting for the other run, which may take longer)
         two.procs[1].send_signal(signal.SIGTERM)
         assert two.wait() == [PREEMPTED_STATUS] * 2, two.output()
+        assert one.wait() == [0], one.output()
     assert all("stopped by SIGTERM at step" in two.output(i) for i in (0, 1))
     assert (tmp_path / "two" / "data" / "meta.json").is_file()
     with _running(_Run(tmp_path / "two", 2, text)) as (resumed,):
