@@ -10,7 +10,6 @@ from pathlib import Path
 from flax import nnx
 
 from gdnx.config.loading import ConfigError, apply_overrides
-from gdnx.data.prepare import prepared_tokenizer
 from gdnx.data.text import HFTokenizer, make_tokenizer
 
 
@@ -50,6 +49,7 @@ def load_for_generation(path: Path, overrides: list[str]):
     """(model, tokenizer, what was loaded) from a gdnx out_dir or a Hugging Face directory."""
     from gdnx.checkpoints.orbax import CONFIG_FILE
     from gdnx.models import CausalLM
+    from gdnx.export import run_tokenizer
     from gdnx.runs import is_run, load_run
 
     if not path.is_dir():
@@ -64,13 +64,11 @@ def load_for_generation(path: Path, overrides: list[str]):
             raise
         for line in run.notes:
             print(f"gdnx generate: {line}", file=sys.stderr)
-        config = run.config
-        if config.data.source == "mqar":
+        if run.config.data.source == "mqar":
             tok: Any = _IdTokenizer()
-        elif config.data.source == "tokens":  # the tokenizer the shards were prepared with
-            tok = make_tokenizer(prepared_tokenizer(Path(config.data.path or "")))
-        else:
-            tok = make_tokenizer(config.data.tokenizer)
+        else:  # the tokenizer the run's text was tokenized with (raw bytes when none)
+            found = run_tokenizer(run.config)
+            tok = make_tokenizer(None if found is None else str(found))
         return run.model, tok, f"step {run.step} of {path}"
     if (path / "config.json").is_file():
         model = CausalLM.from_pretrained(path, **model_overrides)
