@@ -18,19 +18,21 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
+import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
-from safetensors.flax import save_file
+from safetensors.numpy import save_file
 
 from gdnx.files import atomic_write, atomic_write_text, read_json_object
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
-from gdnx.checkpoints.hf_names import Experts, locate
+from gdnx.checkpoints.hf_names import Experts, Index, locate
 from gdnx.config.schema import ModelConfig
 from gdnx.stacking import layer_paths
 
@@ -51,16 +53,13 @@ def _config_of(model: nnx.Module) -> ModelConfig:
     return cfg
 
 
-def _t(x):
-    return jnp.swapaxes(x, -1, -2)
-
-
 _STORED_INTEGERS = {"BOOL": "bool", **{f"{c}{b}": f"{n}{b}" for c, n in (("I", "int"), ("U", "uint"))
                                          for b in (8, 16, 32, 64)}}
 
 
 class _Reader:
-    """Tensors by name across the directory's safetensors files."""
+    """Slices of tensors by name across the directory's safetensors files,
+    read as numpy on the host."""
 
     def __init__(self, directory: Path):
         index = directory / "model.safetensors.index.json"
@@ -78,7 +77,7 @@ class _Reader:
         self.handles = {}
         for f in files:
             try:
-                self.handles[f] = safe_open(directory / f, framework="flax")
+                self.handles[f] = safe_open(directory / f, framework="numpy")
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"{directory / f}: not a readable safetensors file ({e}); truncated or "
                                  "corrupt?") from None
@@ -87,57 +86,133 @@ class _Reader:
         self.weight_map = weight_map
         self.used: set[str] = set()
 
-    def has(self, key):
+    def has(self, key: str) -> bool:
         return key in self.weight_map
 
-    def get(self, key):
+    def _slice(self, key: str) -> Any:
         if key not in self.weight_map:
             raise KeyError(key)
-        self.used.add(key)
         try:
-            handle = self.handles[self.weight_map[key]]
-            stored = handle.get_slice(key).get_dtype()  # as in the file: F32, BF16, I64, BOOL, ...
-            value = handle.get_tensor(key)
+            return self.handles[self.weight_map[key]].get_slice(key)
         except SafetensorError as e:
             raise ValueError(f"{self.weight_map[key]}: {key} cannot be read ({e}); truncated or corrupt?") from None
-        # a weight is floating point and finite; an integer, boolean or NaN tensor is not one to cast and use
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape, from the header; refuses a tensor that is not
+        floating point (an integer, boolean or NaN tensor is not one to cast
+        and use)."""
+        view = self._slice(key)
+        stored = view.get_dtype()  # as in the file: F32, BF16, I64, BOOL, ...
         if not stored.startswith(("F", "BF")):
             name = _STORED_INTEGERS.get(stored, stored.lower())
             raise ValueError(f"{self.weight_map[key]}: {key} is {name}, expected floating-point weights; "
                              "the file was not written as a model's weights")
-        if not bool(jnp.isfinite(value).all()):
+        self.used.add(key)
+        return tuple(view.get_shape())
+
+    def get(self, key: str, index: Index | None = None) -> np.ndarray:
+        """The tensor, or the part `index` selects; refused when it holds
+        NaN or an infinity."""
+        view = self._slice(key)
+        try:
+            value = view[index if index is not None else tuple(slice(None) for _ in view.get_shape())]
+        except SafetensorError as e:
+            raise ValueError(f"{self.weight_map[key]}: {key} cannot be read ({e}); truncated or corrupt?") from None
+        if not np.isfinite(value).all():
             raise ValueError(f"{self.weight_map[key]}: {key} holds NaN or infinite values; the checkpoint is damaged")
         return value
 
 
-def _load_experts(reader: _Reader, where: Experts, num_experts: int) -> jax.Array:
+def _expert_keys(reader: _Reader, where: Experts, num_experts: int) -> list[str]:
     prefix, part = where
     if reader.has(f"{prefix}.0.{part}_proj.weight"):
-        return jnp.stack([_t(reader.get(f"{prefix}.{e}.{part}_proj.weight")) for e in range(num_experts)])
-    if part == "down":
-        return _t(reader.get(f"{prefix}.down_proj"))
-    fused = reader.get(f"{prefix}.gate_up_proj")  # [E, 2I, H]
-    half = fused.shape[1] // 2
-    return _t(fused[:, :half] if part == "gate" else fused[:, half:])
+        return [f"{prefix}.{e}.{part}_proj.weight" for e in range(num_experts)]
+    return [f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"]
 
 
-def _load_one(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, directory: Path,
-              shape: tuple[int, ...]) -> jax.Array:
-    """The parameter at an unrolled path from its Hugging Face tensors,
-    refused unless it has this shape."""
+def _experts_shape(reader: _Reader, where: Experts, num_experts: int) -> tuple[tuple[int, ...], str]:
+    """The parameter's shape [E, in, out] as the file stores it, and that
+    storage in words."""
+    keys = _expert_keys(reader, where, num_experts)
+    shapes = [reader.shape(k) for k in keys]
+    if len(keys) > 1:  # per expert: [out, in] each
+        if len(set(shapes)) != 1 or len(shapes[0]) != 2:
+            raise ValueError(f"{where.prefix}.*.{where.part}_proj.weight: experts of shapes {sorted(set(shapes))}, "
+                             "expected one [out, in] shape")
+        out, inp = shapes[0]
+        return (len(keys), inp, out), f"{len(keys)} x {shapes[0]}"
+    shape = shapes[0]
+    if len(shape) != 3:
+        return shape, str(shape)
+    e, rows, cols = shape
+    return (e, cols, rows // 2 if where.part != "down" else rows), str(shape)
+
+
+def _read_experts(reader: _Reader, where: Experts, num_experts: int, index: Index) -> np.ndarray:
+    """Part of a routed-experts parameter [E, in, out] from the per-expert
+    tensors ([out, in] each) or the fused ones (gate_up [E, 2I, H], down
+    [E, H, I])."""
+    experts, inputs, outputs = index
+    keys = _expert_keys(reader, where, num_experts)
+    if len(keys) > 1:
+        return np.stack([reader.get(k, (outputs, inputs)).T for k in keys[experts]])
+    if where.part == "up":  # the second half of gate_up's rows
+        half = reader.shape(keys[0])[1] // 2
+        outputs = slice(outputs.start + half, outputs.stop + half)
+    return reader.get(keys[0], (experts, outputs, inputs)).transpose(0, 2, 1)
+
+
+def _check_shape(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, directory: Path,
+                 shape: tuple[int, ...]) -> None:
+    """Refuse a parameter whose tensors are missing (KeyError) or would not
+    give this shape, from the files' headers (nothing read)."""
     where = locate(cfg, path, prefix)
     if isinstance(where, Experts):
-        value = _load_experts(reader, where, cfg.num_experts)
-        stored = f"{tuple(value.shape)} (experts stacked, in gdnx's [in, out] layout)"
+        found, stored = _experts_shape(reader, where, cfg.num_experts)
+        keys = where.prefix
+        note = " (experts stacked, in gdnx's [in, out] layout)"
     else:
-        tensors = [reader.get(k) for k in where.keys]
-        value = where.to_param(*tensors)
-        stored = " and ".join(str(tuple(t.shape)) for t in tensors)
-    if tuple(value.shape) != shape:
-        keys = where.prefix if isinstance(where, Experts) else ", ".join(where.keys)
-        raise ValueError(f"{directory}: {keys}: the file's shape {stored} does not fit this config, which needs "
-                         f"{shape} in gdnx's layout (a matrix's [in, out]; the file stores [out, in])")
-    return value
+        shapes = [reader.shape(k) for k in where.keys]
+        try:
+            found = tuple(jax.eval_shape(where.to_param, *(jax.ShapeDtypeStruct(x, jnp.float32)
+                                                            for x in shapes)).shape)
+        except (TypeError, ValueError):
+            found = ()
+        stored, keys, note = " and ".join(str(x) for x in shapes), ", ".join(where.keys), ""
+    if found != shape:
+        raise ValueError(f"{directory}: {keys}: the file's shape {stored}{note} does not fit this config, which "
+                         f"needs {shape} in gdnx's layout (a matrix's [in, out]; the file stores [out, in])")
+
+
+def _read(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, index: Index) -> np.ndarray:
+    """Part `index` of one layer's parameter at an unrolled path."""
+    where = locate(cfg, path, prefix)
+    if isinstance(where, Experts):
+        return _read_experts(reader, where, cfg.num_experts, index)
+    if where.read is None:  # small: read whole
+        return np.asarray(where.to_param(*(reader.get(k) for k in where.keys)))[index]
+    return where.read(reader.get, index)
+
+
+def _whole(index: Index, shape: tuple[int, ...]) -> Index:
+    """The index with every slice's bounds stated (a scalar's is empty)."""
+    index = index + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def _part_reader(reader: _Reader, cfg: ModelConfig, prefix: str, path: tuple, shape: tuple[int, ...],
+                 dtype: Any) -> Callable[[Index | None], np.ndarray]:
+    """index -> that part of the parameter at `path` (a model path: a
+    stacked one reads each layer's part)."""
+    paths, stacked = layer_paths(cfg, path)
+
+    def part(index: Index | None) -> np.ndarray:
+        index = _whole(index or (), shape)
+        if stacked:
+            return np.stack([_read(reader, cfg, q, prefix, index[1:]).astype(dtype, copy=False)
+                             for q in paths[index[0]]])
+        return _read(reader, cfg, paths[0], prefix, index).astype(dtype, copy=False)
+    return part
 
 
 def _note_skipped(directory: Path, keys: list[str]) -> None:
@@ -148,10 +223,17 @@ def _note_skipped(directory: Path, keys: list[str]) -> None:
                         "language model")
 
 
-def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLike, **config_overrides: Any,
+def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLike, *,
+                    placement: Callable[[Any, ModelConfig], Any] | None = None, **config_overrides: Any,
                     ) -> Model:
     """The model `build` makes from the directory's config.json (with
-    `config_overrides`), holding the directory's weights."""
+    `config_overrides`), holding the directory's weights.
+
+    placement(abstract parameters, config) -> a jax.sharding.Sharding per
+    parameter: each parameter is created with it, each device's part read
+    from the files' slices, so no host or device holds a whole copy of a
+    sharded parameter. None: every parameter whole on the default device.
+    In a multi-process run each process reads its devices' parts."""
     directory = Path(path)
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -162,18 +244,16 @@ def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLi
     abstract = nnx.eval_shape(lambda: build(cfg))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]  # two filters, three parts
     reader = _Reader(directory)
-    missing, loaded = [], []
-    for p, var in nnx.to_flat_state(params):
-        # a scanned model's stacked parameter gathers one tensor per layer
-        paths, stacked = layer_paths(cfg, p)
+    missing = []
+    flat = nnx.to_flat_state(params)
+    for p, var in flat:
+        paths, stacked = layer_paths(cfg, p)  # a scanned model's stacked parameter gathers one tensor per layer
         shape = tuple(var.shape[1:] if stacked else var.shape)
         try:
-            values = [_load_one(reader, cfg, q, prefix, directory, shape) for q in paths]
+            for q in paths:
+                _check_shape(reader, cfg, q, prefix, directory, shape)
         except KeyError as e:
             missing.append(str(e.args[0]))
-            continue
-        value = jnp.stack(values) if stacked else values[0]
-        loaded.append((p, var.replace(jnp.asarray(value, var.dtype))))
     if missing:
         raise ValueError(f"{directory}: missing weights: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
@@ -182,53 +262,91 @@ def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLi
     if unexpected:
         raise ValueError(f"{directory}: weights this model has no place for: {', '.join(sorted(unexpected)[:8])}")
     _note_skipped(directory, unused)
+    if placement is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        places = [device] * len(flat)
+    else:
+        places = jax.tree.leaves(placement(params, cfg), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    loaded = []
+    for (p, var), place in zip(flat, places, strict=True):
+        part = _part_reader(reader, cfg, prefix, p, tuple(var.shape), var.dtype)
+        loaded.append((p, var.replace(jax.make_array_from_callback(tuple(var.shape), place, part))))
     params = nnx.from_flat_state(loaded)
     rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, rest)
     return nnx.merge(graphdef, params, rest)
 
 
-def hf_state_dict(model: nnx.Module) -> dict[str, jax.Array]:
+def _host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host: gathered from the other processes when
+    they hold parts of it (every process must call this, in the same order)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
     """The model's parameters under Hugging Face names and layouts (its
-    family's text model)."""
+    family's text model), one host array at a time. A parameter sharded over
+    several processes is gathered: every process iterates this alike."""
     cfg = _config_of(model)
-    out = {}
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        whole = _host(var[...])
         paths, stacked = layer_paths(cfg, p)
         for i, q in enumerate(paths):
             where = locate(cfg, q)
-            value = var[i] if stacked else var[...]
+            value = whole[i] if stacked else whole
             if isinstance(where, Experts):
                 for e in range(value.shape[0]):
-                    out[f"{where.prefix}.{e}.{where.part}_proj.weight"] = _t(value[e])
+                    yield f"{where.prefix}.{e}.{where.part}_proj.weight", np.ascontiguousarray(value[e].T)
             else:
-                out.update(zip(where.keys, where.to_hf(value)))
-    return out
+                for key, tensor in zip(where.keys, where.to_hf(value)):
+                    yield key, np.ascontiguousarray(tensor)
 
 
-def _save_shard(tensors: dict[str, jax.Array], path: str) -> None:
+def hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
+    return dict(hf_tensors(model))
+
+
+def _save_shard(tensors: dict[str, np.ndarray], path: str) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
 def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: int = SHARD_BYTES) -> None:
+    """Write config.json and the weights as safetensors, in files of up to
+    shard_bytes (with model.safetensors.index.json when more than one),
+    filled tensor by tensor: the host holds one file's tensors at a time. A
+    sharded model writes the same bits as a whole one; with several
+    processes every process takes part and process 0 writes the files."""
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: jnp.asarray(v) for k, v in hf_state_dict(model).items()}
-    shards: list[dict[str, jax.Array]] = [{}]
-    size = 0
-    for k, v in tensors.items():
-        if shards[-1] and size + v.nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = v
-        size += v.nbytes
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, shard in zip(names, shards):
-        atomic_write(directory / name, functools.partial(_save_shard, shard))
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": int(sum(v.nbytes for v in tensors.values()))},
-                 "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+    writer = jax.process_index() == 0
+    if writer:
+        directory.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, np.ndarray] = {}
+    total = 0
+
+    def flush() -> None:
+        if writer:
+            name = directory / f".model-part-{len(written) + 1:05d}.safetensors"
+            atomic_write(name, functools.partial(_save_shard, dict(shard)))
+            written.append((name, list(shard)))
+        shard.clear()
+
+    for key, tensor in hf_tensors(model):
+        if shard and sum(v.nbytes for v in shard.values()) + tensor.nbytes > shard_bytes:
+            flush()
+        shard[key] = tensor
+        total += tensor.nbytes
+    flush()
+    if not writer:
+        return
+    names = ["model.safetensors"] if len(written) == 1 else [
+        f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))]
+    for (part, _), name in zip(written, names):
+        os.replace(part, directory / name)
+    if len(written) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: name for (_, keys), name in zip(written, names) for k in keys}}
         atomic_write_text(directory / "model.safetensors.index.json", json.dumps(index, indent=2))
     config = hf_config_from_model(_config_of(model))
     atomic_write_text(directory / "config.json", json.dumps(config, indent=2))
-

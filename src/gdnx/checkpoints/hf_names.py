@@ -9,26 +9,44 @@ Hybrid's q/k/v/g_proj and b/a_proj. OLMo Hybrid's checkpoints also keep
 the conv weight in three parts (q/k/v_conv1d) and name two norms as OLMo
 does (attention_layer_norm, feedforward_layer_norm). Every conversion is a reshape,
 transpose, split or concatenation, so a load and a save give back the same
-bits.
+bits. The conversions to a parameter take numpy arrays (a load reads
+slices on the host) or jax values (a shape check under eval_shape), and
+each kind of tensor also reads any slice of its parameter from the slices
+of its Hugging Face tensors, so a sharded load reads only what each device
+holds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gdnx.config.schema import ModelConfig
+
+# (index into a parameter: one slice per dim) -> that part of the parameter
+Index = tuple[slice, ...]
+# (Hugging Face tensor name, index into it) -> that part of the tensor, as numpy
+ReadSlice = Callable[[str, Index], np.ndarray]
 
 
 class Tensors(NamedTuple):
     """One gdnx parameter as Hugging Face tensors: their names and the two
-    conversions."""
+    conversions; `read` gives any slice of the parameter from slices of the
+    tensors (None: the parameter is small and read whole)."""
     keys: tuple[str, ...]
-    to_param: Callable[..., jax.Array]  # the tensors, in keys' order -> the parameter
-    to_hf: Callable[[jax.Array], tuple[jax.Array, ...]]  # the parameter -> the tensors
+    to_param: Callable[..., Any]  # the tensors, in keys' order -> the parameter
+    to_hf: Callable[[Any], tuple[Any, ...]]  # the parameter -> the tensors
+    read: Callable[[ReadSlice, Index], np.ndarray] | None = None
+
+
+def _xp(*xs: Any) -> Any:
+    """numpy for host arrays, jax.numpy for jax values (traced included)."""
+    return np if all(isinstance(x, np.ndarray) for x in xs) else jnp
 
 
 class Experts(NamedTuple):
@@ -38,16 +56,16 @@ class Experts(NamedTuple):
     part: str  # gate, up or down
 
 
-def _t(x: jax.Array) -> jax.Array:
-    return jnp.swapaxes(x, -1, -2)
+def _t(x: Any) -> Any:
+    return x.swapaxes(-1, -2)
 
 
 def _same(key: str) -> Tensors:
-    return Tensors((key,), lambda w: w, lambda p: (p,))
+    return Tensors((key,), lambda w: w, lambda p: (p,), lambda get, index: get(key, index))
 
 
 def _transposed(key: str) -> Tensors:
-    return Tensors((key,), _t, lambda p: (_t(p),))
+    return Tensors((key,), _t, lambda p: (_t(p),), lambda get, index: get(key, index[::-1]).T)
 
 
 def _conv(key: str) -> Tensors:
@@ -59,22 +77,42 @@ def _per_key_head(keys: Sequence[str], rows: Sequence[Sequence[int]], num_key_he
     slice of each part in turn; the parts are the row blocks `rows[j]` of
     the tensor keys[j] ([out, hidden], out in head order)."""
     hk = num_key_heads
+    width = sum(map(sum, rows)) // hk  # a key head's columns
 
-    def to_param(*tensors: jax.Array) -> jax.Array:
+    def assemble(tensors: Sequence[Any], heads: int) -> Any:
+        """The kernel's columns of `heads` consecutive key heads from the
+        tensors' rows of those heads (each part's rows `size * heads / hk`)."""
         parts = []
         for w, sizes in zip(tensors, rows):
-            offsets = [sum(sizes[:i]) for i in range(1, len(sizes))]
-            parts += [p.T.reshape(p.shape[1], hk, -1) for p in jnp.split(w, offsets, axis=0)]
-        return jnp.concatenate(parts, axis=-1).reshape(parts[0].shape[0], -1)
+            start = 0
+            for size in sizes:
+                stop = start + size * heads // hk
+                parts.append(w[start:stop].T.reshape(w.shape[1], heads, -1))
+                start = stop
+        return _xp(*tensors).concatenate(parts, axis=-1).reshape(parts[0].shape[0], -1)
 
-    def to_hf(kernel: jax.Array) -> tuple[jax.Array, ...]:
+    def read(get: ReadSlice, index: Index) -> np.ndarray:
+        # the whole key heads the columns touch: each part's rows of those heads
+        inputs, columns = index
+        first, last = columns.start // width, math.ceil(columns.stop / width)
+        tensors = []
+        for key, sizes in zip(keys, rows):
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            tensors.append(np.concatenate([
+                get(key, (slice(o + first * size // hk, o + last * size // hk), inputs))
+                for o, size in zip(offsets, sizes)], axis=0))
+        kernel = assemble(tensors, last - first)
+        return kernel[:, columns.start - first * width:columns.stop - first * width]
+
+    def to_hf(kernel: Any) -> tuple[Any, ...]:
         widths = [size // hk for sizes in rows for size in sizes]
         offsets = [sum(widths[:i]) for i in range(1, len(widths))]
         grouped = kernel.reshape(kernel.shape[0], hk, -1)
-        parts = iter(p.reshape(kernel.shape[0], -1).T for p in jnp.split(grouped, offsets, axis=-1))
-        return tuple(jnp.concatenate([next(parts) for _ in sizes], axis=0) for sizes in rows)
+        xp = _xp(kernel)
+        parts = iter(p.reshape(kernel.shape[0], -1).T for p in xp.split(grouped, offsets, axis=-1))
+        return tuple(xp.concatenate([next(parts) for _ in sizes], axis=0) for sizes in rows)
 
-    return Tensors(tuple(keys), to_param, to_hf)
+    return Tensors(tuple(keys), lambda *tensors: assemble(tensors, hk), to_hf, read)
 
 
 def _gdn(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
@@ -86,8 +124,8 @@ def _gdn(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
     p = prefix + "linear_attn."
     if name == "conv_weight" and olmo:
         return Tensors(tuple(p + f"{x}_conv1d.weight" for x in "qkv"),
-                       lambda q, k, v: jnp.concatenate([q, k, v], axis=0)[:, 0],
-                       lambda w: tuple(x[:, None] for x in jnp.split(w, [kd, 2 * kd], axis=0)))
+                       lambda q, k, v: _xp(q, k, v).concatenate([q, k, v], axis=0)[:, 0],
+                       lambda w: tuple(x[:, None] for x in _xp(w).split(w, [kd, 2 * kd], axis=0)))
     if name == "conv_weight":
         return _conv(p + "conv1d.weight")
     if name in ("dt_bias", "A_log"):

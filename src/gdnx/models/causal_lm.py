@@ -41,6 +41,7 @@ from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.cache import Cache
 from gdnx.ops.gated_delta_rule.options import KERNEL_PLATFORMS, RESIDUAL_NAMES, DeltaRuleOptions
+from gdnx.parallel.params import shardings
 from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
 
 
@@ -200,14 +201,21 @@ class CausalLM(nnx.Module):
             config.hidden_size, config.vocab_size, dtype, param_dtype, config.initializer_range, rngs)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **config_overrides: Any) -> "CausalLM":
+    def from_pretrained(cls, path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
+                        **config_overrides: Any) -> "CausalLM":
         """Load a Hugging Face directory (config.json + safetensors) of any
         family gdnx builds (its model_type says which: qwen3_next, qwen3_5,
         qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, olmo_hybrid); keyword
-        arguments override config fields (e.g. gdn_implementation="xla")."""
+        arguments override config fields (e.g. gdn_implementation="xla").
+
+        mesh: every parameter is created sharded on it (gdnx.parallel's
+        layout), each device reading its part of the files, so no host or
+        device holds a whole copy of a sharded parameter. Without one, the
+        parameters are whole on the default device."""
         from gdnx.checkpoints.hf import load_pretrained
 
-        return load_pretrained(cls, path, **config_overrides)
+        placement = None if mesh is None else lambda params, cfg: shardings(params, cfg, mesh)
+        return load_pretrained(cls, path, placement=placement, **config_overrides)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write config.json + safetensors in the family's own layout, which

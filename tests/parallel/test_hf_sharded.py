@@ -1,0 +1,96 @@
+"""Hugging Face directories loaded sharded on the 8-device mesh: every
+parameter created with its mesh sharding from the files' slices, equal bit
+for bit to the whole load, for each family (as transformers saves it),
+scanned or not, with experts per expert or fused; and saving the sharded
+model writes the same bytes as saving the whole one."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from gdnx.models import CausalLM
+from gdnx.parallel import shardings
+from tests.parallel.helpers import mesh
+
+KINDS = ("qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
+MESHES = {"fsdp8": dict(data=1, fsdp=8), "fsdp4_tensor2": dict(data=1, fsdp=4, tensor=2)}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random model of each family saved by transformers. torch is
+    loaded in a child process: this process (XLA's compiler) stays without it."""
+    root = tmp_path_factory.mktemp("hf")
+    script = ("import sys; from tests.hf_models import random_hf_model\n"
+              "for kind in sys.argv[2:]: random_hf_model(kind).save_pretrained(f'{sys.argv[1]}/{kind}')")
+    subprocess.run([sys.executable, "-c", script, str(root), *KINDS], check=True, timeout=300,
+                   cwd=Path(__file__).resolve().parents[2])
+    return {kind: root / kind for kind in KINDS}
+
+
+def _params(model) -> dict:
+    return dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+
+def _assert_same(sharded, whole, m):
+    got, want = _params(sharded), _params(whole)
+    expected = shardings(nnx.state(whole, nnx.Param), whole.config, m)
+    placed = dict(nnx.to_flat_state(expected))
+    assert got.keys() == want.keys()
+    for path, var in got.items():
+        value = var[...]
+        assert value.sharding.is_equivalent_to(placed[path], value.ndim), path
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(want[path][...]), err_msg=str(path))
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_sharded_load_equals_whole_load(hf_dirs, kind, mesh_name):
+    m = mesh("auto", **MESHES[mesh_name])
+    sharded = CausalLM.from_pretrained(hf_dirs[kind], mesh=m)
+    _assert_same(sharded, CausalLM.from_pretrained(hf_dirs[kind]), m)
+
+
+def test_sharded_load_of_a_scanned_stack(hf_dirs):
+    """Scanned: a stacked parameter's slice gathers its layers' slices."""
+    m = mesh("auto", **MESHES["fsdp4_tensor2"])
+    sharded = CausalLM.from_pretrained(hf_dirs["qwen3_5_moe"], mesh=m, scan_layers=True)
+    _assert_same(sharded, CausalLM.from_pretrained(hf_dirs["qwen3_5_moe"], scan_layers=True), m)
+
+
+def test_sharded_load_of_fused_experts(hf_dirs, tmp_path):
+    """Experts fused as transformers 5 keeps them in memory (gate_up [E, 2I,
+    H], down [E, H, I]): the up half is read from the second half's rows."""
+    source = hf_dirs["qwen3_next_moe"]
+    tensors = load_file(source / "model.safetensors")
+    for layer in range(4):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for part in ("gate", "up", "down"):
+            stacked = np.stack([tensors.pop(f"{prefix}.{e}.{part}_proj.weight") for e in range(4)])
+            tensors[f"{prefix}.{part}"] = stacked
+        tensors[f"{prefix}.gate_up_proj"] = np.concatenate([tensors.pop(f"{prefix}.gate"),
+                                                             tensors.pop(f"{prefix}.up")], axis=1)
+        tensors[f"{prefix}.down_proj"] = tensors.pop(f"{prefix}.down")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    save_file(tensors, fused / "model.safetensors")
+    (fused / "config.json").write_text((source / "config.json").read_text())
+    m = mesh("auto", **MESHES["fsdp4_tensor2"])
+    _assert_same(CausalLM.from_pretrained(fused, mesh=m), CausalLM.from_pretrained(source), m)
+
+
+def test_saving_a_sharded_model_writes_the_same_bytes(hf_dirs, tmp_path):
+    m = mesh("auto", **MESHES["fsdp4_tensor2"])
+    CausalLM.from_pretrained(hf_dirs["qwen3_5_moe"], mesh=m).save_pretrained(tmp_path / "sharded")
+    CausalLM.from_pretrained(hf_dirs["qwen3_5_moe"]).save_pretrained(tmp_path / "whole")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "sharded" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    assert json.loads((tmp_path / "whole" / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    assert jax.device_count() == 8
