@@ -68,3 +68,51 @@ def tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:
 def hf_logits(hf, toks) -> np.ndarray:
     with torch.no_grad():
         return hf(torch.tensor(toks)).logits.numpy()
+
+
+# A ChatML template as Qwen's checkpoints carry (the roles it knows; a system
+# turn only first), over a word-level tokenizer of the tiny models' vocabulary
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('system must come first') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ROLE_WORDS = ("system", "user", "assistant")
+
+
+def word(i: int) -> str:
+    """The word of token id i (ids past the special and role tokens)."""
+    return f"w{i}"
+
+
+def write_chat_tokenizer(directory, vocab: int = VOCAB) -> None:
+    """tokenizer.json (word level: the special tokens, the role words, then
+    w<i> for the remaining ids, split on whitespace) and tokenizer_config.json
+    with CHAT_TEMPLATE, as a Qwen checkpoint's directory holds them."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    names = [*SPECIAL, *ROLE_WORDS]
+    table = {name: i for i, name in enumerate(names)}
+    table.update({word(i): i for i in range(len(names), vocab)})
+    tok = Tokenizer(WordLevel(vocab=table, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None}))
+
+
+def sentence(rng, words: int) -> str:
+    return " ".join(word(int(i)) for i in rng.integers(len(SPECIAL) + len(ROLE_WORDS), VOCAB, words))

@@ -137,14 +137,14 @@ def _start_distributed(args: argparse.Namespace) -> None:
 
 def _train(args) -> None:
     from gdnx.checkpoints.orbax import quiet_refused_writes
-    from gdnx.config import load_config
     from gdnx.training import build_trainer
+    from gdnx.training.init_from import load_train_config
 
     overrides = list(args.overrides)
     name = args.config
     if name is not None and "=" in name:
         name, overrides = None, [name] + overrides
-    config = load_config(name, overrides)
+    config = load_train_config(name, overrides)
     try:
         trainer = build_trainer(config)
     except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory

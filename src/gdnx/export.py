@@ -18,7 +18,7 @@ def run_tokenizer(config: Config) -> Path | None:
     or MQAR, which have none)."""
     from gdnx.data.prepare import prepared_tokenizer
 
-    if config.data.source == "text":
+    if config.data.source in ("text", "sft"):
         return None if config.data.tokenizer is None else Path(config.data.tokenizer)
     if config.data.source == "tokens":
         found = prepared_tokenizer(Path(config.data.path or ""))

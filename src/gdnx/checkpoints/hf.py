@@ -223,11 +223,24 @@ def _note_skipped(directory: Path, keys: list[str]) -> None:
                         "language model")
 
 
-def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLike, *,
-                    placement: Callable[[Any, ModelConfig], Any] | None = None, **config_overrides: Any,
-                    ) -> Model:
-    """The model `build` makes from the directory's config.json (with
-    `config_overrides`), holding the directory's weights.
+def read_config(path: str | os.PathLike, overrides: dict | None = None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory's config.json, with
+    `overrides` (ModelConfig fields)."""
+    return model_config_from_hf(_hf_config(Path(path)), overrides)
+
+
+def _hf_config(directory: Path) -> dict:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face model directory)")
+    return read_json_object(config_file)
+
+
+def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
+                placement: Callable[[Any, ModelConfig], Any] | None = None) -> nnx.State:
+    """The directory's weights as the parameters `params` (abstract: the
+    model's nnx.Param state under eval_shape) of a model built from `cfg`;
+    a missing, extra or misshapen tensor is refused before anything is read.
 
     placement(abstract parameters, config) -> a jax.sharding.Sharding per
     parameter: each parameter is created with it, each device's part read
@@ -235,14 +248,7 @@ def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLi
     sharded parameter. None: every parameter whole on the default device.
     In a multi-process run each process reads its devices' parts."""
     directory = Path(path)
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face model directory)")
-    hf = read_json_object(config_file)
-    cfg = model_config_from_hf(hf, config_overrides)
-    prefix = "model.language_model." if hf.get("model_type") in VISION_LANGUAGE else "model."
-    abstract = nnx.eval_shape(lambda: build(cfg))
-    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]  # two filters, three parts
+    prefix = "model.language_model." if _hf_config(directory).get("model_type") in VISION_LANGUAGE else "model."
     reader = _Reader(directory)
     missing = []
     flat = nnx.to_flat_state(params)
@@ -271,7 +277,19 @@ def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLi
     for (p, var), place in zip(flat, places, strict=True):
         part = _part_reader(reader, cfg, prefix, p, tuple(var.shape), var.dtype)
         loaded.append((p, var.replace(jax.make_array_from_callback(tuple(var.shape), place, part))))
-    params = nnx.from_flat_state(loaded)
+    return nnx.from_flat_state(loaded)
+
+
+def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLike, *,
+                    placement: Callable[[Any, ModelConfig], Any] | None = None, **config_overrides: Any,
+                    ) -> Model:
+    """The model `build` makes from the directory's config.json (with
+    `config_overrides`), holding the directory's weights, placed per
+    `placement` (load_params)."""
+    cfg = read_config(path, config_overrides)
+    abstract = nnx.eval_shape(lambda: build(cfg))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]  # two filters, three parts
+    params = load_params(path, cfg, params, placement)
     rest = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, rest)
     return nnx.merge(graphdef, params, rest)
 

@@ -116,11 +116,17 @@ def build_config(data: dict) -> Config:
         raise ConfigError(format_validation_error(e)) from None
 
 
+def read_config_data(name: str | None = None, overrides: Sequence[str] = ()) -> dict:
+    """The config file (path or bundled name; the tiny model when None) with
+    its bases merged and overrides applied, not yet validated: the keys it
+    sets, as written."""
+    return apply_overrides(_read(_resolve(name or DEFAULT_CONFIG)), list(overrides))
+
+
 def load_config(name: str | None = None, overrides: Sequence[str] = ()) -> Config:
     """The config file (path or bundled name; the tiny model when None) with
     overrides applied, validated."""
-    data = _read(_resolve(name or DEFAULT_CONFIG))
-    return resolve_paths(build_config(apply_overrides(data, list(overrides))))
+    return resolve_paths(build_config(read_config_data(name, overrides)))
 
 
 def resolve_paths(config: Config) -> Config:
@@ -128,6 +134,7 @@ def resolve_paths(config: Config) -> Config:
     a run's saved config works from anywhere."""
     absolute = lambda p: None if p is None else str(Path(p).expanduser().resolve())  # noqa: E731
     return config.model_copy(update={
+        "model": config.model.model_copy(update={"init_from": absolute(config.model.init_from)}),
         "train": config.train.model_copy(update={"out_dir": absolute(config.train.out_dir)}),
         "data": config.data.model_copy(update={"path": absolute(config.data.path),
                                                "tokenizer": absolute(config.data.tokenizer)})})

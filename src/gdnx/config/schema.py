@@ -63,6 +63,9 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """A GDN hybrid's architecture and the GDN knobs."""
 
+    # the weights to start training from: a Hugging Face directory or a gdnx
+    # run (its newest intact checkpoint), whose architecture this config holds
+    init_from: str | None = None
     family: Family = "qwen3_next"
     vocab_size: PositiveInt = 151936
     hidden_size: PositiveInt = 2048
@@ -220,13 +223,19 @@ class ModelConfig(_Strict):
 
 class DataConfig(_Strict):
     """Training data: the embedded MQAR task; text files (.txt, .jsonl or a
-    directory of them), tokenized into <out_dir>/data on first use; or a
-    directory `gdnx prepare` wrote (tokens)."""
+    directory of them), tokenized into <out_dir>/data on first use; a
+    directory `gdnx prepare` wrote (tokens); or supervised fine-tuning
+    examples (sft: .jsonl of messages or prompt/completion, the loss on the
+    responses), tokenized into <out_dir>/data on first use."""
 
-    source: Literal["mqar", "text", "tokens"] = "mqar"
+    source: Literal["mqar", "text", "tokens", "sft"] = "mqar"
     path: str | None = None
     tokenizer: str | None = None  # a Hugging Face tokenizer.json; bytes when None
-    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # documents held out for evaluation (source text)
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # documents held out for evaluation (text, sft)
+    # sft: several examples per row (consecutive ones while they fit) or one
+    sft_packing: bool = True
+    # sft: an example longer than data.seq_len + 1 tokens is dropped or cut to it (counted in the log)
+    sft_overlong: Literal["drop", "truncate"] = "drop"
     eos_token: str | None = None  # the tokenizer's end-of-document token when it has none of the usual names
     seq_len: PositiveInt = 128
     num_pairs: PositiveInt = 16
@@ -237,6 +246,9 @@ class DataConfig(_Strict):
     def _consistent(self):
         if self.source == "text" and self.path is None:
             raise ValueError("path: data.source=text needs data.path (a .txt or .jsonl file, or a directory of "
+                             "them)")
+        if self.source == "sft" and self.path is None:
+            raise ValueError("path: data.source=sft needs data.path (a .jsonl file of examples, or a directory of "
                              "them)")
         if self.source == "tokens" and self.path is None:
             raise ValueError("path: data.source=tokens needs data.path (a directory `gdnx prepare` wrote)")

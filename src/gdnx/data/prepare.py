@@ -92,7 +92,7 @@ def _cut(data: bytes) -> int:
     return at - 1 if at > 0 and data[at - 1] >= 0xC0 else at  # and its lead byte, if it is incomplete
 
 
-class _Encoder:
+class Encoder:
     """Bytes -> token ids: raw bytes, or a tokenizer.json on UTF-8 text."""
 
     def __init__(self, tokenizer: str | None, eos_token: str | None):
@@ -126,13 +126,13 @@ class _Encoder:
             yield np.asarray(self.hf.encode(carry.decode("utf-8", errors="replace")), np.int64)
 
 
-def _in_val(index: int, fraction: float) -> bool:
+def in_val(index: int, fraction: float) -> bool:
     """Whether document `index` (0-based, across all inputs) is held out: the
     held-out count steps by one each 1/fraction documents."""
     return int((index + 1) * fraction) > int(index * fraction)
 
 
-def _fingerprint(files: list[Path], tokenizer: str | None, eos: int, val_fraction: float) -> dict[str, Any]:
+def fingerprint_of(files: list[Path], tokenizer: str | None, eos: int, val_fraction: float) -> dict[str, Any]:
     tok = None
     if tokenizer is not None:
         tok = {"path": str(Path(tokenizer).resolve()),
@@ -152,8 +152,8 @@ def prepare_corpus(paths: list[Path], out: Path, *, tokenizer: str | None = None
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction: expected a fraction in [0, 1), got {val_fraction}")
     files = input_files(paths)
-    encoder = _Encoder(tokenizer, eos_token)
-    fingerprint = _fingerprint(files, tokenizer, encoder.eos, val_fraction)
+    encoder = Encoder(tokenizer, eos_token)
+    fingerprint = fingerprint_of(files, tokenizer, encoder.eos, val_fraction)
     meta_file = out / "meta.json"
     if meta_file.is_file():
         try:
@@ -178,7 +178,7 @@ def prepare_corpus(paths: list[Path], out: Path, *, tokenizer: str | None = None
     try:
         for path in files:
             for blocks in _documents(path):
-                split = "val" if _in_val(index, val_fraction) else "train"
+                split = "val" if in_val(index, val_fraction) else "train"
                 index += 1
                 tokens, docs = handles[split]
                 for ids in encoder.encode(blocks):
@@ -198,15 +198,14 @@ def prepare_corpus(paths: list[Path], out: Path, *, tokenizer: str | None = None
     for s in SPLITS:
         for kind in ("tokens", "docs"):
             os.replace(out / f"{s}.{kind}.tmp", out / f"{s}.{kind}")
-    token_bytes = _token_bytes(encoder)
-    np.save(out / "token_bytes.npy", token_bytes)
+    np.save(out / "token_bytes.npy", token_bytes(encoder))
     meta = {"fingerprint": fingerprint, "vocab_size": encoder.vocab_size, "dtype": dtype.name,
             "splits": {s: {"tokens": counts[s][0], "documents": counts[s][1]} for s in SPLITS}}
     atomic_write_text(meta_file, json.dumps(meta, indent=1))
     return meta
 
 
-def _token_bytes(encoder: _Encoder) -> np.ndarray:
+def token_bytes(encoder: Encoder) -> np.ndarray:
     """UTF-8 bytes each token stands for (0 for the end-of-document token):
     what bits per byte divides by."""
     if encoder.hf is None:

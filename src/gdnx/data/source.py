@@ -21,7 +21,8 @@ from gdnx.config.schema import DataConfig
 from gdnx.data.mqar import mqar_batch
 from gdnx.data.prepare import prepare_corpus
 from gdnx.data.text import Tokenizer, make_tokenizer
-from gdnx.data.tokens import PackedRows, TokenShards
+from gdnx.data.sft import ExampleRows, prepare_sft
+from gdnx.data.tokens import PackedRows, Rows, TokenShards
 from gdnx.distributed import wait_for_first
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -45,6 +46,7 @@ class Source(NamedTuple):
     train: Callable
     evaluation: Callable | None
     tokenizer: Tokenizer | None
+    notes: tuple[str, ...] = ()  # what a run's log says of its data (SFT: examples dropped, padding)
 
 
 def _mqar(data_cfg: DataConfig, batch_size: int) -> Source:
@@ -76,13 +78,13 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
         return _mqar(data_cfg, batch_size)
     assert data_cfg.path is not None
     directory = prepared_dir(data_cfg, out_dir or Path("."))
-    if data_cfg.source == "text":
+    if data_cfg.source in ("text", "sft"):
         # with several processes, process 0 prepares and the others wait for it (never two writers)
         if jax.process_index() == 0:
+            prepare = prepare_corpus if data_cfg.source == "text" else prepare_sft
             try:
-                prepare_corpus([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer,
-                               eos_token=data_cfg.eos_token, val_fraction=data_cfg.val_fraction, progress=progress,
-                               keep=resuming)
+                prepare([Path(data_cfg.path)], directory, tokenizer=data_cfg.tokenizer, eos_token=data_cfg.eos_token,
+                        val_fraction=data_cfg.val_fraction, progress=progress, keep=resuming)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"data.path: {e}") from None
             except ValueError as e:
@@ -92,14 +94,30 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
     if train_shards.vocab_size > vocab_size:
         raise ValueError(f"model.vocab_size: the tokenizer has {train_shards.vocab_size} tokens, "
                          f"the model {vocab_size}")
-    tokenizer = make_tokenizer(data_cfg.tokenizer) if data_cfg.source == "text" else None
-    train_rows = PackedRows(train_shards, data_cfg.seq_len)
+    tokenizer = make_tokenizer(data_cfg.tokenizer) if data_cfg.source in ("text", "sft") else None
+    notes: list[str] = []
+
+    def rows(shards: TokenShards) -> Rows:
+        if data_cfg.source != "sft":
+            return PackedRows(shards, data_cfg.seq_len)
+        made = ExampleRows(shards, data_cfg.seq_len, packing=data_cfg.sft_packing, overlong=data_cfg.sft_overlong)
+        fit, split = made.fit, "training" if shards.split == "train" else "validation"
+        for count, what in ((fit.dropped, "dropped"), (fit.truncated, "truncated to it")):
+            if count:
+                notes.append(f"data: {count} of the {len(shards.ends)} {split} examples are longer than "
+                             f"data.seq_len + 1 = {data_cfg.seq_len + 1} tokens: {what} (data.sft_overlong)")
+        notes.append(f"data: {len(shards.ends) - fit.dropped} {split} examples in {fit.rows} rows of "
+                     f"{data_cfg.seq_len + 1} tokens, {100 * fit.padding:.1f}% padding "
+                     f"({'packed' if data_cfg.sft_packing else 'one per row'})")
+        return made
+
+    train_rows = rows(train_shards)
     eval_rows = None
     if evaluate:
         val = TokenShards(directory, "val")
         if len(val) < 2:
             raise ValueError(f"data.val_fraction: the validation split of {directory} holds no text to evaluate "
                              "on; raise data.val_fraction (or give more documents), or set train.eval_every=0")
-        eval_rows = PackedRows(val, data_cfg.seq_len)
+        eval_rows = rows(val)
     evaluation = None if eval_rows is None else (lambda seed: (eval_rows, seed + EVAL_SEED_OFFSET))
-    return Source(False, lambda seed: (train_rows, seed), evaluation, tokenizer)
+    return Source(False, lambda seed: (train_rows, seed), evaluation, tokenizer, tuple(notes))

@@ -21,7 +21,7 @@ import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -30,9 +30,17 @@ class HostBatch(NamedTuple):
     """numpy [rows, T] arrays; rows = this process's share of the batch."""
     inputs: np.ndarray     # int32
     targets: np.ndarray    # int32
-    mask: np.ndarray       # bool: positions scored (target in the input's document)
+    mask: np.ndarray       # bool: positions scored (target in the input's document; SFT: a response's)
     segments: np.ndarray   # int32: document number within the row
     target_bytes: np.ndarray  # int32: UTF-8 bytes of each target token (bits per byte)
+
+
+class Row(NamedTuple):
+    """One row of a batch, T + 1 positions (inputs and targets)."""
+    tokens: np.ndarray    # int32
+    segments: np.ndarray  # int32: document number within the row
+    valid: np.ndarray     # bool: a token of the data, not padding
+    scored: np.ndarray    # bool: counts in the loss as a target (all of text; SFT: the responses)
 
 
 class TokenShards:
@@ -58,6 +66,14 @@ class TokenShards:
             raise ValueError(f"data.path: {directory}/{split}.tokens or .docs does not match meta.json "
                              "(truncated?); run `gdnx prepare` again")
         self.token_bytes = np.load(directory / "token_bytes.npy")
+        # SFT shards (gdnx.data.sft) mark the tokens the loss counts
+        scored = directory / f"{split}.scored"
+        self.scored: np.ndarray | None = None
+        if scored.is_file():
+            size = scored.stat().st_size
+            self.scored = np.memmap(scored, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+            if self.scored.shape[0] != self.tokens.shape[0]:
+                raise ValueError(f"data.path: {scored} does not match {split}.tokens (truncated?); prepare again")
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -76,8 +92,8 @@ class PackedRows:
             raise ValueError(f"data.path: the {shards.split} split of {shards.directory} holds {len(shards)} "
                              "tokens; give more documents (or, for the validation split, raise data.val_fraction)")
 
-    def row(self, seed: int, step: int, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens [T + 1], segments [T + 1], valid [T + 1]) of row `index` of step `step`."""
+    def row(self, seed: int, step: int, index: int) -> Row:
+        """Row `index` of step `step`."""
         rng = np.random.default_rng([seed, step, index])
         start = int(self.piece_starts[rng.integers(len(self.piece_starts))])
         stop = min(start + self.length + 1, len(self.shards))
@@ -88,7 +104,7 @@ class PackedRows:
         segments = np.searchsorted(self.shards.ends, positions, side="right")
         segments = (segments - segments[0]).astype(np.int32)
         valid = positions < stop
-        return tokens, segments, valid
+        return Row(tokens, segments, valid, valid)
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:
@@ -98,13 +114,17 @@ def _ranks(counts: np.ndarray) -> np.ndarray:
     return np.arange(total) - offsets
 
 
-def host_batch(rows: PackedRows, seed: int, step: int, row_ids: range) -> HostBatch:
+class Rows(Protocol):
+    shards: TokenShards
+
+    def row(self, seed: int, step: int, index: int) -> Row: ...
+
+
+def host_batch(rows: Rows, seed: int, step: int, row_ids: range) -> HostBatch:
     got = [rows.row(seed, step, r) for r in row_ids]
-    tokens = np.stack([t for t, _, _ in got])
-    segments = np.stack([s for _, s, _ in got])
-    valid = np.stack([v for _, _, v in got])
+    tokens, segments, valid, scored = (np.stack(x) for x in zip(*got))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    mask = (segments[:, 1:] == segments[:, :-1]) & valid[:, 1:]
+    mask = (segments[:, 1:] == segments[:, :-1]) & valid[:, 1:] & scored[:, 1:]
     return HostBatch(inputs, targets, mask, segments[:, :-1], rows.shards.token_bytes[targets].astype(np.int32))
 
 

@@ -38,8 +38,9 @@ from gdnx.data import Batch, make_source
 from gdnx.data.tokens import HostBatch, Prefetcher, host_batch
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import check_platform, parameter_count
-from gdnx.parallel import make_mesh, shard, spec
+from gdnx.parallel import make_mesh, shard, shardings, spec
 from gdnx.progress import Reporter
+from gdnx.training.init_from import check_source, initial_params
 from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
 
 EVAL_BATCHES = 4
@@ -53,10 +54,15 @@ class Trainer:
     def __init__(self, config: Config, *, mesh: jax.sharding.Mesh | None = None, platform: str | None = None):
         self.config, self.mesh = config, mesh
         check_platform(config.model, platform)
-        model = CausalLM(config.model, seed=config.train.seed)
-        self.graphdef, self.params = nnx.split(model, nnx.Param)
-        if mesh is not None:
-            self.params = shard(self.params, config.model, mesh)
+        if config.model.init_from is None:
+            self.graphdef, self.params = nnx.split(CausalLM(config.model, seed=config.train.seed), nnx.Param)
+            if mesh is not None:
+                self.params = shard(self.params, config.model, mesh)
+        else:  # read straight into the mesh shardings
+            check_source(config.model)
+            self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config.model)), nnx.Param)
+            placement = None if mesh is None else shardings(abstract, config.model, mesh)
+            self.params = initial_params(config.model, abstract, placement)
         self.tx = make_optimizer(config.train)
         out_dir = Path(config.train.out_dir)
         self.source = make_source(config.data, config.train.batch_size, config.model.vocab_size, out_dir=out_dir,
@@ -270,6 +276,8 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignal
     for line in damaged:
         report.note(line)
     start = intact or 0
+    for line in trainer.source.notes:
+        report.note(line)
     if trainer.mesh is not None:
         axes = " x ".join(f"{n}={s}" for n, s in trainer.mesh.shape.items())
         report.note(f"mesh {axes} ({config.parallel.shard_mode})")
@@ -292,6 +300,13 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignal
     metrics_file = out / "metrics.jsonl"
     if primary and (dropped := _rewrite_metrics(metrics_file, start)):
         report.note(f"{metrics_file}: dropped {dropped} damaged line(s) (a write cut short)")
+    if not start and config.model.init_from is not None and t_cfg.eval_every:
+        # the loaded model's own loss, before any step: what fine-tuning starts from
+        last_eval = trainer.evaluate(params)
+        if primary:
+            with metrics_file.open("a") as first:
+                first.write(_json_line({"step": 0, "split": "eval", **last_eval}))
+        report.eval(0, last_eval)
     tokens_per_step = t_cfg.batch_size * config.data.seq_len
     step = start
     log_path = metrics_file if primary else Path(os.devnull)

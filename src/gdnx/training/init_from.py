@@ -1,0 +1,146 @@
+"""Training from a checkpoint: `model.init_from` names a Hugging Face
+directory (config.json and safetensors, any family gdnx builds) or a gdnx
+run (its newest intact checkpoint, for staged training).
+
+The architecture comes from the checkpoint: a config sets only the fields
+that change how the same weights are computed or stored (the GDN op's
+knobs, dtypes, remat, scanning, the positions, the MoE loss weight); an
+architecture field it sets to another value than the checkpoint's is
+refused, naming both. The tokenizer (data.tokenizer, for text and SFT
+data) defaults to the checkpoint's. The weights are read straight into
+their mesh shardings.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdnx.checkpoints.hf import load_params as load_hf_params
+from gdnx.checkpoints.hf import read_config as read_hf_config
+from gdnx.checkpoints.orbax import CONFIG_FILE
+from gdnx.checkpoints.orbax import load_params as load_run_params
+from gdnx.config.loading import ConfigError, build_config, read_config_data, resolve_paths
+from gdnx.config.schema import Config, ModelConfig
+from gdnx.export import run_tokenizer
+from gdnx.models import CausalLM
+from gdnx.runs import is_run
+from gdnx.stacking import layer_paths
+
+# ModelConfig fields a config may set whatever the checkpoint's: how the same
+# weights are computed and stored, not what they are
+FREE_FIELDS = ("init_from", "gdn_implementation", "gdn_interpret", "gdn_state_dtype", "gdn_decay_dtype",
+               "gdn_matmul_dtype", "gdn_chunk_size", "gdn_residuals", "dtype", "param_dtype", "remat_policy",
+               "scan_layers", "router_aux_loss_coef", "max_position_embeddings", "initializer_range")
+
+
+def source_config(path: Path) -> ModelConfig:
+    """The ModelConfig of the checkpoint at `path` (a Hugging Face directory
+    or a gdnx run)."""
+    if is_run(path):
+        try:
+            return Config.model_validate(json.loads((path / CONFIG_FILE).read_text())).model
+        except ValueError:
+            raise ValueError(f"model.init_from {path}: {CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.init_from {path}: neither a Hugging Face directory (config.json and safetensors) "
+                         "nor a gdnx run (checkpoints/ and config.json)")
+    try:
+        return read_hf_config(path)
+    except ValueError as e:
+        raise ValueError(f"model.init_from {path}: {e}") from None
+
+
+def source_tokenizer(path: Path) -> Path | None:
+    """The tokenizer.json that goes with the checkpoint, if it has one."""
+    if is_run(path):
+        return run_tokenizer(Config.model_validate(json.loads((path / CONFIG_FILE).read_text())))
+    found = path / "tokenizer.json"
+    return found if found.is_file() else None
+
+
+def resolve(data: dict) -> dict:
+    """Raw config data (as written, before validation) with the model's
+    architecture taken from model.init_from, when set. ValueError for an
+    architecture field the config sets to another value."""
+    model = dict(data.get("model") or {})
+    if not model.get("init_from"):
+        return data
+    path = Path(str(model["init_from"])).expanduser().resolve()
+    source = source_config(path).model_dump()
+    for field, value in model.items():
+        if field in FREE_FIELDS or field not in source or value == source[field]:
+            continue
+        raise ValueError(f"model.{field}: {value!r} in the config, {source[field]!r} in the checkpoint "
+                         f"(model.init_from {path}): the architecture comes from the checkpoint; leave "
+                         f"model.{field} out (`base: finetune` sets no architecture)")
+    arch = {k: v for k, v in source.items() if k not in FREE_FIELDS}
+    resolved = {**data, "model": {**arch, **{k: v for k, v in model.items() if k in FREE_FIELDS},
+                                  "init_from": str(path)}}
+    data_section = dict(resolved.get("data") or {})
+    tokenizer = source_tokenizer(path)
+    if data_section.get("source") in ("text", "sft") and not data_section.get("tokenizer") and tokenizer:
+        resolved["data"] = {**data_section, "tokenizer": str(tokenizer)}
+    return resolved
+
+
+def load_train_config(name: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """load_config for training: the same file, bases and overrides, with
+    model.init_from's architecture and tokenizer filled in."""
+    try:
+        data = resolve(read_config_data(name, overrides))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return resolve_paths(build_config(data))
+
+
+def initial_params(cfg: ModelConfig, params: Any, placement: Any | None) -> Any:
+    """The parameters of model.init_from, as `params` (the abstract nnx.Param
+    state of CausalLM(cfg)), each created with its sharding from `placement`
+    (a tree of shardings like params, or None: the default device)."""
+    assert cfg.init_from is not None
+    path = Path(cfg.init_from)
+    if not is_run(path):
+        return load_hf_params(path, cfg, params, None if placement is None else lambda _params, _cfg: placement)
+    if placement is not None:
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, placement)
+    source = source_config(path)
+    if source.scanned == cfg.scanned:
+        return load_run_params(path, params)[0]
+    # the run's layers scanned and these not, or the reverse: the same
+    # weights, restored as the run holds them and laid out as here
+    mine = source.model_copy(update={"param_dtype": cfg.param_dtype})
+    held = nnx.state(nnx.eval_shape(lambda: CausalLM(mine)), nnx.Param)
+    restored = load_run_params(path, held)[0]
+    layers: dict[tuple, jax.Array] = {}
+    for p, var in nnx.to_flat_state(restored):
+        paths, stacked = layer_paths(mine, p)
+        layers.update({q: var[...][i] if stacked else var[...] for i, q in enumerate(paths)})
+    out = []
+    for p, var in nnx.to_flat_state(params):
+        paths, stacked = layer_paths(cfg, p)
+        value = jnp.stack([layers[q] for q in paths]) if stacked else layers[paths[0]]
+        sharding = getattr(var, "sharding", None)
+        out.append((p, var.replace(value if sharding is None else jax.device_put(value, sharding))))
+    return nnx.from_flat_state(out)
+
+
+def check_source(cfg: ModelConfig) -> None:
+    """Refuse a config whose architecture is not model.init_from's (a config
+    built in Python, not through load_train_config)."""
+    if cfg.init_from is None:
+        return
+    source = source_config(Path(cfg.init_from)).model_dump()
+    mine = cfg.model_dump()
+    diffs = [f for f in source if f not in FREE_FIELDS and source[f] != mine.get(f)]
+    if diffs:
+        raise ValueError(f"model.{diffs[0]}: {mine.get(diffs[0])!r} here, {source[diffs[0]]!r} in the checkpoint "
+                         f"(model.init_from {cfg.init_from}); build the config with "
+                         "gdnx.training.init_from.load_train_config, which takes the architecture from it")
+
