@@ -49,8 +49,9 @@ def load_for_generation(path: Path, overrides: list[str]):
     """(model, tokenizer, what was loaded) from a gdnx out_dir or a Hugging Face directory."""
     from gdnx.checkpoints.orbax import CONFIG_FILE
     from gdnx.models import CausalLM
-    from gdnx.export import run_tokenizer
-    from gdnx.runs import is_run, load_run
+    from gdnx.checkpoints.orbax import is_run
+    from gdnx.data.source import run_tokenizer
+    from gdnx.runs import load_run
 
     if not path.is_dir():
         raise ConfigError(f"--checkpoint: no such directory {path}")

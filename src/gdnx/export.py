@@ -1,43 +1,67 @@
 """`gdnx export`: a training run's newest intact checkpoint as a Hugging
 Face directory (config.json, safetensors, sharded with an index above 4
-GiB, and the run's tokenizer files) that transformers loads."""
+GiB, and the run's tokenizer files) that transformers loads; for a LoRA
+run, its adapters merged into the base weights (merge_lora) or as a PEFT
+adapter directory for the base model (adapter)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Literal
 
-from gdnx.config.schema import Config
+from gdnx.data.source import run_tokenizer
 
 # beside a tokenizer.json, the files transformers' tokenizer also reads
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+Form = Literal["model", "merge_lora", "adapter"]
 
 
-def run_tokenizer(config: Config) -> Path | None:
-    """The tokenizer.json a run's text was tokenized with (None: raw bytes
-    or MQAR, which have none)."""
-    from gdnx.data.prepare import prepared_tokenizer
+def export_run(run_dir: Path, out: Path, form: Form = "model") -> tuple[int, list[str]]:
+    """Write run_dir's newest intact checkpoint to `out` (new or empty).
+    form: model (a run without LoRA), merge_lora (a LoRA run's adapters
+    merged into its base), adapter (a LoRA run's adapters for PEFT).
+    Returns its step and one note per thing worth saying (a damaged newer
+    checkpoint skipped, no tokenizer to copy)."""
+    from flax import nnx
 
-    if config.data.source in ("text", "sft"):
-        return None if config.data.tokenizer is None else Path(config.data.tokenizer)
-    if config.data.source == "tokens":
-        found = prepared_tokenizer(Path(config.data.path or ""))
-        return None if found is None else Path(found)
-    return None
-
-
-def export_run(run_dir: Path, out: Path) -> tuple[int, list[str]]:
-    """Write run_dir's newest intact checkpoint to `out` (new or empty) as a
-    Hugging Face directory. Returns its step and one note per thing worth
-    saying (a damaged newer checkpoint skipped, no tokenizer to copy)."""
-    from gdnx.runs import is_run, load_run
+    from gdnx.checkpoints.hf_config import VISION_LANGUAGE
+    from gdnx.checkpoints.orbax import is_run
+    from gdnx.checkpoints.peft import save_adapter
+    from gdnx.files import read_json_object
+    from gdnx.models import CausalLM
+    from gdnx.models.adapters import merged_params
+    from gdnx.runs import load_run
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new one")
     if not is_run(run_dir):
         raise ValueError(f"RUN_DIR {run_dir}: not a gdnx training run (checkpoints/ and config.json)")
     model, config, step, notes = load_run(run_dir)
-    model.save_pretrained(out)
+    lora = config.train.lora
+    if lora is None and form != "model":
+        raise ValueError(f"--{form.replace('_', '-')}: the run trained every weight (no train.lora); export it "
+                         "without the flag")
+    if lora is not None and form == "model":
+        raise ValueError("RUN_DIR: the run trained LoRA adapters on a frozen base: export them merged into it "
+                         "(--merge-lora) or as a PEFT adapter for it (--adapter)")
+    if form == "adapter":
+        assert lora is not None and config.model.init_from is not None
+        base = Path(config.model.init_from)
+        hf = base / "config.json"
+        prefix = "model.language_model." if hf.is_file() and read_json_object(hf).get(
+            "model_type") in VISION_LANGUAGE else "model."
+        adapters = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+        save_adapter(config.model, lora, {p: v[...] for p, v in adapters.items()}, out, str(base), prefix)
+    elif form == "merge_lora":
+        assert lora is not None
+        flat = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        merged = merged_params(flat, lora.alpha / lora.rank)
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config.model)), nnx.Param)
+        params = nnx.from_flat_state([(p, var.replace(merged[p])) for p, var in nnx.to_flat_state(abstract)])
+        nnx.merge(graphdef, params).save_pretrained(out)
+    else:
+        model.save_pretrained(out)
     tokenizer = run_tokenizer(config)
     if tokenizer is None:
         notes.append(f"the run ({config.data.source}{' as raw bytes' if config.data.source != 'mqar' else ''}) "

@@ -44,7 +44,7 @@ CHANGES_FILE = "config_changes.jsonl"
 # train.steps moves the end of the learning-rate decay: the loop says so.
 _FREE_MODEL_FIELDS = ("gdn_implementation", "gdn_interpret", "gdn_residuals", "remat_policy")
 _FIXED_TRAIN_FIELDS = ("batch_size", "learning_rate", "warmup_steps", "min_lr_ratio", "weight_decay", "adam_b1",
-                       "adam_b2", "grad_clip", "seed")
+                       "adam_b2", "grad_clip", "seed", "lora")
 
 
 class CheckpointDamaged(ValueError):
@@ -63,6 +63,11 @@ def _read_config(out_dir: Path) -> dict | None:
     if not saved_file.is_file():
         return None
     return read_json_object(saved_file, "restore it, or use another train.out_dir")
+
+
+def is_run(path: Path) -> bool:
+    """Whether `path` is a gdnx training run's directory (checkpoints/ and config.json)."""
+    return (path / "checkpoints").is_dir() and (path / CONFIG_FILE).is_file()
 
 
 def check_compatible(out_dir: Path, config: Config) -> None:

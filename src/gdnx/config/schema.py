@@ -261,6 +261,27 @@ class DataConfig(_Strict):
         return self
 
 
+# the projections a LoRA adapter can target (train.lora.targets), by name:
+# the GDN projections, attention's, the MLP's (dense, and a MoE's shared
+# expert), and the routed experts
+LoraTarget = Literal["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                     "up_proj", "down_proj", "experts"]
+LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
+# every projection but the routed experts (whose adapters multiply by the experts' count)
+_DEFAULT_LORA_TARGETS: tuple[LoraTarget, ...] = ("in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "k_proj",
+                                                 "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Strict):
+    """LoRA (train.lora): the base weights frozen, adapters of this rank on
+    the targeted projections trained (scale alpha / rank, as PEFT)."""
+
+    rank: PositiveInt = 16
+    alpha: PositiveFloat = 32.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the adapter's input (not on routed experts)
+    targets: list[LoraTarget] = Field(default_factory=lambda: list(_DEFAULT_LORA_TARGETS), min_length=1)
+
+
 class TrainConfig(_Strict):
     """Optimiser, schedule, checkpoints and logging."""
 
@@ -286,6 +307,8 @@ class TrainConfig(_Strict):
     # steps in a row whose loss or gradient norm is not finite (the parameters
     # are not updated) before the run stops
     nonfinite_steps_limit: PositiveInt = 5
+    # LoRA adapters on a frozen base (model.init_from); null trains every weight
+    lora: LoraConfig | None = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -334,6 +357,9 @@ class Config(_Strict):
             if self.model.vocab_size < need:
                 raise ValueError(f"model.vocab_size: MQAR with {self.data.num_keys} keys and "
                                  f"{self.data.num_values} values needs >= {need}, got {self.model.vocab_size}")
+        if self.train.lora is not None and self.model.init_from is None:
+            raise ValueError("train.lora: adapters train on a frozen base; set model.init_from to the checkpoint "
+                             "to adapt")
         if self.data.seq_len > self.model.max_position_embeddings:
             # what generation would refuse later is refused before training
             raise ValueError(f"data.seq_len: {self.data.seq_len} is more than the model's "

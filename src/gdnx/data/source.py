@@ -17,9 +17,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gdnx.config.schema import DataConfig
+from gdnx.config.schema import Config, DataConfig
 from gdnx.data.mqar import mqar_batch
-from gdnx.data.prepare import prepare_corpus
+from gdnx.data.prepare import prepare_corpus, prepared_tokenizer
 from gdnx.data.text import Tokenizer, make_tokenizer
 from gdnx.data.sft import ExampleRows, prepare_sft
 from gdnx.data.tokens import PackedRows, Rows, TokenShards
@@ -121,3 +121,14 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
         eval_rows = rows(val)
     evaluation = None if eval_rows is None else (lambda seed: (eval_rows, seed + EVAL_SEED_OFFSET))
     return Source(False, lambda seed: (train_rows, seed), evaluation, tokenizer, tuple(notes))
+
+
+def run_tokenizer(config: Config) -> Path | None:
+    """The tokenizer.json a run's text was tokenized with (None: raw bytes
+    or MQAR, which have none)."""
+    if config.data.source in ("text", "sft"):
+        return None if config.data.tokenizer is None else Path(config.data.tokenizer)
+    if config.data.source == "tokens":
+        found = prepared_tokenizer(Path(config.data.path or ""))
+        return None if found is None else Path(found)
+    return None

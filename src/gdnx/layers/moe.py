@@ -16,6 +16,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdnx.layers.linear import linear
+from gdnx.layers.lora import LoRA
 from gdnx.layers.mlp import MLP
 from gdnx.parallel.moe import run_experts
 
@@ -37,6 +38,9 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> jax.Array
     f = sum(s.counts for s in stats) / tokens
     p = sum(s.prob_sums for s in stats) / tokens
     return num_experts * jnp.sum(f * p)
+
+
+EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
 
 
 class SparseMoE(nnx.Module):
@@ -62,11 +66,17 @@ class SparseMoE(nnx.Module):
         top_p, top_i = jax.lax.top_k(probs, self.top_k)
         if self.norm_topk_prob:
             top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-        routed, counts = run_experts(self._routed, x, top_p, top_i, self.experts_gate[...], self.experts_up[...],
-                                     self.experts_down[...])
+        routed, counts = run_experts(self._routed, x, top_p, top_i,
+                                     *(self._weights(name) for name in EXPERT_WEIGHTS))
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         tokens = jnp.asarray(x.shape[0] * x.shape[1], jnp.float32)
         return routed + shared, RouterStats(counts, jnp.sum(probs, axis=(0, 1)), tokens)
+
+    def _weights(self, name: str) -> jax.Array:
+        """An experts' weight, with its LoRA adapter (<name>_lora) added in."""
+        w = getattr(self, name)[...]
+        adapter: LoRA | None = getattr(self, f"{name}_lora", None)
+        return w if adapter is None else adapter.merged(w)
 
     def _routed(self, x, top_p, top_i, w_gate, w_up, w_down, width_axes, token_axes):
         """The routed experts on one shard's tokens (all of them without a

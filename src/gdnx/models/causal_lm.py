@@ -35,10 +35,12 @@ from gdnx.layers.attention import GatedAttention, KVCache, NormedAttention, Rope
 from gdnx.layers.documents import document_positions
 from gdnx.layers.gated_deltanet import GatedDeltaNet, GDNState
 from gdnx.layers.linear import linear
+from gdnx.layers.lora import AdapterSpec, repeat
 from gdnx.layers.mlp import MLP
 from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
+from gdnx.models.adapters import add_adapters
 from gdnx.models.cache import Cache
 from gdnx.ops.gated_delta_rule.options import KERNEL_PLATFORMS, RESIDUAL_NAMES, DeltaRuleOptions
 from gdnx.parallel.params import shardings
@@ -178,7 +180,8 @@ class CausalLM(nnx.Module):
     `model.forward(tokens, cache)` also carries a generation cache and
     returns the load-balancing loss."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None, seed: int = 0):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs | None = None, seed: int = 0,
+                 adapters: AdapterSpec | None = None):
         rngs = rngs or nnx.Rngs(seed)
         self.config = config
         dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
@@ -186,6 +189,14 @@ class CausalLM(nnx.Module):
                                       embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
         layers = [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                   for i in range(config.num_hidden_layers)]
+        # LoRA adapters (nnx.LoRAParam) beside the targeted projections, from
+        # a stream of their own: the base weights are those of the same seed
+        self.adapters = adapters
+        if adapters is not None:
+            adapter_rngs = nnx.Rngs(jax.random.fold_in(jax.random.key(seed), 0x10AA))
+            if not sum(add_adapters(layer, adapters, param_dtype=param_dtype, rngs=adapter_rngs)
+                       for layer in layers):
+                raise ValueError(f"train.lora.targets: none of {sorted(adapters.targets)} is in this model")
         if config.scanned:
             # Built as the unrolled stack (the same initial values), then
             # stacked per position in the cycle; the layers after the last
@@ -311,13 +322,15 @@ class CausalLM(nnx.Module):
         graphdef, stacked = nnx.split(self.cycle)
 
         def body(x, xs):
-            params, layer_caches = xs
-            x, new, stats = through(nnx.merge(graphdef, params), x,
-                                    [None] * cycle if layer_caches is None else layer_caches)
+            params, layer_caches, index = xs
+            with repeat(index):  # each repeat draws its own LoRA dropout masks
+                x, new, stats = through(nnx.merge(graphdef, params), x,
+                                        [None] * cycle if layer_caches is None else layer_caches)
             return x, (None if layer_caches is None else new, stats)
 
         stacked_caches = None if caches[0] is None else tuple(caches[:cycle])
-        x, (new_cycle, cycle_stats) = jax.lax.scan(body, x, (stacked, stacked_caches))
+        indices = jnp.arange(self.config.cycle_repeats, dtype=jnp.int32)
+        x, (new_cycle, cycle_stats) = jax.lax.scan(body, x, (stacked, stacked_caches, indices))
         # the repeats' router statistics, pooled as the loss pools layers
         stats = [RouterStats(*(jnp.sum(f, axis=0) for f in s)) for s in cycle_stats]
         x, new_tail, tail_stats = through(self.tail, x, caches[cycle:])

@@ -67,6 +67,12 @@ def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
     not name raises ValueError."""
     if STACKED in names:  # also under the optimizer's moments (mu, nu, ...)
         return ("layers", *logical_axes([n for n in names if n != STACKED], ndim - 1))
+    if len(names) >= 3 and names[-1] in ("lora_a", "lora_b"):
+        # a LoRA adapter (gdnx.layers.lora): A [in, rank] split like its
+        # projection's input, B [rank, out] like its output
+        owner = names[-2]
+        base = logical_axes([*names[:-2], "kernel" if owner == "lora" else owner.removesuffix("_lora")], ndim)
+        return (*base[:-1], None) if names[-1] == "lora_a" else (*base[:-2], None, base[-1])
     axes = _TABLE.get((names[-2], names[-1])) if len(names) >= 2 else None
     if axes is not None and len(axes) == ndim:
         return axes

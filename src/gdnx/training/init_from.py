@@ -24,13 +24,12 @@ from flax import nnx
 
 from gdnx.checkpoints.hf import load_params as load_hf_params
 from gdnx.checkpoints.hf import read_config as read_hf_config
-from gdnx.checkpoints.orbax import CONFIG_FILE
+from gdnx.checkpoints.orbax import CONFIG_FILE, is_run
 from gdnx.checkpoints.orbax import load_params as load_run_params
 from gdnx.config.loading import ConfigError, build_config, read_config_data, resolve_paths
 from gdnx.config.schema import Config, ModelConfig
-from gdnx.export import run_tokenizer
+from gdnx.data.source import run_tokenizer
 from gdnx.models import CausalLM
-from gdnx.runs import is_run
 from gdnx.stacking import layer_paths
 
 # ModelConfig fields a config may set whatever the checkpoint's: how the same
@@ -40,14 +39,18 @@ FREE_FIELDS = ("init_from", "gdn_implementation", "gdn_interpret", "gdn_state_dt
                "scan_layers", "router_aux_loss_coef", "max_position_embeddings", "initializer_range")
 
 
+def run_config(path: Path) -> Config:
+    try:
+        return Config.model_validate(json.loads((path / CONFIG_FILE).read_text()))
+    except ValueError:
+        raise ValueError(f"model.init_from {path}: {CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
+
+
 def source_config(path: Path) -> ModelConfig:
     """The ModelConfig of the checkpoint at `path` (a Hugging Face directory
     or a gdnx run)."""
     if is_run(path):
-        try:
-            return Config.model_validate(json.loads((path / CONFIG_FILE).read_text())).model
-        except ValueError:
-            raise ValueError(f"model.init_from {path}: {CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
+        return run_config(path).model
     if not (path / "config.json").is_file():
         raise ValueError(f"model.init_from {path}: neither a Hugging Face directory (config.json and safetensors) "
                          "nor a gdnx run (checkpoints/ and config.json)")
@@ -60,7 +63,7 @@ def source_config(path: Path) -> ModelConfig:
 def source_tokenizer(path: Path) -> Path | None:
     """The tokenizer.json that goes with the checkpoint, if it has one."""
     if is_run(path):
-        return run_tokenizer(Config.model_validate(json.loads((path / CONFIG_FILE).read_text())))
+        return run_tokenizer(run_config(path))
     found = path / "tokenizer.json"
     return found if found.is_file() else None
 
@@ -111,6 +114,9 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None) -> Any:
     if placement is not None:
         params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, placement)
     source = source_config(path)
+    if run_config(path).train.lora is not None:
+        raise ValueError(f"model.init_from {path}: the run trained LoRA adapters; export it merged (gdnx export "
+                         f"{path} --out DIR --merge-lora) and start from DIR")
     if source.scanned == cfg.scanned:
         return load_run_params(path, params)[0]
     # the run's layers scanned and these not, or the reverse: the same

@@ -40,6 +40,7 @@ from gdnx.models import CausalLM
 from gdnx.models.causal_lm import check_platform, parameter_count
 from gdnx.parallel import make_mesh, shard, shardings, spec
 from gdnx.progress import Reporter
+from gdnx.models.adapters import adapter_spec
 from gdnx.training.init_from import check_source, initial_params
 from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
 
@@ -54,15 +55,27 @@ class Trainer:
     def __init__(self, config: Config, *, mesh: jax.sharding.Mesh | None = None, platform: str | None = None):
         self.config, self.mesh = config, mesh
         check_platform(config.model, platform)
+        self.frozen: Any = None  # the base weights under LoRA (self.params are then the adapters)
+        spec = adapter_spec(config.train.lora)
         if config.model.init_from is None:
             self.graphdef, self.params = nnx.split(CausalLM(config.model, seed=config.train.seed), nnx.Param)
             if mesh is not None:
                 self.params = shard(self.params, config.model, mesh)
         else:  # read straight into the mesh shardings
             check_source(config.model)
-            self.graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config.model)), nnx.Param)
+            abstract_model = nnx.eval_shape(lambda: CausalLM(config.model, adapters=spec))
+            if spec is None:
+                self.graphdef, abstract = nnx.split(abstract_model, nnx.Param)
+            else:
+                self.graphdef, adapters, abstract = nnx.split(  # type: ignore[misc]  # two filters, three parts
+                    abstract_model, nnx.LoRAParam, nnx.Param)
             placement = None if mesh is None else shardings(abstract, config.model, mesh)
             self.params = initial_params(config.model, abstract, placement)
+            if spec is not None:
+                self.frozen = self.params
+                self.params = jax.jit(
+                    lambda: nnx.state(CausalLM(config.model, seed=config.train.seed, adapters=spec), nnx.LoRAParam),
+                    out_shardings=None if mesh is None else shardings(adapters, config.model, mesh))()
         self.tx = make_optimizer(config.train)
         out_dir = Path(config.train.out_dir)
         self.source = make_source(config.data, config.train.batch_size, config.model.vocab_size, out_dir=out_dir,
@@ -72,9 +85,10 @@ class Trainer:
         aux = aux_loss_coef(config)
         step_fn = make_step_fn(config, self.graphdef, self.tx, self.source.train)
 
-        def eval_fn(params, index, batch):
+        def eval_fn(params, index, batch, frozen):
             data = batch_of(self.source.evaluation, config.train.seed, index, batch)
-            return loss_and_metrics(nnx.merge(self.graphdef, params), data, aux)[1]
+            model = nnx.merge(self.graphdef, params) if frozen is None else nnx.merge(self.graphdef, params, frozen)
+            return loss_and_metrics(model, data, aux)[1]
 
         self.step_fn = jax.jit(step_fn, donate_argnums=(0, 1))
         self.evaluate_one = jax.jit(eval_fn)
@@ -118,7 +132,7 @@ class Trainer:
                 self._prefetch = Prefetcher(lambda s: self.host_batch("train", s), int(step))
             batch = self.device_batch(self._prefetch.get(int(step)))
         with self.on_mesh():
-            return self.step_fn(params, opt_state, step, batch)
+            return self.step_fn(params, opt_state, step, batch, self.frozen)
 
     def close(self) -> None:
         """Stop the prefetch thread (host-read data); a later step starts another."""
@@ -147,7 +161,7 @@ class Trainer:
         for i in range(EVAL_BATCHES):
             batch = None if self.source.in_graph else self.device_batch(self.host_batch("eval", i))
             with self.on_mesh():
-                runs.append(self.evaluate_one(params, jnp.asarray(i, jnp.int32), batch))
+                runs.append(self.evaluate_one(params, jnp.asarray(i, jnp.int32), batch, self.frozen))
         out = {k: float(sum(r[k] for r in runs) / EVAL_BATCHES) for k in runs[0]}
         if "bits_per_byte" in out:
             out["perplexity"] = math.exp(min(out["loss"], 700.0))

@@ -17,6 +17,7 @@ from flax import nnx
 from gdnx.config.schema import Config, TrainConfig
 from gdnx.data import Batch
 from gdnx.loss import blocked_cross_entropy
+from gdnx.layers.lora import dropout_key
 from gdnx.models import CausalLM
 from gdnx.parallel import constrain
 from gdnx.stacking import layer_ndim
@@ -124,18 +125,27 @@ def make_step_fn(config: Config, graphdef: nnx.GraphDef, tx: optax.GradientTrans
                  source_fn: Callable | None = None) -> Callable:
     """The train step (params, opt_state, step, batch) -> (params, opt_state,
     metrics), to jit: the batch is given (host-read data) or, when None,
-    made in the graph by source_fn (MQAR). Gradients over
+    made in the graph by source_fn (MQAR). Under LoRA (train.lora) the
+    params are the adapters, the base weights are given frozen, and each
+    step draws the adapters' dropout masks from (seed, step). Gradients over
     train.grad_accum_steps micro-batches; a step whose loss, gradient or
     update is not finite leaves the parameters and optimizer state as they
     were."""
     aux = aux_loss_coef(config)
+    lora = config.train.lora
 
-    def loss_fn(p, data, totals, share):
-        return loss_and_metrics(nnx.merge(graphdef, p), data, aux * share, totals)
+    def step_fn(params, opt_state, step, batch, frozen=None):
+        """frozen: the base weights under LoRA (params are the adapters)."""
+        def loss_fn(p, data, totals, share):
+            model = nnx.merge(graphdef, p) if frozen is None else nnx.merge(graphdef, p, frozen)
+            return loss_and_metrics(model, data, aux * share, totals)
 
-    def step_fn(params, opt_state, step, batch):
-        (loss, metrics), grads = accumulated_gradients(
-            loss_fn, params, batch_of(source_fn, config.train.seed, step, batch), config.train.grad_accum_steps)
+        key = None
+        if lora is not None and lora.dropout:
+            key = jax.random.fold_in(jax.random.key(config.train.seed), step)
+        with dropout_key(key):
+            (loss, metrics), grads = accumulated_gradients(
+                loss_fn, params, batch_of(source_fn, config.train.seed, step, batch), config.train.grad_accum_steps)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         metrics["grad_norm"] = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(optax.tree.norm(updates))

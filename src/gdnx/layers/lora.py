@@ -1,0 +1,127 @@
+"""LoRA adapters: a projection x W becomes x W + scale * dropout(x) A B,
+with A [in, rank] and B [rank, out] (B starts at zero, so an adapted model
+starts as its base), scale = alpha / rank, as PEFT defines them. Adapters
+are nnx.LoRAParam variables beside the frozen base weights: training takes
+gradients and optimizer state for them alone.
+
+Routed experts (their weights feed grouped matmuls) get A [E, in, rank]
+and B [E, rank, out] added into the weights, W_e + scale * A_e B_e, before
+the matmuls: the same function, without the input dropout.
+
+Dropout needs a key, given for the training step by `dropout_key`; each
+adapter folds in its own number, and a scanned stack folds in the repeat,
+so every layer draws its own mask. Without a key (evaluation, generation)
+there is none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from gdnx.parallel.rules import out_sharding
+
+P = jax.sharding.PartitionSpec
+
+# an AdapterSpec's target for the routed experts; the others name projections
+EXPERTS = "experts"
+
+_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("gdnx_lora_dropout_key", default=None)
+_NUMBERS = itertools.count()
+
+
+class AdapterSpec(NamedTuple):
+    rank: int
+    alpha: float
+    dropout: float
+    targets: frozenset[str]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@contextlib.contextmanager
+def dropout_key(key: jax.Array | None) -> Iterator[None]:
+    """Adapters draw their dropout masks from `key` inside this context."""
+    token = _KEY.set(key)
+    try:
+        yield
+    finally:
+        _KEY.reset(token)
+
+
+@contextlib.contextmanager
+def repeat(index: jax.Array) -> Iterator[None]:
+    """Inside a scanned stack's body: fold the repeat into the dropout key."""
+    key = _KEY.get()
+    with dropout_key(None if key is None else jax.random.fold_in(key, index)):
+        yield
+
+
+def adapted_weight(path: tuple) -> tuple:
+    """The path of the weight an adapter's parameter (path ending in
+    lora_a or lora_b) adapts: <projection>/lora/* -> <projection>/kernel,
+    <experts weight>_lora/* -> <experts weight>."""
+    *head, owner, _ = path
+    if owner == "lora":
+        return (*head, "kernel")
+    return (*head, str(owner).removesuffix("_lora"))
+
+
+def _a_init(key: jax.Array, shape: tuple[int, ...], dtype: DTypeLike) -> jax.Array:
+    """PEFT's default for A: Kaiming uniform with a = sqrt(5), i.e. uniform
+    within 1 / sqrt(fan_in)."""
+    bound = 1.0 / math.sqrt(shape[-2])
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class LoRA(nnx.Module):
+    """The adapter of one projection [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, spec: AdapterSpec, *, param_dtype: DTypeLike, rngs: nnx.Rngs,
+                 experts: int | None = None):
+        lead = () if experts is None else (experts,)
+        self.lora_a = nnx.LoRAParam(_a_init(rngs.params(), (*lead, d_in, spec.rank), param_dtype))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((*lead, spec.rank, d_out), param_dtype))
+        self.scale, self.rate = spec.scale, spec.dropout
+        self.number = next(_NUMBERS)
+
+    def __call__(self, x: jax.Array, out: P | None = None) -> jax.Array:
+        """scale * dropout(x) A B for x [B, T, in]; `out`: the result's
+        out_sharding (an Explicit mesh)."""
+        key = _KEY.get()
+        if self.rate and key is not None:
+            keep = jax.random.bernoulli(jax.random.fold_in(key, self.number), 1.0 - self.rate, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.rate), 0).astype(x.dtype)
+        a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
+        place = out_sharding(("batch", "length", None), (*x.shape[:-1], a.shape[-1]))
+        low = jnp.einsum("...i,ir->...r", x, a, out_sharding=place)
+        return self.scale * jnp.einsum("...r,ro->...o", low, b, out_sharding=out)
+
+    def merged(self, w: jax.Array) -> jax.Array:
+        """w + scale * A B (the experts' weights, [E, in, out])."""
+        delta = jnp.einsum("...ir,...ro->...io", self.lora_a[...].astype(jnp.float32),
+                           self.lora_b[...].astype(jnp.float32))
+        return (w.astype(jnp.float32) + self.scale * delta).astype(w.dtype)
+
+
+class Linear(nnx.Linear):
+    """nnx.Linear with an optional LoRA adapter (`lora`, set by add_adapters)."""
+
+    lora: LoRA | None = None
+
+    def __call__(self, x: jax.Array, *, out_sharding: P | None = None) -> jax.Array:  # type: ignore[override]
+        y = super().__call__(x, out_sharding=out_sharding)
+        if self.lora is None:
+            return y
+        return y + self.lora(x, out_sharding).astype(y.dtype)

@@ -1,0 +1,123 @@
+"""LoRA on a frozen base: only the adapters train and are checkpointed,
+the base stays bit for bit; the run exports merged (transformers loads it
+and generates what gdnx generates) or as a PEFT adapter (PEFT on the base
+gives the merged model's logits)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import torch
+import transformers
+from flax import nnx
+from peft import PeftModel
+
+from gdnx.export import export_run
+from gdnx.generate import generate
+from gdnx.measure import relative_error
+from gdnx.models import CausalLM
+from gdnx.runs import load_run
+from gdnx.training import build_trainer
+from gdnx.training.init_from import load_train_config
+from tests.hf_models import hf_logits, random_hf_model, tokens, write_chat_tokenizer
+from tests.training.test_init_from import _copy_examples
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """Tiny random Qwen3.5 (dense; its GDN input projections split in two
+    modules) and Qwen3.5 MoE saved by transformers, with a chat tokenizer,
+    and SFT examples."""
+    root = tmp_path_factory.mktemp("lora")
+    for kind in ("qwen3_5", "qwen3_5_moe"):
+        random_hf_model(kind).save_pretrained(root / kind)
+        write_chat_tokenizer(root / kind)
+    (root / "sft.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _copy_examples(120,
+                                                                                         np.random.default_rng(1))))
+    return root
+
+
+def _train(root, kind, out, *extra):
+    config = load_train_config("finetune", [
+        f"model.init_from={root / kind}", f"data.path={root / 'sft.jsonl'}", "data.seq_len=48", "train.batch_size=4",
+        "train.warmup_steps=1", "train.steps=6", "train.eval_every=0", "train.checkpoint_every=6",
+        "train.learning_rate=2e-2", f"train.out_dir={out}", "train.lora.rank=4", "train.lora.alpha=8", *extra])
+    trainer = build_trainer(config)
+    base = jax.tree.map(np.asarray, trainer.frozen)
+    trainer.run()
+    return trainer, base
+
+
+def test_only_the_adapters_train_and_are_saved(bases, tmp_path):
+    """Scanned, with dropout: the base weights are the checkpoint's bit for
+    bit after training, the adapters moved, and the checkpoint and the
+    optimizer state hold the adapters alone."""
+    trainer, base = _train(bases, "qwen3_5", tmp_path, "model.scan_layers=true", "train.lora.dropout=0.1")
+    loaded = CausalLM.from_pretrained(bases / "qwen3_5", scan_layers=True)
+    fresh = nnx.to_flat_state(nnx.state(loaded, nnx.Param))
+    assert [p for p, _ in fresh] == [p for p, _ in nnx.to_flat_state(trainer.frozen)]
+    for (_, a), (_, b) in zip(fresh, nnx.to_flat_state(trainer.frozen), strict=True):
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
+    jax.tree.map(np.testing.assert_array_equal, base, jax.tree.map(np.asarray, trainer.frozen))
+    manager = ocp.CheckpointManager(tmp_path / "checkpoints")
+    saved = manager.restore(6, args=ocp.args.Composite(params=ocp.args.StandardRestore()))["params"]
+    manager.close()
+    leaves = jax.tree_util.tree_leaves_with_path(saved)
+    names = [jax.tree_util.keystr(p) for p, _ in leaves]
+    assert leaves and all("'lora_a'" in n or "'lora_b'" in n for n in names), names
+    b_leaves = [np.asarray(x) for n, (_, x) in zip(names, leaves) if "'lora_b'" in n]
+    assert all(np.abs(x).max() > 0 for x in b_leaves), "an adapter's B stayed at zero"
+    run = load_run(tmp_path)
+    assert run.step == 6 and run.config.train.lora.dropout == 0.1
+
+
+def _gdnx_logits(model, toks):
+    return np.asarray(model(jnp.asarray(toks, jnp.int32)))
+
+
+def test_merged_export_generates_what_gdnx_generates(bases, tmp_path):
+    _train(bases, "qwen3_5", tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    toks = tokens(2, 20)
+    ours = _gdnx_logits(run.model, toks)
+    assert relative_error(hf_logits(hf, toks), ours) <= 1e-4
+    base = _gdnx_logits(CausalLM.from_pretrained(bases / "qwen3_5"), toks)
+    assert relative_error(base, ours) > 1e-2, "the adapters changed nothing: the comparison would not see them"
+    prompt = toks[:1, :8]
+    want = np.asarray(generate(run.model, jnp.asarray(prompt, jnp.int32), 12))
+    with torch.no_grad():
+        got = hf.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0).numpy()
+    np.testing.assert_array_equal(got[:, 8:], want[:, -12:])
+    assert (tmp_path / "merged" / "tokenizer_config.json").is_file()
+
+
+def test_peft_on_the_base_gives_the_merged_logits(bases, tmp_path):
+    _train(bases, "qwen3_5", tmp_path / "run")
+    export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
+    export_run(tmp_path / "run", tmp_path / "adapter", "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert "in_proj_qkv" in config["target_modules"] and "in_proj_z" in config["target_modules"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(bases / "qwen3_5").eval()
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    toks = tokens(2, 20)
+    assert relative_error(hf_logits(adapted, toks), hf_logits(merged, toks)) <= 1e-5
+
+
+def test_expert_adapters_merge_and_are_refused_as_peft(bases, tmp_path):
+    _train(bases, "qwen3_5_moe", tmp_path / "run", "train.lora.targets=[experts, q_proj, in_proj_qkvz]")
+    run = load_run(tmp_path / "run")
+    export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    toks = tokens(2, 20)
+    assert relative_error(hf_logits(hf, toks), _gdnx_logits(run.model, toks)) <= 1e-4
+    with pytest.raises(ValueError, match="--adapter: the run's adapters include the routed experts"):
+        export_run(tmp_path / "run", tmp_path / "adapter", "adapter")
+    with pytest.raises(ValueError, match="the run trained LoRA adapters on a frozen base"):
+        export_run(tmp_path / "run", tmp_path / "plain", "model")
