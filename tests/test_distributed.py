@@ -273,3 +273,45 @@ def _child_of(pid: int) -> int:
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     assert len(children) == 1, children
     return int(children[0])
+
+
+_SHARDED_HF = """
+import sys
+from gdnx.distributed import ProcessGroup, initialize
+initialize(ProcessGroup(sys.argv[1], 2, int(sys.argv[2])))
+import jax
+from gdnx.config.schema import ParallelConfig
+from gdnx.models import CausalLM
+from gdnx.parallel import make_mesh
+model = CausalLM.from_pretrained(sys.argv[3], mesh=make_mesh(ParallelConfig(data=1, fsdp=4, tensor=2)))
+kernel = model.layers[0].mixer.in_proj_qkvz.kernel[...]
+assert not kernel.is_fully_addressable  # each process holds its devices' parts only
+model.save_pretrained(sys.argv[4])
+print("saved by", jax.process_index())
+"""
+
+
+def test_two_processes_load_a_hugging_face_directory_sharded_and_save_the_same_bytes(tmp_path):
+    """Each process reads its devices' parts of the files (fsdp=4 x tensor=2
+    over two processes of 4 devices); saving gathers each tensor and
+    process 0 writes: the bytes of a single-process save."""
+    from tests.hf_models import random_hf_model
+
+    random_hf_model("qwen3_5_moe").save_pretrained(tmp_path / "hf")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARDED_HF, f"127.0.0.1:{port}", str(i), str(tmp_path / "hf"),
+                               str(tmp_path / "two")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=LIMIT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    from gdnx.models import CausalLM
+
+    CausalLM.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "one")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
