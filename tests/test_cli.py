@@ -296,3 +296,51 @@ def test_version_and_help_on_every_flag(capsys):
     for name, sub in subs.items():
         for action in sub._actions:
             assert action.help, f"gdnx {name} {action.option_strings or action.dest}: no help"
+
+
+def test_every_fine_tuning_mistake_is_one_line(capsys, tmp_path):
+    """A checkpoint of another model type, an architecture override, LoRA
+    without a base, SFT examples the data or template refuse, an export of
+    the wrong form: one line naming the field or line, exit 2; over-long
+    examples are counted in the log."""
+    from tests.hf_models import random_hf_model, write_chat_tokenizer
+
+    hf = tmp_path / "hf"
+    random_hf_model("qwen3_5").save_pretrained(hf)
+    write_chat_tokenizer(hf)
+    ok = [{"prompt": "w10 w11", "completion": " w12"}] * 20
+    (tmp_path / "ok.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ok))
+    ft = ["train", "finetune", f"model.init_from={hf}", "data.seq_len=16", "train.batch_size=2", "train.steps=2",
+          "train.warmup_steps=1", "train.eval_every=0", f"train.out_dir={tmp_path / 'run'}"]
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    err = _error(capsys, [*ft, f"model.init_from={llama}", f"data.path={tmp_path / 'ok.jsonl'}"])
+    assert "model.init_from" in err and "model_type 'llama' is not a GDN hybrid gdnx builds" in err
+    err = _error(capsys, [*ft, "model.hidden_size=64", f"data.path={tmp_path / 'ok.jsonl'}"])
+    assert "model.hidden_size: 64 in the config, 32 in the checkpoint" in err
+    err = _error(capsys, ["train", "tiny", "train.lora.rank=4"])
+    assert "train.lora: adapters train on a frozen base; set model.init_from" in err
+    bad = {"fields.jsonl": ({"question": "w1"}, 'line 1: expected {"messages": [...]}'),
+           "role.jsonl": ({"messages": [{"role": "tool", "content": "w1"}, {"role": "assistant", "content": "w2"}]},
+                          "line 1: the chat template refused the messages: unknown role tool")}
+    for name, (example, message) in bad.items():
+        (tmp_path / name).write_text(json.dumps(example) + "\n")
+        err = _error(capsys, [*ft, f"data.path={tmp_path / name}", f"train.out_dir={tmp_path / name}.run"])
+        assert err.startswith("gdnx train: error: data.path: ") and message in err, err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (bare / f).write_bytes((hf / f).read_bytes())
+    (bare / "tokenizer.json").write_bytes((hf / "tokenizer.json").read_bytes())
+    (tmp_path / "chat.jsonl").write_text(json.dumps(bad["role.jsonl"][0]).replace("tool", "user") + "\n")
+    err = _error(capsys, [*ft, f"model.init_from={bare}", f"data.path={tmp_path / 'chat.jsonl'}",
+                          f"train.out_dir={tmp_path / 'bare.run'}"])
+    assert "no chat template" in err
+    long = [{"prompt": " ".join(["w9"] * 30), "completion": " w8"}] + ok
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(e) + "\n" for e in long))
+    assert main([*ft, f"data.path={tmp_path / 'long.jsonl'}", "data.val_fraction=0"]) == 0
+    assert "1 of the 21 training examples are longer than data.seq_len + 1 = 17 tokens: dropped" in \
+        " ".join(capsys.readouterr().err.split())  # as one line, however the console wrapped it
+    err = _error(capsys, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--adapter"])
+    assert "--adapter: the run trained every weight (no train.lora)" in err
