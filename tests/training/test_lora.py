@@ -28,11 +28,11 @@ from tests.training.test_init_from import _copy_examples
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
-    """Tiny random Qwen3.5 (dense; its GDN input projections split in two
-    modules) and Qwen3.5 MoE saved by transformers, with a chat tokenizer,
-    and SFT examples."""
+    """Tiny random models of each family saved by transformers (Qwen3.5
+    splits the GDN input projection in two modules, OLMo Hybrid in four,
+    Qwen3-Next keeps it whole), with a chat tokenizer, and SFT examples."""
     root = tmp_path_factory.mktemp("lora")
-    for kind in ("qwen3_5", "qwen3_5_moe"):
+    for kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"):
         random_hf_model(kind).save_pretrained(root / kind)
         write_chat_tokenizer(root / kind)
     (root / "sft.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _copy_examples(120,
@@ -97,17 +97,29 @@ def test_merged_export_generates_what_gdnx_generates(bases, tmp_path):
     assert (tmp_path / "merged" / "tokenizer_config.json").is_file()
 
 
-def test_peft_on_the_base_gives_the_merged_logits(bases, tmp_path):
-    _train(bases, "qwen3_5", tmp_path / "run")
+# the modules PEFT adapts for the GDN input projection, per family
+_SPLIT = {"qwen3_5": ("in_proj_qkv", "in_proj_z"), "olmo_hybrid": ("q_proj", "k_proj", "v_proj", "g_proj"),
+          "qwen3_next": ("in_proj_qkvz",)}
+
+
+@pytest.mark.parametrize("kind", _SPLIT)
+def test_peft_on_the_base_gives_the_merged_logits(bases, tmp_path, kind):
+    # PEFT moves a qwen3_next adapter's MLP targets onto the routed experts (refused below)
+    targets = ["train.lora.targets=[in_proj_qkvz, in_proj_ba, out_proj, q_proj, k_proj, v_proj, o_proj]"]
+    _train(bases, kind, tmp_path / "run", *(targets if kind == "qwen3_next" else []))
     export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
     export_run(tmp_path / "run", tmp_path / "adapter", "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert "in_proj_qkv" in config["target_modules"] and "in_proj_z" in config["target_modules"]
-    base = transformers.AutoModelForCausalLM.from_pretrained(bases / "qwen3_5").eval()
+    assert all(f"linear_attn.{m}" in config["target_modules"].replace("\\", "") for m in _SPLIT[kind])
+    base = transformers.AutoModelForCausalLM.from_pretrained(bases / kind).eval()
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     toks = tokens(2, 20)
     assert relative_error(hf_logits(adapted, toks), hf_logits(merged, toks)) <= 1e-5
+    if kind == "qwen3_next":
+        _train(bases, kind, tmp_path / "mlp")
+        with pytest.raises(ValueError, match="--adapter: PEFT loads a qwen3_next adapter's down_proj, gate_proj"):
+            export_run(tmp_path / "mlp", tmp_path / "mlp_adapter", "adapter")
 
 
 def test_expert_adapters_merge_and_are_refused_as_peft(bases, tmp_path):

@@ -8,7 +8,10 @@ the same A and its rows of B (the columns of B are the projection's output
 columns, which gdnx.checkpoints.hf_names maps onto the modules' rows), so
 the PEFT adapter computes exactly what the gdnx one does. Routed experts are
 parameters in transformers, not modules: an adapter on them is refused
-here (export the merged model instead).
+here (export the merged model instead). So is one on a Qwen3-Next MLP
+projection (gate_proj, up_proj, down_proj: the shared expert's): PEFT
+(0.21) loads a qwen3_next adapter as one trained on the Qwen2-MoE layout
+and moves every target of those names onto the routed experts.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ def save_adapter(cfg: ModelConfig, lora: LoraConfig, adapters: dict[tuple, Any],
                  prefix: str = "model.") -> None:
     """Write the PEFT adapter directory `out` for the base model `base` (a
     path or a hub name, recorded as base_model_name_or_path)."""
+    moved = sorted({"gate_proj", "up_proj", "down_proj"} & set(lora.targets))
+    if cfg.family == "qwen3_next" and moved:
+        raise ValueError(f"--adapter: PEFT loads a qwen3_next adapter's {', '.join(moved)} onto the routed experts, "
+                         "not the shared expert this run adapted; export with --merge-lora, or train without those "
+                         "targets")
     tensors, modules = peft_tensors(cfg, {p: np.asarray(v) for p, v in adapters.items()}, prefix)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
