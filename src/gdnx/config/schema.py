@@ -232,7 +232,7 @@ class DataConfig(_Strict):
     path: str | None = None
     tokenizer: str | None = None  # a Hugging Face tokenizer.json; bytes when None
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # documents held out for evaluation (text, sft)
-    # sft: several examples per row (consecutive ones while they fit) or one
+    # sft: several whole examples per row (the longest, then the shortest while they fit) or one
     sft_packing: bool = True
     # sft: an example longer than data.seq_len + 1 tokens is dropped or cut to it (counted in the log)
     sft_overlong: Literal["drop", "truncate"] = "drop"

@@ -8,8 +8,8 @@ with the tokenizer's chat template as transformers renders it
 and the end-of-document token after it). The shards are those of `gdnx
 prepare` (gdnx.data.prepare: `<split>.tokens`, `<split>.docs`, the same
 validation split) plus `<split>.scored`, one byte per token. Rows hold
-whole examples: packed (as many consecutive examples as fit, the rest of
-the row padding) or one per row; an example longer than a row is dropped
+whole examples: packed (the longest example left, then the shortest ones
+while they fit; the rest of the row padding) or one per row; an example longer than a row is dropped
 or truncated (data.sft_overlong), and counted.
 """
 
@@ -166,9 +166,30 @@ class Fit(NamedTuple):
     padding: float  # fraction of the rows' tokens that are padding
 
 
+def _bins(examples: np.ndarray, sizes: np.ndarray, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """Examples packed into rows of `row` tokens: the longest left, then the
+    shortest left while they fit (when the next shortest does not, none of
+    the rest does). Returns the examples in row order and each row's bounds
+    into them."""
+    by_size = np.argsort(-sizes, kind="stable")
+    low, high = 0, len(by_size) - 1
+    order, bounds = [], [0]
+    while low <= high:
+        filled = int(sizes[by_size[low]])
+        order.append(int(examples[by_size[low]]))
+        low += 1
+        while low <= high and filled + int(sizes[by_size[high]]) <= row:
+            filled += int(sizes[by_size[high]])
+            order.append(int(examples[by_size[high]]))
+            high -= 1
+        bounds.append(len(order))
+    return np.asarray(order, np.int64), np.asarray(bounds, np.int64)
+
+
 class ExampleRows:
     """Rows of `length` tokens (+1 for the targets) of whole examples:
-    packed (consecutive examples while they fit) or one per row."""
+    packed (the longest example, then the shortest while they fit) or one
+    per row."""
 
     def __init__(self, shards: TokenShards, length: int, *, packing: bool = True, overlong: str = "drop"):
         if shards.scored is None:
@@ -185,16 +206,8 @@ class ExampleRows:
         else:
             self.sizes, keep = sizes, ~long
         kept = np.flatnonzero(keep)
-        # bins of consecutive kept examples: [first, last) into `kept`
-        bounds, filled = [0], 0
-        for i, k in enumerate(kept):
-            if i > bounds[-1] and (not packing or filled + self.sizes[k] > row):
-                bounds.append(i)
-                filled = 0
-            filled += int(self.sizes[k])
-        if len(kept):
-            bounds.append(len(kept))
-        self.kept, self.bounds = kept, np.asarray(bounds, np.int64)
+        self.order, self.bounds = _bins(kept, self.sizes[kept], row) if packing else (
+            kept, np.arange(len(kept) + 1, dtype=np.int64))
         self.rows = len(self.bounds) - 1
         used = int(self.sizes[kept].sum())
         self.fit = Fit(self.rows, int(long.sum()) if overlong == "drop" else 0,
@@ -212,7 +225,7 @@ class ExampleRows:
         segments = np.zeros(self.length + 1, np.int32)
         scored = np.zeros(self.length + 1, bool)
         at = 0
-        for seg, k in enumerate(self.kept[self.bounds[b]:self.bounds[b + 1]]):
+        for seg, k in enumerate(self.order[self.bounds[b]:self.bounds[b + 1]]):
             start, size = int(self.starts[k]), int(self.sizes[k])
             tokens[at:at + size] = self.shards.tokens[start:start + size]
             scored[at:at + size] = self.scored[start:start + size] != 0

@@ -241,11 +241,13 @@ def _check_fits(config: Config, devices: list[jax.Device]) -> None:
     """Refuse, before building anything, a model whose training state
     (parameters, gradients, two AdamW moments) cannot fit the devices."""
     count = parameter_count(config.model)
-    need = 4 * count * jnp.dtype(config.model.param_dtype).itemsize
+    # under LoRA the base has no gradients or moments (its adapters' are small)
+    copies, what = (1, "the frozen base") if config.train.lora else (4, "parameters, gradients and AdamW moments")
+    need = copies * count * jnp.dtype(config.model.param_dtype).itemsize
     have = memory_capacity(devices)
     if need > have:
-        raise ValueError(f"model: {count / 1e9:.1f}B parameters need about {need / 2 ** 30:,.0f} GiB for parameters, "
-                         f"gradients and AdamW moments, and these {len(devices)} device(s) hold "
+        raise ValueError(f"model: {count / 1e9:.1f}B parameters need about {need / 2 ** 30:,.0f} GiB for {what}, "
+                         f"and these {len(devices)} device(s) hold "
                          f"{have / 2 ** 30:,.0f} GiB; a full-size bundled config is a base for a run on a slice "
                          "that holds it (docs/sharding.md), or for a smaller model of its family")
 
