@@ -206,8 +206,11 @@ class ExampleRows:
         else:
             self.sizes, keep = sizes, ~long
         kept = np.flatnonzero(keep)
-        self.order, self.bounds = _bins(kept, self.sizes[kept], row) if packing else (
-            kept, np.arange(len(kept) + 1, dtype=np.int64))
+        # the examples in row order, and each row's bounds into them
+        self.order: np.ndarray = kept
+        self.bounds: np.ndarray = np.arange(len(kept) + 1, dtype=np.int64)
+        if packing:
+            self.order, self.bounds = _bins(kept, self.sizes[kept], row)
         self.rows = len(self.bounds) - 1
         used = int(self.sizes[kept].sum())
         self.fit = Fit(self.rows, int(long.sum()) if overlong == "drop" else 0,
