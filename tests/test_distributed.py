@@ -157,11 +157,12 @@ def test_the_process_group_comes_from_options_then_the_environment():
         process_group("h:1", 2, 0, 0, env={})
 
 
-def test_two_processes_match_one_then_sigterm_checkpoints_and_any_process_count_resumes(tmp_path):
+def test_two_processes_match_one_then_sigterm_checkpoints_and_another_process_count_resumes(tmp_path):
     """2 x 4 devices against 1 x 8, uninterrupted; then a 2 x 4 run that
     every process gets SIGTERM in (as a scheduler sends it): a checkpoint at
     the step they agree on, exit status 75, and resumed by 2 processes (bit
-    for bit the uninterrupted 2 x 4 run), by 1 and by 4."""
+    for bit the uninterrupted 2 x 4 run) and by 1 (8 devices in one
+    process: orbax restores the shards onto any split of the mesh)."""
     with _running(_Run(tmp_path / "one", 1), _Run(tmp_path / "two", 2)) as (one, two):
         assert one.wait() == [0], one.output()
         assert two.wait() == [0, 0], two.output()
@@ -175,17 +176,15 @@ def test_two_processes_match_one_then_sigterm_checkpoints_and_any_process_count_
     reached = max(_losses(tmp_path / "stopped"))
     assert 2 <= reached < STEPS and _params(tmp_path / "stopped")[0] == reached
     assert f"stopped by SIGTERM at step {reached} of {STEPS}" in stopped.output(0)
-    for name in ("on_one", "on_four"):
-        shutil.copytree(tmp_path / "stopped", tmp_path / name)
+    shutil.copytree(tmp_path / "stopped", tmp_path / "on_one")
     # one after another: gloo gives a peer 30 s to reach a collective, and
-    # seven processes compiling at once on a 2-core machine can take longer
-    for name, processes in (("stopped", 2), ("on_one", 1), ("on_four", 4)):
+    # several processes compiling at once on a 2-core machine can take longer
+    for name, processes in (("stopped", 2), ("on_one", 1)):
         with _running(_Run(tmp_path / name, processes)) as (run,):
             assert set(run.wait()) == {0}, run.output()
             assert f"resumed from the checkpoint at step {reached}" in run.output(0)
     _assert_same(tmp_path / "two", tmp_path / "stopped", exact=True)
     _assert_same(tmp_path / "two", tmp_path / "on_one", exact=False)
-    _assert_same(tmp_path / "two", tmp_path / "on_four", exact=False)
 
 
 def test_text_on_two_processes_matches_one_and_sigterm_to_one_process_stops_both(tmp_path):

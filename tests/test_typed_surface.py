@@ -32,6 +32,8 @@ def _public_functions(module):
             yield f"{module.__name__}.{name}", obj
         elif inspect.isclass(obj) and not name.startswith("_"):
             for attr, fn in vars(obj).items():
+                if getattr(fn, "__module__", None) != module.__name__:
+                    continue  # put there by Python (a Protocol's __init__), not written in gdnx
                 if inspect.isfunction(fn) and (not attr.startswith("_") or attr in ("__init__", "__call__")):
                     yield f"{module.__name__}.{name}.{attr}", fn
 

@@ -74,15 +74,22 @@ def test_only_the_adapters_train_and_are_saved(bases, tmp_path):
     assert run.step == 6 and run.config.train.lora.dropout == 0.1
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_run(bases, tmp_path_factory):
+    """One LoRA run on Qwen3.5 (every projection), exported merged."""
+    out = tmp_path_factory.mktemp("qwen3_5_run")
+    _train(bases, "qwen3_5", out / "run")
+    export_run(out / "run", out / "merged", "merge_lora")
+    return out
+
+
 def _gdnx_logits(model, toks):
     return np.asarray(model(jnp.asarray(toks, jnp.int32)))
 
 
-def test_merged_export_generates_what_gdnx_generates(bases, tmp_path):
-    _train(bases, "qwen3_5", tmp_path / "run")
-    run = load_run(tmp_path / "run")
-    export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+def test_merged_export_generates_what_gdnx_generates(bases, qwen3_5_run):
+    run = load_run(qwen3_5_run / "run")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_5_run / "merged").eval()
     toks = tokens(2, 20)
     ours = _gdnx_logits(run.model, toks)
     assert relative_error(hf_logits(hf, toks), ours) <= 1e-4
@@ -94,7 +101,7 @@ def test_merged_export_generates_what_gdnx_generates(bases, tmp_path):
         got = hf.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, eos_token_id=None,
                           pad_token_id=0).numpy()
     np.testing.assert_array_equal(got[:, 8:], want[:, -12:])
-    assert (tmp_path / "merged" / "tokenizer_config.json").is_file()
+    assert (qwen3_5_run / "merged" / "tokenizer_config.json").is_file()
 
 
 # the modules PEFT adapts for the GDN input projection, per family
@@ -103,17 +110,21 @@ _SPLIT = {"qwen3_5": ("in_proj_qkv", "in_proj_z"), "olmo_hybrid": ("q_proj", "k_
 
 
 @pytest.mark.parametrize("kind", _SPLIT)
-def test_peft_on_the_base_gives_the_merged_logits(bases, tmp_path, kind):
-    # PEFT moves a qwen3_next adapter's MLP targets onto the routed experts (refused below)
-    targets = ["train.lora.targets=[in_proj_qkvz, in_proj_ba, out_proj, q_proj, k_proj, v_proj, o_proj]"]
-    _train(bases, kind, tmp_path / "run", *(targets if kind == "qwen3_next" else []))
-    export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
-    export_run(tmp_path / "run", tmp_path / "adapter", "adapter")
+def test_peft_on_the_base_gives_the_merged_logits(bases, qwen3_5_run, tmp_path, kind):
+    if kind == "qwen3_5":
+        run, merged_dir = qwen3_5_run / "run", qwen3_5_run / "merged"
+    else:
+        # PEFT moves a qwen3_next adapter's MLP targets onto the routed experts (refused below)
+        targets = ["train.lora.targets=[in_proj_qkvz, in_proj_ba, out_proj, q_proj, k_proj, v_proj, o_proj]"]
+        run, merged_dir = tmp_path / "run", tmp_path / "merged"
+        _train(bases, kind, run, *(targets if kind == "qwen3_next" else []))
+        export_run(run, merged_dir, "merge_lora")
+    export_run(run, tmp_path / "adapter", "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert all(f"linear_attn.{m}" in config["target_modules"].replace("\\", "") for m in _SPLIT[kind])
     base = transformers.AutoModelForCausalLM.from_pretrained(bases / kind).eval()
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     toks = tokens(2, 20)
     assert relative_error(hf_logits(adapted, toks), hf_logits(merged, toks)) <= 1e-5
     if kind == "qwen3_next":
