@@ -96,7 +96,7 @@ def test_train_on_a_text_file(tmp_path, capsys):
     data.write_text(data.read_text() + "\n" + json.dumps({"text": "one more line"}))
     err = _error(capsys, ["train", "tiny", *SMALL, "data.source=text", f"data.path={data}", "model.vocab_size=256",
                           "train.steps=4", f"train.out_dir={tmp_path / 'run'}"])
-    assert "data.path: " in err and "changed since" in err and "restore the text, or use another train.out_dir" in err
+    assert "data.path: " in err and "changed since" in err and "restore it, or use another train.out_dir" in err
     # shards from gdnx prepare: generate finds their tokenizer
     assert main(["prepare", str(data), "--out", str(tmp_path / "shards")]) == 0
     assert main(["train", "tiny", *SMALL, "data.source=tokens", f"data.path={tmp_path / 'shards'}",

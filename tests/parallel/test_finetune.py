@@ -9,14 +9,13 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gdnx.training import Trainer
 from gdnx.training.init_from import load_train_config
 from tests.parallel.helpers import mesh
-from tests.parallel.test_sharded_training import max_relative
+from tests.parallel.test_sharded_training import losses, max_relative
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +44,6 @@ def _config(root, out, *extra):
 _ONE_DEVICE: dict[bool, np.ndarray] = {}  # the single-device losses, per LoRA or not
 
 
-def _losses(trainer, steps=3):
-    params, opt = trainer.params, trainer.init_opt_state(trainer.params)
-    out = []
-    for s in range(steps):
-        params, opt, metrics = trainer.step(params, opt, jnp.int32(s))
-        out.append(float(metrics["loss"]))
-    trainer.close()
-    return np.array(out)
-
-
 @pytest.mark.parametrize("lora, mode, axes", [
     (False, "auto", dict(data=1, fsdp=4, tensor=2)),
     (True, "explicit", dict(data=2, fsdp=2, tensor=2)),
@@ -64,7 +53,7 @@ def test_fine_tuning_on_a_mesh_gives_the_single_device_losses(checkpoint, tmp_pa
              "down_proj]"] if lora else []
     config = _config(checkpoint, tmp_path, *extra)
     if lora not in _ONE_DEVICE:
-        _ONE_DEVICE[lora] = _losses(Trainer(config))
+        _ONE_DEVICE[lora] = losses(Trainer(config))
     one = _ONE_DEVICE[lora]
     sharded = Trainer(config, mesh=mesh(mode, **axes))
     if lora:  # the base weights sharded as they were read, the adapters like their projections
@@ -73,4 +62,4 @@ def test_fine_tuning_on_a_mesh_gives_the_single_device_losses(checkpoint, tmp_pa
         assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded.params))
     # float32 sums split over shards and added in another order (as the
     # sharded training tests); a loss moves ~1e-7 relative per step
-    assert max_relative(_losses(sharded), one) <= 1e-5
+    assert max_relative(losses(sharded), one) <= 1e-5

@@ -26,19 +26,21 @@ def max_relative(got, ref) -> float:
     got, ref = np.asarray(got), np.asarray(ref)
     return float(np.max(np.abs(got - ref) / np.abs(ref)))
 
-def _losses(trainer, steps=3):
+def losses(trainer, steps=3):
+    """The losses of the trainer's first steps (its prefetch thread closed after)."""
     params, opt = trainer.params, trainer.init_opt_state(trainer.params)
     out = []
     for s in range(steps):
         params, opt, metrics = trainer.step(params, opt, jnp.int32(s))
         out.append(float(metrics["loss"]))
+    trainer.close()
     return np.array(out)
 
 
 def test_sharded_steps_give_the_single_device_losses():
     cfg = load_config("tiny", SHARDABLE + ["train.steps=8"])
-    one = _losses(Trainer(cfg))
-    sharded = _losses(Trainer(cfg, mesh=mesh("explicit", data=2, tensor=2, context=2)))
+    one = losses(Trainer(cfg))
+    sharded = losses(Trainer(cfg, mesh=mesh("explicit", data=2, tensor=2, context=2)))
     # each step's loss within 1e-5 relative: float32 sums split over shards
     # and added in another order drift by ~1e-7 per step over 8 steps
     assert max_relative(sharded, one) <= 1e-5
@@ -47,10 +49,10 @@ def test_sharded_steps_give_the_single_device_losses():
 def test_gradient_accumulation_on_a_mesh_gives_the_single_device_losses():
     """Micro-batches of the sharded batch (2 of 4 rows over data=2) in both
     shard modes: the losses of whole-batch steps on one device."""
-    one = _losses(Trainer(load_config("tiny", SHARDABLE + ["train.steps=8"])))
+    one = losses(Trainer(load_config("tiny", SHARDABLE + ["train.steps=8"])))
     accumulated = load_config("tiny", SHARDABLE + ["train.steps=8", "train.grad_accum_steps=2"])
     for mode in ("auto", "explicit"):
-        sharded = _losses(Trainer(accumulated, mesh=mesh(mode, data=2, tensor=2, context=2)))
+        sharded = losses(Trainer(accumulated, mesh=mesh(mode, data=2, tensor=2, context=2)))
         assert max_relative(sharded, one) <= 1e-5  # as above: float32 sums in another order
 
 
@@ -73,9 +75,9 @@ def test_packed_text_rows_on_a_mesh_give_the_single_device_losses(tmp_path):
                                                 for i in range(400)))
     over = SHARDABLE + ["data.source=text", f"data.path={tmp_path / 'c.jsonl'}", "model.vocab_size=256",
                         f"train.out_dir={tmp_path / 'run'}", "train.steps=8"]
-    one = _losses(Trainer(load_config("tiny", over)))
+    one = losses(Trainer(load_config("tiny", over)))
     for mode in ("auto", "explicit"):
-        sharded = _losses(Trainer(load_config("tiny", over), mesh=mesh(mode, data=4, tensor=2)))
+        sharded = losses(Trainer(load_config("tiny", over), mesh=mesh(mode, data=4, tensor=2)))
         assert max_relative(sharded, one) <= 1e-5  # as above: float32 sums in another order
 
 

@@ -142,6 +142,30 @@ def fingerprint_of(files: list[Path], tokenizer: str | None, eos: int, val_fract
                        for f in files]}
 
 
+def prepared(out: Path, fingerprint: dict[str, Any], last: str, paths: list[Path], keep: bool,
+             ) -> dict[str, Any] | None:
+    """meta.json's content (marked up_to_date) when `out` already holds the
+    shards of this fingerprint (each split's `<split>.<last>` written);
+    otherwise None, with `out` made ready to be rewritten. keep: shards of
+    other inputs are an error (a run resumes on them), not rewritten."""
+    meta_file = out / "meta.json"
+    if meta_file.is_file():
+        try:
+            meta = json.loads(meta_file.read_text())
+        except ValueError:
+            meta = {}
+        if meta.get("fingerprint") == fingerprint and all((out / f"{s}.{last}").is_file() for s in SPLITS):
+            return {**meta, "up_to_date": True}
+        if keep and meta:
+            raise ValueError(f"data.path: {', '.join(map(str, paths))} changed since {out} was tokenized from it "
+                             "(a file's size or time, the tokenizer or data.val_fraction); the run's checkpoints "
+                             "were trained on the earlier data and its validation split: restore it, or use "
+                             "another train.out_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    meta_file.unlink(missing_ok=True)  # the shards are being rewritten
+    return None
+
+
 def prepare_corpus(paths: list[Path], out: Path, *, tokenizer: str | None = None, eos_token: str | None = None,
             val_fraction: float = 0.01, progress: Callable[[int, int], None] | None = None,
             keep: bool = False) -> dict[str, Any]:
@@ -154,21 +178,9 @@ def prepare_corpus(paths: list[Path], out: Path, *, tokenizer: str | None = None
     files = input_files(paths)
     encoder = Encoder(tokenizer, eos_token)
     fingerprint = fingerprint_of(files, tokenizer, encoder.eos, val_fraction)
+    if (ready := prepared(out, fingerprint, "tokens", paths, keep)) is not None:
+        return ready
     meta_file = out / "meta.json"
-    if meta_file.is_file():
-        try:
-            meta = json.loads(meta_file.read_text())
-        except ValueError:
-            meta = {}
-        if meta.get("fingerprint") == fingerprint and all((out / f"{s}.tokens").is_file() for s in SPLITS):
-            return {**meta, "up_to_date": True}
-        if keep and meta:
-            raise ValueError(f"data.path: {', '.join(map(str, paths))} changed since {out} was tokenized from it "
-                             "(a file's size or time, the tokenizer or data.val_fraction); the run's checkpoints "
-                             "were trained on the earlier text and its validation split: restore the text, or "
-                             "use another train.out_dir")
-    out.mkdir(parents=True, exist_ok=True)
-    meta_file.unlink(missing_ok=True)  # the shards below are being rewritten
     dtype = np.dtype(np.uint16 if encoder.vocab_size <= 2 ** 16 else np.uint32)
     total = sum(f.stat().st_size for f in files)
     done = 0

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gdnx.data.chat import ChatTemplate
-from gdnx.data.prepare import SPLITS, Encoder, fingerprint_of, in_val, input_files, token_bytes
+from gdnx.data.prepare import SPLITS, Encoder, fingerprint_of, in_val, input_files, prepared, token_bytes
 from gdnx.data.tokens import Row, TokenShards
 from gdnx.files import atomic_write_text
 
@@ -108,20 +108,9 @@ def prepare_sft(paths: list[Path], out: Path, *, tokenizer: str | None = None, e
         raise ValueError(f"{', '.join(map(str, paths))}: no .jsonl files (SFT examples are JSON lines)")
     encoder = ExampleEncoder(tokenizer, eos_token)
     fingerprint = {**fingerprint_of(files, tokenizer, encoder.encoder.eos, val_fraction), "sft": FORMAT}
+    if (ready := prepared(out, fingerprint, "scored", paths, keep)) is not None:
+        return ready
     meta_file = out / "meta.json"
-    if meta_file.is_file():
-        try:
-            meta = json.loads(meta_file.read_text())
-        except ValueError:
-            meta = {}
-        if meta.get("fingerprint") == fingerprint and all((out / f"{s}.scored").is_file() for s in SPLITS):
-            return {**meta, "up_to_date": True}
-        if keep and meta:
-            raise ValueError(f"data.path: {', '.join(map(str, paths))} changed since {out} was tokenized from it; "
-                             "the run's checkpoints were trained on the earlier examples: restore them, or use "
-                             "another train.out_dir")
-    out.mkdir(parents=True, exist_ok=True)
-    meta_file.unlink(missing_ok=True)
     dtype = np.dtype(np.uint16 if encoder.encoder.vocab_size <= 2 ** 16 else np.uint32)
     total, done, index = sum(f.stat().st_size for f in files), 0, 0
     counts = {s: [0, 0, 0] for s in SPLITS}  # tokens, examples, scored tokens
