@@ -113,8 +113,9 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None) -> Any:
         return load_hf_params(path, cfg, params, None if placement is None else lambda _params, _cfg: placement)
     if placement is not None:
         params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, placement)
-    source = source_config(path)
-    if run_config(path).train.lora is not None:
+    run = run_config(path)  # read once: its model and whether it trained LoRA adapters
+    source = run.model
+    if run.train.lora is not None:
         raise ValueError(f"model.init_from {path}: the run trained LoRA adapters; export it merged (gdnx export "
                          f"{path} --out DIR --merge-lora) and start from DIR")
     if source.scanned == cfg.scanned:
