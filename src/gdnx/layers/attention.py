@@ -29,7 +29,8 @@ class KVCache(NamedTuple):
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                      segments: jax.Array | None = None) -> jax.Array:
     """Softmax attention of q [B, T, H, D] over k, v [B, S, Hkv, D] where a
-    key is visible when its position is <= the query's (positions [T], [S];
+    key is visible when its position is <= the query's (positions [T] or
+    [B, T] (each row at its own offset), and [S];
     cache slots not yet written carry positions past every query) and, with
     segments [B, T] (S = T: packed documents), in the query's document."""
     b, t, h, d = q.shape
@@ -42,10 +43,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     kv_axes = ("batch", None, "kv_heads" if kv_spec[2] else None, None)
     k, v = constrain(k, kv_axes), constrain(v, kv_axes)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
-    visible = k_pos[None, :] <= q_pos[:, None]
+    visible = k_pos[None, :] <= q_pos[..., :, None]  # [T, S], or [B, T, S] for positions per row
     if segments is not None:
         same = constrain(segments, ("batch", "length"))[:, :, None] == constrain(segments, ("batch", None))[:, None]
-        visible = visible[None] & same
+        visible = visible & same
+    if visible.ndim == 3:
         visible = visible[:, None, None]  # [B, 1, 1, T, S] against scores [B, G, R, T, S]
     scores = jnp.where(visible, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
@@ -56,21 +58,28 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache: KVCache | None,
            start: jax.Array | int, segments: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-    """q [B, T, H, D] over k, v [B, T, Hkv, D] at `positions` [T], each query
-    within its document when segments [B, T] are given. With a cache, k and
-    v are written at [start, start + T) and the queries see everything
-    before them. Returns (out [B, T, H, D], new cache or None)."""
+    """q [B, T, H, D] over k, v [B, T, Hkv, D] at `positions` [T] (or [B, T]
+    with a start per row), each query within its document when segments
+    [B, T] are given. With a cache, k and v are written at [start,
+    start + T) (start a scalar, or [B]: each row's own) and the queries see
+    everything before them. Returns (out [B, T, H, D], new cache or None)."""
     if cache is None:
         # Under a context axis each shard keeps its queries and gathers every
         # key and value (causal_attention; the mask hides the later ones):
         # simple, and full attention is one layer in four.
         return causal_attention(q, k, v, positions, positions, segments), None
     zero = jnp.zeros((), jnp.int32)  # indices of one dtype, whatever jax_enable_x64 says
-    at = (zero, jnp.asarray(start, jnp.int32), zero, zero)
+    start = jnp.asarray(start, jnp.int32)
     # on a mesh the cache keeps its length whole (writes land at any offset)
     place = functools.partial(constrain, axes=("batch", None, "kv_heads", None))
-    cache = KVCache(jax.lax.dynamic_update_slice(place(cache.k), place(k.astype(cache.k.dtype)), at),
-                    jax.lax.dynamic_update_slice(place(cache.v), place(v.astype(cache.v.dtype)), at))
+    if start.ndim == 0:
+        def write(buf, x):
+            return jax.lax.dynamic_update_slice(place(buf), place(x.astype(buf.dtype)), (zero, start, zero, zero))
+    else:
+        def write(buf, x):
+            return jax.vmap(lambda b, x, s: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (s, zero, zero)))(
+                buf, x, start)
+    cache = KVCache(write(cache.k, k), write(cache.v, v))
     slots = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
     return causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots), cache
 
@@ -100,7 +109,7 @@ class GatedAttention(nnx.Module):
     def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | None = None,
                  start: jax.Array | int = 0, segments: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, hidden]; rope for each token's position in its document;
-        positions [T] (start + arange(T)); the cache and segments as
+        positions [T] (start + arange(T)) or [B, T]; the cache and segments as
         `attend` takes them. Returns (y, new cache or None)."""
         b, t, _ = x.shape
         d = self.head_dim

@@ -16,6 +16,7 @@ conv and the delta rule run under shard_map (gdnx.parallel.gdn).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -30,7 +31,7 @@ from gdnx.ops.causal_conv1d import cross_document_terms
 from gdnx.ops.gated_delta_rule.options import DeltaRuleOptions
 from gdnx.parallel.context import context_causal_conv1d, context_cross_document_terms, context_gated_delta_rule
 from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
-from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
+from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
 
 
 # The gate at a document's first token in a packed row: exp(RESET_GATE) is 0
@@ -40,10 +41,31 @@ from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
 RESET_GATE = -1e4
 
 
-class GDNState(NamedTuple):
-    """conv [B, conv_dim, kernel_size - 1] (oldest first), recurrent [B, HV, K, V]."""
+class GDNHistory(NamedTuple):
+    """The states after every `every` tokens of one call (what a prefix cache
+    keeps at block ends, and what speculative decoding selects from):
+    conv [B, NS, conv_dim, kernel_size - 1], recurrent [B, NS, HV, K, V],
+    entry j after token (j + 1) * every - 1."""
     conv: jax.Array
     recurrent: jax.Array
+
+
+class GDNState(NamedTuple):
+    """conv [B, conv_dim, kernel_size - 1] (oldest first), recurrent [B, HV, K, V];
+    history: the states along the last call when it asked for them."""
+    conv: jax.Array
+    recurrent: jax.Array
+    history: GDNHistory | None = None
+
+
+def conv_windows(inputs: jax.Array, ends: jax.Array, hist: int) -> jax.Array:
+    """Conv states taken from the inputs: inputs [B, hist + T, C] (the
+    incoming state's hist = kernel_size - 1 inputs, then the call's T),
+    ends int [B, N] -> [B, N, C, hist]: entry n holds the hist inputs before
+    token ends[:, n] of the call, oldest first."""
+    index = ends[..., None] + jnp.arange(hist, dtype=ends.dtype)             # [B, N, hist]
+    rows = jnp.take_along_axis(inputs[:, None], index[..., None], axis=2)   # [B, N, hist, C]
+    return jnp.swapaxes(rows, -1, -2)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -99,12 +121,16 @@ class GatedDeltaNet(nnx.Module):
         parts = (a[..., :self.dk], a[..., self.dk:2 * self.dk], a[..., 2 * self.dk:])
         return jnp.moveaxis(jnp.concatenate([x.reshape(*lead, -1) for x in parts], axis=-1), -1, axis)
 
-    def _core(self, mixed, conv_weight, g, beta, conv_state, state, context_axis, starts=None):
+    def _core(self, mixed, conv_weight, g, beta, conv_state, state, context_axis, starts=None, lengths=None,
+              history_every=None):
         """conv + delta rule on one shard: mixed [B, T, HK, dk + dk + G dv]
         (this shard's key heads), conv_weight [HK, ., W], g and beta
         [B, T, HV], states grouped likewise or None, starts [B, T] (packed
         documents' first tokens) or None. The sequence is split over
-        `context_axis` when one is given."""
+        `context_axis` when one is given. lengths [B]: the tokens of each row
+        past it are padding (g and beta already 0 there), and the conv state
+        is the window before it. history_every: also return the states
+        after every that many tokens (GDNHistory, grouped channels)."""
         b, t, hk, width = mixed.shape
         flat, w = mixed.reshape(b, t, hk * width), conv_weight.reshape(hk * width, self.width)
         conv0 = None if conv_state is None else conv_state.reshape(b, hk * width, self.width - 1)
@@ -125,22 +151,46 @@ class GatedDeltaNet(nnx.Module):
         q, k = y[..., :self.dk], y[..., self.dk:2 * self.dk]
         v = y[..., 2 * self.dk:].reshape(b, t, -1, self.dv)
         common = dict(initial_state=state, output_final_state=keep, use_qk_l2norm=True)
-        if keep and t == 1:
-            o, rec = recurrent_gated_delta_rule(q, k, v, g, beta, **common, **self.op.recurrent_kwargs())
+        history = None
+        if keep and (t == 1 or history_every == 1):
+            o, rec, *tokens = recurrent_gated_delta_rule(q, k, v, g, beta, **common, **self.op.recurrent_kwargs(),
+                                                          output_token_states=history_every == 1)
+            history = tokens[0] if tokens else None
         elif context_axis:
             o, rec = context_gated_delta_rule(q, k, v, g, beta, axis=context_axis, **common,
                                               **self.op.chunk_kwargs())
         else:
-            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, **common, options=self.op)
-        return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec
+            o, rec, *chunks = chunk_gated_delta_rule(q, k, v, g, beta, **common, options=self.op,
+                                                     output_chunk_states=history_every is not None)
+            if chunks:  # every history_every-th chunk end (a multiple of the chunk size)
+                step = history_every // self.op.chunk_size
+                history = chunks[0][:, step - 1:(t // history_every) * step:step]
+        if conv1 is not None and (lengths is not None or history is not None):
+            # conv states from the inputs: before each row's first padding token, and at every snapshot
+            hist = self.width - 1
+            seen = jnp.concatenate([jnp.swapaxes(conv0, 1, 2) if conv0 is not None
+                                    else jnp.zeros((b, hist, hk * width), flat.dtype), flat], axis=1)
+            if lengths is not None:
+                conv1 = conv_windows(seen, lengths[:, None], hist)[:, 0].astype(conv1.dtype)
+            if history is not None:
+                ends = jnp.arange(1, history.shape[1] + 1, dtype=jnp.int32) * history_every
+                windows = conv_windows(seen, jnp.broadcast_to(ends, (b, ends.shape[0])), hist)
+                history = GDNHistory(windows.reshape(b, -1, hk, width, hist).astype(conv1.dtype), history)
+        return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec, history
 
     def __call__(self, x: jax.Array, state: GDNState | None = None, segments: jax.Array | None = None,
+                 lengths: jax.Array | None = None, history_every: int | None = None,
                  ) -> tuple[jax.Array, GDNState | None]:
         """x [B, T, hidden]. With a state: continue from it and return the new
         one; T == 1 takes the decode path (conv update + recurrent op). With
         segments [B, T] (the document of each token of a packed row), the
         conv window and the delta rule's state restart at every document.
-        Returns (y [B, T, hidden], new state or None)."""
+        With a state, lengths [B] marks the tokens of each row past it as
+        padding that leaves the state as it was (gate 0, beta 0; the conv
+        window is taken before them), and history_every asks for the states
+        after every that many tokens (1: the token recurrence, each token's;
+        else a multiple of the chunk size, from the chunk states) in the new
+        state's history. Returns (y [B, T, hidden], new state or None)."""
         b, t, _ = x.shape
         grp = self.hv // self.hk
         width = 2 * self.dk + grp * self.dv
@@ -162,9 +212,23 @@ class GatedDeltaNet(nnx.Module):
         if segments is not None:
             starts = document_starts(segments)
             g = jnp.where(starts[..., None], RESET_GATE, g)
+        core = self._core
+        if lengths is not None or history_every is not None:
+            if state is None:
+                raise ValueError("lengths, history_every: apply to a call with a state (generation)")
+            if current_mesh() is not None:
+                raise ValueError("lengths, history_every: padded rows and state histories run on one device")
+            if history_every is not None and history_every != 1 and (t % history_every
+                                                                       or history_every % self.op.chunk_size):
+                raise ValueError(f"history_every: expected 1 or a multiple of the chunk size "
+                                 f"{self.op.chunk_size} that divides T={t}, got {history_every}")
+            if lengths is not None:
+                real = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]
+                g, beta = jnp.where(real[..., None], g, 0.0), jnp.where(real[..., None], beta, 0.0)
+            core = functools.partial(self._core, lengths=lengths, history_every=history_every)
         conv_state = None if state is None else self._group_channels(state.conv, 1)
-        o, conv_state, rec = run_gdn_core(
-            self._core, mixed, self._group_channels(self.conv_weight[...], 0), g, beta, conv_state,
+        o, conv_state, rec, history = run_gdn_core(
+            core, mixed, self._group_channels(self.conv_weight[...], 0), g, beta, conv_state,
             None if state is None else state.recurrent, starts, num_key_heads=self.hk, kernel_size=self.width)
         o = gated_rmsnorm(o, z, self.norm_weight[...], eps=self.eps)
         o = jnp.reshape(o, (b, t, self.hv * self.dv), out_sharding=out_sharding(
@@ -173,4 +237,7 @@ class GatedDeltaNet(nnx.Module):
         if state is None:
             return y, None
         assert conv_state is not None and rec is not None  # a state in, a state out
-        return y, GDNState(self._ungroup_channels(conv_state, 1).astype(state.conv.dtype), rec)
+        if history is not None:
+            history = GDNHistory(self._ungroup_channels(history.conv, 2).astype(state.conv.dtype),
+                                 history.recurrent)
+        return y, GDNState(self._ungroup_channels(conv_state, 1).astype(state.conv.dtype), rec, history)

@@ -17,7 +17,7 @@ class Cache(NamedTuple):
     # in its cycle (stacked over the repeats, leading dim), then one per
     # layer after the last full cycle
     layers: tuple
-    length: jax.Array  # int32 scalar: tokens already seen
+    length: jax.Array  # int32: tokens already seen, a scalar, or [B] when each row has its own
 
     @property
     def max_length(self) -> int:
@@ -25,9 +25,10 @@ class Cache(NamedTuple):
         return kv[0].k.shape[-3] if kv else -1
 
     @classmethod
-    def init(cls, model: Any, batch: int, max_length: int) -> "Cache":
+    def init(cls, model: Any, batch: int, max_length: int, per_row: bool = False) -> "Cache":
         """An empty cache for `batch` rows and up to `max_length` tokens of
-        `model` (a CausalLM: its config and its layers, unrolled or scanned)."""
+        `model` (a CausalLM: its config and its layers, unrolled or scanned);
+        per_row: each row keeps its own length (a serving engine's slots)."""
         cfg, dtype = model.config, jnp.dtype(model.config.dtype)
 
         def empty(layer, lead: tuple[int, ...] = ()):
@@ -37,11 +38,12 @@ class Cache(NamedTuple):
             state = layer.mixer.zero_state(batch, dtype)
             return jax.tree.map(lambda z: jnp.zeros((*lead, *z.shape), z.dtype), state)
 
+        length = jnp.zeros((batch,) if per_row else (), jnp.int32)
         if not cfg.scanned:
-            return cls(tuple(empty(layer) for layer in model.layers), jnp.zeros((), jnp.int32))
+            return cls(tuple(empty(layer) for layer in model.layers), length)
         layers = [empty(layer, (cfg.cycle_repeats,)) for layer in model.cycle]
         layers += [empty(layer) for layer in model.tail]
-        return cls(tuple(layers), jnp.zeros((), jnp.int32))
+        return cls(tuple(layers), length)
 
 
 def cache_bytes(model: Any, length: int, batch: int = 1) -> int:

@@ -109,10 +109,11 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(h, cfg.intermediate_size, **kw)
 
     def _mix(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | GDNState | None,
-             start: jax.Array, segments: jax.Array | None) -> tuple[jax.Array, KVCache | GDNState | None]:
+             start: jax.Array, segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None,
+             ) -> tuple[jax.Array, KVCache | GDNState | None]:
         if isinstance(self.mixer, GatedDeltaNet):
             assert cache is None or isinstance(cache, GDNState)  # the model builds one per layer type
-            return self.mixer(x, cache, segments)
+            return self.mixer(x, cache, segments, lengths, history_every)
         assert cache is None or isinstance(cache, KVCache)
         return self.mixer(x, rope, positions, cache, start, segments)
 
@@ -122,14 +123,16 @@ class DecoderLayer(nnx.Module):
         return self.mlp(x), None
 
     def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | GDNState | None,
-                 start: jax.Array, segments: jax.Array | None = None,
+                 start: jax.Array, segments: jax.Array | None = None, lengths: jax.Array | None = None,
+                 history_every: int | None = None,
                  ) -> tuple[jax.Array, KVCache | GDNState | None, RouterStats | None]:
+        mix = (rope, positions, cache, start, segments, lengths, history_every)
         if self.post_norm:
-            h, new_cache = self._mix(x, rope, positions, cache, start, segments)
+            h, new_cache = self._mix(x, *mix)
             x = constrain(x + self.post_attention_layernorm(h), HIDDEN)
             h, stats = self._feed_forward(x)
             return constrain(x + self.post_feedforward_layernorm(h), HIDDEN), new_cache, stats
-        h, new_cache = self._mix(self.input_layernorm(x), rope, positions, cache, start, segments)
+        h, new_cache = self._mix(self.input_layernorm(x), *mix)
         x = constrain(x + h, HIDDEN)
         h, stats = self._feed_forward(self.post_attention_layernorm(x))
         return constrain(x + h, HIDDEN), new_cache, stats
@@ -268,24 +271,33 @@ class CausalLM(nnx.Module):
             logits = self.lm_head(hidden, out_sharding=vocab)
         return logits.astype(jnp.float32)
 
-    def hidden_states(self, tokens: jax.Array, cache: Cache | None = None, segments: jax.Array | None = None,
-                      ) -> HiddenOutput:
+    def hidden_states(self, tokens: jax.Array, cache: Cache | None = None, segments: jax.Array | None = None, *,
+                      lengths: jax.Array | None = None, history_every: int | None = None) -> HiddenOutput:
         """As forward, with the final (normed) hidden states [B, T, hidden] in
-        place of the logits: what a loss computed in blocks (gdnx.loss) takes."""
+        place of the logits: what a loss computed in blocks (gdnx.loss) takes.
+
+        For a serving engine, with a cache whose length is per row ([B]):
+        lengths [B] counts each row's real tokens (the rest is padding that
+        leaves every state as it was and is not added to the cache length),
+        and history_every keeps the GDN layers' states after every that many
+        tokens in their new state's history (GDNState.history)."""
         if not hasattr(tokens, "ndim") or tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens: expected integer token ids [B, T], got "
                             f"{getattr(tokens, 'dtype', type(tokens).__name__)} {getattr(tokens, 'shape', '')}")
         cfg = self.config
         t = tokens.shape[1]
         start = jnp.zeros((), jnp.int32) if cache is None else cache.length
-        positions = start + jnp.arange(t, dtype=jnp.int32)
+        # [T], or [B, T] when each row of the cache is at its own length
+        positions = start[..., None] + jnp.arange(t, dtype=jnp.int32)
         if segments is not None and cache is not None:
             raise ValueError("segments: packed documents are for training and scoring; generation takes none")
+        if (lengths is not None or history_every is not None) and (cache is None or cache.length.ndim != 1):
+            raise ValueError("lengths, history_every: apply to a cache with a length per row (Cache.init per_row)")
         if segments is not None and segments.shape != tokens.shape:
             raise ValueError(f"segments: expected the shape of tokens {tuple(tokens.shape)}, "
                              f"got {tuple(segments.shape)}")
         rope = None if cfg.rope_theta is None else rope_tables(
-            positions[None] if segments is None else document_positions(segments),
+            positions.reshape(-1, t) if segments is None else document_positions(segments),
             rotary_dim(cfg.head_dim, cfg.partial_rotary_factor), cfg.rope_theta)
         x = self._embed(constrain(tokens, ("batch", "length")))
         run = _run_layer
@@ -296,18 +308,19 @@ class CausalLM(nnx.Module):
             """x through `layers` in turn: (x, their new caches, router stats)."""
             new, stats = [], []
             for layer, layer_cache in zip(layers, caches, strict=True):
-                x, layer_cache, s = run(layer, x, rope, positions, layer_cache, start, segments)
+                x, layer_cache, s = run(layer, x, rope, positions, layer_cache, start, segments, *serving)
                 new.append(layer_cache)
                 if s is not None:
                     stats.append(s)
             return x, tuple(new), stats
 
+        serving = () if lengths is None and history_every is None else (lengths, history_every)
         caches = list(cache.layers) if cache is not None else [None] * self._cache_slots()
         if not cfg.scanned:
             x, new_layers, stats = through(self.layers, x, caches)
         else:
             x, new_layers, stats = self._scan(through, x, caches)
-        new_cache = None if cache is None else Cache(new_layers, cache.length + t)
+        new_cache = None if cache is None else Cache(new_layers, cache.length + (t if lengths is None else lengths))
         return HiddenOutput(self.norm(x), new_cache, load_balancing_loss(stats, cfg.num_experts))
 
     def _cache_slots(self) -> int:

@@ -167,7 +167,7 @@ def context_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=state_dtype), (b, hv, dk, dk))
     wide_h0 = jnp.concatenate([jnp.zeros((b, hv, dk, dv), state_dtype), eye], axis=-1)
     o_wide, s_wide = chunk_gated_delta_rule(q, k, _widen(v, dk), g, beta, initial_state=wide_h0,
-                                            output_final_state=True, **op_kw)
+                                            output_final_state=True, **op_kw)[:2]
     assert s_wide is not None  # asked for
     s0 = jnp.zeros((b, hv, dk, dv), state_dtype) if initial_state is None else initial_state.astype(state_dtype)
     s_in, final = _fold(s_wide[..., dv:], s_wide[..., :dv], s0, axis)

@@ -12,6 +12,7 @@ no varying-axes information, hence check_vma=False.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -27,9 +28,9 @@ OUT = ("batch", "length", "value_heads", None)              # [B, T, HV, V]
 
 def run_gdn_core(core: Callable, mixed: jax.Array, conv_weight: jax.Array, g: jax.Array, beta: jax.Array,
                  conv_state: jax.Array | None, state: jax.Array | None, starts: jax.Array | None = None, *,
-                 num_key_heads: int, kernel_size: int) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+                 num_key_heads: int, kernel_size: int) -> tuple[jax.Array, jax.Array | None, jax.Array | None, Any]:
     """core(mixed, conv_weight, g, beta, conv_state, state, context_axis,
-    starts) -> (o, conv_state, state), run on each shard of the ambient mesh
+    starts) -> (o, conv_state, state, history), run on each shard of the ambient mesh
     (directly when there is none). conv_weight [HK, ., W], conv_state
     [B, HK, ., W - 1] and state [B, HV, K, V] may be None (in and out);
     starts [B, T] (packed documents' first tokens) may be None."""
@@ -49,7 +50,8 @@ def run_gdn_core(core: Callable, mixed: jax.Array, conv_weight: jax.Array, g: ja
         args = tuple(a if a is None else jax.sharding.reshard(a, s) for a, s in zip(args, specs, strict=True))
 
     def local(*xs):
-        return core(*xs[:6], context, xs[6])
+        return core(*xs[:6], context, xs[6])[:3]
 
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(out, specs[4], specs[5]),
-                         check_vma=False)(*args)
+    # a state history is asked for only off a mesh (the layer checks)
+    return (*jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(out, specs[4], specs[5]),
+                           check_vma=False)(*args), None)

@@ -106,9 +106,10 @@ def l2norm(x: jax.Array) -> jax.Array:
 
 
 def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, q, k, v, g, beta, *, scale,
-          initial_state, output_final_state, cu_seqlens, use_qk_l2norm, tiles):
+          initial_state, output_final_state, cu_seqlens, use_qk_l2norm, tiles, history=None):
     """Check the arguments of `op` (whose implementations are `allowed`) and
-    run the implementation `opts` names, jitted."""
+    run the implementation `opts` names, jitted. history: None, or "chunks"
+    / "tokens" to also return the state after every chunk / token."""
     name = opts.implementation or default_chunk_implementation()
     if name not in allowed:
         raise ValueError(f"implementation: expected None or one of {sorted(allowed)} for {op}, got {name!r}")
@@ -130,6 +131,8 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
     matmul_dtype = None if opts.matmul_dtype is None else _resolve_dtype("matmul_dtype", opts.matmul_dtype)
     if impl.chunked:
         knobs.update(chunk_size=opts.chunk_size, residuals=opts.residuals, matmul_dtype=matmul_dtype)
+    elif history == "chunks":  # the token recurrence's states, taken at the chunk ends
+        knobs.update(chunk_size=opts.chunk_size)
     elif opts.residuals != DEFAULTS.residuals or matmul_dtype is not None:
         what = "residuals" if opts.residuals != DEFAULTS.residuals else "matmul_dtype"
         chunked = sorted(n for n, i in IMPLEMENTATIONS.items() if i.chunked)
@@ -139,6 +142,9 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
     decay_dtype = _resolve_dtype("decay_dtype", opts.decay_dtype)
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state: expected a bool, got {type(output_final_state).__name__}")
+    if history is not None and cu_seqlens is not None:
+        what = "output_chunk_states" if history == "chunks" else "output_token_states"
+        raise ValueError(f"{what}: states along the sequence are for a plain batch; got cu_seqlens")
     k_dim, v_dim, hv = q.shape[3], v.shape[3], v.shape[2]
     scale = float(k_dim ** -0.5 if scale is None else scale)
     if initial_state is None:
@@ -147,8 +153,10 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
         h0 = jnp.asarray(initial_state).astype(state_dtype)
     cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens).astype(jnp.int32)
     q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-    o, final = _dispatch(q, k, v, g, beta, h0, cu, backend=impl, scale=scale, state_dtype=state_dtype,
-                         decay_dtype=decay_dtype, **knobs)
+    o, final, states = _dispatch(q, k, v, g, beta, h0, cu, backend=impl, scale=scale, state_dtype=state_dtype,
+                                 decay_dtype=decay_dtype, history=history, **knobs)
+    if history is not None:
+        return o, (final if output_final_state else None), states
     return o, (final if output_final_state else None)
 
 
@@ -167,18 +175,29 @@ def _options(options: DeltaRuleOptions | None, **given) -> DeltaRuleOptions:
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "use_qk_l2norm", "scale", "state_dtype", "decay_dtype",
-                                             "chunk_size", "interpret", "tiles", "residuals", "matmul_dtype"))
-def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, backend: Backend, use_qk_l2norm=False, **kw):
+                                             "chunk_size", "interpret", "tiles", "residuals", "matmul_dtype",
+                                             "history"))
+def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, backend: Backend, use_qk_l2norm=False, history=None, **kw):
     # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
+    states = None
     if backend.chunked:
-        o, final = chunked.run(backend, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-                               **kw)
+        out = chunked.run(backend, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                          chunk_states=history == "chunks", **kw)
+        o, final, states = out if history else (*out, None)
     else:
         assert backend.run is not None
         if use_qk_l2norm:  # the token recurrence does not apply l2norm itself
             q, k = l2norm(q), l2norm(k)
-        o, final = backend.run(q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, **kw)
-    return o, final.astype(kw["state_dtype"])
+        chunk = kw.pop("chunk_size", 1)
+        kw = {name: kw[name] for name in ("scale", "state_dtype", "decay_dtype")}
+        if history is None:
+            o, final = backend.run(q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, **kw)
+        else:
+            o, final, states = backend.run(q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, token_states=True, **kw)
+            if history == "chunks":  # the state after every chunk: its last token's (the last chunk may be short)
+                ends = np.minimum(np.arange(chunk, -(-q.shape[1] // chunk) * chunk + 1, chunk), q.shape[1]) - 1
+                states = states[:, ends]
+    return o, final.astype(kw["state_dtype"]), None if states is None else states.astype(kw["state_dtype"])
 
 
 def chunk_gated_delta_rule(
@@ -188,8 +207,8 @@ def chunk_gated_delta_rule(
     state_dtype: DTypeLike = DEFAULTS.state_dtype, decay_dtype: DTypeLike = DEFAULTS.decay_dtype,
     implementation: Implementation | None = DEFAULTS.implementation, interpret: bool | None = DEFAULTS.interpret,
     tiles: GpuTiles | TpuTiles | None = None, residuals: ResidualPolicy = DEFAULTS.residuals,
-    matmul_dtype: DTypeLike | None = DEFAULTS.matmul_dtype,
-) -> tuple[jax.Array, jax.Array | None]:
+    matmul_dtype: DTypeLike | None = DEFAULTS.matmul_dtype, output_chunk_states: bool = False,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
     """Gated delta rule over whole sequences, chunk by chunk.
 
     Args:
@@ -232,18 +251,25 @@ def chunk_gated_delta_rule(
         every matmul outside the chunk inverse to it, accumulating in
         state_dtype: one bf16 MXU / tensor-core pass instead of several, at
         the accuracy cost measured in docs/ops.md.
+      output_chunk_states: also return the state after every chunk
+        [B, ceil(T / chunk_size), HV, K, V] (the last entry is the final
+        state): what a prefix cache keeps at chunk boundaries. Forward only
+        (not differentiable); no cu_seqlens. Every implementation gives it
+        (the chunked ones from the states they save for their backward).
 
     Returns:
       (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] in state_dtype
-      or None).
+      or None), and the chunk states (state_dtype) when output_chunk_states.
     """
     opts = _options(options, implementation=implementation, chunk_size=chunk_size, state_dtype=state_dtype,
                     decay_dtype=decay_dtype, residuals=residuals, matmul_dtype=matmul_dtype, interpret=interpret)
     if opts.chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {opts.chunk_size!r}")
+    if not isinstance(output_chunk_states, bool):
+        raise TypeError(f"output_chunk_states: expected a bool, got {type(output_chunk_states).__name__}")
     return _call(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
                  initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                 use_qk_l2norm=use_qk_l2norm, tiles=tiles)
+                 use_qk_l2norm=use_qk_l2norm, tiles=tiles, history="chunks" if output_chunk_states else None)
 
 
 def recurrent_gated_delta_rule(
@@ -251,14 +277,20 @@ def recurrent_gated_delta_rule(
     initial_state: jax.Array | None = None, output_final_state: bool = False, cu_seqlens: jax.Array | None = None,
     use_qk_l2norm: bool = False, state_dtype: DTypeLike = DEFAULTS.state_dtype,
     decay_dtype: DTypeLike = DEFAULTS.decay_dtype, implementation: Implementation | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
+    output_token_states: bool = False,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
     """Gated delta rule token by token: decode steps, and the definition.
 
     Same arguments and results as `chunk_gated_delta_rule`, without
-    chunk_size. implementation: None or "reference".
+    chunk_size. implementation: None or "reference". output_token_states:
+    also return the state after every token [B, T, HV, K, V] (no
+    cu_seqlens): what speculative decoding selects from after verifying
+    draft tokens.
     """
     opts = DeltaRuleOptions(implementation=implementation or "reference", state_dtype=state_dtype,
                             decay_dtype=decay_dtype)
+    if not isinstance(output_token_states, bool):
+        raise TypeError(f"output_token_states: expected a bool, got {type(output_token_states).__name__}")
     return _call(RECURRENT_IMPLEMENTATIONS, "recurrent_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
                  initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                 use_qk_l2norm=use_qk_l2norm, tiles=None)
+                 use_qk_l2norm=use_qk_l2norm, tiles=None, history="tokens" if output_token_states else None)

@@ -191,11 +191,16 @@ _chunk_scan.defvjp(_chunk_scan_fwd, _chunk_scan_bwd)
 
 def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, scale: float, state_dtype,
         decay_dtype, use_qk_l2norm: bool, residuals: ResidualPolicy = DEFAULTS.residuals, matmul_dtype=None,
-        hand_written_vjp: bool = True, **knobs):
+        hand_written_vjp: bool = True, chunk_states: bool = False, **knobs):
     """Validated [B, T, H, D] inputs in, (o [B, T, HV, V], final [N, HV, K, V]) out.
 
     knobs go to the backend's forward and backward (a kernel's interpret
     and tiles).
+
+    chunk_states=True (no cu_seqlens; forward only, not differentiable)
+    returns a third result, the state after every chunk [B, NC, HV, K, V]:
+    the incoming states every chunked backend saves for its backward, shifted
+    by one, and the final state (the last chunk's zero padding is inert).
 
     hand_written_vjp=False differentiates the backend's forward with plain
     autodiff (only for a backend written in plain JAX: the baseline the
@@ -216,6 +221,13 @@ def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, 
     h0b = h0.astype(opts.state_dtype).reshape(h0.shape[0], hk, hv // hk, k_dim, v_dim)
     flags = _flags(plan)
     blocks = to_blocks(q, k, v, g, beta, plan)
+    if chunk_states:
+        assert cu_seqlens is None  # checked by the public op
+        o, final, states, _ = _forward(backend, *blocks, jax.lax.stop_gradient(h0b), flags, plan.nonempty, opts,
+                                       True)
+        after = jnp.concatenate([states[1:], final[None]], axis=0)  # [NC, R, HK, G, K, V]
+        after = jnp.moveaxis(after, 0, 1).reshape(r, plan.num_chunks, hv, k_dim, v_dim)
+        return from_blocks(o, plan), final.reshape(h0.shape), after
     if hand_written_vjp:
         o, final = _chunk_scan(*blocks, h0b, flags, plan.nonempty, backend, opts)
     else:

@@ -18,7 +18,10 @@ from gdnx.ops.gated_delta_rule.layout import from_slots, make_plan, to_slots
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype, decay_dtype):
+def recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype, decay_dtype,
+                                         token_states: bool = False):
+    """(o, final), and with token_states (no cu_seqlens) the state after
+    every token [B, T, HV, K, V]."""
     r, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     grp = hv // hk
@@ -46,13 +49,16 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, *, cu_seqlens, sc
         state = state + jnp.einsum("rhk,rhgv->rhgkv", kt, delta, precision=_HIGHEST)
         ot = scale * jnp.einsum("rhk,rhgkv->rhgv", qt, state, precision=_HIGHEST)
         final = final.at[sq].set(jnp.where(ls[:, None, None, None, None], state, final[sq]))
-        return (state, final), ot
+        return (state, final), (ot, state) if token_states else ot
 
     init = (jnp.zeros((r,) + h0.shape[1:], acc), h0)
     xs = (qs, ks, vs, decay, bs, plan.reset, plan.seq, plan.last)
-    (_, final), o = jax.lax.scan(body, init, xs)
-    o = jnp.moveaxis(o, 0, 1).reshape(r, plan.padded_length, hv, dv)
-    return from_slots(o, plan).astype(q.dtype), final.reshape(h0.shape[0], hv, dk, dv)
+    (_, final), ys = jax.lax.scan(body, init, xs)
+    o = jnp.moveaxis(ys[0] if token_states else ys, 0, 1).reshape(r, plan.padded_length, hv, dv)
+    out = from_slots(o, plan).astype(q.dtype), final.reshape(h0.shape[0], hv, dk, dv)
+    if token_states:
+        return (*out, jnp.moveaxis(ys[1], 0, 1).reshape(r, t, hv, dk, dv))
+    return out
 
 
 BACKEND = Backend("reference", run=recurrent_gated_delta_rule_reference)

@@ -1,0 +1,543 @@
+"""The batched generation engine: continuous batching over decode slots,
+prompts prefilled in length buckets, a prefix cache of GDN states and
+attention keys/values at block ends, and speculative decoding.
+
+A request waits until a slot is free; it is then prefilled (its prompt
+after any cached prefix, right-padded to the smallest length bucket that
+holds it, together with the other prompts of that bucket), its first
+token drawn, and it joins the decode batch: one compiled step for every
+slot, `decode_steps` tokens per host round trip. It leaves on its stop
+condition and its slot takes the next request. Every shape a program sees
+is fixed by the engine's settings (docs/serving.md counts them).
+
+Batch invariance: a row's computation never mixes with another row's,
+every slot runs the same program, a prompt's bucket (and so its padding)
+depends only on its own length, padding leaves every state as it was, and
+a prefix-cache hit continues from the very states the full prefill would
+carry across that block boundary: a request's tokens and logits are
+bit-identical whatever shares the engine with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdnx.layers.gated_deltanet import GDNState
+from gdnx.serving import programs
+from gdnx.serving.drafter import Drafter
+from gdnx.serving.params import Completion, FinishReason, SamplingParams
+from gdnx.serving.prefix_cache import Block, PrefixCache
+from gdnx.serving.sampling import MAX_STOP_IDS, SlotParams
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine started."""
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens restored from the prefix cache
+    generated_tokens: int = 0
+    prefill_calls: int = 0
+    decode_calls: int = 0           # host round trips of the decode loop
+    verify_calls: int = 0           # speculative forward passes
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    programs: set = dataclasses.field(default_factory=set)  # (name, shape) of each compiled program
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrived: float
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    cached: int = 0
+    progress: int = 0               # prompt tokens prefilled (or restored) so far
+    first_token_at: float | None = None
+    text: str | None = None
+    done: Completion | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What one engine step gave a request: its new tokens, and its
+    Completion when it finished in that step."""
+    request_id: int
+    tokens: list[int]
+    completion: Completion | None = None
+
+
+def _buckets(block: int, limit: int) -> tuple[int, ...]:
+    out, n = [], block
+    while n < limit:
+        out.append(n)
+        n *= 2
+    return (*out, limit)
+
+
+class Engine:
+    """Generate for many requests at once with one model.
+
+    model: a gdnx CausalLM (any family; on one device).
+    max_slots: requests decoded together (the decode batch).
+    max_length: prompt + generated tokens per request (the cache per slot).
+    prefix_cache_bytes: host memory for the prefix cache (0: off).
+    speculative: a Drafter (e.g. NgramDrafter) to propose tokens verified
+      in one pass; None decodes plainly.
+    block_size: tokens per prefix-cache block and the smallest prefill
+      bucket (a multiple of the model's gdn_chunk_size; default 4 chunks).
+    decode_steps: tokens per slot per host round trip of the decode loop.
+    max_prefill_batch: prompts of one bucket prefilled together, at most
+      (power-of-two batches up to it; default max_slots).
+    max_logprobs: the most top-N log-probabilities a request may ask for.
+    tokenizer: anything with decode(ids) -> str; needed for stop strings
+      and Completion.text.
+    eos_token_ids: end-of-sequence tokens (default: the model config's).
+    keep_logits: also return every generated token's logits
+      (Completion.logits; for checks, it moves [slots, steps, vocab] per
+      round trip).
+    batch_invariant: a request's tokens and logits are bit-identical
+      whatever else runs, whichever slot it gets and whether its prefix was
+      cached. XLA picks a matmul's and a reduction's blocking by the whole
+      operand's shape, so a row's bits can change with the number of rows
+      beside it; in this mode every program keeps one shape: prompts are
+      prefilled one block at a time, max_prefill_batch rows per call
+      (padded). The cost: ceil(prompt / block_size) prefill calls per prompt
+      (docs/benchmarks.md measures it). Off: prompts are prefilled whole in
+      length buckets (same tokens; logits equal to float rounding).
+    seed: the generator of the seeds of requests that give none.
+    """
+
+    def __init__(self, model: Any, *, max_slots: int = 8, max_length: int = 2048, prefix_cache_bytes: int = 0,
+                 speculative: Drafter | None = None, block_size: int | None = None, decode_steps: int = 8,
+                 max_prefill_batch: int | None = None, max_logprobs: int = 5, tokenizer: Detokenizer | None = None,
+                 eos_token_ids: Sequence[int] | None = None, keep_logits: bool = False, batch_invariant: bool = False,
+                 seed: int = 0):
+        cfg = model.config
+        chunk = cfg.gdn_chunk_size
+        block_size = 4 * chunk if block_size is None else block_size
+        for name, value, low in (("max_slots", max_slots, 1), ("max_length", max_length, 2),
+                                 ("prefix_cache_bytes", prefix_cache_bytes, 0), ("block_size", block_size, 1),
+                                 ("decode_steps", decode_steps, 1), ("max_logprobs", max_logprobs, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if block_size % chunk:
+            raise ValueError(f"block_size: expected a multiple of the model's gdn_chunk_size {chunk}, "
+                             f"got {block_size}")
+        max_prefill_batch = max_slots if max_prefill_batch is None else max_prefill_batch
+        if not isinstance(max_prefill_batch, int) or not 1 <= max_prefill_batch <= max_slots:
+            raise ValueError(f"max_prefill_batch: expected an integer in [1, max_slots={max_slots}], "
+                             f"got {max_prefill_batch!r}")
+        if speculative is not None and not isinstance(speculative, Drafter):
+            raise ValueError(f"speculative: expected a Drafter (propose(tokens), num_tokens) or None, "
+                             f"got {type(speculative).__name__}")
+        if eos_token_ids is None:
+            eos = cfg.eos_token_id
+            eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.model = model
+        self.max_slots, self.max_length = max_slots, max_length
+        self.block_size, self.decode_steps = block_size, decode_steps
+        self.max_prefill_batch, self.max_logprobs = max_prefill_batch, max_logprobs
+        self.tokenizer, self.speculative = tokenizer, speculative
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.keep_logits, self.batch_invariant = keep_logits, batch_invariant
+        # prefill buckets: block_size doubling up to max_length rounded up to a block
+        self.padded_length = -(-max_length // block_size) * block_size
+        self.buckets = _buckets(block_size, self.padded_length)
+        draft = speculative.num_tokens if speculative is not None else 0
+        # the cache holds a padded prompt's last bucket and a verify pass's drafts past max_length
+        self.capacity = self.padded_length + draft + 1
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, block_size) if prefix_cache_bytes else None
+        self.stats = EngineStats()
+        graphdef, self._state = nnx.split(model)
+        self._static = programs.Static(graphdef, programs.row_axes(model), self.eos_token_ids, max_logprobs,
+                                       keep_logits)
+        self._programs = programs.compile_programs(self._static)
+        self._slots = programs.empty_slots(model, max_slots, self.capacity)
+        self._free = list(range(max_slots))
+        self._running: dict[int, _Request] = {}   # by slot
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._prefilling: list[_Request] = []      # holding a slot, prompt not yet through
+        self._requests: dict[int, _Request] = {}
+        self._next_id = 0
+        self._rng = np.random.default_rng(seed)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def _check(self, prompt: Sequence[int], params: SamplingParams, where: str = "") -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"{where}params: expected SamplingParams, got {type(params).__name__}")
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}prompt: expected a list of token ids") from None
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError(f"{where}prompt: expected at least one token, got an empty prompt")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"{where}prompt: token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_length:
+            raise ValueError(f"{where}prompt: {len(ids)} tokens leave no room to generate within the engine's "
+                             f"max_length={self.max_length}")
+        if len(ids) + params.max_tokens > self.max_length:
+            raise ValueError(f"{where}max_tokens: the prompt's {len(ids)} tokens + max_tokens={params.max_tokens} "
+                             f"exceed the engine's max_length={self.max_length}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"{where}logprobs: expected at most the engine's max_logprobs={self.max_logprobs}, "
+                             f"got {params.logprobs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"{where}stop: stop strings are matched on text; give the engine a tokenizer")
+        if len(params.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{where}stop_token_ids: at most {MAX_STOP_IDS}, got {len(params.stop_token_ids)}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"{where}stop_token_ids: token ids must be in [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request (token ids); returns its id. Raises ValueError
+        naming the argument for a bad one; the engine's other requests are
+        unaffected."""
+        params = SamplingParams() if params is None else params
+        ids = self._check(prompt, params)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
+        req = _Request(self._next_id, ids, params, seed, time.perf_counter())
+        self._next_id += 1
+        self._waiting.append(req)
+        self._requests[req.id] = req
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(ids)
+        return req.id
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request, waiting or running (its slot is free at once)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        if req in self._waiting:
+            self._waiting.remove(req)
+        elif req.slot >= 0 and self._running.get(req.slot) is req:
+            del self._running[req.slot]
+            self._free.append(req.slot)
+            if req in self._prefilling:
+                self._prefilling.remove(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Admit waiting requests into free slots (prefill), then advance
+        every running one (a decode round trip or a speculative pass).
+        Returns what each request got."""
+        events: dict[int, list[int]] = collections.defaultdict(list)
+        finished: list[_Request] = []
+        self._admit(events, finished)
+        if self._running:
+            drafts = self._drafts()
+            if drafts is not None:
+                self._verify(*drafts, events, finished)
+            else:
+                self._decode(events, finished)
+        out = [Event(rid, toks) for rid, toks in events.items()]
+        done = {r.id: r.done for r in finished}
+        return [Event(e.request_id, e.tokens, done.pop(e.request_id, None)) for e in out] + [
+            Event(rid, [], c) for rid, c in done.items()]
+
+    def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+               ) -> Iterator[tuple[int, list[int]]]:
+        """Run these requests (and any already queued) to the end, yielding
+        (request id, new tokens) as they come; ids are in prompt order from
+        the first one returned by add_request."""
+        for prompt, p in zip(prompts, self._params_list(prompts, params), strict=True):
+            self.add_request(prompt, p)
+        while self.has_unfinished():
+            for event in self.step():
+                if event.tokens:
+                    yield event.request_id, event.tokens
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Completions of these prompts, in order. Every prompt is checked
+        before any runs (a ValueError names the prompt's index)."""
+        plist = self._params_list(prompts, params)
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            self._check(prompt, p, f"prompts[{i}]: ")
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, plist)]
+        results: dict[int, Completion] = {}
+        while len(results) < len(ids) and self.has_unfinished():
+            for event in self.step():
+                if event.completion is not None:
+                    results[event.request_id] = event.completion
+        return [results[i] for i in ids]
+
+    def _params_list(self, prompts, params) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: expected one SamplingParams or {len(prompts)} (one per prompt), "
+                             f"got {len(params)}")
+        return params
+
+    # ---- prefill --------------------------------------------------------------------------------------------
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _admit(self, events, finished) -> None:
+        """Give waiting requests the free slots (their cached prefix
+        restored), then prefill: in batch-invariant mode one block of up to
+        max_prefill_batch prompts (a fixed shape), else every prompt whole,
+        grouped by length bucket."""
+        while self._waiting and self._free:
+            req = self._waiting.popleft()
+            req.slot = self._free.pop(0)
+            self._running[req.slot] = req
+            req.progress = self._restore(req)
+            self._prefilling.append(req)
+        if not self._prefilling:
+            return
+        if self.batch_invariant:
+            self._prefill([(r, r.progress) for r in self._prefilling[:self.max_prefill_batch]], self.block_size,
+                          events, finished)
+            return
+        groups: dict[int, list[tuple[_Request, int]]] = collections.defaultdict(list)
+        for req in self._prefilling:
+            start = req.progress
+            length = self._bucket(len(req.prompt) - start)
+            if start + length > self.padded_length:  # keep the bucket inside the cache: recompute some cached blocks
+                start = self.padded_length - length
+                self.stats.cached_tokens -= req.cached - start
+                req.cached = start
+            groups[length].append((req, start))
+        for length, group in sorted(groups.items()):
+            while group:
+                size = 1 << (min(len(group), self.max_prefill_batch).bit_length() - 1)
+                self._prefill(group[:size], length, events, finished)
+                group = group[size:]
+
+    def _restore(self, req: _Request) -> int:
+        """Write the request's cached prefix into its slot; returns its length."""
+        if self.prefix_cache is None:
+            return 0
+        # at least one prompt token is prefilled (its logits draw the first token)
+        blocks = self.prefix_cache.match(req.prompt, (len(req.prompt) - 1) // self.block_size)
+        if not blocks:
+            return 0
+        start = len(blocks) * self.block_size
+        layers = []
+        for i, axis in enumerate(self._static.row_axes):
+            a, b = blocks[-1].layers[i]
+            if isinstance(self._slots.cache.layers[i], GDNState):
+                layers.append((a, b))
+            else:  # keys and values of every hit block, at their positions
+                shape = list(a.shape)
+                shape[axis] = self.capacity
+                k, v = np.zeros(shape, a.dtype), np.zeros(shape, b.dtype)
+                index = (slice(None),) * axis + (slice(0, start),)
+                k[index] = np.concatenate([blk.layers[i][0] for blk in blocks], axis=axis)
+                v[index] = np.concatenate([blk.layers[i][1] for blk in blocks], axis=axis)
+                layers.append((k, v))
+        self._slots = self._programs.restore(self._slots, jnp.int32(req.slot), tuple(layers))
+        self.stats.programs.add(("restore", ()))
+        req.cached = start
+        self.stats.cached_tokens += start
+        return start
+
+    def _prefill(self, group: list[tuple[_Request, int]], length: int, events, finished) -> None:
+        """One prefill call: each request's prompt from its start, up to
+        `length` tokens; a request whose prompt is then done draws its first
+        token and starts decoding."""
+        vocab = self.model.config.vocab_size
+        rows = self.max_prefill_batch if self.batch_invariant else len(group)
+        tokens = np.zeros((rows, length), np.int32)
+        seen = np.zeros((rows, vocab), bool)
+        starts = np.zeros(rows, np.int32)
+        lengths = np.zeros(rows, np.int32)
+        slots = np.full(rows, self.max_slots, np.int32)  # padding rows write nowhere
+        for i, (req, start) in enumerate(group):
+            n = min(length, len(req.prompt) - start)
+            tokens[i, :n] = req.prompt[start:start + n]
+            seen[i, req.prompt] = True
+            starts[i], lengths[i], slots[i] = start, n, req.slot
+        lengths[len(group):] = 1
+        params = SlotParams.rows([r.params for r, _ in group] + [SamplingParams()] * (rows - len(group)),
+                                 [r.seed for r, _ in group] + [0] * (rows - len(group)))
+        history = self.block_size if self.prefix_cache is not None else None
+        self._slots, out = self._programs.prefill(self._state, self._slots, slots, tokens, starts, lengths, params,
+                                                  seen, history_every=history)
+        self.stats.programs.add(("prefill", (rows, length)))
+        self.stats.prefill_calls += 1
+        got = jax.device_get(out)
+        now = time.perf_counter()
+        if got.snapshot is not None:
+            self._store(group, got.snapshot, lengths)
+        for i, (req, start) in enumerate(group):
+            req.progress = start + int(lengths[i])
+            if req.progress < len(req.prompt):
+                continue
+            self._prefilling.remove(req)
+            req.first_token_at = now
+            self._emit(req, [int(got.tokens[i])], got.logprobs, i,
+                       None if got.logits is None else got.logits[i][None], events, finished)
+
+    def _store(self, group, snapshot, lengths: np.ndarray) -> None:
+        """Put the blocks a prefill call completed into the prefix cache."""
+        assert self.prefix_cache is not None
+        bs = self.block_size
+        for i, (req, start) in enumerate(group):
+            first, end = start // bs, (start + int(lengths[i])) // bs
+            keys = self.prefix_cache.keys(req.prompt, end)
+            for j in range(first, end):
+                if keys[j] in self.prefix_cache:
+                    continue
+                local = j - first
+                layers = []
+                for e, axis in enumerate(self._static.row_axes):
+                    a, b = snapshot[e]
+                    pick = (slice(None),) * axis + (i,)
+                    a, b = a[pick], b[pick]
+                    if isinstance(self._slots.cache.layers[e], GDNState):
+                        at = (slice(None),) * axis + (local,)
+                    else:
+                        at = (slice(None),) * axis + (slice(local * bs, (local + 1) * bs),)
+                    layers.append((np.array(a[at]), np.array(b[at])))
+                self.prefix_cache.put(keys[j], Block(tuple(req.prompt[j * bs:(j + 1) * bs]), layers))
+
+    # ---- decode ---------------------------------------------------------------------------------------------
+
+    def _active(self) -> np.ndarray:
+        active = np.zeros(self.max_slots, bool)
+        for slot, req in self._running.items():
+            active[slot] = req.first_token_at is not None
+        return active
+
+    def _decode(self, events, finished) -> None:
+        self._slots, step = self._programs.decode(self._state, self._slots, self._active(),
+                                                  steps=self.decode_steps)
+        self.stats.programs.add(("decode", (self.max_slots, self.decode_steps)))
+        self.stats.decode_calls += 1
+        got = jax.device_get(step)
+        for slot, req in list(self._running.items()):
+            if req.first_token_at is None:
+                continue
+            logits = None if got.logits is None else got.logits[slot]
+            self._emit(req, [int(t) for t in got.tokens[slot]], got.logprobs, slot, logits, events, finished)
+
+    def _drafts(self) -> tuple[np.ndarray, np.ndarray] | None:
+        if self.speculative is None:
+            return None
+        k = self.speculative.num_tokens
+        drafts = np.zeros((self.max_slots, k), np.int32)
+        counts = np.zeros(self.max_slots, np.int32)
+        for slot, req in self._running.items():
+            if req.first_token_at is None:
+                continue
+            room = req.params.max_tokens - len(req.tokens) - 1  # the pass also yields one token of its own
+            proposal = [int(t) for t in self.speculative.propose(req.prompt + req.tokens)][:max(0, min(k, room))]
+            vocab = self.model.config.vocab_size
+            proposal = [t for t in proposal if 0 <= t < vocab][:len(proposal)]
+            drafts[slot, :len(proposal)] = proposal
+            counts[slot] = len(proposal)
+        if not counts.any():
+            return None
+        return drafts, counts
+
+    def _verify(self, drafts, counts, events, finished) -> None:
+        self._slots, out = self._programs.verify(self._state, self._slots, self._active(), drafts, counts)
+        self.stats.programs.add(("verify", drafts.shape))
+        self.stats.verify_calls += 1
+        got = jax.device_get(out)
+        self.stats.drafted_tokens += int(counts.sum())
+        for slot, req in list(self._running.items()):
+            if req.first_token_at is None:
+                continue
+            a = int(got.accepted[slot])
+            self.stats.accepted_tokens += a
+            logits = None if got.step.logits is None else got.step.logits[slot][:a + 1]
+            self._emit(req, [int(t) for t in got.step.tokens[slot][:a + 1]], got.step.logprobs, slot, logits,
+                       events, finished)
+
+    # ---- results --------------------------------------------------------------------------------------------
+
+    def _emit(self, req: _Request, new: list[int], lp, row: int, logits, events, finished) -> None:
+        """Append a request's new tokens up to its stop condition."""
+        p = req.params
+        kept = 0
+        reason: FinishReason | None = None
+        for j, tok in enumerate(new):
+            req.tokens.append(tok)
+            kept += 1
+            if p.logprobs is not None:
+                chosen, ids, top = (np.asarray(x[row]) for x in lp)
+                if chosen.ndim == 0:
+                    chosen, ids, top = chosen[None], ids[None], top[None]
+                req.logprobs.append((float(chosen[j]), {int(i): float(v) for i, v in
+                                                        zip(ids[j][:p.logprobs], top[j][:p.logprobs])}))
+            if logits is not None:
+                req.logits.append(np.asarray(logits[j]))
+            if tok in self.eos_token_ids and not p.ignore_eos or tok in p.stop_token_ids:
+                reason = "stop"
+            elif p.stop and len(req.tokens) >= p.min_tokens and self._stop_string(req):
+                reason = "stop"
+            elif len(req.tokens) >= p.max_tokens:
+                reason = "length"
+            if reason:
+                break
+        self.stats.generated_tokens += kept
+        events[req.id].extend(new[:kept])
+        if reason:
+            self._finish(req, reason, finished)
+
+    def _stop_string(self, req: _Request) -> bool:
+        assert self.tokenizer is not None
+        text = self.tokenizer.decode(req.tokens)
+        hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
+        if hits:
+            req.text = text[:min(hits)]
+            return True
+        return False
+
+    def _finish(self, req: _Request, reason: FinishReason, finished) -> None:
+        text = req.text
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.tokens)
+        req.done = Completion(list(req.tokens), reason, len(req.prompt), req.cached, text,
+                              req.logprobs if req.params.logprobs is not None else None,
+                              np.stack(req.logits) if req.logits else None)
+        if self._running.get(req.slot) is req:
+            del self._running[req.slot]
+            self._free.append(req.slot)
+        self._requests.pop(req.id, None)
+        finished.append(req)

@@ -1,0 +1,114 @@
+"""What a request asks for (SamplingParams) and what it gets (Completion)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Literal
+
+import numpy as np
+
+
+def _int(name: str, value, low: int, high: float = math.inf) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= int(value) <= high:
+        bound = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: expected an integer {bound}, got {value!r}")
+
+
+def _float(name: str, value, low: float, high: float, *, open_low: bool = False) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > high or value < low or (open_low and value == low):
+        bound = f"in ({low}, {high}]" if open_low else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: expected a number {bound}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled; every field is checked on construction
+    (ValueError naming the field).
+
+    The logits are adjusted in this order: repetition_penalty (over the
+    prompt and the generated tokens: a positive logit divided by it, a
+    negative one multiplied), presence_penalty and frequency_penalty (over
+    the generated tokens: minus presence if the token occurred, minus
+    frequency times its count), end-of-sequence and stop_token_ids masked
+    until min_tokens are generated. Then temperature 0 takes the argmax;
+    otherwise the logits are divided by temperature and cut to the top_k
+    tokens (0: all), to the smallest set whose probability reaches top_p,
+    and to the tokens whose probability is at least min_p times the top
+    one's, and a token is drawn. logprobs (top-N per generated token) are
+    those of the adjusted logits before temperature.
+
+    seed: a request's draws depend only on it, its prompt and its own
+    tokens, never on the other requests sharing the engine; None draws a
+    seed from the engine's generator.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        # lists are accepted and kept as tuples (the params stay hashable)
+        for name in ("stop_token_ids", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                if name == "stop" and isinstance(value, str):
+                    value = (value,)
+                else:
+                    raise ValueError(f"{name}: expected a list, got {type(value).__name__}")
+            object.__setattr__(self, name, tuple(value))
+        _int("max_tokens", self.max_tokens, 1)
+        _int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _float("temperature", self.temperature, 0.0, 100.0)
+        _int("top_k", self.top_k, 0)
+        _float("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        _float("min_p", self.min_p, 0.0, 1.0)
+        _float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, open_low=True)
+        _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _int("seed", self.seed, 0, 2 ** 63 - 1)
+        for i, t in enumerate(self.stop_token_ids):
+            _int(f"stop_token_ids[{i}]", t, 0)
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop[{i}]: expected a non-empty string, got {s!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, 20)
+
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclasses.dataclass
+class Completion:
+    """One request's result. tokens: the generated ids (a stop token
+    included, text after a stop string not); finish_reason "stop" (end of
+    sequence, a stop token or string) or "length" (max_tokens, or the
+    engine's max_length); text: the detokenized tokens, cut before a stop
+    string (with a tokenizer); logprobs: per token, (its logprob, the top-N
+    as {id: logprob}) when asked; logits [n, vocab] float32 when the engine
+    keeps them (keep_logits)."""
+
+    tokens: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int = 0
+    text: str | None = None
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    logits: np.ndarray | None = None

@@ -1,0 +1,252 @@
+"""The engine's compiled programs and the slot state they share.
+
+Slots: every decode slot's generation cache (per-row lengths) and sampling
+state. Programs (each jitted once per shape; the slot state is donated):
+  prefill  [P, L] prompt tokens (right-padded in a length bucket) into P
+           slots: the model over them, the first token drawn, and for the
+           prefix cache the GDN states at block ends and the attention
+           keys and values of the call;
+  restore  a prefix-cache hit's states written into one slot;
+  decode   `steps` tokens for every slot in one lax.scan;
+  verify   speculative: the last token and K drafts in one pass, the
+           drafts accepted or refused, and each GDN layer's state after the
+           last accepted token selected from the pass's per-token states.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gdnx.layers.attention import KVCache
+from gdnx.layers.gated_deltanet import GDNState
+from gdnx.models.cache import Cache
+from gdnx.serving import sampling
+from gdnx.serving.sampling import SlotParams, TokenLogprobs
+
+
+class Slots(NamedTuple):
+    cache: Cache            # per-row lengths [S]
+    params: SlotParams      # [S] each
+    counts: jax.Array       # int32 [S, V]: each row's generated tokens
+    seen: jax.Array         # bool [S, V]: each row's prompt tokens
+    generated: jax.Array    # int32 [S]: tokens drawn so far
+    last: jax.Array         # int32 [S]: the last token drawn (the next input)
+
+
+class Static(NamedTuple):
+    """What every program of one engine fixes (bound by `compile`, not hashed)."""
+    graphdef: Any
+    row_axes: tuple[int, ...]   # per cache entry: the axis of its rows (1 in a scanned cycle's stack)
+    eos_ids: tuple[int, ...]
+    logprobs: int               # top-N computed per token
+    keep_logits: bool
+
+
+def row_axes(model) -> tuple[int, ...]:
+    """Per entry of model's Cache: which axis holds the batch rows."""
+    if model.config.scanned:
+        return (1,) * len(model.cycle) + (0,) * len(model.tail)
+    return (0,) * len(model.layers)
+
+
+def _take(x, rows, axis):
+    # rows past the last slot pad a fixed-size prefill batch: they read a slot and write nowhere
+    return jnp.take(x, rows, axis=axis, mode="clip")
+
+
+def _put(x, rows, y, axis):
+    return x.at[(slice(None),) * axis + (rows,)].set(y.astype(x.dtype), mode="drop")
+
+
+def _keep_inactive(static: Static, new: Cache, old: Cache, active) -> Cache:
+    """The new cache where a row is active; a row that is not (a prompt part
+    way through a block-by-block prefill) keeps its GDN states and length.
+    Its attention cache only gains an entry at its length, which its next
+    prefill block overwrites."""
+    def keep(axis, n, o):
+        if not isinstance(n, GDNState):
+            return n
+        def pick(a, b):
+            mask = active.reshape((1,) * axis + active.shape + (1,) * (a.ndim - axis - 1))
+            return jnp.where(mask, a, b)
+        return GDNState(pick(n.conv, o.conv), pick(n.recurrent, o.recurrent))
+    return Cache(_map_entries(keep, static, new.layers, old.layers), jnp.where(active, new.length, old.length))
+
+
+def _map_entries(fn, static: Static, *entries):
+    """fn(axis, *parts) over the cache entries (parts: their arrays, None kept)."""
+    out = []
+    for axis, parts in zip(static.row_axes, zip(*entries), strict=True):
+        out.append(fn(axis, *parts))
+    return tuple(out)
+
+
+def _strip(entry):
+    return entry._replace(history=None) if isinstance(entry, GDNState) else entry
+
+
+def empty_slots(model, max_slots: int, capacity: int) -> Slots:
+    vocab = model.config.vocab_size
+    zeros = SlotParams(*(jnp.zeros((max_slots,) + ((sampling.MAX_STOP_IDS,) if f == "stop_ids" else
+                                                    (2,) if f == "key" else ()),
+                                   jnp.uint32 if f == "key" else jnp.int32 if f in ("top_k", "min_tokens", "stop_ids")
+                                   else jnp.float32) for f in SlotParams._fields))
+    return Slots(Cache.init(model, max_slots, capacity, per_row=True), zeros,
+                 jnp.zeros((max_slots, vocab), jnp.int32), jnp.zeros((max_slots, vocab), bool),
+                 jnp.zeros((max_slots,), jnp.int32), jnp.zeros((max_slots,), jnp.int32))
+
+
+class PrefillOut(NamedTuple):
+    tokens: jax.Array                 # int32 [P]
+    logprobs: TokenLogprobs
+    logits: jax.Array | None          # float32 [P, V]
+    snapshot: tuple | None            # per cache entry: (conv, recurrent) [.., P, NB, ...] or (k, v) [.., P, L, ...]
+
+
+def prefill(state, slots: Slots, rows, tokens, starts, lengths, params: SlotParams, seen, *, static: Static,
+            history_every: int | None) -> tuple[Slots, PrefillOut]:
+    model = nnx.merge(static.graphdef, state)
+    p = tokens.shape[0]
+    fresh = starts == 0
+
+    def take(axis, entry):
+        entry = jax.tree.map(lambda x: _take(x, rows, axis), entry)
+        if isinstance(entry, GDNState):  # a row not restored from the prefix cache starts from zero states
+            shape = (1,) * axis + (p,)
+            entry = jax.tree.map(lambda x: jnp.where(fresh.reshape(shape + (1,) * (x.ndim - axis - 1)), 0, x), entry)
+        return entry
+
+    cache = Cache(_map_entries(take, static, slots.cache.layers), starts)
+    out = model.hidden_states(tokens, cache, lengths=lengths, history_every=history_every)
+    last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)
+    logits = model.logits(last)[:, 0]
+    zero = jnp.zeros((p,), jnp.int32)
+    adj = sampling.adjust(logits, params, jnp.zeros_like(logits, jnp.int32), seen, zero, static.eos_ids)
+    tok = sampling.draw(adj, params, sampling.token_keys(params, zero))
+    lp = sampling.logprobs(adj, tok, static.logprobs)
+    new = out.cache
+    snapshot = None
+    if history_every is not None:
+        def snap(axis, entry):
+            if isinstance(entry, GDNState):
+                assert entry.history is not None
+                return entry.history.conv, entry.history.recurrent
+            # this call's keys and values: [start, start + L) of each row
+            def window(x):
+                moved = jnp.moveaxis(x, axis, 0)
+                got = jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, tokens.shape[1], axis=0))(moved, starts)
+                return jnp.moveaxis(got, 0, axis)
+            return window(entry.k), window(entry.v)
+        snapshot = _map_entries(snap, static, new.layers)
+
+    def put(axis, entry, fresh_entry):
+        return jax.tree.map(lambda x, y: _put(x, rows, y, axis), entry, _strip(fresh_entry))
+
+    vocab = logits.shape[-1]
+    slots = Slots(Cache(_map_entries(put, static, slots.cache.layers, new.layers), _put(slots.cache.length, rows,
+                                                                                       new.length, 0)),
+                  jax.tree.map(lambda x, y: _put(x, rows, y, 0), slots.params, params),
+                  _put(slots.counts, rows, jax.nn.one_hot(tok, vocab, dtype=jnp.int32), 0),
+                  _put(slots.seen, rows, seen, 0), _put(slots.generated, rows, zero + 1, 0), _put(slots.last, rows, tok, 0))
+    return slots, PrefillOut(tok, lp, logits if static.keep_logits else None, snapshot)
+
+
+def restore(slots: Slots, row, layers: tuple, *, static: Static) -> Slots:
+    """Write a prefix-cache hit's states into slot `row`: per cache entry
+    (conv, recurrent) of a GDN layer, (k, v) [capacity, ...] of an
+    attention layer (the hit's tokens first), each without the row axis."""
+    def put(axis, entry, parts):
+        arrays = [x.at[(slice(None),) * axis + (row,)].set(y.astype(x.dtype)) for x, y in zip(entry[:2], parts)]
+        return entry._replace(**dict(zip(entry._fields[:2], arrays)))
+    return slots._replace(cache=slots.cache._replace(layers=_map_entries(put, static, slots.cache.layers, layers)))
+
+
+class Step(NamedTuple):
+    tokens: jax.Array            # int32 [S, n]
+    logprobs: TokenLogprobs      # [S, n], [S, n, N]
+    logits: jax.Array | None     # float32 [S, n, V]
+
+
+
+def decode(state, slots: Slots, active, *, static: Static, steps: int) -> tuple[Slots, Step]:
+    """active [S]: the rows decoding (the others' states are kept)."""
+    model = nnx.merge(static.graphdef, state)
+    rows = jnp.arange(slots.last.shape[0])
+
+    def body(slots: Slots, _):
+        out = model.forward(slots.last[:, None], slots.cache)
+        out = out._replace(cache=_keep_inactive(static, out.cache, slots.cache, active))
+        logits = out.logits[:, 0]
+        adj = sampling.adjust(logits, slots.params, slots.counts, slots.seen, slots.generated, static.eos_ids)
+        tok = sampling.draw(adj, slots.params, sampling.token_keys(slots.params, slots.generated))
+        lp = sampling.logprobs(adj, tok, static.logprobs)
+        slots = slots._replace(cache=out.cache, counts=slots.counts.at[rows, tok].add(1),
+                               generated=slots.generated + 1, last=tok)
+        return slots, (tok, lp, logits if static.keep_logits else None)
+
+    slots, (tok, lp, logits) = jax.lax.scan(body, slots, None, length=steps)
+    swap = functools.partial(jnp.swapaxes, axis1=0, axis2=1)
+    return slots, Step(swap(tok), jax.tree.map(swap, lp), None if logits is None else swap(logits))
+
+
+class Verified(NamedTuple):
+    step: Step          # [S, K + 1]: the accepted drafts, then the next token (the rest is padding)
+    accepted: jax.Array  # int32 [S]
+
+
+def verify(state, slots: Slots, active, drafts, num_drafts, *, static: Static) -> tuple[Slots, Verified]:
+    model = nnx.merge(static.graphdef, state)
+    s, k = drafts.shape
+    tokens = jnp.concatenate([slots.last[:, None], drafts], axis=1)
+    out = model.hidden_states(tokens, slots.cache, history_every=1)
+    logits = model.logits(out.hidden)                                          # [S, K + 1, V]
+    vocab = logits.shape[-1]
+    real = (jnp.arange(k)[None] < num_drafts[:, None])[..., None]
+    drafted = jax.nn.one_hot(drafts, vocab, dtype=jnp.int32) * real           # [S, K, V]
+    before = jnp.concatenate([jnp.zeros((s, 1, vocab), jnp.int32), jnp.cumsum(drafted, axis=1)], axis=1)
+    position = jnp.arange(k + 1, dtype=jnp.int32)
+
+    def adjust_at(lg, extra, j):
+        return sampling.adjust(lg, slots.params, slots.counts + extra, slots.seen, slots.generated + j,
+                               static.eos_ids)
+
+    adj = jax.vmap(adjust_at, in_axes=(1, 1, 0), out_axes=1)(logits, before, position)
+    verdict = sampling.accept(adj, drafts, num_drafts, slots.params, slots.generated)
+    a = verdict.accepted
+    emitted = jnp.where(position[None] < a[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
+                        verdict.next[:, None])                                  # [S, K + 1]
+    lp = jax.vmap(lambda lg, t: sampling.logprobs(lg, t, static.logprobs), in_axes=(1, 1), out_axes=1)(adj, emitted)
+
+    def select(axis, entry):
+        if not isinstance(entry, GDNState):
+            return entry
+        assert entry.history is not None
+        pick = jax.vmap(lambda h, i: h[:, i] if axis else h[i], in_axes=(axis, 0), out_axes=axis)
+        return GDNState(pick(entry.history.conv, a), pick(entry.history.recurrent, a))
+
+    cache = _keep_inactive(static, Cache(_map_entries(select, static, out.cache.layers), slots.cache.length + a + 1),
+                           slots.cache, active)
+    kept = (position[None] <= a[:, None])[..., None]
+    counts = slots.counts + jnp.sum(jax.nn.one_hot(emitted, vocab, dtype=jnp.int32) * kept, axis=1)
+    slots = slots._replace(cache=cache, counts=counts, generated=slots.generated + a + 1, last=verdict.next)
+    return slots, Verified(Step(emitted, lp, logits if static.keep_logits else None), a)
+
+
+class Programs(NamedTuple):
+    prefill: Any
+    restore: Any
+    decode: Any
+    verify: Any
+
+
+def compile_programs(static: Static) -> Programs:
+    """The programs of one engine, jitted with its settings bound (the slot
+    state donated: every program updates it in place)."""
+    def jit(fn, *static_names):
+        return jax.jit(functools.partial(fn, static=static), static_argnames=static_names, donate_argnames=("slots",))
+    return Programs(jit(prefill, "history_every"), jit(restore), jit(decode, "steps"), jit(verify))

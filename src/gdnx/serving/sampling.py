@@ -1,0 +1,161 @@
+"""Sampling on the device, one row per engine slot, every parameter an
+array (one compiled program serves every mix of requests): the logit
+adjustments, the draw, log-probabilities, and speculative acceptance.
+
+Each row's randomness comes from its own key folded with the index of the
+token it draws, so a request's tokens never depend on the other rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gdnx.serving.params import SamplingParams
+
+# stop_token_ids a request may give (the rows of SlotParams.stop_ids)
+MAX_STOP_IDS = 8
+
+
+Arrays = jax.Array | np.ndarray  # device arrays, or host arrays on their way in
+
+
+class SlotParams(NamedTuple):
+    """SamplingParams as arrays, one row per slot."""
+    temperature: Arrays    # float32 [S]
+    top_k: Arrays          # int32 [S], 0: all
+    top_p: Arrays          # float32 [S]
+    min_p: Arrays          # float32 [S]
+    repetition: Arrays     # float32 [S]
+    presence: Arrays       # float32 [S]
+    frequency: Arrays      # float32 [S]
+    min_tokens: Arrays     # int32 [S]
+    stop_ids: Arrays       # int32 [S, MAX_STOP_IDS], -1 where unused
+    key: Arrays            # uint32 [S, 2]: the request's threefry key data
+
+    @classmethod
+    def rows(cls, params: list[SamplingParams], seeds: list[int]) -> "SlotParams":
+        """Host arrays for these requests (seeds resolved)."""
+        stop = np.full((len(params), MAX_STOP_IDS), -1, np.int32)
+        for i, p in enumerate(params):
+            stop[i, :len(p.stop_token_ids)] = p.stop_token_ids
+        key = np.asarray([[(s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF] for s in seeds], np.uint32).reshape(-1, 2)
+
+        def col(name, dtype):
+            return np.asarray([getattr(p, name) for p in params], dtype)
+
+        return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
+                   col("min_p", np.float32), col("repetition_penalty", np.float32),
+                   col("presence_penalty", np.float32), col("frequency_penalty", np.float32),
+                   col("min_tokens", np.int32), stop, key)
+
+
+def token_keys(p: SlotParams, index: jax.Array) -> jax.Array:
+    """Each row's key for its token number `index` [S]."""
+    keys = jax.random.wrap_key_data(jnp.asarray(p.key), impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(keys, index.astype(jnp.uint32))
+
+
+def adjust(logits: jax.Array, p: SlotParams, counts: jax.Array, seen: jax.Array, generated: jax.Array,
+           eos_ids: tuple[int, ...]) -> jax.Array:
+    """The penalties and the min_tokens mask on float32 logits [S, V];
+    counts [S, V] of the generated tokens, seen [S, V] the prompt's tokens,
+    generated [S] how many tokens each row has drawn."""
+    occurred = counts > 0
+    r = p.repetition[:, None]
+    logits = jnp.where(seen | occurred, jnp.where(logits > 0, logits / r, logits * r), logits)
+    logits = logits - p.presence[:, None] * occurred - p.frequency[:, None] * counts
+    vocab = logits.shape[-1]
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    banned = (ids[None, :, None] == p.stop_ids[:, None, :]).any(-1)
+    if eos_ids:
+        banned = banned | jnp.isin(ids, jnp.asarray(eos_ids, jnp.int32))[None]
+    early = (generated < p.min_tokens)[:, None]
+    return jnp.where(early & banned, -jnp.inf, logits)
+
+
+def filtered(logits: jax.Array, p: SlotParams) -> jax.Array:
+    """Adjusted logits [S, V] divided by the temperature and cut by top_k,
+    top_p and min_p (-inf outside): the distribution a row draws from.
+    Rows at temperature 0 are left at temperature 1 (they take the argmax)."""
+    t = jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
+    z = logits / t
+    vocab = z.shape[-1]
+    ranked = -jnp.sort(-z, axis=-1)
+    k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)
+    ranked = jnp.where(jnp.arange(vocab)[None] < k[:, None], ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    # keep a token while the mass before it is below top_p (the top token always stays)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.min(jnp.where(before < p.top_p[:, None], ranked, jnp.inf), axis=-1, keepdims=True)
+    top = ranked[:, :1]
+    floor = top + jnp.log(jnp.maximum(p.min_p, 1e-30))[:, None]
+    keep = (z >= kth) & (z >= cutoff) & ((p.min_p[:, None] == 0) | (z >= floor))
+    return jnp.where(keep, z, -jnp.inf)
+
+
+def draw(logits: jax.Array, p: SlotParams, keys: jax.Array) -> jax.Array:
+    """Next tokens int32 [S] from adjusted logits [S, V]: the argmax at
+    temperature 0, else a draw from `filtered`."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = jax.vmap(jax.random.categorical)(keys, filtered(logits, p)).astype(jnp.int32)
+    return jnp.where(p.temperature > 0, sampled, greedy)
+
+
+class TokenLogprobs(NamedTuple):
+    chosen: jax.Array   # float32 [S]
+    top_ids: jax.Array  # int32 [S, N]
+    top: jax.Array      # float32 [S, N]
+
+
+def logprobs(logits: jax.Array, tokens: jax.Array, n: int) -> TokenLogprobs:
+    """Log-probabilities of the adjusted logits [S, V]: the drawn tokens' and
+    the top n."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    top, ids = jax.lax.top_k(lp, max(n, 1))
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    return TokenLogprobs(chosen, ids.astype(jnp.int32)[:, :n], top[:, :n])
+
+
+class Verdict(NamedTuple):
+    accepted: jax.Array  # int32 [S]: drafts accepted
+    next: jax.Array      # int32 [S]: the token after them (a correction, or the bonus token)
+
+
+def accept(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, p: SlotParams,
+           generated: jax.Array) -> Verdict:
+    """Speculative acceptance of drafts [S, K] (the first num_drafts [S] of
+    each row are real) against adjusted logits [S, K + 1, V] (position j:
+    after the row's last token and drafts < j). A deterministic drafter
+    proposes each token with probability 1, so draft j is kept with
+    probability p_j(draft) and, at the first refusal, the next token is drawn
+    from p_j without the draft: the target distribution exactly (rejection
+    sampling). At temperature 0, p_j is the argmax: drafts equal to it are
+    kept, and the next token is the argmax."""
+    s, k1, vocab = logits.shape
+    k = k1 - 1
+    index = generated[:, None] + jnp.arange(k1, dtype=jnp.int32)[None]          # each position's token number
+    keys = jax.vmap(lambda j: token_keys(p, j), in_axes=1, out_axes=1)(index)    # [S, K + 1]
+    coin_keys, draw_keys = (jax.vmap(jax.vmap(lambda key, i=i: jax.random.split(key)[i]))(keys) for i in (0, 1))
+    z = jax.vmap(lambda lg: filtered(lg, p), in_axes=1, out_axes=1)(logits)     # [S, K + 1, V]
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    probs = jax.nn.softmax(z, axis=-1)
+    p_draft = jnp.take_along_axis(probs[:, :k], drafts[..., None], axis=-1)[..., 0]  # [S, K]
+    coins = jax.vmap(jax.vmap(jax.random.uniform))(coin_keys[:, :k])
+    greedy = (p.temperature == 0)[:, None]
+    ok = jnp.where(greedy, drafts == argmax[:, :k], coins < p_draft)
+    ok = ok & (jnp.arange(k)[None] < num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    at = jnp.take_along_axis(z, accepted[:, None, None], axis=1)[:, 0]          # [S, V]
+    refused = jnp.take_along_axis(drafts, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0] if k else accepted
+    rejected = accepted < num_drafts
+    at = jnp.where(rejected[:, None] & (jnp.arange(vocab)[None] == refused[:, None]), -jnp.inf, at)
+    key_at = jnp.take_along_axis(jax.random.key_data(draw_keys), accepted[:, None, None], axis=1)[:, 0]
+    sampled = jax.vmap(jax.random.categorical)(jax.random.wrap_key_data(key_at, impl="threefry2x32"), at)
+    greedy_next = jnp.take_along_axis(argmax, accepted[:, None], axis=1)[:, 0]
+    nxt = jnp.where(p.temperature > 0, sampled.astype(jnp.int32), greedy_next)
+    return Verdict(accepted, nxt)
