@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -87,6 +88,9 @@ class Event:
     request_id: int
     tokens: list[int]
     completion: Completion | None = None
+
+
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _buckets(block: int, limit: int) -> tuple[int, ...]:
@@ -172,9 +176,13 @@ class Engine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes, block_size) if prefix_cache_bytes else None
         self.stats = EngineStats()
         graphdef, self._state = nnx.split(model)
-        self._static = programs.Static(graphdef, programs.row_axes(model), self.eos_token_ids, max_logprobs,
-                                       keep_logits)
-        self._programs = programs.compile_programs(self._static)
+        # engines on one model with the same settings share compiled programs
+        shared = _PROGRAMS.setdefault(model, {})
+        key = (self.eos_token_ids, max_logprobs, keep_logits)
+        if key not in shared:
+            static = programs.Static(graphdef, programs.row_axes(model), *key)
+            shared[key] = (static, programs.compile_programs(static))
+        self._static, self._programs = shared[key]
         self._slots = programs.empty_slots(model, max_slots, self.capacity)
         self._free = list(range(max_slots))
         self._running: dict[int, _Request] = {}   # by slot

@@ -84,6 +84,23 @@ class ImplementationContract:
         # the knob must bite: float32 inputs land near bfloat16 rounding, not at 1e-7
         assert errs["o"] > 1e-4
 
+    def test_chunk_states(self):
+        """output_chunk_states: the state after every chunk (T = 40 in chunks
+        of 16: after tokens 16, 32 and 40) is the oracle's final state over
+        the tokens up to there, to the op's float32 tolerance; the last one
+        is the final state."""
+        case = Case("states", b=2, t=40, dk=32, dv=16, chunk=16, l2norm=True)
+        q, k, v, g, beta, h0 = make_inputs(case)
+        o, final, states = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                  chunk_size=16, use_qk_l2norm=True, output_chunk_states=True,
+                                                  implementation=self.implementation)
+        assert states.shape == (2, 3, case.hv, case.dk, case.dv)
+        for j, end in enumerate((16, 32, 40)):
+            _, ref = run_oracle(Case("prefix", b=2, t=end, dk=32, dv=16, l2norm=True),
+                                (q[:, :end], k[:, :end], v[:, :end], g[:, :end], beta[:, :end], h0))
+            assert relative_error(states[:, j], ref) < 1e-5, end
+        assert relative_error(states[:, -1], final) < 1e-6
+
     @over("tiles")
     def test_tiles(self, case):
         """Tiles off the default entry (K = V = 64: several blocks of each kind)."""

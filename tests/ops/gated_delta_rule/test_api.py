@@ -104,3 +104,29 @@ def test_options_object_is_the_keywords(args):
     assert set(IMPLEMENTATIONS) == set(CHUNK_IMPLEMENTATIONS)
     # the kernels' platforms as the options module (which the config reads) states them
     assert {n: b.platform for n, b in IMPLEMENTATIONS.items() if b.kernel} == KERNEL_PLATFORMS
+
+
+def test_recurrent_token_states_are_each_prefix_final_state():
+    """output_token_states: entry t is the final state of the same call over
+    tokens [0, t] (the same recurrence, stopped there: bit-identical)."""
+    rng = np.random.default_rng(3)
+    q, k = (jnp.asarray(rng.standard_normal((1, 6, 2, 8)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, 6, 4, 8)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.01, 0.5, (1, 6, 4)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (1, 6, 4)), jnp.float32)
+    _, final, states = recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True,
+                                                  output_token_states=True)
+    assert states.shape == (1, 6, 4, 8, 8)
+    for t in (0, 3, 5):
+        _, ref = recurrent_gated_delta_rule(q[:, :t + 1], k[:, :t + 1], v[:, :t + 1], g[:, :t + 1],
+                                            beta[:, :t + 1], output_final_state=True, use_qk_l2norm=True)
+        np.testing.assert_array_equal(states[:, t], ref)
+
+
+def test_states_along_the_sequence_refuse_packed_sequences():
+    x = jnp.zeros((1, 8, 1, 4))
+    gb = jnp.zeros((1, 8, 1))
+    with pytest.raises(ValueError, match="output_chunk_states"):
+        chunk_gated_delta_rule(x, x, x, gb, gb, cu_seqlens=jnp.asarray([0, 3, 8]), output_chunk_states=True)
+    with pytest.raises(ValueError, match="output_token_states"):
+        recurrent_gated_delta_rule(x, x, x, gb, gb, cu_seqlens=jnp.asarray([0, 3, 8]), output_token_states=True)

@@ -1,0 +1,242 @@
+"""The engine against the plain path: greedy tokens of `gdnx.generate`,
+bit-identical logits in batch-invariant mode (whatever shares the batch,
+the slot, a prefix-cache hit), speculative decoding's tokens, every
+sampling parameter, requests added mid-run, and its errors.
+
+One tiny hybrid (GDN, attention, GDN, attention; dense MLPs; the batch
+invariance test also runs it with MoE MLPs, whose routing groups tokens
+across rows) and few engine shapes: max_length 64 in blocks of 16
+(prefill buckets 16, 32, 64)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdnx.config import ModelConfig
+from gdnx.generate import generate
+from gdnx.models import CausalLM
+from gdnx.serving import Engine, NgramDrafter, SamplingParams
+
+TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=48, num_experts=0, gdn_chunk_size=16)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+LENGTHS = (5, 13, 30, 17, 40, 3)
+
+
+def _engine(model, **kw):
+    return Engine(model, **{"max_slots": 4, "max_length": 64, "block_size": 16, "decode_steps": 4, **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return CausalLM(ModelConfig(**TINY), seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, TINY["vocab_size"], n).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompts):
+    """gdnx.generate's greedy tokens, each prompt alone."""
+    return [np.asarray(generate(model, jnp.asarray([p]), GREEDY.max_tokens))[0].tolist() for p in prompts]
+
+
+def test_ragged_prompts_give_the_plain_greedy_tokens(model, prompts, plain):
+    """Six prompts of 3-40 tokens through 4 slots (two wait for a free one),
+    prefilled in buckets of 16, 32 and 64."""
+    engine = _engine(model)
+    out = engine.generate(prompts, GREEDY)
+    assert [c.tokens for c in out] == plain
+    assert all(c.finish_reason == "length" and c.prompt_tokens == len(p) for c, p in zip(out, prompts))
+    names = {name for name, _ in engine.stats.programs}
+    assert names == {"prefill", "decode"}
+    assert {shape[1] for name, shape in engine.stats.programs if name == "prefill"} <= set(engine.buckets)
+
+
+def test_prefix_cache_gives_the_same_tokens_and_logits(model, prompts, plain):
+    """Prompts sharing prefixes of 1-2 blocks with earlier ones: only the
+    rest is prefilled; greedy tokens identical, logits within 1e-5 of the
+    uncached engine's (float32; prefill shapes differ, so rounding may)."""
+    shared = prompts[4][:32]
+    family = [shared + p[:k] for p, k in zip(prompts, (3, 9, 1, 12, 5, 2))]
+    cold = _engine(model, keep_logits=True).generate(family, GREEDY)
+    engine = _engine(model, keep_logits=True, prefix_cache_bytes=1 << 24)
+    engine.generate([shared + [7]], GREEDY)               # fills two blocks
+    warm = engine.generate(family, GREEDY)
+    assert [c.cached_tokens for c in warm] == [32] * 6
+    assert engine.stats.cached_tokens == 6 * 32
+    for c, w in zip(cold, warm):
+        assert c.tokens == w.tokens
+        np.testing.assert_allclose(w.logits, c.logits, rtol=0, atol=1e-5 * np.abs(c.logits).max())
+    assert engine.prefix_cache is not None and 0 < engine.prefix_cache.bytes <= 1 << 24
+
+
+def test_prefix_cache_evicts_least_recently_used_within_its_bytes(model, prompts):
+    engine = _engine(model, prefix_cache_bytes=1 << 24)
+    engine.generate([prompts[4]], GREEDY)                  # 40 tokens: 2 full blocks
+    per_block = engine.prefix_cache.bytes // 2
+    small = _engine(model, prefix_cache_bytes=per_block * 3)
+    small.generate([prompts[4], prompts[4][::-1]], GREEDY)  # 2 + 2 blocks: the oldest goes
+    assert len(small.prefix_cache) == 3 and small.prefix_cache.bytes <= per_block * 3
+    assert small.generate([prompts[4]], GREEDY)[0].cached_tokens == 0  # its first block was evicted
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariance_bit_for_bit(prompts, dtype):
+    """batch_invariant: one request's logits are bit-identical alone in
+    slot 0, behind three others (another slot, other prefill partners), and
+    after a prefix-cache hit of two blocks (MoE MLPs: experts see other
+    rows' tokens)."""
+    model = CausalLM(ModelConfig(**{**TINY, **MOE}, dtype=dtype), seed=1)
+    target = prompts[4]                                     # 40 tokens
+    engine = _engine(model, batch_invariant=True, keep_logits=True, prefix_cache_bytes=1 << 24,
+                     max_prefill_batch=2)
+    alone = engine.generate([target], GREEDY)[0]
+    assert alone.cached_tokens == 0
+    engine.prefix_cache._blocks.clear()
+    engine.prefix_cache.bytes = 0
+    crowded = engine.generate(prompts[:3] + [target] + prompts[5:], GREEDY)[3]
+    cached = engine.generate([prompts[1], target], GREEDY)[1]
+    assert cached.cached_tokens == 32
+    assert alone.tokens == crowded.tokens == cached.tokens
+    np.testing.assert_array_equal(alone.logits, crowded.logits)
+    np.testing.assert_array_equal(alone.logits, cached.logits)
+
+
+class _Oracle:
+    """Drafts the plain continuation, every third proposal with a wrong token."""
+    num_tokens = 3
+
+    def __init__(self, prompts, plain):
+        self.known = [(tuple(p), c) for p, c in zip(prompts, plain)]
+        self.calls = 0
+
+    def propose(self, tokens):
+        self.calls += 1
+        for prompt, cont in self.known:
+            if tuple(tokens[:len(prompt)]) == prompt:
+                draft = list(cont[len(tokens) - len(prompt):][:self.num_tokens])
+                if self.calls % 3 == 0 and len(draft) > 1:
+                    draft[1] = (draft[1] + 1) % TINY["vocab_size"]
+                return draft
+        return []
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_speculative_greedy_tokens_equal_plain_decoding(model, prompts, plain, invariant):
+    engine = _engine(model, speculative=_Oracle(prompts, plain), batch_invariant=invariant)
+    out = engine.generate(prompts, GREEDY)
+    assert [c.tokens for c in out] == plain
+    stats = engine.stats
+    assert 0.3 < stats.acceptance < 1.0                      # right and wrong drafts both seen
+    assert stats.verify_calls < stats.generated_tokens / 2   # more than two tokens per pass
+
+
+def test_ngram_drafter_keeps_the_plain_tokens(model, plain, prompts):
+    # the prompt ends as it began: the drafter proposes what followed the first time
+    looped = [p + c + p for p, c in ((prompts[0], plain[0]), (prompts[5], plain[5]))]
+    ref = [np.asarray(generate(model, jnp.asarray([p]), 8))[0].tolist() for p in looped]
+    engine = _engine(model, speculative=NgramDrafter(num_tokens=4))
+    assert [c.tokens for c in engine.generate(looped, GREEDY)] == ref
+    assert engine.stats.drafted_tokens > 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_other_requests(model, prompts):
+    p = SamplingParams(max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=1234)
+    engine = _engine(model, batch_invariant=True)
+    alone = engine.generate([prompts[1]], p)[0].tokens
+    mixed = engine.generate([prompts[3], prompts[1], prompts[0]],
+                            [SamplingParams(max_tokens=5, temperature=1.0), p, GREEDY])[1].tokens
+    assert alone == mixed
+    other = engine.generate([prompts[1]], SamplingParams(**{**p.__dict__, "seed": 99}))[0].tokens
+    assert other != alone
+
+
+def test_sampling_parameters_each_act(model, prompts, plain):
+    engine = _engine(model, eos_token_ids=[plain[0][2]], keep_logits=True, tokenizer=_Digits())
+    one = lambda **kw: engine.generate([prompts[0]], SamplingParams(**{"temperature": 0.0, **kw}))[0]  # noqa: E731
+    # end of sequence: the greedy third token ends it, unless ignored or held back by min_tokens
+    assert one(max_tokens=8).tokens == plain[0][:3] and one(max_tokens=8).finish_reason == "stop"
+    assert one(max_tokens=8, ignore_eos=True).tokens == plain[0]
+    assert len(one(max_tokens=8, min_tokens=5).tokens) >= 5
+    assert one(max_tokens=8, ignore_eos=True, stop_token_ids=[plain[0][1]]).tokens == plain[0][:2]
+    # a stop string ends the text before it (the tokens up to the one that completed it)
+    stop = str(plain[0][4])
+    got = one(max_tokens=8, ignore_eos=True, stop=[f" {stop} "])
+    assert got.finish_reason == "stop" and f" {stop} " not in got.text
+    # top_k=1 and a tiny top_p are greedy at any temperature
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        assert one(max_tokens=8, ignore_eos=True, temperature=1.5, seed=3, **kw).tokens == plain[0]
+    # penalties: a strong repetition penalty avoids every token seen so far
+    rep = one(max_tokens=8, ignore_eos=True, repetition_penalty=100.0).tokens
+    assert all(t not in prompts[0] + rep[:i] for i, t in enumerate(rep))
+    # logprobs: the drawn token's and the top 3, from the logits
+    got = one(max_tokens=4, ignore_eos=True, logprobs=3, presence_penalty=0.5, frequency_penalty=0.5)
+    for (chosen, top), logits, tok in zip(got.logprobs, got.logits, got.tokens):
+        assert len(top) == 3 and max(top, key=top.get) == tok and abs(top[tok] - chosen) < 1e-6
+
+
+class _Digits:
+    def decode(self, ids):
+        return "".join(f" {int(i)} " for i in ids)
+
+
+def test_requests_added_while_others_run(model, prompts, plain):
+    engine = _engine(model, max_slots=2)
+    first = [engine.add_request(p, GREEDY) for p in prompts[:2]]
+    got: dict[int, list[int]] = {}
+    events = engine.step() + engine.step()
+    later = [engine.add_request(p, GREEDY) for p in prompts[2:4]]
+    while engine.has_unfinished():
+        events += engine.step()
+    for e in events:
+        got.setdefault(e.request_id, []).extend(e.tokens)
+    assert [got[i] for i in first + later] == plain[:4]
+
+
+def test_streaming_yields_the_tokens_as_they_come(model, prompts, plain):
+    engine = _engine(model)
+    pieces: dict[int, list[int]] = {}
+    for rid, toks in engine.stream(prompts[:3], GREEDY):
+        pieces.setdefault(rid, []).extend(toks)
+    assert list(pieces.values()) == plain[:3]
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], GREEDY, "prompt: expected at least one token"),
+    (list(range(60)) + [1, 2, 3, 4], GREEDY, "prompt: 64 tokens"),
+    (list(range(60)), GREEDY, "max_tokens: the prompt's 60 tokens"),
+    ([1, 99], GREEDY, r"prompt: token ids must be in \[0, 61\)"),
+    ([1, 2], SamplingParams(logprobs=9), "logprobs"),
+    ([1, 2], SamplingParams(stop=["x"]), "stop: stop strings"),
+])
+def test_a_bad_request_is_refused_and_the_engine_keeps_serving(model, prompts, plain, prompt, params, match):
+    engine = _engine(model)
+    ok = engine.add_request(prompts[0], GREEDY)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    out = []
+    while engine.has_unfinished():
+        out += [e for e in engine.step() if e.completion is not None]
+    assert [e.request_id for e in out] == [ok] and out[0].completion.tokens == plain[0]
+
+
+def test_generate_names_the_bad_prompt_before_running_any(model, prompts):
+    engine = _engine(model)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt"):
+        engine.generate([prompts[0], []], GREEDY)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kw,match", [({"block_size": 24}, "block_size"), ({"max_slots": 0}, "max_slots"),
+                                      ({"max_prefill_batch": 9}, "max_prefill_batch"),
+                                      ({"speculative": 3}, "speculative")])
+def test_bad_engine_settings(model, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _engine(model, **kw)
