@@ -46,12 +46,27 @@ def _parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate from a gdnx checkpoint or a Hugging Face directory")
     gen.add_argument("--checkpoint", required=True,
                      help="a gdnx train.out_dir or a Hugging Face directory (Qwen3-Next, Qwen3.5, OLMo Hybrid)")
-    gen.add_argument("--prompt", required=True, help="text (token ids separated by spaces for MQAR models)")
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="text (token ids separated by spaces for MQAR models), streamed to the terminal")
+    what.add_argument("--prompts-file", help="a jsonl file of {\"prompt\": text, sampling fields optional} run "
+                                             "through the batched engine (docs/serving.md); results to --out")
+    gen.add_argument("--out", help="with --prompts-file: the jsonl file of results, one per prompt, in order")
     gen.add_argument("--max-new-tokens", type=int, default=32,
                      help="tokens to generate (default 32; prompt + new tokens must fit the model's positions)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: all)")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; line i of a prompts file: "
+                                                          "seed + i unless it gives its own)")
+    engine = gen.add_argument_group("the engine (--prompts-file)")
+    engine.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default 8)")
+    engine.add_argument("--max-length", type=int, default=None,
+                        help="prompt + generated tokens per request (default: the longest line's need)")
+    engine.add_argument("--prefix-cache-mb", type=int, default=0,
+                        help="host memory for the prefix cache of shared prompt prefixes (default 0: off)")
+    engine.add_argument("--speculative", type=int, default=0, metavar="K",
+                        help="n-gram (prompt lookup) speculative decoding with K draft tokens (default 0: off)")
+    engine.add_argument("--batch-invariant", action="store_true",
+                        help="each result bit-identical whatever else is batched with it (prefills block by block)")
     gen.add_argument("overrides", nargs="*", metavar="key=value",
                      help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla")
     _distributed_options(gen)

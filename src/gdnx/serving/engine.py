@@ -194,7 +194,9 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def _check(self, prompt: Sequence[int], params: SamplingParams, where: str = "") -> list[int]:
+    def check(self, prompt: Sequence[int], params: SamplingParams, where: str = "") -> list[int]:
+        """The prompt's token ids, or a ValueError naming what this engine
+        refuses in the request (what add_request checks)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"{where}params: expected SamplingParams, got {type(params).__name__}")
         try:
@@ -228,7 +230,7 @@ class Engine:
         naming the argument for a bad one; the engine's other requests are
         unaffected."""
         params = SamplingParams() if params is None else params
-        ids = self._check(prompt, params)
+        ids = self.check(prompt, params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
         req = _Request(self._next_id, ids, params, seed, time.perf_counter())
         self._next_id += 1
@@ -300,7 +302,7 @@ class Engine:
         before any runs (a ValueError names the prompt's index)."""
         plist = self._params_list(prompts, params)
         for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
-            self._check(prompt, p, f"prompts[{i}]: ")
+            self.check(prompt, p, f"prompts[{i}]: ")
         ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, plist)]
         results: dict[int, Completion] = {}
         while len(results) < len(ids) and self.has_unfinished():

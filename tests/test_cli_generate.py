@@ -1,0 +1,85 @@
+"""`gdnx generate --prompts-file`: a jsonl of prompts through the engine,
+results in order; each mistake one line and status 2."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from gdnx.cli import main
+from gdnx.generate import generate
+from tests.hf_models import VOCAB, hf_and_gdnx
+from tests.test_cli import _error
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_5")
+    _, model = hf_and_gdnx(path, "qwen3_5", scale=5.0, gdn_chunk_size=16)
+    tok = Tokenizer(WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def _words(ids):
+    return " ".join(f"w{i}" for i in ids)
+
+
+def test_prompts_file_results_in_order(checkpoint, tmp_path, capsys):
+    path, model = checkpoint
+    rng = np.random.default_rng(0)
+    shared = rng.integers(1, VOCAB, 70).tolist()      # more than one block (4 chunks of 16)
+    prompts = [shared + [3], rng.integers(1, VOCAB, 5).tolist(), shared + [9, 4], rng.integers(1, VOCAB, 12).tolist()]
+    lines = [{"prompt": _words(prompts[0])}, {"prompt": _words(prompts[1]), "max_tokens": 3},
+             {"prompt": _words(prompts[2]), "logprobs": 2},
+             {"prompt": _words(prompts[3]), "temperature": 0.9, "top_k": 5, "seed": 7, "stop": ["w1"]}]
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    out = tmp_path / "out" / "results.jsonl"
+    assert main(["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--out", str(out),
+                 "--max-new-tokens", "6", "--max-slots", "2", "--prefix-cache-mb", "16", "--speculative", "2",
+                 "model.gdn_chunk_size=16"]) == 0
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [g["prompt"] for g in got] == [x["prompt"] for x in lines]
+    for i in (0, 2):  # greedy lines: the plain path's tokens
+        plain = np.asarray(generate(model, jnp.asarray([prompts[i]]), 6))[0].tolist()
+        assert got[i]["tokens"] == plain and got[i]["completion"] == _words(plain)
+    assert len(got[1]["tokens"]) == 3 and got[1]["finish_reason"] == "length"
+    assert got[2]["cached_tokens"] == 64 and len(got[2]["logprobs"]) == 6
+    assert all(len(x["top"]) == 2 for x in got[2]["logprobs"])
+    assert "w1" not in got[3]["completion"].split()
+    err = capsys.readouterr().err
+    assert "wrote 4 results" in err and "4/4" in err
+
+
+@pytest.mark.parametrize("line,match", [
+    ("not json", "line 1: not JSON"),
+    ('{"text": "w1"}', 'line 1: expected an object with a "prompt" string'),
+    ('{"prompt": "w1", "temp": 1}', "line 1: unknown field 'temp'"),
+    ('{"prompt": "w1", "temperature": -1}', "line 1: temperature: expected a number in"),
+    ('{"prompt": "w1 w2 w3 w4 w5 w6", "max_tokens": 8}', "line 1: max_tokens: the prompt's 6 tokens"),
+    ('{"prompt": ""}', "line 1: prompt: expected at least one token"),
+])
+def test_each_prompts_file_mistake_is_one_line(checkpoint, tmp_path, capsys, line, match):
+    src = tmp_path / "p.jsonl"
+    src.write_text(line + "\n")
+    err = _error(capsys, ["generate", "--checkpoint", str(checkpoint[0]), "--prompts-file", str(src), "--out",
+                          str(tmp_path / "o.jsonl"), "--max-length", "10"])
+    assert match in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_out_goes_with_prompts_file(checkpoint, tmp_path, capsys):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "w1"}\n')
+    base = ["generate", "--checkpoint", str(checkpoint[0])]
+    assert "--out: --prompts-file writes" in _error(capsys, base + ["--prompts-file", str(src)])
+    assert "--out: applies to --prompts-file" in _error(capsys, base + ["--prompt", "w1", "--out", "x"])
+    assert "--prompts-file: no such file" in _error(capsys, base + ["--prompts-file", "nope", "--out", "x"])
+    assert "--max-slots: expected an integer >= 1" in _error(capsys, base + ["--prompts-file", str(src), "--out",
+                                                                             str(tmp_path / "o"), "--max-slots", "0"])
