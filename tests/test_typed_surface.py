@@ -12,7 +12,8 @@ import gdnx
 # Modules whose public names are the user's API; the kernels' and the chunk
 # algebra's internals are typed where they meet it (the op's signature).
 SURFACE = ("gdnx.ops", "gdnx.layers", "gdnx.models", "gdnx.config", "gdnx.checkpoints", "gdnx.training",
-           "gdnx.generate", "gdnx.parallel", "gdnx.data", "gdnx.aot", "gdnx.measure", "gdnx.plan", "gdnx.loss")
+           "gdnx.generate", "gdnx.parallel", "gdnx.data", "gdnx.aot", "gdnx.measure", "gdnx.plan", "gdnx.loss",
+           "gdnx.serving")
 INTERNAL = ("gdnx.ops.gated_delta_rule.chunk_math", "gdnx.ops.gated_delta_rule.pallas_",
             "gdnx.ops.gated_delta_rule.xla", "gdnx.ops.gated_delta_rule.chunked", "gdnx.ops.gated_delta_rule.layout",
             "gdnx.ops.gated_delta_rule.reference")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -33,13 +32,14 @@ class PrefixCache:
     def __init__(self, capacity_bytes: int, block_size: int):
         self.capacity = capacity_bytes
         self.block_size = block_size
-        self._blocks: collections.OrderedDict[Any, Block] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[int, Block] = collections.OrderedDict()
         self.bytes = 0
         self.hits = self.lookups = 0  # blocks found / blocks looked up
 
-    def keys(self, tokens: Sequence[int], blocks: int) -> list[Any]:
+    def keys(self, tokens: Sequence[int], blocks: int) -> list[int]:
         """The chain keys of the first `blocks` blocks of `tokens`."""
-        keys, parent = [], None
+        keys: list[int] = []
+        parent: int | None = None
         for i in range(blocks):
             parent = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
             keys.append(parent)
@@ -58,10 +58,10 @@ class PrefixCache:
         self.hits += len(found)
         return found
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._blocks
 
-    def put(self, key, block: Block) -> None:
+    def put(self, key: int, block: Block) -> None:
         if key in self._blocks or block.nbytes > self.capacity:
             return
         self._blocks[key] = block

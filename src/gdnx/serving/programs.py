@@ -47,7 +47,7 @@ class Static(NamedTuple):
     keep_logits: bool
 
 
-def row_axes(model) -> tuple[int, ...]:
+def row_axes(model: Any) -> tuple[int, ...]:
     """Per entry of model's Cache: which axis holds the batch rows."""
     if model.config.scanned:
         return (1,) * len(model.cycle) + (0,) * len(model.tail)
@@ -90,7 +90,7 @@ def _strip(entry):
     return entry._replace(history=None) if isinstance(entry, GDNState) else entry
 
 
-def empty_slots(model, max_slots: int, capacity: int) -> Slots:
+def empty_slots(model: Any, max_slots: int, capacity: int) -> Slots:
     vocab = model.config.vocab_size
     zeros = SlotParams(*(jnp.zeros((max_slots,) + ((sampling.MAX_STOP_IDS,) if f == "stop_ids" else
                                                     (2,) if f == "key" else ()),
@@ -108,7 +108,8 @@ class PrefillOut(NamedTuple):
     snapshot: tuple | None            # per cache entry: (conv, recurrent) [.., P, NB, ...] or (k, v) [.., P, L, ...]
 
 
-def prefill(state, slots: Slots, rows, tokens, starts, lengths, params: SlotParams, seen, *, static: Static,
+def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, starts: jax.Array, lengths: jax.Array,
+            params: SlotParams, seen: jax.Array, *, static: Static,
             history_every: int | None) -> tuple[Slots, PrefillOut]:
     model = nnx.merge(static.graphdef, state)
     p = tokens.shape[0]
@@ -156,7 +157,7 @@ def prefill(state, slots: Slots, rows, tokens, starts, lengths, params: SlotPara
     return slots, PrefillOut(tok, lp, logits if static.keep_logits else None, snapshot)
 
 
-def restore(slots: Slots, row, layers: tuple, *, static: Static) -> Slots:
+def restore(slots: Slots, row: jax.Array, layers: tuple, *, static: Static) -> Slots:
     """Write a prefix-cache hit's states into slot `row`: per cache entry
     (conv, recurrent) of a GDN layer, (k, v) [capacity, ...] of an
     attention layer (the hit's tokens first), each without the row axis."""
@@ -173,7 +174,7 @@ class Step(NamedTuple):
 
 
 
-def decode(state, slots: Slots, active, *, static: Static, steps: int) -> tuple[Slots, Step]:
+def decode(state: nnx.State, slots: Slots, active: jax.Array, *, static: Static, steps: int) -> tuple[Slots, Step]:
     """active [S]: the rows decoding (the others' states are kept)."""
     model = nnx.merge(static.graphdef, state)
     rows = jnp.arange(slots.last.shape[0])
@@ -199,7 +200,8 @@ class Verified(NamedTuple):
     accepted: jax.Array  # int32 [S]
 
 
-def verify(state, slots: Slots, active, drafts, num_drafts, *, static: Static) -> tuple[Slots, Verified]:
+def verify(state: nnx.State, slots: Slots, active: jax.Array, drafts: jax.Array, num_drafts: jax.Array, *,
+           static: Static) -> tuple[Slots, Verified]:
     model = nnx.merge(static.graphdef, state)
     s, k = drafts.shape
     tokens = jnp.concatenate([slots.last[:, None], drafts], axis=1)
