@@ -94,7 +94,9 @@ def decode_cost(repeats: int, plot: str | None) -> list[str]:
                                     "num_key_value_heads": 3}), seed=0)
     contexts = (1024, 8192, 32768)
     times: dict[str, list[float]] = {}
-    for name, model in (("GDN hybrid (6 GDN + 2 attention)", hybrid), ("attention only (8 layers)", dense)):
+    gdn_only = CausalLM(ModelConfig(**{**MODEL, "layer_types": ["linear_attention"] * 8}), seed=0)
+    for name, model in (("GDN only (8 layers)", gdn_only), ("GDN hybrid (6 GDN + 2 attention)", hybrid),
+                        ("attention only (8 layers)", dense)):
         step = jax.jit(lambda tok, cache, m=model: m.forward(tok, cache).logits)
         times[name] = []
         for ctx in contexts:

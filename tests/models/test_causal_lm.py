@@ -274,3 +274,38 @@ def test_the_parameter_count_is_the_built_models(name, overrides):
     cfg = load_config(name, overrides).model
     built = jax.eval_shape(lambda: nnx.state(CausalLM(cfg), nnx.Param))
     assert parameter_count(cfg) == sum(x.size for x in jax.tree.leaves(built))
+
+
+def test_padded_rows_and_state_histories_for_serving():
+    """A cache with a length per row: right-padded rows (lengths) give each
+    row's logits and next states as the row alone, and history_every keeps
+    the GDN states after every block, equal to a prefill stopped there
+    (float32, 1e-5: the same algebra in other shapes)."""
+    model = _model(num_experts=0)
+    toks = _tokens(2, 32, seed=4)
+    lengths = jnp.asarray([13, 32], jnp.int32)
+    out = model.hidden_states(toks, Cache.init(model, 2, 48, per_row=True), lengths=lengths, history_every=16)
+    logits = model.logits(out.hidden)
+    np.testing.assert_array_equal(out.cache.length, [13, 32])
+    for row, n in enumerate((13, 32)):
+        alone = model.forward(toks[row:row + 1, :n], Cache.init(model, 1, 48))
+        assert relative_error(logits[row, n - 1], alone.logits[0, -1]) < 1e-5
+        for mine, theirs in zip(out.cache.layers, alone.cache.layers):
+            if hasattr(mine, "recurrent"):
+                assert relative_error(mine.recurrent[row], theirs.recurrent[0]) < 1e-5
+                assert relative_error(mine.conv[row], theirs.conv[0]) < 1e-6
+    # the history: after tokens 16 and 32 of the full row
+    for j, end in enumerate((16, 32)):
+        stopped = model.forward(toks[1:, :end], Cache.init(model, 1, 48))
+        for mine, theirs in zip(out.cache.layers, stopped.cache.layers):
+            if hasattr(mine, "recurrent"):
+                assert relative_error(mine.history.recurrent[1, j], theirs.recurrent[0]) < 1e-5
+                assert relative_error(mine.history.conv[1, j], theirs.conv[0]) < 1e-5
+
+
+def test_serving_arguments_need_a_cache_with_a_length_per_row():
+    model = _model(num_experts=0)
+    with pytest.raises(ValueError, match="lengths, history_every: apply to a cache with a length per row"):
+        model.hidden_states(_tokens(1, 16), Cache.init(model, 1, 32), lengths=jnp.asarray([3]))
+    with pytest.raises(ValueError, match="history_every: expected 1 or a multiple of the chunk size 16"):
+        model.hidden_states(_tokens(1, 16), Cache.init(model, 1, 32, per_row=True), history_every=8)

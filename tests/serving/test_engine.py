@@ -240,3 +240,15 @@ def test_generate_names_the_bad_prompt_before_running_any(model, prompts):
 def test_bad_engine_settings(model, kw, match):
     with pytest.raises(ValueError, match=match):
         _engine(model, **kw)
+
+
+def test_a_hit_whose_rest_would_overflow_the_cache_is_recomputed(model, prompts):
+    """max_length 64 (buckets 16, 32, 64): a 50-token prompt with its first
+    block cached would prefill 34 tokens in the 64 bucket past the cache's
+    end; the engine prefills it whole instead, with the plain tokens."""
+    long = (prompts[4] + prompts[2])[:50]
+    engine = _engine(model, prefix_cache_bytes=1 << 24)
+    engine.generate([long[:17]], GREEDY)
+    got = engine.generate([long], GREEDY)[0]
+    assert got.cached_tokens == 0
+    assert got.tokens == np.asarray(generate(model, jnp.asarray([long]), 8))[0].tolist()

@@ -273,7 +273,7 @@ class Engine:
         events: dict[int, list[int]] = collections.defaultdict(list)
         finished: list[_Request] = []
         self._admit(events, finished)
-        if self._running:
+        if self._active().any():  # not only prompts part way through a block-by-block prefill
             drafts = self._drafts()
             if drafts is not None:
                 self._verify(*drafts, events, finished)
@@ -344,13 +344,7 @@ class Engine:
             return
         groups: dict[int, list[tuple[_Request, int]]] = collections.defaultdict(list)
         for req in self._prefilling:
-            start = req.progress
-            length = self._bucket(len(req.prompt) - start)
-            if start + length > self.padded_length:  # keep the bucket inside the cache: recompute some cached blocks
-                start = self.padded_length - length
-                self.stats.cached_tokens -= req.cached - start
-                req.cached = start
-            groups[length].append((req, start))
+            groups[self._bucket(len(req.prompt) - req.progress)].append((req, req.progress))
         for length, group in sorted(groups.items()):
             while group:
                 size = 1 << (min(len(group), self.max_prefill_batch).bit_length() - 1)
@@ -363,6 +357,11 @@ class Engine:
             return 0
         # at least one prompt token is prefilled (its logits draw the first token)
         blocks = self.prefix_cache.match(req.prompt, (len(req.prompt) - 1) // self.block_size)
+        # the rest's bucket must fit in the cache: past its end, recompute some cached blocks instead
+        while blocks and not self.batch_invariant and (
+                len(blocks) * self.block_size + self._bucket(len(req.prompt) - len(blocks) * self.block_size)
+                > self.padded_length):
+            blocks.pop()
         if not blocks:
             return 0
         start = len(blocks) * self.block_size

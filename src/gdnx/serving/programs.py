@@ -26,6 +26,7 @@ from gdnx.layers.attention import KVCache
 from gdnx.layers.gated_deltanet import GDNState
 from gdnx.models.cache import Cache
 from gdnx.serving import sampling
+from gdnx.serving.params import SamplingParams
 from gdnx.serving.sampling import SlotParams, TokenLogprobs
 
 
@@ -92,10 +93,7 @@ def _strip(entry):
 
 def empty_slots(model: Any, max_slots: int, capacity: int) -> Slots:
     vocab = model.config.vocab_size
-    zeros = SlotParams(*(jnp.zeros((max_slots,) + ((sampling.MAX_STOP_IDS,) if f == "stop_ids" else
-                                                    (2,) if f == "key" else ()),
-                                   jnp.uint32 if f == "key" else jnp.int32 if f in ("top_k", "min_tokens", "stop_ids")
-                                   else jnp.float32) for f in SlotParams._fields))
+    zeros = SlotParams.rows([SamplingParams(temperature=0.0)] * max_slots, [0] * max_slots)
     return Slots(Cache.init(model, max_slots, capacity, per_row=True), zeros,
                  jnp.zeros((max_slots, vocab), jnp.int32), jnp.zeros((max_slots, vocab), bool),
                  jnp.zeros((max_slots,), jnp.int32), jnp.zeros((max_slots,), jnp.int32))
@@ -129,7 +127,7 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
     zero = jnp.zeros((p,), jnp.int32)
     adj = sampling.adjust(logits, params, jnp.zeros_like(logits, jnp.int32), seen, zero, static.eos_ids)
     tok = sampling.draw(adj, params, sampling.token_keys(params, zero))
-    lp = sampling.logprobs(adj, tok, static.logprobs)
+    lp = sampling.logprobs(adj, tok, static.logprobs, params.logprobs)
     new = out.cache
     snapshot = None
     if history_every is not None:
@@ -138,10 +136,9 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
                 assert entry.history is not None
                 return entry.history.conv, entry.history.recurrent
             # this call's keys and values: [start, start + L) of each row
-            def window(x):
-                moved = jnp.moveaxis(x, axis, 0)
-                got = jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, tokens.shape[1], axis=0))(moved, starts)
-                return jnp.moveaxis(got, 0, axis)
+            def window(x):  # the length axis follows the rows' (after a scanned cycle's repeats)
+                return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, tokens.shape[1], axis=axis),
+                                in_axes=(axis, 0), out_axes=axis)(x, starts)
             return window(entry.k), window(entry.v)
         snapshot = _map_entries(snap, static, new.layers)
 
@@ -179,13 +176,15 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, *, static: Static,
     model = nnx.merge(static.graphdef, state)
     rows = jnp.arange(slots.last.shape[0])
 
+    params = sampling.quiet(slots.params, active)
+
     def body(slots: Slots, _):
         out = model.forward(slots.last[:, None], slots.cache)
         out = out._replace(cache=_keep_inactive(static, out.cache, slots.cache, active))
         logits = out.logits[:, 0]
-        adj = sampling.adjust(logits, slots.params, slots.counts, slots.seen, slots.generated, static.eos_ids)
-        tok = sampling.draw(adj, slots.params, sampling.token_keys(slots.params, slots.generated))
-        lp = sampling.logprobs(adj, tok, static.logprobs)
+        adj = sampling.adjust(logits, params, slots.counts, slots.seen, slots.generated, static.eos_ids)
+        tok = sampling.draw(adj, params, sampling.token_keys(params, slots.generated))
+        lp = sampling.logprobs(adj, tok, static.logprobs, params.logprobs)
         slots = slots._replace(cache=out.cache, counts=slots.counts.at[rows, tok].add(1),
                                generated=slots.generated + 1, last=tok)
         return slots, (tok, lp, logits if static.keep_logits else None)
@@ -213,16 +212,18 @@ def verify(state: nnx.State, slots: Slots, active: jax.Array, drafts: jax.Array,
     before = jnp.concatenate([jnp.zeros((s, 1, vocab), jnp.int32), jnp.cumsum(drafted, axis=1)], axis=1)
     position = jnp.arange(k + 1, dtype=jnp.int32)
 
+    params = sampling.quiet(slots.params, active)
+
     def adjust_at(lg, extra, j):
-        return sampling.adjust(lg, slots.params, slots.counts + extra, slots.seen, slots.generated + j,
-                               static.eos_ids)
+        return sampling.adjust(lg, params, slots.counts + extra, slots.seen, slots.generated + j, static.eos_ids)
 
     adj = jax.vmap(adjust_at, in_axes=(1, 1, 0), out_axes=1)(logits, before, position)
-    verdict = sampling.accept(adj, drafts, num_drafts, slots.params, slots.generated)
+    verdict = sampling.accept(adj, drafts, num_drafts, params, slots.generated)
     a = verdict.accepted
     emitted = jnp.where(position[None] < a[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                         verdict.next[:, None])                                  # [S, K + 1]
-    lp = jax.vmap(lambda lg, t: sampling.logprobs(lg, t, static.logprobs), in_axes=(1, 1), out_axes=1)(adj, emitted)
+    lp = jax.vmap(lambda lg, t: sampling.logprobs(lg, t, static.logprobs, params.logprobs),
+                  in_axes=(1, 1), out_axes=1)(adj, emitted)
 
     def select(axis, entry):
         if not isinstance(entry, GDNState):

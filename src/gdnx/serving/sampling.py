@@ -34,6 +34,7 @@ class SlotParams(NamedTuple):
     frequency: Arrays      # float32 [S]
     min_tokens: Arrays     # int32 [S]
     stop_ids: Arrays       # int32 [S, MAX_STOP_IDS], -1 where unused
+    logprobs: Arrays       # bool [S]: the request asks for log-probabilities
     key: Arrays            # uint32 [S, 2]: the request's threefry key data
 
     @classmethod
@@ -50,7 +51,19 @@ class SlotParams(NamedTuple):
         return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
                    col("min_p", np.float32), col("repetition_penalty", np.float32),
                    col("presence_penalty", np.float32), col("frequency_penalty", np.float32),
-                   col("min_tokens", np.int32), stop, key)
+                   col("min_tokens", np.int32), stop,
+                   np.asarray([p.logprobs is not None for p in params], bool), key)
+
+
+def quiet(p: SlotParams, active: jax.Array) -> SlotParams:
+    """Rows that are not decoding (free slots, prompts being prefilled) as
+    greedy rows asking for nothing, so they never switch on the costlier
+    paths below."""
+    def keep(x, neutral):
+        return jnp.where(active, jnp.asarray(x), neutral)
+    return p._replace(temperature=keep(p.temperature, 0.0), repetition=keep(p.repetition, 1.0),
+                      presence=keep(p.presence, 0.0), frequency=keep(p.frequency, 0.0),
+                      min_tokens=keep(p.min_tokens, 0), logprobs=keep(p.logprobs, False))
 
 
 def token_keys(p: SlotParams, index: jax.Array) -> jax.Array:
@@ -64,17 +77,23 @@ def adjust(logits: jax.Array, p: SlotParams, counts: jax.Array, seen: jax.Array,
     """The penalties and the min_tokens mask on float32 logits [S, V];
     counts [S, V] of the generated tokens, seen [S, V] the prompt's tokens,
     generated [S] how many tokens each row has drawn."""
-    occurred = counts > 0
-    r = p.repetition[:, None]
-    logits = jnp.where(seen | occurred, jnp.where(logits > 0, logits / r, logits * r), logits)
-    logits = logits - p.presence[:, None] * occurred - p.frequency[:, None] * counts
-    vocab = logits.shape[-1]
-    ids = jnp.arange(vocab, dtype=jnp.int32)
-    banned = (ids[None, :, None] == p.stop_ids[:, None, :]).any(-1)
-    if eos_ids:
-        banned = banned | jnp.isin(ids, jnp.asarray(eos_ids, jnp.int32))[None]
-    early = (generated < p.min_tokens)[:, None]
-    return jnp.where(early & banned, -jnp.inf, logits)
+    # each adjustment runs only when some row asks for it (greedy rows with no penalty cost nothing)
+    def penalize(logits):
+        occurred = counts > 0
+        r = p.repetition[:, None]
+        logits = jnp.where(seen | occurred, jnp.where(logits > 0, logits / r, logits * r), logits)
+        return logits - p.presence[:, None] * occurred - p.frequency[:, None] * counts
+
+    def hold_back(logits):
+        ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+        banned = (ids[None, :, None] == p.stop_ids[:, None, :]).any(-1)
+        if eos_ids:
+            banned = banned | jnp.isin(ids, jnp.asarray(eos_ids, jnp.int32))[None]
+        return jnp.where((generated < p.min_tokens)[:, None] & banned, -jnp.inf, logits)
+
+    penalized = jnp.any((p.repetition != 1) | (p.presence != 0) | (p.frequency != 0))
+    logits = jax.lax.cond(penalized, penalize, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(generated < p.min_tokens), hold_back, lambda x: x, logits)
 
 
 def filtered(logits: jax.Array, p: SlotParams) -> jax.Array:
@@ -102,8 +121,13 @@ def draw(logits: jax.Array, p: SlotParams, keys: jax.Array) -> jax.Array:
     """Next tokens int32 [S] from adjusted logits [S, V]: the argmax at
     temperature 0, else a draw from `filtered`."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sampled = jax.vmap(jax.random.categorical)(keys, filtered(logits, p)).astype(jnp.int32)
-    return jnp.where(p.temperature > 0, sampled, greedy)
+
+    def sample(_):
+        sampled = jax.vmap(jax.random.categorical)(keys, filtered(logits, p)).astype(jnp.int32)
+        return jnp.where(p.temperature > 0, sampled, greedy)
+
+    # the sort behind top-k / top-p runs only when some row samples
+    return jax.lax.cond(jnp.any(p.temperature > 0), sample, lambda _: greedy, None)
 
 
 class TokenLogprobs(NamedTuple):
@@ -112,13 +136,20 @@ class TokenLogprobs(NamedTuple):
     top: jax.Array      # float32 [S, N]
 
 
-def logprobs(logits: jax.Array, tokens: jax.Array, n: int) -> TokenLogprobs:
+def logprobs(logits: jax.Array, tokens: jax.Array, n: int, wanted: Arrays) -> TokenLogprobs:
     """Log-probabilities of the adjusted logits [S, V]: the drawn tokens' and
-    the top n."""
-    lp = jax.nn.log_softmax(logits, axis=-1)
-    top, ids = jax.lax.top_k(lp, max(n, 1))
-    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-    return TokenLogprobs(chosen, ids.astype(jnp.int32)[:, :n], top[:, :n])
+    the top n; computed when some row is `wanted` ([S]), else zeros."""
+    def compute(_):
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        top, ids = jax.lax.top_k(lp, max(n, 1))
+        chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+        return TokenLogprobs(chosen, ids.astype(jnp.int32)[:, :n], top[:, :n])
+
+    def skip(_):
+        s = logits.shape[0]
+        return TokenLogprobs(jnp.zeros(s, jnp.float32), jnp.zeros((s, n), jnp.int32), jnp.zeros((s, n), jnp.float32))
+
+    return jax.lax.cond(jnp.any(jnp.asarray(wanted)) & (n > 0), compute, skip, None)
 
 
 class Verdict(NamedTuple):
