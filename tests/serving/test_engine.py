@@ -252,3 +252,22 @@ def test_a_hit_whose_rest_would_overflow_the_cache_is_recomputed(model, prompts)
     got = engine.generate([long], GREEDY)[0]
     assert got.cached_tokens == 0
     assert got.tokens == np.asarray(generate(model, jnp.asarray([long]), 8))[0].tolist()
+
+
+def test_scanned_layers_with_prefix_cache_speculation_and_invariance(prompts):
+    """A scanned stack (2 repeats of a GDN + attention cycle: the cache
+    entries hold the repeats first): cached prefixes, drafts and the
+    batch-invariant mode give the plain tokens, and a hit the miss's bits."""
+    model = CausalLM(ModelConfig(**TINY, scan_layers=True), seed=1)
+    assert model.config.scanned
+    some = prompts[1:5]
+    plain = [np.asarray(generate(model, jnp.asarray([p]), 8))[0].tolist() for p in some]
+    engine = _engine(model, prefix_cache_bytes=1 << 24, speculative=_Oracle(some, plain), batch_invariant=True,
+                     keep_logits=True)
+    first = engine.generate(some, GREEDY)
+    again = engine.generate(some[::-1], GREEDY)[::-1]
+    assert [c.tokens for c in first] == [c.tokens for c in again] == plain
+    assert [c.cached_tokens for c in again] == [0, 16, 16, 32]
+    assert engine.stats.accepted_tokens > 0
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a.logits, b.logits)

@@ -129,7 +129,8 @@ class Engine:
       beside it; in this mode every program keeps one shape: prompts are
       prefilled one block at a time, max_prefill_batch rows per call
       (padded). The cost: ceil(prompt / block_size) prefill calls per prompt
-      (docs/benchmarks.md measures it). Off: prompts are prefilled whole in
+      (docs/benchmarks.md measures it); with a drafter, every step is a
+      verify pass, drafts or not. Off: prompts are prefilled whole in
       length buckets (same tokens; logits equal to float rounding).
     seed: the generator of the seeds of requests that give none.
     """
@@ -479,7 +480,9 @@ class Engine:
             proposal = [t for t in proposal if 0 <= t < vocab][:len(proposal)]
             drafts[slot, :len(proposal)] = proposal
             counts[slot] = len(proposal)
-        if not counts.any():
+        # batch-invariant: every token from a verify pass (a plain decode step computes in another
+        # shape, and whether another slot has drafts must not change a request's program)
+        if not counts.any() and not self.batch_invariant:
             return None
         return drafts, counts
 
