@@ -69,6 +69,14 @@ def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path
     assert len(printed) == 3 and all(0 <= int(t) < 32 for t in printed)
     err = _error(capsys, ["generate", "--checkpoint", str(tmp_path), "--prompt", "hello"])
     assert "--prompt: this model was trained on MQAR" in err
+    # the same prompt through the engine, beside another: the same greedy tokens
+    src, res = tmp_path / "gen" / "prompts.jsonl", tmp_path / "gen" / "results.jsonl"
+    src.parent.mkdir()
+    src.write_text('{"prompt": "1 17 2 18 1"}\n{"prompt": "3 4", "max_tokens": 2}\n')
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompts-file", str(src), "--out", str(res),
+                 "--max-new-tokens", "3"]) == 0
+    got = [json.loads(line) for line in res.read_text().splitlines()]
+    assert got[0]["tokens"] == [int(t) for t in printed] and len(got[1]["tokens"]) == 2
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "olmo_hybrid"])

@@ -54,13 +54,20 @@ class EngineStats:
     prefill_calls: int = 0
     decode_calls: int = 0           # host round trips of the decode loop
     verify_calls: int = 0           # speculative forward passes
+    verified_requests: int = 0      # requests advanced by them, summed over the passes
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     programs: set = dataclasses.field(default_factory=set)  # (name, shape) of each compiled program
 
     @property
     def acceptance(self) -> float:
+        """Accepted draft tokens / drafted ones."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens a request gains per speculative forward pass (1 + its accepted drafts)."""
+        return 1.0 + self.accepted_tokens / self.verified_requests if self.verified_requests else 1.0
 
 
 @dataclasses.dataclass
@@ -69,14 +76,13 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     seed: int
-    arrived: float
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     slot: int = -1
     cached: int = 0
     progress: int = 0               # prompt tokens prefilled (or restored) so far
-    first_token_at: float | None = None
+    first_token_at: float | None = None   # set when its prompt is through (it then decodes)
     text: str | None = None
     done: Completion | None = None
 
@@ -233,7 +239,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         ids = self.check(prompt, params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
-        req = _Request(self._next_id, ids, params, seed, time.perf_counter())
+        req = _Request(self._next_id, ids, params, seed)
         self._next_id += 1
         self._waiting.append(req)
         self._requests[req.id] = req
@@ -497,6 +503,7 @@ class Engine:
                 continue
             a = int(got.accepted[slot])
             self.stats.accepted_tokens += a
+            self.stats.verified_requests += 1
             logits = None if got.step.logits is None else got.step.logits[slot][:a + 1]
             self._emit(req, [int(t) for t in got.step.tokens[slot][:a + 1]], got.step.logprobs, slot, logits,
                        events, finished)

@@ -214,16 +214,15 @@ def verify(state: nnx.State, slots: Slots, active: jax.Array, drafts: jax.Array,
 
     params = sampling.quiet(slots.params, active)
 
-    def adjust_at(lg, extra, j):
-        return sampling.adjust(lg, params, slots.counts + extra, slots.seen, slots.generated + j, static.eos_ids)
-
-    adj = jax.vmap(adjust_at, in_axes=(1, 1, 0), out_axes=1)(logits, before, position)
+    adj = sampling.adjust_positions(logits, params, slots.counts[:, None] + before, slots.seen, slots.generated,
+                                    static.eos_ids)
     verdict = sampling.accept(adj, drafts, num_drafts, params, slots.generated)
     a = verdict.accepted
     emitted = jnp.where(position[None] < a[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                         verdict.next[:, None])                                  # [S, K + 1]
-    lp = jax.vmap(lambda lg, t: sampling.logprobs(lg, t, static.logprobs, params.logprobs),
-                  in_axes=(1, 1), out_axes=1)(adj, emitted)
+    flat = sampling.logprobs(adj.reshape(s * (k + 1), vocab), emitted.reshape(-1), static.logprobs,
+                             jnp.repeat(jnp.asarray(params.logprobs), k + 1))
+    lp = jax.tree.map(lambda x: x.reshape(s, k + 1, *x.shape[1:]), flat)
 
     def select(axis, entry):
         if not isinstance(entry, GDNState):

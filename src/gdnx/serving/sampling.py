@@ -66,10 +66,26 @@ def quiet(p: SlotParams, active: jax.Array) -> SlotParams:
                       min_tokens=keep(p.min_tokens, 0), logprobs=keep(p.logprobs, False))
 
 
+def _repeat(p: SlotParams, n: int) -> SlotParams:
+    """Each row's parameters n times in a row (for [S * n] flattened positions)."""
+    return jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), n, axis=0), p)
+
+
 def token_keys(p: SlotParams, index: jax.Array) -> jax.Array:
     """Each row's key for its token number `index` [S]."""
     keys = jax.random.wrap_key_data(jnp.asarray(p.key), impl="threefry2x32")
     return jax.vmap(jax.random.fold_in)(keys, index.astype(jnp.uint32))
+
+
+def adjust_positions(logits: jax.Array, p: SlotParams, counts: jax.Array, seen: jax.Array, generated: jax.Array,
+                     eos_ids: tuple[int, ...]) -> jax.Array:
+    """adjust at each of K + 1 positions: logits and counts [S, K + 1, V]
+    (counts including the drafts before each position), generated [S]
+    (position j is token generated + j)."""
+    s, k1, vocab = logits.shape
+    flat = adjust(logits.reshape(s * k1, vocab), _repeat(p, k1), counts.reshape(s * k1, vocab),
+                  jnp.repeat(seen, k1, axis=0), (generated[:, None] + jnp.arange(k1)).reshape(-1), eos_ids)
+    return flat.reshape(s, k1, vocab)
 
 
 def adjust(logits: jax.Array, p: SlotParams, counts: jax.Array, seen: jax.Array, generated: jax.Array,
@@ -169,24 +185,35 @@ def accept(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, p: SlotP
     kept, and the next token is the argmax."""
     s, k1, vocab = logits.shape
     k = k1 - 1
-    index = generated[:, None] + jnp.arange(k1, dtype=jnp.int32)[None]          # each position's token number
-    keys = jax.vmap(lambda j: token_keys(p, j), in_axes=1, out_axes=1)(index)    # [S, K + 1]
-    coin_keys, draw_keys = (jax.vmap(jax.vmap(lambda key, i=i: jax.random.split(key)[i]))(keys) for i in (0, 1))
-    z = jax.vmap(lambda lg: filtered(lg, p), in_axes=1, out_axes=1)(logits)     # [S, K + 1, V]
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    probs = jax.nn.softmax(z, axis=-1)
-    p_draft = jnp.take_along_axis(probs[:, :k], drafts[..., None], axis=-1)[..., 0]  # [S, K]
-    coins = jax.vmap(jax.vmap(jax.random.uniform))(coin_keys[:, :k])
-    greedy = (p.temperature == 0)[:, None]
-    ok = jnp.where(greedy, drafts == argmax[:, :k], coins < p_draft)
-    ok = ok & (jnp.arange(k)[None] < num_drafts[:, None])
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    at = jnp.take_along_axis(z, accepted[:, None, None], axis=1)[:, 0]          # [S, V]
-    refused = jnp.take_along_axis(drafts, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0] if k else accepted
-    rejected = accepted < num_drafts
-    at = jnp.where(rejected[:, None] & (jnp.arange(vocab)[None] == refused[:, None]), -jnp.inf, at)
-    key_at = jnp.take_along_axis(jax.random.key_data(draw_keys), accepted[:, None, None], axis=1)[:, 0]
-    sampled = jax.vmap(jax.random.categorical)(jax.random.wrap_key_data(key_at, impl="threefry2x32"), at)
-    greedy_next = jnp.take_along_axis(argmax, accepted[:, None], axis=1)[:, 0]
-    nxt = jnp.where(p.temperature > 0, sampled.astype(jnp.int32), greedy_next)
+    real = jnp.arange(k)[None] < num_drafts[:, None]
+
+    def kept(ok):
+        return jnp.sum(jnp.cumprod((ok & real).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+    def greedy(_):
+        accepted = kept(drafts == argmax[:, :k])
+        return accepted, jnp.take_along_axis(argmax, accepted[:, None], axis=1)[:, 0]
+
+    def sample(_):
+        index = generated[:, None] + jnp.arange(k1, dtype=jnp.int32)[None]          # each position's token number
+        keys = jax.vmap(lambda j: token_keys(p, j), in_axes=1, out_axes=1)(index)    # [S, K + 1]
+        coin_keys, draw_keys = (jax.vmap(jax.vmap(lambda key, i=i: jax.random.split(key)[i]))(keys)
+                                for i in (0, 1))
+        z = filtered(logits.reshape(s * k1, vocab), _repeat(p, k1)).reshape(s, k1, vocab)
+        probs = jax.nn.softmax(z, axis=-1)
+        p_draft = jnp.take_along_axis(probs[:, :k], drafts[..., None], axis=-1)[..., 0]  # [S, K]
+        coins = jax.vmap(jax.vmap(jax.random.uniform))(coin_keys[:, :k])
+        accepted = kept(jnp.where((p.temperature == 0)[:, None], drafts == argmax[:, :k], coins < p_draft))
+        at = jnp.take_along_axis(z, accepted[:, None, None], axis=1)[:, 0]          # [S, V]
+        refused = jnp.take_along_axis(drafts, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0] if k else accepted
+        rejected = accepted < num_drafts
+        at = jnp.where(rejected[:, None] & (jnp.arange(vocab)[None] == refused[:, None]), -jnp.inf, at)
+        key_at = jnp.take_along_axis(jax.random.key_data(draw_keys), accepted[:, None, None], axis=1)[:, 0]
+        sampled = jax.vmap(jax.random.categorical)(jax.random.wrap_key_data(key_at, impl="threefry2x32"), at)
+        greedy_next = jnp.take_along_axis(argmax, accepted[:, None], axis=1)[:, 0]
+        return accepted, jnp.where(p.temperature > 0, sampled.astype(jnp.int32), greedy_next)
+
+    # the filtering sort and the draws run only when some row samples
+    accepted, nxt = jax.lax.cond(jnp.any(jnp.asarray(p.temperature) > 0), sample, greedy, None)
     return Verdict(accepted, nxt)
