@@ -46,6 +46,15 @@ class Cache(NamedTuple):
         return cls(tuple(layers), length)
 
 
+def row_axes(model: Any) -> tuple[int, ...]:
+    """Per entry of the model's Cache: the axis of its batch rows (1 for a
+    scanned cycle's entries, which hold the repeats first, as init lays
+    them out)."""
+    if model.config.scanned:
+        return (1,) * len(model.cycle) + (0,) * len(model.tail)
+    return (0,) * len(model.layers)
+
+
 def cache_bytes(model: Any, length: int, batch: int = 1) -> int:
     """Bytes of the cache Cache.init(model, batch, length) holds."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(

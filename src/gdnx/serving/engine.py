@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from gdnx.layers.gated_deltanet import GDNState
+from gdnx.models.cache import row_axes
 from gdnx.serving import programs
 from gdnx.serving.drafter import Drafter
 from gdnx.serving.params import Completion, FinishReason, SamplingParams
@@ -187,7 +188,7 @@ class Engine:
         shared = _PROGRAMS.setdefault(model, {})
         key = (self.eos_token_ids, max_logprobs, keep_logits)
         if key not in shared:
-            static = programs.Static(graphdef, programs.row_axes(model), *key)
+            static = programs.Static(graphdef, row_axes(model), *key)
             shared[key] = (static, programs.compile_programs(static))
         self._static, self._programs = shared[key]
         self._slots = programs.empty_slots(model, max_slots, self.capacity)
@@ -477,13 +478,13 @@ class Engine:
         k = self.speculative.num_tokens
         drafts = np.zeros((self.max_slots, k), np.int32)
         counts = np.zeros(self.max_slots, np.int32)
+        vocab = self.model.config.vocab_size
         for slot, req in self._running.items():
             if req.first_token_at is None:
                 continue
             room = req.params.max_tokens - len(req.tokens) - 1  # the pass also yields one token of its own
             proposal = [int(t) for t in self.speculative.propose(req.prompt + req.tokens)][:max(0, min(k, room))]
-            vocab = self.model.config.vocab_size
-            proposal = [t for t in proposal if 0 <= t < vocab][:len(proposal)]
+            proposal = [t for t in proposal if 0 <= t < vocab]  # a drafter's out-of-vocabulary token is dropped
             drafts[slot, :len(proposal)] = proposal
             counts[slot] = len(proposal)
         # batch-invariant: every token from a verify pass (a plain decode step computes in another
@@ -515,13 +516,14 @@ class Engine:
         p = req.params
         kept = 0
         reason: FinishReason | None = None
+        if p.logprobs is not None:  # this row's: [n] and [n, N] (a prefill gives one token: [] and [N])
+            chosen, ids, top = (np.asarray(x[row]) for x in lp)
+            if chosen.ndim == 0:
+                chosen, ids, top = chosen[None], ids[None], top[None]
         for j, tok in enumerate(new):
             req.tokens.append(tok)
             kept += 1
             if p.logprobs is not None:
-                chosen, ids, top = (np.asarray(x[row]) for x in lp)
-                if chosen.ndim == 0:
-                    chosen, ids, top = chosen[None], ids[None], top[None]
                 req.logprobs.append((float(chosen[j]), {int(i): float(v) for i, v in
                                                         zip(ids[j][:p.logprobs], top[j][:p.logprobs])}))
             if logits is not None:

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gdnx.layers.attention import KVCache
 from gdnx.layers.gated_deltanet import GDNState
 from gdnx.models.cache import Cache
 from gdnx.serving import sampling
@@ -48,13 +47,6 @@ class Static(NamedTuple):
     keep_logits: bool
 
 
-def row_axes(model: Any) -> tuple[int, ...]:
-    """Per entry of model's Cache: which axis holds the batch rows."""
-    if model.config.scanned:
-        return (1,) * len(model.cycle) + (0,) * len(model.tail)
-    return (0,) * len(model.layers)
-
-
 def _take(x, rows, axis):
     # rows past the last slot pad a fixed-size prefill batch: they read a slot and write nowhere
     return jnp.take(x, rows, axis=axis, mode="clip")
@@ -62,6 +54,11 @@ def _take(x, rows, axis):
 
 def _put(x, rows, y, axis):
     return x.at[(slice(None),) * axis + (rows,)].set(y.astype(x.dtype), mode="drop")
+
+
+def _where_rows(mask, a, b, axis: int):
+    """where(mask[row], a, b) for arrays whose rows lie on `axis`."""
+    return jnp.where(mask.reshape((1,) * axis + mask.shape + (1,) * (a.ndim - axis - 1)), a, b)
 
 
 def _keep_inactive(static: Static, new: Cache, old: Cache, active) -> Cache:
@@ -72,10 +69,7 @@ def _keep_inactive(static: Static, new: Cache, old: Cache, active) -> Cache:
     def keep(axis, n, o):
         if not isinstance(n, GDNState):
             return n
-        def pick(a, b):
-            mask = active.reshape((1,) * axis + active.shape + (1,) * (a.ndim - axis - 1))
-            return jnp.where(mask, a, b)
-        return GDNState(pick(n.conv, o.conv), pick(n.recurrent, o.recurrent))
+        return GDNState(_where_rows(active, n.conv, o.conv, axis), _where_rows(active, n.recurrent, o.recurrent, axis))
     return Cache(_map_entries(keep, static, new.layers, old.layers), jnp.where(active, new.length, old.length))
 
 
@@ -116,8 +110,7 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
     def take(axis, entry):
         entry = jax.tree.map(lambda x: _take(x, rows, axis), entry)
         if isinstance(entry, GDNState):  # a row not restored from the prefix cache starts from zero states
-            shape = (1,) * axis + (p,)
-            entry = jax.tree.map(lambda x: jnp.where(fresh.reshape(shape + (1,) * (x.ndim - axis - 1)), 0, x), entry)
+            entry = jax.tree.map(lambda x: _where_rows(fresh, jnp.zeros_like(x), x, axis), entry)
         return entry
 
     cache = Cache(_map_entries(take, static, slots.cache.layers), starts)
