@@ -113,7 +113,8 @@ def _params(out: Path):
     """The latest checkpoint's step and parameters, loaded as `gdnx
     generate` loads them: onto this process's one device, whatever mesh
     wrote them."""
-    model, _, loaded = load_for_generation(out, [])
+    found = load_for_generation(out, [])
+    model, loaded = found.model, found.description
     return int(loaded.split()[1]), nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 

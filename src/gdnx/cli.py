@@ -1,4 +1,4 @@
-"""The `gdnx` command: train, generate, export, prepare, plan, bench.
+"""The `gdnx` command: train, generate, serve, export, prepare, plan, bench.
 
 User errors (a bad config key or value, a missing, unreadable or corrupt
 file, a checkpoint of another config, an option this machine cannot run, a
@@ -70,6 +70,35 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("overrides", nargs="*", metavar="key=value",
                      help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla")
     _distributed_options(gen)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) on the batched engine",
+                           description="Serve a gdnx run or a Hugging Face directory over HTTP: /v1/completions, "
+                                       "/v1/chat/completions, /v1/models, /health, /metrics (docs/serving.md).")
+    serve.add_argument("--checkpoint", required=True,
+                       help="a gdnx train.out_dir (its latest checkpoint) or a Hugging Face directory")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this "
+                       "machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="default 8000; 0 takes a free port (printed)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name requests give (default: the checkpoint directory's name)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1 routes (or set GDNX_API_KEY)")
+    serve.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default 8)")
+    serve.add_argument("--max-length", type=int, default=None,
+                       help="prompt + generated tokens per request (default: the model's positions, at most 4096)")
+    serve.add_argument("--prefix-cache-mb", type=int, default=1024,
+                       help="host memory for the prefix cache of shared prompt blocks (default 1024; 0: off)")
+    serve.add_argument("--speculative", type=int, default=0, metavar="K",
+                       help="n-gram (prompt lookup) speculative decoding with K draft tokens (default 0: off)")
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="each result bit-identical whatever else is batched with it (prefills block by block)")
+    serve.add_argument("--decode-steps", type=int, default=8,
+                       help="tokens per slot per decode round trip (default 8; fewer: smoother streams)")
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="requests that may wait for a slot; more are answered 503 at once (default 256)")
+    serve.add_argument("--grace", type=int, default=30, metavar="SECONDS",
+                       help="on SIGTERM, how long requests in flight may take to finish (default 30)")
+    serve.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="model.gdn_* and model.dtype overrides, e.g. model.dtype=bfloat16")
     export = sub.add_parser("export", help="a training run's newest intact checkpoint as a Hugging Face directory",
                             description="Write the run's newest intact checkpoint as config.json and safetensors "
                                         "(sharded with an index above 4 GiB) in the family's Hugging Face layout, "
@@ -237,6 +266,10 @@ def _dispatch(args) -> int:
         from gdnx.cli_generate import run_generate
 
         run_generate(args)
+    elif args.command == "serve":
+        from gdnx.cli_serve import run_serve
+
+        run_serve(args)
     elif args.command == "prepare":
         _prepare(args)
     elif args.command == "export":

@@ -3,6 +3,7 @@ directory of any family gdnx builds, tokenize the prompt, stream the continuatio
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 from pathlib import Path
@@ -32,21 +33,31 @@ GENERATE_MEMORY_HINT = ("shorten the prompt or --max-new-tokens, or load the wei
 _GENERATE_FIELDS = ("dtype", "param_dtype")
 
 
-def _model_overrides(overrides: list[str]) -> dict:
+def _model_overrides(overrides: list[str], command: str) -> dict:
     data = apply_overrides({}, overrides)
     extra = set(data) - {"model"}
     if extra:
-        raise ConfigError(f"{sorted(extra)[0]}: generate takes model.* overrides only")
+        raise ConfigError(f"{sorted(extra)[0]}: {command} takes model.* overrides only")
     model = data.get("model", {})
     for key in model:
         if not key.startswith("gdn_") and key not in _GENERATE_FIELDS:
-            raise ConfigError(f"model.{key}: generate takes overrides of the model.gdn_* fields, model.dtype and "
+            raise ConfigError(f"model.{key}: {command} takes overrides of the model.gdn_* fields, model.dtype and "
                               "model.param_dtype only (the checkpoint fixes the architecture)")
     return model
 
 
-def load_for_generation(path: Path, overrides: list[str]):
-    """(model, tokenizer, what was loaded) from a gdnx out_dir or a Hugging Face directory."""
+@dataclasses.dataclass
+class Loaded:
+    """A model to generate with: its tokenizer, the directory holding the
+    tokenizer's files (chat template) if any, and what was loaded."""
+    model: Any
+    tokenizer: Any
+    description: str
+    tokenizer_dir: Path | None
+
+
+def load_for_generation(path: Path, overrides: list[str], command: str = "generate") -> Loaded:
+    """The model and tokenizer of a gdnx out_dir or a Hugging Face directory."""
     from gdnx.checkpoints.orbax import CONFIG_FILE
     from gdnx.models import CausalLM
     from gdnx.checkpoints.orbax import is_run
@@ -55,7 +66,7 @@ def load_for_generation(path: Path, overrides: list[str]):
 
     if not path.is_dir():
         raise ConfigError(f"--checkpoint: no such directory {path}")
-    model_overrides = _model_overrides(overrides)
+    model_overrides = _model_overrides(overrides, command)
     if is_run(path):
         try:
             run = load_run(path, model_overrides)
@@ -64,18 +75,19 @@ def load_for_generation(path: Path, overrides: list[str]):
                 raise ConfigError(f"--checkpoint: {e}") from None
             raise
         for line in run.notes:
-            print(f"gdnx generate: {line}", file=sys.stderr)
+            print(f"gdnx {command}: {line}", file=sys.stderr)
+        found = None
         if run.config.data.source == "mqar":
             tok: Any = _IdTokenizer()
         else:  # the tokenizer the run's text was tokenized with (raw bytes when none)
             found = run_tokenizer(run.config)
             tok = make_tokenizer(None if found is None else str(found))
-        return run.model, tok, f"step {run.step} of {path}"
+        return Loaded(run.model, tok, f"step {run.step} of {path}", None if found is None else found.parent)
     if (path / "config.json").is_file():
         model = CausalLM.from_pretrained(path, **model_overrides)
         if not (path / "tokenizer.json").is_file():
             raise ConfigError(f"--checkpoint: {path} has no tokenizer.json to encode the prompt with")
-        return model, HFTokenizer(str(path / "tokenizer.json")), str(path)
+        return Loaded(model, HFTokenizer(str(path / "tokenizer.json")), str(path), path)
     raise ConfigError(f"--checkpoint: {path} is neither a gdnx run directory (checkpoints/ and {CONFIG_FILE}) "
                       "nor a Hugging Face directory (config.json)")
 
@@ -103,7 +115,8 @@ def run_generate(args) -> None:
     elif args.out is not None:
         raise ConfigError("--out: applies to --prompts-file")
     try:
-        model, tok, loaded = load_for_generation(Path(args.checkpoint), list(args.overrides))
+        found = load_for_generation(Path(args.checkpoint), list(args.overrides))
+        model, tok, loaded = found.model, found.tokenizer, found.description
     except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
         raise ConfigError(str(e)) from None
     if args.prompts_file is not None:

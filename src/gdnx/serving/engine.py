@@ -90,11 +90,13 @@ class _Request:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """What one engine step gave a request: its new tokens, and its
-    Completion when it finished in that step."""
+    """What one engine step gave a request: its new tokens (with their
+    logprobs when it asked for them), and its Completion when it finished
+    in that step."""
     request_id: int
     tokens: list[int]
     completion: Completion | None = None
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -280,6 +282,7 @@ class Engine:
         Returns what each request got."""
         events: dict[int, list[int]] = collections.defaultdict(list)
         finished: list[_Request] = []
+        before = {r.id: len(r.tokens) for r in self._running.values()}
         self._admit(events, finished)
         if self._active().any():  # not only prompts part way through a block-by-block prefill
             drafts = self._drafts()
@@ -287,10 +290,26 @@ class Engine:
                 self._verify(*drafts, events, finished)
             else:
                 self._decode(events, finished)
-        out = [Event(rid, toks) for rid, toks in events.items()]
-        done = {r.id: r.done for r in finished}
-        return [Event(e.request_id, e.tokens, done.pop(e.request_id, None)) for e in out] + [
-            Event(rid, [], c) for rid, c in done.items()]
+        reqs = {r.id: r for r in (*self._running.values(), *finished)}
+        out = []
+        for rid, toks in events.items():
+            req = reqs[rid]
+            lp = req.logprobs[before.get(rid, 0):] if req.params.logprobs is not None else None
+            out.append(Event(rid, toks, req.done, lp))
+        return out + [Event(r.id, [], r.done) for r in finished if r.id not in events]
+
+    def reset_running(self) -> list[int]:
+        """After a step raised: drop the requests it was running (their ids
+        are returned) and rebuild the slots' state, whose buffers the failed
+        call may have consumed; waiting requests stay queued."""
+        dropped = sorted(r.id for r in self._running.values())
+        for rid in dropped:
+            self._requests.pop(rid, None)
+        self._running.clear()
+        self._prefilling.clear()
+        self._free = list(range(self.max_slots))
+        self._slots = programs.empty_slots(self.model, self.max_slots, self.capacity)
+        return dropped
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
                ) -> Iterator[tuple[int, list[int]]]:

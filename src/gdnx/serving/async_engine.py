@@ -1,0 +1,191 @@
+"""The engine in its own thread, fed by an asyncio server: requests go in
+through a thread-safe queue, each request's events come back on its own
+asyncio queue. The thread steps the engine while any request is
+unfinished and sleeps on the queue otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from gdnx.serving.engine import Engine, Event
+from gdnx.serving.metrics import Metrics
+from gdnx.serving.params import SamplingParams
+
+log = logging.getLogger("gdnx.serve")
+
+
+class Overloaded(Exception):
+    """More requests than the engine's slots and the queue limit hold."""
+
+
+class EngineError(Exception):
+    """The engine failed while running a request (the request is dropped;
+    the engine goes on with the others)."""
+
+
+class Handle:
+    """One engine request as the server sees it: its events, in order, then
+    the end (a Completion in the last event, or an EngineError)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], params: SamplingParams):
+        self.prompt, self.params = prompt, params
+        self.request_id: int | None = None      # set by the engine thread
+        self.submitted = time.perf_counter()
+        self.last: float | None = None          # when its previous tokens came
+        self._loop = loop
+        self._queue: asyncio.Queue[Event | EngineError] = asyncio.Queue()
+
+    def _put(self, item: Event | EngineError) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """This request's events up to the one holding its Completion."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, EngineError):
+                raise item
+            yield item
+            if item.completion is not None:
+                return
+
+
+class AsyncEngine:
+    """engine: the Engine (used only from its own thread once started).
+    max_queue: requests that may wait for a slot; past that, submit raises
+    Overloaded at once."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int):
+        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._handles: dict[int, Handle] = {}     # by engine request id (engine thread only)
+        self._in_flight = 0                        # submitted, not yet ended (the event loop's count)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="gdnx-engine", daemon=True)
+        self._stopping = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Drop what is left and end the thread."""
+        self._commands.put(("stop", None))
+        self._thread.join()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """The engine's own check of a request (ValueError naming the field);
+        it reads only the engine's settings, so any thread may call it."""
+        return self.engine.check(prompt, params)
+
+    def submit(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[Handle]:
+        """Queue these engine requests (the choices of one HTTP request)
+        together, or raise Overloaded for all of them."""
+        with self._lock:
+            if self._in_flight + len(requests) > self.engine.max_slots + self.max_queue:
+                self.metrics.rejected.inc()
+                raise Overloaded(f"the server holds {self._in_flight} requests ({self.engine.max_slots} slots, a "
+                                 f"queue of {self.max_queue}); retry later")
+            self._in_flight += len(requests)
+        loop = asyncio.get_running_loop()
+        handles = [Handle(loop, prompt, params) for prompt, params in requests]
+        for h in handles:
+            self._commands.put(("add", h))
+        return handles
+
+    def release(self, handle: Handle, finished: bool) -> None:
+        """The server is done with a request: unfinished, it is aborted (its
+        slot is free at the engine's next step)."""
+        with self._lock:
+            self._in_flight -= 1
+        if not finished:
+            self._commands.put(("abort", handle))
+
+    # ---- the engine thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                # idle: sleep until a command comes
+                command = self._commands.get(timeout=None if not engine.has_unfinished() else 0)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if not self._apply(*command):
+                    return
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if engine.has_unfinished():
+                self._step()
+            self._gauges()
+
+    def _apply(self, what: str, handle: Any) -> bool:
+        if what == "stop":
+            for h in self._handles.values():
+                h._put(EngineError("the server is shutting down"))
+            return False
+        if what == "add":
+            try:
+                handle.request_id = self.engine.add_request(handle.prompt, handle.params)
+            except ValueError as e:  # checked before submit; a failure here is the engine's
+                handle._put(EngineError(str(e)))
+                return True
+            self._handles[handle.request_id] = handle
+            self.metrics.requests.inc()
+            self.metrics.prompt_tokens.inc(len(handle.prompt))
+        elif what == "abort" and handle.request_id in self._handles:
+            self.engine.abort(handle.request_id)
+            del self._handles[handle.request_id]
+            self.metrics.aborted.inc()
+        return True
+
+    def _step(self) -> None:
+        stats = self.engine.stats
+        cached, drafted, accepted = stats.cached_tokens, stats.drafted_tokens, stats.accepted_tokens
+        try:
+            events = self.engine.step()
+        except Exception as e:  # the engine's failure: fail the requests it was running, keep serving
+            log.exception("the engine failed a step")
+            for rid in self.engine.reset_running():
+                handle = self._handles.pop(rid, None)
+                if handle is not None:
+                    self.metrics.failed.inc()
+                    handle._put(EngineError(f"the engine failed: {type(e).__name__}: {e}"))
+            return
+        now = time.perf_counter()
+        m = self.metrics
+        m.cached_tokens.inc(stats.cached_tokens - cached)
+        m.drafted_tokens.inc(stats.drafted_tokens - drafted)
+        m.accepted_tokens.inc(stats.accepted_tokens - accepted)
+        for event in events:
+            handle = self._handles.get(event.request_id)
+            if handle is None:
+                continue
+            if event.tokens:
+                m.generated_tokens.inc(len(event.tokens))
+                if handle.last is None:  # its prefill's token
+                    m.time_to_first_token.observe(now - handle.submitted)
+                else:  # the tokens of one round trip arrive together: each counts their mean gap
+                    gap = (now - handle.last) / len(event.tokens)
+                    for _ in event.tokens:
+                        m.inter_token_latency.observe(gap)
+                handle.last = now
+            if event.completion is not None:
+                del self._handles[event.request_id]
+                m.finished.inc()
+            handle._put(event)
+
+    def _gauges(self) -> None:
+        self.metrics.running.set(self.engine.running)
+        self.metrics.queue_depth.set(self.engine.waiting)

@@ -1,0 +1,188 @@
+"""The OpenAI completions and chat completions protocol: the request bodies
+(checked, each mistake a RequestError naming the field), their mapping
+onto SamplingParams, and the response and stream-chunk bodies."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from gdnx.serving.params import SamplingParams
+
+# the most top-N log-probabilities a request may ask for (the protocol's own bound)
+MAX_LOGPROBS = 20
+# the most choices per request (each takes an engine request)
+MAX_N = 16
+
+
+class RequestError(ValueError):
+    """A request the server refuses: the HTTP status, the field (param) and
+    the OpenAI error type."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """The sampling fields both endpoints share (OpenAI's, then the common
+    extensions top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+    stop_token_ids). `user` is accepted and has no effect."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_k: int = Field(0, ge=-1)    # -1 or 0: every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    user: str | None = None
+
+    def sampling(self, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
+        """SamplingParams for one choice (choice i of n draws with seed + i)."""
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature, top_k=max(self.top_k, 0),
+            top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=None if self.seed is None else self.seed + seed_offset, stop_token_ids=tuple(self.stop_token_ids),
+            stop=tuple(stop), ignore_eos=self.ignore_eos, logprobs=logprobs)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_calls...: the template's business
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def rendered(self) -> dict:
+        """The message as a chat template reads it (text parts joined)."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(p.text for p in self.content)
+        return out
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    response_format: dict | None = None
+
+
+# fields of the protocol gdnx does not implement: refused rather than ignored
+_UNSUPPORTED = {"echo": False, "best_of": None, "suffix": None, "logit_bias": None, "tools": None,
+                "response_format": None}
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in ("str", "int"))))
+
+
+def parse(kind: type[_Request], body: Any) -> Any:
+    """The request body as `kind`, or a RequestError naming the first wrong field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None)
+    try:
+        request = kind.model_validate(body)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        field = _loc(err["loc"]) or None
+        if err["type"] == "extra_forbidden":
+            raise RequestError(f"{field}: unknown field", field) from None
+        if err["type"] == "missing":
+            raise RequestError(f"{field}: required", field) from None
+        raise RequestError(f"{field}: {err['msg']}", field) from None
+    for name, default in _UNSUPPORTED.items():
+        if name in type(request).model_fields and getattr(request, name) != default:
+            raise RequestError(f"{name}: not supported by this server", name)
+    if request.stream_options is not None and not request.stream:
+        raise RequestError("stream_options: only with stream true", "stream_options")
+    return request
+
+
+def sampling_error(e: ValueError) -> RequestError:
+    """SamplingParams' or the engine's ValueError ("field: ...") as a RequestError."""
+    text = str(e)
+    field = text.split(":", 1)[0] if ":" in text else None
+    if field is not None and (" " in field or "[" in field):
+        field = field.split("[")[0] if " " not in field.split("[")[0] else None
+    return RequestError(text, field)
+
+
+# ---- responses -------------------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def envelope(rid: str, kind: str, model: str, choices: list[dict], extra: dict | None = None) -> dict:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices,
+            **(extra or {})}
+
+
+def completion_logprobs(pieces: list[str], entries: list[tuple[float, dict[str, float]]], offset: int) -> dict:
+    """The completions API's logprobs: each token's text, its logprob, the
+    top-N as {text: logprob}, and where the token starts in the text."""
+    offsets, at = [], offset
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {"tokens": pieces, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [top for _, top in entries], "text_offset": offsets}
+
+
+def chat_logprobs(pieces: list[str], entries: list[tuple[float, dict[str, float]]]) -> dict:
+    """The chat API's logprobs: per token its text, bytes, logprob and top-N."""
+    def item(text: str, lp: float) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+    return {"content": [{**item(piece, lp), "top_logprobs": [item(t, v) for t, v in top.items()]}
+                        for piece, (lp, top) in zip(pieces, entries)]}

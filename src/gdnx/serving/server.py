@@ -1,0 +1,473 @@
+"""An OpenAI-compatible HTTP server on the engine (FastAPI on uvicorn):
+POST /v1/completions and /v1/chat/completions (streamed as server-sent
+events or not), GET /v1/models, /health and /metrics.
+
+One asyncio event loop serves every connection; the engine runs in its
+own thread (AsyncEngine) and batches the requests of all clients. A
+refused request gets the OpenAI error body naming the field; SIGTERM (or
+Ctrl-C) stops accepting connections, lets the requests in flight finish
+within the grace period, and returns."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from gdnx.serving.async_engine import AsyncEngine, EngineError, Handle, Overloaded
+from gdnx.serving.params import Completion, SamplingParams
+from gdnx.serving.protocol import (ChatRequest, CompletionRequest, RequestError, chat_logprobs, completion_logprobs,
+                                   envelope, new_id, parse, sampling_error, usage)
+
+log = logging.getLogger("gdnx.serve")
+
+# the completions API's max_tokens when a request gives none
+DEFAULT_MAX_TOKENS = 16
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class Template(Protocol):
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str: ...
+
+
+@dataclasses.dataclass
+class Served:
+    """What the server serves. chat: the checkpoint's chat template (None:
+    /v1/chat/completions is refused). api_key: required on every /v1
+    route when set."""
+    engine: AsyncEngine
+    tokenizer: TextTokenizer
+    model_name: str
+    chat: Template | None = None
+    api_key: str | None = None
+    draining: bool = False
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def create_app(served: Served) -> FastAPI:
+    """The FastAPI application; its lifespan starts and stops the engine's thread."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        served.engine.start()
+        try:
+            yield
+        finally:
+            served.engine.stop()
+
+    app = FastAPI(title="gdnx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, e: RequestError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(RequestError(f"internal error: {type(e).__name__}: {e}", None, 500,
+                                         "internal_server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if served.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(served.engine.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _authorize(served, request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": served.model_name, "object": "model", "created": served.created, "owned_by": "gdnx",
+            "max_model_len": served.engine.engine.max_length}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        _authorize(served, request)
+        req: CompletionRequest = parse(CompletionRequest, await _body(request))
+        _check_model(served, req.model)
+        prompts = _prompts(served, req.prompt)
+        logprobs = req.logprobs
+        return await _respond(served, req, prompts, logprobs, "prompt", _TextChoice(served.tokenizer, logprobs))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        _authorize(served, request)
+        req: ChatRequest = parse(ChatRequest, await _body(request))
+        _check_model(served, req.model)
+        if served.chat is None:
+            raise RequestError("messages: this model has no chat template (tokenizer_config.json's chat_template "
+                               "or chat_template.jinja); use /v1/completions", "messages")
+        try:
+            text = served.chat.render([m.rendered() for m in req.messages], req.add_generation_prompt)
+        except ValueError as e:
+            raise RequestError(f"messages: {e}", "messages") from None
+        if req.max_completion_tokens is not None:
+            if req.max_tokens is not None:
+                raise RequestError("max_tokens: give max_tokens or max_completion_tokens, not both", "max_tokens")
+            req.max_tokens = req.max_completion_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError("top_logprobs: only with logprobs true", "top_logprobs")
+        return await _respond(served, req, [_encode(served, text, "messages")], logprobs, "messages",
+                              _ChatChoice(served.tokenizer, logprobs))
+
+    return app
+
+
+# ---- requests -------------------------------------------------------------------------------------------------
+
+def _authorize(served: Served, request: Request) -> None:
+    if served.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, key = given.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), served.api_key.encode()):
+        raise RequestError("Authorization: a valid API key is required (Authorization: Bearer KEY)",
+                           None, 401, code="invalid_api_key")
+
+
+async def _body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise RequestError(f"the request body is not valid JSON ({e})", None) from None
+
+
+def _check_model(served: Served, model: str) -> None:
+    if model != served.model_name:
+        raise RequestError(f"model: this server serves {served.model_name!r}, not {model!r}", "model", 404,
+                           code="model_not_found")
+
+
+def _encode(served: Served, text: str, field: str) -> list[int]:
+    try:
+        ids = served.tokenizer.encode(text)
+    except Exception as e:  # the tokenizer's own refusal of the text
+        raise RequestError(f"{field}: cannot be encoded ({str(e).splitlines()[0][:120]})", field) from None
+    if not ids:
+        raise RequestError(f"{field}: encodes to no tokens", field)
+    return ids
+
+
+def _prompts(served: Served, prompt: str | list) -> list[list[int]]:
+    """The prompts of a completions request (a string, token ids, or a batch of either)."""
+    if isinstance(prompt, str):
+        return [_encode(served, prompt, "prompt")]
+    if not prompt:
+        raise RequestError("prompt: expected a string, token ids or a list of them, got an empty list", "prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [_encode(served, p, "prompt") if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _requests(served: Served, req: Any, prompts: list[list[int]], logprobs: int | None,
+              field: str) -> list[tuple[list[int], SamplingParams]]:
+    """One engine request per (prompt, choice), each checked by the engine."""
+    out = []
+    room = served.engine.engine.max_length
+    for p, ids in enumerate(prompts):
+        where = f"{field}[{p}]" if len(prompts) > 1 else field
+        max_tokens = req.max_tokens
+        if max_tokens is None:  # completions: 16; chat: up to the context
+            max_tokens = max(1, room - len(ids))
+            if isinstance(req, CompletionRequest):
+                max_tokens = min(DEFAULT_MAX_TOKENS, max_tokens)
+        for i in range(req.n):
+            try:
+                params = req.sampling(max_tokens, logprobs, i)
+                served.engine.check(ids, params)
+            except ValueError as e:
+                err = sampling_error(e)
+                if err.param == "prompt":
+                    err = RequestError(f"{where}{err.message[len('prompt'):]}", field)
+                if err.param in ("prompt", "max_tokens") and "max_length" in err.message:
+                    err.code = "context_length_exceeded"
+                raise err from None
+            out.append((ids, params))
+    return out
+
+
+async def _respond(served: Served, req: Any, prompts: list[list[int]], logprobs: int | None, field: str,
+                   choice: _Choice) -> Response:
+    if served.draining:
+        raise RequestError("the server is shutting down", None, 503, "service_unavailable")
+    requests = _requests(served, req, prompts, logprobs, field)
+    try:
+        handles = served.engine.submit(requests)
+    except Overloaded as e:
+        raise RequestError(str(e), None, 503, "service_unavailable") from None
+    rid = new_id(choice.id_prefix)
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return StreamingResponse(_stream(served, rid, req.n, handles, choice, include_usage),
+                                 media_type="text/event-stream")
+    done = [False] * len(handles)
+    try:
+        results = await asyncio.gather(*(_completion(h) for h in handles))
+        done = [True] * len(handles)
+    except EngineError as e:
+        raise RequestError(str(e), None, 500, "internal_server_error") from None
+    finally:
+        for h, d in zip(handles, done):
+            served.engine.release(h, d)
+    choices = [choice.whole(i, c) for i, c in enumerate(results)]
+    return JSONResponse(envelope(rid, choice.kind, served.model_name, choices,
+                                 {"usage": _usage(results, req.n)}))
+
+
+async def _completion(handle: Handle) -> Completion:
+    async for event in handle.events():
+        if event.completion is not None:
+            return event.completion
+    raise EngineError("the request ended without a result")
+
+
+def _usage(results: Sequence[Completion], n: int) -> dict:
+    firsts = results[::n]  # a prompt counts once, however many choices it has
+    return usage(sum(c.prompt_tokens for c in firsts), sum(len(c.tokens) for c in results),
+                 sum(c.cached_tokens for c in firsts))
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def _stream(served: Served, rid: str, n: int, handles: list[Handle], choice: _Choice,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    """The chunks of every choice as their tokens come, then usage when
+    asked, then [DONE]. A client that goes away cancels this generator: its
+    requests are aborted in the engine at its next step."""
+    merged: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, handle: Handle) -> None:
+        try:
+            async for event in handle.events():
+                await merged.put((i, event))
+        except EngineError as e:
+            await merged.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    done = [False] * len(handles)
+    texts = [choice.stream_state(h.params) for h in handles]
+    results: list[Completion | None] = [None] * len(handles)
+    model = served.model_name
+    try:
+        for i in range(len(handles)):
+            first = choice.first_chunk(i)
+            if first is not None:
+                yield _sse(envelope(rid, choice.chunk_kind, model, [first]))
+        while not all(done):
+            i, item = await merged.get()
+            if isinstance(item, EngineError):
+                yield _sse(RequestError(str(item), None, 500, "internal_server_error").body())
+                break  # the other choices are aborted below
+            text, lp = texts[i].advance(item.tokens, item.logprobs, item.completion)
+            if text or lp is not None or item.completion is not None:
+                finish = item.completion.finish_reason if item.completion is not None else None
+                yield _sse(envelope(rid, choice.chunk_kind, model, [choice.chunk(i, text, lp, finish)]))
+            if item.completion is not None:
+                results[i] = item.completion
+                done[i] = True
+        else:
+            if include_usage:
+                yield _sse(envelope(rid, choice.chunk_kind, model, [],
+                                    {"usage": _usage([c for c in results if c is not None], n)}))
+        yield b"data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for h, r in zip(handles, results):
+            served.engine.release(h, r is not None)
+
+
+# ---- choices --------------------------------------------------------------------------------------------------
+
+# tokens of context a token's text is decoded in (a tokenizer may join or space a token by its neighbours)
+_CONTEXT = 4
+
+
+def _piece(decode: Callable[[Sequence[int]], str], before: Sequence[int], token: int) -> str:
+    """The text `token` adds after the tokens before it."""
+    context = list(before[-_CONTEXT:])
+    head = decode(context)
+    text = decode(context + [token])
+    return text[len(head):] if text.startswith(head) else decode([token])
+
+
+def _logprob_pieces(decode: Callable[[Sequence[int]], str], before: Sequence[int], tokens: Sequence[int],
+                    entries: Sequence[tuple[float, dict[int, float]]]) -> tuple[list[str], list]:
+    """Each token's text and its top-N as {text: logprob}, in context."""
+    pieces, tops, context = [], [], list(before)
+    for t, (lp, top) in zip(tokens, entries):
+        pieces.append(_piece(decode, context, t))
+        tops.append((lp, {_piece(decode, context, c): v for c, v in top.items()}))
+        context.append(t)
+    return pieces, tops
+
+class _StreamText:
+    """A choice's text as its tokens come: what is safe to send (held back:
+    an incomplete character, and a tail that may begin a stop string)."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], params: SamplingParams):
+        self.decode, self.stop = decode, params.stop
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def advance(self, new: list[int], logprobs: list | None, completion: Completion | None
+                ) -> tuple[str, tuple[list[str], list] | None]:
+        self.tokens += new
+        if completion is not None and completion.text is not None:
+            text, safe = completion.text, len(completion.text)
+        else:
+            text = self.decode(self.tokens)
+            end = len(text.rstrip("\ufffd"))
+            safe = end
+            for s in self.stop:
+                at = text.find(s, self.sent)
+                if at >= 0:  # a stop string the engine does not act on yet (min_tokens)
+                    safe = min(safe, at)
+                for k in range(min(len(s) - 1, end), 0, -1):  # a tail that may begin this stop string waits
+                    if text.endswith(s[:k], 0, end):
+                        safe = min(safe, end - k)
+                        break
+        out = text[self.sent:safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        before = self.tokens[:len(self.tokens) - len(new)]
+        lp = None if logprobs is None else _logprob_pieces(self.decode, before, new, logprobs)
+        return out, lp
+
+
+class _Choice:
+    """How one endpoint writes a choice, whole or as stream chunks."""
+    id_prefix = kind = chunk_kind = ""
+
+    def __init__(self, tokenizer: TextTokenizer, logprobs: int | None):
+        self.tokenizer, self.logprobs = tokenizer, logprobs
+
+    def pieces(self, c: Completion) -> tuple[list[str], list]:
+        assert c.logprobs is not None
+        return _logprob_pieces(self.tokenizer.decode, [], c.tokens, c.logprobs)
+
+    def stream_state(self, params: SamplingParams) -> _StreamText:
+        return _StreamText(self.tokenizer.decode, params)
+
+    def text(self, c: Completion) -> str:
+        return c.text if c.text is not None else self.tokenizer.decode(c.tokens)
+
+    def whole(self, i: int, c: Completion) -> dict:
+        raise NotImplementedError
+
+    def first_chunk(self, i: int) -> dict | None:
+        return None
+
+    def chunk(self, i: int, text: str, lp: tuple[list[str], list] | None, finish: str | None) -> dict:
+        raise NotImplementedError
+
+
+class _TextChoice(_Choice):
+    id_prefix, kind, chunk_kind = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, tokenizer: TextTokenizer, logprobs: int | None):
+        super().__init__(tokenizer, logprobs)
+        self._offsets: dict[int, int] = {}
+
+    def whole(self, i: int, c: Completion) -> dict:
+        lp = None if c.logprobs is None else completion_logprobs(*self.pieces(c), 0)
+        return {"index": i, "text": self.text(c), "logprobs": lp, "finish_reason": c.finish_reason}
+
+    def chunk(self, i: int, text: str, lp: tuple[list[str], list] | None, finish: str | None) -> dict:
+        out = None
+        if lp is not None:
+            at = self._offsets.get(i, 0)
+            out = completion_logprobs(lp[0], lp[1], at)
+            self._offsets[i] = at + sum(len(p) for p in lp[0])
+        return {"index": i, "text": text, "logprobs": out, "finish_reason": finish}
+
+
+class _ChatChoice(_Choice):
+    id_prefix, kind, chunk_kind = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def whole(self, i: int, c: Completion) -> dict:
+        lp = None if c.logprobs is None else chat_logprobs(*self.pieces(c))
+        return {"index": i, "message": {"role": "assistant", "content": self.text(c)}, "logprobs": lp,
+                "finish_reason": c.finish_reason}
+
+    def first_chunk(self, i: int) -> dict | None:
+        return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def chunk(self, i: int, text: str, lp: tuple[list[str], list] | None, finish: str | None) -> dict:
+        delta = {"content": text} if text else {}
+        return {"index": i, "delta": delta, "logprobs": None if lp is None else chat_logprobs(*lp),
+                "finish_reason": finish}
+
+
+# ---- running it -----------------------------------------------------------------------------------------------
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one), not yet listening
+    (connections are refused until the server runs); OSError when taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with signals that end it gracefully and return
+    (uvicorn re-raises a caught SIGTERM after shutting down, which would
+    end the process with the signal rather than status 0)."""
+
+    def __init__(self, config: uvicorn.Config, served: Served):
+        super().__init__(config)
+        self.served = served
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        def stop(sig: int, frame: Any) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+            self.served.draining = True
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def run_server(served: Served, sock: socket.socket, grace: int) -> None:
+    """Serve on the bound socket until SIGTERM or SIGINT; requests in flight
+    then get `grace` seconds to finish."""
+    config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=grace)
+    sock.listen(2048)
+    _Server(config, served).run(sockets=[sock])

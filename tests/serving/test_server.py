@@ -1,0 +1,431 @@
+"""`gdnx serve` as a user runs it: a subprocess on a free port of
+127.0.0.1 serving a tiny Qwen3.5 checkpoint with a chat template, driven
+by the official openai client (and httpx for what the client hides: the
+raw stream, status codes, error bodies). Greedy results are checked
+against transformers (the model's own implementation) and against the same
+prompt served alone; every server started is stopped by its test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tests.hf_models import SPECIAL, ROLE_WORDS, VOCAB, random_hf_model, word, write_chat_tokenizer
+
+KEY = "test-key"
+FIRST_WORD = len(SPECIAL) + len(ROLE_WORDS)   # ids below are special tokens and role words
+START_S = 240                                  # a server's start: import, load, compile (cold cache, 2 cores)
+
+
+class Server:
+    """`gdnx serve` in a subprocess; its URL read from its stderr."""
+
+    def __init__(self, checkpoint, *flags: str, env: dict | None = None):
+        cmd = [sys.executable, "-m", "gdnx", "serve", "--checkpoint", str(checkpoint), "--port", "0",
+               "--served-model-name", "tiny", *flags, "model.gdn_chunk_size=16"]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        self.url: str | None = None
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if (m := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)) and self.url is None:
+                    self.url = m.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(START_S)
+        if self.url is None:
+            self.stop()
+            raise AssertionError("gdnx serve did not start:\n" + "".join(self.lines))
+        deadline = time.monotonic() + 60
+        while True:  # listening once the lifespan has started the engine
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines)
+            time.sleep(0.1)
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120, **kw)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {k: float(v) for k, v in re.findall(r"^(gdnx_\w+) (\S+)$", text, re.M)}
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    hf = random_hf_model("qwen3_5", scale=5.0)
+    hf.save_pretrained(path)
+    write_chat_tokenizer(path)
+    return path, hf
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    s = Server(checkpoint[0], "--max-slots", "4", "--max-length", "128", "--decode-steps", "4",
+               "--prefix-cache-mb", "8", env={"GDNX_API_KEY": KEY})
+    yield s
+    assert s.stop() == 0, "".join(s.lines)
+
+
+def _prompt(seed: int, words: int) -> list[int]:
+    return np.random.default_rng(seed).integers(FIRST_WORD, VOCAB, words).tolist()
+
+
+def _text(ids) -> str:
+    return " ".join(word(i) for i in ids)
+
+
+def _decode(path, ids) -> str:
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(path / "tokenizer.json")).decode(ids)
+
+
+GREEDY = dict(model="tiny", temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def test_completions_equal_transformers_greedy(server, checkpoint):
+    hf = checkpoint[1]
+    for seed, length in ((0, 9), (1, 70)):  # within one prefill block of 64 and past it
+        ids = _prompt(seed, length)
+        got = server.client().completions.create(prompt=_text(ids), max_tokens=8, **GREEDY)
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, length:]
+        assert got.choices[0].text == _decode(checkpoint[0], want.tolist())
+        assert got.choices[0].finish_reason == "length"
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (length, 8)
+
+
+def test_chat_renders_the_checkpoints_template(server, checkpoint):
+    messages = [{"role": "system", "content": _text(_prompt(2, 3))}, {"role": "user", "content": _text(_prompt(3, 5))}]
+    chat = server.client().chat.completions.create(messages=messages, max_tokens=6, **GREEDY)
+    # transformers renders the same template: the chat equals a completion of its rendering
+    tok = AutoTokenizer.from_pretrained(checkpoint[0])
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    plain = server.client().completions.create(prompt=rendered, max_tokens=6, **GREEDY)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens == len(tok(rendered, add_special_tokens=False)[
+        "input_ids"])
+    assert chat.object == "chat.completion" and chat.model == "tiny"
+
+
+def test_streams_equal_the_whole_response(server):
+    prompt = _text(_prompt(4, 12))
+    whole = server.client().completions.create(prompt=prompt, max_tokens=10, **GREEDY)
+    chunks = list(server.client().completions.create(prompt=prompt, max_tokens=10, stream=True,
+                                                     stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    messages = [{"role": "user", "content": prompt}]
+    whole = server.client().chat.completions.create(messages=messages, max_tokens=7, **GREEDY)
+    chunks = list(server.client().chat.completions.create(messages=messages, max_tokens=7, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert all(c.usage is None for c in chunks)  # usage only when stream_options asks
+    # the raw protocol: server-sent events ending in [DONE]
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": 3, "stream": True}, timeout=60) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(server):
+    prompt = _text(_prompt(5, 10))
+    base = server.client().completions.create(prompt=prompt, max_tokens=10, **GREEDY).choices[0].text.split()
+    # the fifth word, spaced (w9 is a prefix of w90): the text stops before its first occurrence
+    stop = f" {base[4]} "
+    want = " ".join(base[:base.index(base[4])])
+    got = server.client().completions.create(prompt=prompt, max_tokens=10, stop=[stop, "never"], **GREEDY)
+    assert got.choices[0].text == want and got.choices[0].finish_reason == "stop"
+    chunks = list(server.client().completions.create(prompt=prompt, max_tokens=10, stop=stop, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeds_and_n_choices(server):
+    client = server.client()
+    args = dict(model="tiny", prompt=_text(_prompt(6, 8)), max_tokens=12, temperature=1.0,
+                extra_body={"ignore_eos": True})
+    a, b, c = (client.completions.create(seed=s, **args).choices[0].text for s in (3, 3, 4))
+    assert a == b != c
+    many = client.completions.create(n=3, seed=3, **args)
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    # choice i draws with seed + i: each equals that seed's request alone
+    assert many.choices[0].text == a and many.choices[1].text == c
+    assert many.choices[2].text == client.completions.create(seed=5, **args).choices[0].text
+    assert many.usage.completion_tokens == 36 and many.usage.prompt_tokens == 8
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(n=2, seed=3, stream=True, **args):
+        for ch in chunk.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+    assert streamed == {0: a, 1: c}
+
+
+def test_logprobs(server):
+    prompt = _text(_prompt(7, 8))
+    got = server.client().completions.create(prompt=prompt, max_tokens=5, logprobs=3, **GREEDY).choices[0]
+    lp = got.logprobs
+    assert "".join(lp.tokens) == got.text and len(lp.token_logprobs) == 5
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and chosen <= 0
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-6) and top[tok] == pytest.approx(chosen, abs=1e-6)
+    assert lp.text_offset == np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]).tolist()
+    streamed = [c.choices[0].logprobs for c in server.client().completions.create(
+        prompt=prompt, max_tokens=5, logprobs=3, stream=True, **GREEDY) if c.choices[0].logprobs]
+    assert sum((x.tokens for x in streamed), []) == lp.tokens
+    assert sum((x.text_offset for x in streamed), []) == lp.text_offset
+    chat = server.client().chat.completions.create(messages=[{"role": "user", "content": prompt}], max_tokens=4,
+                                                   logprobs=True, top_logprobs=2, **GREEDY).choices[0]
+    content = chat.logprobs.content
+    assert "".join(c.token for c in content) == chat.message.content and len(content) == 4
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+               for c in content)
+
+
+def test_models_health_and_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    m = server.metrics()
+    for name in ("gdnx_requests_total", "gdnx_prompt_tokens_total", "gdnx_generated_tokens_total",
+                 "gdnx_queue_depth", "gdnx_running_slots", "gdnx_time_to_first_token_seconds_count",
+                 "gdnx_inter_token_latency_seconds_count", "gdnx_prefix_cache_hit_rate",
+                 "gdnx_speculative_acceptance"):
+        assert name in m, name
+    assert m["gdnx_generated_tokens_total"] > 0 and m["gdnx_time_to_first_token_seconds_count"] > 0
+    # a prompt sent twice: its first block of 64 tokens comes back from the prefix cache
+    prompt = _text(_prompt(8, 80))
+    first, again = (server.client().completions.create(prompt=prompt, max_tokens=2, **GREEDY) for _ in range(2))
+    assert again.usage.prompt_tokens_details.cached_tokens == 64 and again.choices[0].text == first.choices[0].text
+    after = server.metrics()
+    assert after["gdnx_prefix_cache_hit_tokens_total"] - m["gdnx_prefix_cache_hit_tokens_total"] == 64
+    assert after["gdnx_prefix_cache_hit_rate"] == pytest.approx(
+        after["gdnx_prefix_cache_hit_tokens_total"] / after["gdnx_prompt_tokens_total"])
+
+
+def _post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)
+
+
+@pytest.mark.parametrize("path,body,status,param,match", [
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "temperature": -1}, 400, "temperature", "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "top_p": 0}, 400, "top_p", "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "n": 0}, 400, "n", "n:"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "temp": 1}, 400, "temp", "unknown field"),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt", "prompt: required"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "max_tokens": "8"}, 400, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "logprobs": 21}, 400, "logprobs", "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 500]}, 400, "prompt", "token ids must be in"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ', 400, None, "not valid JSON"),
+    ("/v1/completions", {"model": "tiny", "prompt": " ".join(["w9"] * 130)}, 400, "prompt", "max_length=128"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "max_tokens": 200}, 400, "max_tokens", "max_length=128"),
+    ("/v1/completions", {"model": "other", "prompt": "w9"}, 404, "model", "serves 'tiny'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages", "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "w9"}]}, 400, "messages",
+     "unknown role robot"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w9"}], "top_logprobs": 2},
+     400, "top_logprobs", "only with logprobs"),
+])
+def test_each_bad_request_names_its_field(server, path, body, status, param, match):
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and match in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_api_key_is_required_on_v1_routes(server):
+    for key in (None, "wrong"):
+        r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "w9"}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/v1/models", headers={} if key is None else
+                         {"Authorization": f"Bearer {key}"}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        server.client(default_headers={"Authorization": "Bearer wrong"}).models.list()
+    assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics are open
+
+
+async def _stream_text(client, prompt: str, max_tokens: int, cancel_after: int | None = None) -> str | None:
+    stream = await client.completions.create(prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY)
+    text, chunks = "", 0
+    async for chunk in stream:
+        text += chunk.choices[0].text if chunk.choices else ""
+        chunks += 1
+        if cancel_after is not None and chunks >= cancel_after:
+            await stream.close()  # the client goes away mid-stream
+            return None
+    return text
+
+
+def test_concurrent_streams_equal_each_prompt_alone_and_cancelled_ones_free_their_slots(server):
+    prompts = [_text(_prompt(100 + i, 5 + 9 * i)) for i in range(8)]
+    alone = [server.client().completions.create(prompt=p, max_tokens=12, **GREEDY).choices[0].text for p in prompts]
+
+    async def load(cancel: bool) -> list:
+        client = server.async_client()
+        try:
+            jobs = [_stream_text(client, prompts[i % 8], 60 if cancel and i % 3 == 0 else 12,
+                                 cancel_after=2 if cancel and i % 3 == 0 else None) for i in range(33)]
+            return await asyncio.wait_for(asyncio.gather(*jobs), 300)
+        finally:
+            await client.close()
+
+    before = server.metrics()
+    got = asyncio.run(load(cancel=False))  # 33 clients through 4 slots
+    assert got == [alone[i % 8] for i in range(33)]
+    got = asyncio.run(load(cancel=True))   # a third of them leave after their first chunks
+    assert [g for i, g in enumerate(got) if i % 3] == [alone[i % 8] for i in range(33) if i % 3]
+    deadline = time.monotonic() + 60
+    while (m := server.metrics())["gdnx_running_slots"] or m["gdnx_queue_depth"]:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.2)
+    assert m["gdnx_requests_aborted_total"] - before["gdnx_requests_aborted_total"] == 11
+    assert m["gdnx_requests_finished_total"] - before["gdnx_requests_finished_total"] == 33 + 22
+    # and the next requests are served
+    assert server.client().completions.create(prompt=prompts[3], max_tokens=12, **GREEDY).choices[0].text == alone[3]
+
+
+def test_queue_limit_then_sigterm_lets_requests_in_flight_finish(checkpoint):
+    """One slot and a queue of one: a third request is refused at once
+    (503); SIGTERM then stops the listener while both requests finish."""
+    # requests of 1,000 tokens one per round trip: seconds each, so the second waits while the third comes
+    server = Server(checkpoint[0], "--max-slots", "1", "--max-queue", "1", "--max-length", "1024",
+                    "--decode-steps", "1", "--grace", "60", env={"GDNX_API_KEY": ""})
+    try:
+        body = {"model": "tiny", "prompt": "w9 w10 w11", "max_tokens": 1000, "stream": True, "ignore_eos": True,
+                "temperature": 0, "stream_options": {"include_usage": True}}
+        results: dict[int, list[str]] = {}
+        first = [threading.Event(), threading.Event()]
+
+        def stream(i: int) -> None:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                results[i] = []
+                for line in r.iter_lines():
+                    if line:
+                        results[i].append(line)
+                        first[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        threads[0].start()
+        assert first[0].wait(60)
+        threads[1].start()
+        deadline = time.monotonic() + 30
+        while server.metrics()["gdnx_queue_depth"] < 1:  # the second one waits for the slot
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        start = time.monotonic()
+        refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 503 and time.monotonic() - start < 5, refused.text
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(120) == 0, "".join(server.lines)
+        for t in threads:
+            t.join(10)
+        for i in range(2):  # both ran to max_tokens, then the finish, usage and [DONE]
+            chunks = [json.loads(x[6:]) for x in results[i][:-1]]
+            assert results[i][-1] == "data: [DONE]"
+            assert chunks[-1]["usage"]["completion_tokens"] == 1000
+            assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{server.url}/health", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_an_engine_error_fails_its_requests_with_500_and_the_server_goes_on(checkpoint):
+    """In process (the failure is injected into the engine's step): the
+    requests the failed step ran get 500 (a stream: an error event), and
+    the next requests are served as before."""
+    from fastapi.testclient import TestClient
+
+    from gdnx.data.text import HFTokenizer
+    from gdnx.models import CausalLM
+    from gdnx.serving import Engine
+    from gdnx.serving.async_engine import AsyncEngine
+    from gdnx.serving.metrics import Metrics
+    from gdnx.serving.server import Served, create_app
+
+    path = checkpoint[0]
+    engine = Engine(CausalLM.from_pretrained(path, gdn_chunk_size=16), max_slots=2, max_length=64, decode_steps=4,
+                    tokenizer=HFTokenizer(str(path / "tokenizer.json")))
+    served = Served(AsyncEngine(engine, Metrics(), max_queue=4), HFTokenizer(str(path / "tokenizer.json")), "tiny")
+    body = {"model": "tiny", "prompt": _text(_prompt(9, 6)), "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    real, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:  # the request is decoding by then
+            raise RuntimeError("injected failure")
+        return real()
+
+    with TestClient(create_app(served)) as client:
+        want = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        calls.clear()
+        engine.step = failing_step
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["type"] == "internal_server_error"
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+        calls.clear()
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+        assert "injected failure" in events[-1]["error"]["message"]
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+        assert served.engine.metrics.value("gdnx_requests_failed_total") == 2
+        assert engine.running == 0
+
+
+def test_streamed_text_holds_back_what_may_begin_a_stop_string():
+    from gdnx.serving.params import Completion, SamplingParams
+    from gdnx.serving.server import _StreamText
+
+    words = {1: "ab", 2: "c", 3: "X", 4: "Y", 5: "\ufffd"}
+    stream = _StreamText(lambda ids: "".join(words[i] for i in ids), SamplingParams(stop=["cXZ"]))
+    assert stream.advance([1], None, None)[0] == "ab"
+    assert stream.advance([2, 3], None, None)[0] == ""      # "cX" may begin "cXZ": held
+    assert stream.advance([4], None, None)[0] == "cXY"      # it did not
+    assert stream.advance([5], None, None)[0] == ""         # an incomplete character waits
+    assert stream.advance([2], None, Completion([1, 2, 3, 4, 5, 2], "stop", 1, text="abcXY\ufffdc"))[0] == "\ufffdc"
