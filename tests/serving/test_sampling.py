@@ -93,3 +93,19 @@ def test_speculative_acceptance_preserves_the_target_distribution(temperature):
     second = np.where(a[kept] >= 2, drafts[kept, 1], nxt[kept])
     assert _chi_square(np.bincount(second, minlength=vocab), p1) < CHI2_3DOF_P1E4
     assert 0 < (a == 0).mean() < 1 and 0 < (a == 2).mean() < 1  # both ways were taken
+
+
+def test_a_verify_pass_without_drafts_draws_what_a_decode_step_draws():
+    """A request without drafts in a verify pass (another slot has some)
+    draws its token with the decode step's key and distribution, so its
+    seeded tokens do not depend on the other requests' drafts."""
+    n, vocab, k = 64, 11, 2
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(n, vocab)) * 3, jnp.float32)
+    params = SlotParams.rows([SamplingParams(temperature=0.9, top_k=6, top_p=0.95)] * n, list(range(n)))
+    generated = jnp.arange(n, dtype=jnp.int32) % 7
+    plain = draw(logits, params, token_keys(params, generated))
+    verdict = accept(jnp.repeat(logits[:, None], k + 1, axis=1), jnp.zeros((n, k), jnp.int32),
+                     jnp.zeros(n, jnp.int32), params, generated)
+    assert (np.asarray(verdict.accepted) == 0).all()
+    np.testing.assert_array_equal(np.asarray(verdict.next), np.asarray(plain))
+    assert len(set(np.asarray(plain).tolist())) > 3  # draws, not one argmax

@@ -99,7 +99,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     s = Server(checkpoint[0], "--max-slots", "4", "--max-length", "128", "--decode-steps", "4",
-               "--prefix-cache-mb", "8", env={"GDNX_API_KEY": KEY})
+               "--prefix-cache-mb", "8", "--speculative", "2", env={"GDNX_API_KEY": KEY})
     yield s
     assert s.stop() == 0, "".join(s.lines)
 
@@ -323,24 +323,35 @@ def test_concurrent_streams_equal_each_prompt_alone_and_cancelled_ones_free_thei
         time.sleep(0.2)
     assert m["gdnx_requests_aborted_total"] - before["gdnx_requests_aborted_total"] == 11
     assert m["gdnx_requests_finished_total"] - before["gdnx_requests_finished_total"] == 33 + 22
+    assert m["gdnx_speculative_drafted_tokens_total"] > 0  # n-gram drafts were verified on the way
     # and the next requests are served
     assert server.client().completions.create(prompt=prompts[3], max_tokens=12, **GREEDY).choices[0].text == alone[3]
 
 
 def test_queue_limit_then_sigterm_lets_requests_in_flight_finish(checkpoint):
-    """One slot and a queue of one: a third request is refused at once
-    (503); SIGTERM then stops the listener while both requests finish."""
+    """A client that gives up on a whole response frees its slot; then, with
+    one slot and a queue of one, a third request is refused at once (503);
+    SIGTERM then stops the listener while both requests finish."""
     # requests of 1,000 tokens one per round trip: seconds each, so the second waits while the third comes
     server = Server(checkpoint[0], "--max-slots", "1", "--max-queue", "1", "--max-length", "1024",
-                    "--decode-steps", "1", "--grace", "60", env={"GDNX_API_KEY": ""})
+                    "--decode-steps", "1", "--grace", "60", "--batch-invariant", "--api-key", "flag-key",
+                    env={"GDNX_API_KEY": ""})
+    auth = {"Authorization": "Bearer flag-key"}
     try:
-        body = {"model": "tiny", "prompt": "w9 w10 w11", "max_tokens": 1000, "stream": True, "ignore_eos": True,
-                "temperature": 0, "stream_options": {"include_usage": True}}
+        body = {"model": "tiny", "prompt": "w9 w10 w11", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=1.0)
+        deadline = time.monotonic() + 30
+        while (m := server.metrics())["gdnx_running_slots"] or not m["gdnx_requests_aborted_total"]:
+            assert time.monotonic() < deadline, m
+            time.sleep(0.1)
+        assert m["gdnx_requests_finished_total"] == 0
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         results: dict[int, list[str]] = {}
         first = [threading.Event(), threading.Event()]
 
         def stream(i: int) -> None:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth, timeout=120) as r:
                 assert r.status_code == 200
                 results[i] = []
                 for line in r.iter_lines():
@@ -357,7 +368,7 @@ def test_queue_limit_then_sigterm_lets_requests_in_flight_finish(checkpoint):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         start = time.monotonic()
-        refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        refused = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=60)
         assert refused.status_code == 503 and time.monotonic() - start < 5, refused.text
         assert refused.json()["error"]["type"] == "service_unavailable"
         server.proc.send_signal(signal.SIGTERM)

@@ -209,7 +209,11 @@ def accept(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, p: SlotP
         refused = jnp.take_along_axis(drafts, jnp.minimum(accepted, k - 1)[:, None], axis=1)[:, 0] if k else accepted
         rejected = accepted < num_drafts
         at = jnp.where(rejected[:, None] & (jnp.arange(vocab)[None] == refused[:, None]), -jnp.inf, at)
-        key_at = jnp.take_along_axis(jax.random.key_data(draw_keys), accepted[:, None, None], axis=1)[:, 0]
+        # after a refusal the draw takes its own key; the token after every draft (or with none) is drawn
+        # with the key and distribution a plain decode step uses, so a request draws the same tokens whether
+        # a step is a verify pass (another slot has drafts) or a decode step
+        data = jnp.where(rejected[:, None, None], jax.random.key_data(draw_keys), jax.random.key_data(keys))
+        key_at = jnp.take_along_axis(data, accepted[:, None, None], axis=1)[:, 0]
         sampled = jax.vmap(jax.random.categorical)(jax.random.wrap_key_data(key_at, impl="threefry2x32"), at)
         greedy_next = jnp.take_along_axis(argmax, accepted[:, None], axis=1)[:, 0]
         return accepted, jnp.where(p.temperature > 0, sampled.astype(jnp.int32), greedy_next)

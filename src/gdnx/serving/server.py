@@ -108,7 +108,8 @@ def create_app(served: Served) -> FastAPI:
         _check_model(served, req.model)
         prompts = _prompts(served, req.prompt)
         logprobs = req.logprobs
-        return await _respond(served, req, prompts, logprobs, "prompt", _TextChoice(served.tokenizer, logprobs))
+        return await _respond(served, request, req, prompts, logprobs, "prompt",
+                              _TextChoice(served.tokenizer, logprobs))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -129,7 +130,7 @@ def create_app(served: Served) -> FastAPI:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestError("top_logprobs: only with logprobs true", "top_logprobs")
-        return await _respond(served, req, [_encode(served, text, "messages")], logprobs, "messages",
+        return await _respond(served, request, req, [_encode(served, text, "messages")], logprobs, "messages",
                               _ChatChoice(served.tokenizer, logprobs))
 
     return app
@@ -209,8 +210,8 @@ def _requests(served: Served, req: Any, prompts: list[list[int]], logprobs: int 
     return out
 
 
-async def _respond(served: Served, req: Any, prompts: list[list[int]], logprobs: int | None, field: str,
-                   choice: _Choice) -> Response:
+async def _respond(served: Served, request: Request, req: Any, prompts: list[list[int]], logprobs: int | None,
+                   field: str, choice: _Choice) -> Response:
     if served.draining:
         raise RequestError("the server is shutting down", None, 503, "service_unavailable")
     requests = _requests(served, req, prompts, logprobs, field)
@@ -224,17 +225,30 @@ async def _respond(served: Served, req: Any, prompts: list[list[int]], logprobs:
         return StreamingResponse(_stream(served, rid, req.n, handles, choice, include_usage),
                                  media_type="text/event-stream")
     done = [False] * len(handles)
+    work: asyncio.Future[list[Completion]] = asyncio.ensure_future(asyncio.gather(*(_completion(h) for h in handles)))
+    gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
     try:
-        results = await asyncio.gather(*(_completion(h) for h in handles))
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client went away: its requests are aborted below
+            work.cancel()
+            return Response(status_code=499)
+        results = work.result()
         done = [True] * len(handles)
     except EngineError as e:
         raise RequestError(str(e), None, 500, "internal_server_error") from None
     finally:
+        gone.cancel()
         for h, d in zip(handles, done):
             served.engine.release(h, d)
     choices = [choice.whole(i, c) for i, c in enumerate(results)]
     return JSONResponse(envelope(rid, choice.kind, served.model_name, choices,
                                  {"usage": _usage(results, req.n)}))
+
+
+async def _disconnected(request: Request, every: float = 0.25) -> None:
+    """Returns once the client has closed its connection."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(every)
 
 
 async def _completion(handle: Handle) -> Completion:
