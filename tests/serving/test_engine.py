@@ -193,6 +193,12 @@ def test_requests_added_while_others_run(model, prompts, plain):
     got: dict[int, list[int]] = {}
     events = engine.step() + engine.step()
     later = [engine.add_request(p, GREEDY) for p in prompts[2:4]]
+    while not engine.can_admit:  # the later ones wait for a slot
+        events += engine.step()
+    admitted = engine.step(decode=False)  # a prefill only: the admitted requests' first tokens, nobody else's
+    got_one = {e.request_id: len(e.tokens) for e in admitted if e.tokens}
+    assert got_one and set(got_one) <= set(later) and set(got_one.values()) == {1}
+    events += admitted
     while engine.has_unfinished():
         events += engine.step()
     for e in events:

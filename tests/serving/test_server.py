@@ -225,21 +225,25 @@ def test_models_health_and_metrics(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    before = server.metrics()
+    # a prompt sent twice: its first block of 64 tokens comes back from the prefix cache
+    prompt = _text(_prompt(8, 80))
+    first, again = (server.client().completions.create(prompt=prompt, max_tokens=6, **GREEDY) for _ in range(2))
+    assert again.usage.prompt_tokens_details.cached_tokens == 64 and again.choices[0].text == first.choices[0].text
     m = server.metrics()
     for name in ("gdnx_requests_total", "gdnx_prompt_tokens_total", "gdnx_generated_tokens_total",
                  "gdnx_queue_depth", "gdnx_running_slots", "gdnx_time_to_first_token_seconds_count",
                  "gdnx_inter_token_latency_seconds_count", "gdnx_prefix_cache_hit_rate",
                  "gdnx_speculative_acceptance"):
         assert name in m, name
-    assert m["gdnx_generated_tokens_total"] > 0 and m["gdnx_time_to_first_token_seconds_count"] > 0
-    # a prompt sent twice: its first block of 64 tokens comes back from the prefix cache
-    prompt = _text(_prompt(8, 80))
-    first, again = (server.client().completions.create(prompt=prompt, max_tokens=2, **GREEDY) for _ in range(2))
-    assert again.usage.prompt_tokens_details.cached_tokens == 64 and again.choices[0].text == first.choices[0].text
-    after = server.metrics()
-    assert after["gdnx_prefix_cache_hit_tokens_total"] - m["gdnx_prefix_cache_hit_tokens_total"] == 64
-    assert after["gdnx_prefix_cache_hit_rate"] == pytest.approx(
-        after["gdnx_prefix_cache_hit_tokens_total"] / after["gdnx_prompt_tokens_total"])
+    grew = {k: m[k] - before[k] for k in before}
+    assert grew["gdnx_requests_total"] == grew["gdnx_requests_finished_total"] == 2
+    assert grew["gdnx_prompt_tokens_total"] == 160 and grew["gdnx_generated_tokens_total"] == 12
+    assert grew["gdnx_time_to_first_token_seconds_count"] == 2
+    assert grew["gdnx_inter_token_latency_seconds_count"] == 10  # the tokens after each first one
+    assert grew["gdnx_prefix_cache_hit_tokens_total"] == 64
+    assert m["gdnx_prefix_cache_hit_rate"] == pytest.approx(
+        m["gdnx_prefix_cache_hit_tokens_total"] / m["gdnx_prompt_tokens_total"])
 
 
 def _post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
@@ -406,11 +410,11 @@ def test_an_engine_error_fails_its_requests_with_500_and_the_server_goes_on(chec
     body = {"model": "tiny", "prompt": _text(_prompt(9, 6)), "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     real, calls = engine.step, []
 
-    def failing_step():
-        calls.append(1)
-        if len(calls) == 2:  # the request is decoding by then
+    def failing_step(decode=True):
+        calls.append(decode)
+        if decode and calls.count(True) == 2:  # the request is decoding by then
             raise RuntimeError("injected failure")
-        return real()
+        return real(decode)
 
     with TestClient(create_app(served)) as client:
         want = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
@@ -427,6 +431,11 @@ def test_an_engine_error_fails_its_requests_with_500_and_the_server_goes_on(chec
         assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
         assert served.engine.metrics.value("gdnx_requests_failed_total") == 2
         assert engine.running == 0
+        engine.step = lambda decode=True: 1 / 0  # a failure before any request runs: the waiting ones fail
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
+        engine.step = real
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
 
 
 def test_streamed_text_holds_back_what_may_begin_a_stop_string():

@@ -113,6 +113,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        prefilled = False
         while True:
             try:
                 # idle: sleep until a command comes
@@ -127,7 +128,11 @@ class AsyncEngine:
                 except queue.Empty:
                     command = None
             if engine.has_unfinished():
-                self._step()
+                # new requests' first tokens go out before the others' next round trip; never two
+                # prefill-only steps in a row, so arrivals cannot stall the running requests
+                prefill_only = engine.can_admit and not prefilled
+                self._step(decode=not prefill_only)
+                prefilled = prefill_only
             self._gauges()
 
     def _apply(self, what: str, handle: Any) -> bool:
@@ -150,14 +155,19 @@ class AsyncEngine:
             self.metrics.aborted.inc()
         return True
 
-    def _step(self) -> None:
+    def _step(self, decode: bool) -> None:
         stats = self.engine.stats
         cached, drafted, accepted = stats.cached_tokens, stats.drafted_tokens, stats.accepted_tokens
         try:
-            events = self.engine.step()
+            events = self.engine.step(decode)
         except Exception as e:  # the engine's failure: fail the requests it was running, keep serving
             log.exception("the engine failed a step")
-            for rid in self.engine.reset_running():
+            dropped = self.engine.reset_running()
+            if not dropped:  # it failed before running any: the waiting ones would fail again
+                dropped = list(self._handles)
+                for rid in dropped:
+                    self.engine.abort(rid)
+            for rid in dropped:
                 handle = self._handles.pop(rid, None)
                 if handle is not None:
                     self.metrics.failed.inc()

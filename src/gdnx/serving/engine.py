@@ -276,15 +276,22 @@ class Engine:
 
     # ---- the loop -------------------------------------------------------------------------------------------
 
-    def step(self) -> list[Event]:
+    @property
+    def can_admit(self) -> bool:
+        """Some request waits and a slot is free."""
+        return bool(self._waiting and self._free)
+
+    def step(self, decode: bool = True) -> list[Event]:
         """Admit waiting requests into free slots (prefill), then advance
         every running one (a decode round trip or a speculative pass).
-        Returns what each request got."""
+        Returns what each request got. decode=False stops after the
+        prefill: the new requests' first tokens come back without waiting
+        for the others' round trip (a server's time to first token)."""
         events: dict[int, list[int]] = collections.defaultdict(list)
         finished: list[_Request] = []
         before = {r.id: len(r.tokens) for r in self._running.values()}
         self._admit(events, finished)
-        if self._active().any():  # not only prompts part way through a block-by-block prefill
+        if decode and self._active().any():  # not only prompts part way through a block-by-block prefill
             drafts = self._drafts()
             if drafts is not None:
                 self._verify(*drafts, events, finished)

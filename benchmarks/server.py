@@ -1,0 +1,190 @@
+"""`gdnx serve` under load on this machine's CPU: requests/s and output
+tokens/s at 1, 8 and 32 concurrent streaming clients, time to first token
+and inter-token latency (median, p99) as the clients see them, and the
+server's overhead against the engine called directly on the same work.
+
+    python benchmarks/server.py [--repeats 3]
+
+Model: the serving benchmark's (Qwen3-Next pattern, width 256, 8 layers,
+4,096-token vocabulary, float32, random weights), written as a Hugging
+Face directory with a word-level tokenizer (one word per token) and served
+by a `gdnx serve` subprocess on 127.0.0.1 with 32 slots and the prefix
+cache off (prompts are distinct). Each client sends its requests one after
+another: 64 random words, 64 tokens out, greedy, ignore_eos. The clients
+(httpx, one asyncio loop) share the 2 cores with the server. Each
+concurrency first runs one untimed round (it compiles the prefill shapes);
+throughput is the median of --repeats rounds, latencies are pooled over
+them. Prints markdown for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serving import MODEL  # noqa: E402  (the serving benchmark's model)
+
+from gdnx.config import ModelConfig  # noqa: E402
+from gdnx.models import CausalLM  # noqa: E402
+from gdnx.serving import Engine, SamplingParams  # noqa: E402
+
+PROMPT, NEW, SLOTS, MAX_LENGTH = 64, 64, 32, 256
+# requests per client in one round: at least 8 requests a round
+PER_CLIENT = {1: 8, 8: 2, 32: 1}
+
+
+def checkpoint(directory: Path) -> None:
+    """The model as a Hugging Face directory, with a word-level tokenizer."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    CausalLM(ModelConfig(**MODEL), rngs=__import__("flax").nnx.Rngs(0)).save_pretrained(directory)
+    tok = Tokenizer(WordLevel(vocab={f"w{i}": i for i in range(MODEL["vocab_size"])}, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    return np.random.default_rng(seed).integers(1, MODEL["vocab_size"], (n, PROMPT)).tolist()
+
+
+class Server:
+    def __init__(self, directory: Path):
+        cmd = [sys.executable, "-m", "gdnx", "serve", "--checkpoint", str(directory), "--port", "0",
+               "--served-model-name", "bench", "--max-slots", str(SLOTS), "--max-length", str(MAX_LENGTH),
+               "--prefix-cache-mb", "0"]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if m := re.search(r"at (http://[\d.]+:\d+)/v1", line):
+                self.url = m.group(1)
+                break
+        else:
+            raise SystemExit("gdnx serve did not start")
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], ttft: list, itl: list) -> int:
+    body = {"model": "bench", "prompt": " ".join(f"w{i}" for i in ids), "max_tokens": NEW, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    last, tokens = None, 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            n = len(json.loads(line[6:])["choices"][0]["text"].split())
+            if not n:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                ttft.append(now - start)
+                n -= 1
+            else:  # the tokens of one chunk came together: each at their mean gap
+                itl.extend([(now - last) / n] * n)
+            tokens += n + (last is None)
+            last = now
+    assert tokens == NEW, tokens
+    return tokens
+
+
+async def round_(url: str, clients: int, seed: int, ttft: list, itl: list) -> tuple[float, int, int]:
+    """(seconds, requests, tokens) of one round: each client sends its requests in turn."""
+    work = prompts(clients * PER_CLIENT[clients], seed)
+
+    async def client_loop(client: httpx.AsyncClient, mine: list[list[int]]) -> int:
+        return sum([await one_request(client, url, ids, ttft, itl) for ids in mine])
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(client_loop(client, work[c::clients]) for c in range(clients)))
+        return time.perf_counter() - start, len(work), sum(counts)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1000
+
+
+def engine_direct(clients: int, repeats: int) -> float:
+    """Output tokens/s of the same rounds through Engine (same settings) in
+    this process: requests of one round queued at once (the server's 32
+    clients), or one after another (its 1 client)."""
+    model = CausalLM(ModelConfig(**MODEL), rngs=__import__("flax").nnx.Rngs(0))
+    engine = Engine(model, max_slots=SLOTS, max_length=MAX_LENGTH)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    rates = []
+    for seed in range(repeats + 1):
+        work = prompts(clients * PER_CLIENT[clients], 1000 + seed)
+        start = time.perf_counter()
+        if clients == 1:
+            n = sum(len(engine.generate([ids], params)[0].tokens) for ids in work)
+        else:  # every client's request at once
+            n = sum(len(c.tokens) for c in engine.generate(work, params))
+        if seed:  # the first round compiles
+            rates.append(n / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(f"# gdnx serve, {datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, "
+          f"`python benchmarks/server.py --repeats {args.repeats}`\n")
+    rows = ["| clients | requests/s | output tokens/s | TTFT median / p99 (ms) | ITL median / p99 (ms) |",
+            "|---|---|---|---|---|"]
+    served: dict[int, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint(Path(tmp))
+        server = Server(Path(tmp))
+        try:
+            for clients in (1, 8, 32):
+                asyncio.run(round_(server.url, clients, 1000, [], []))  # compiles this concurrency's shapes
+                ttft: list[float] = []
+                itl: list[float] = []
+                rounds = [asyncio.run(round_(server.url, clients, 1001 + r, ttft, itl)) for r in range(args.repeats)]
+                rps = statistics.median(n / s for s, n, _ in rounds)
+                tps = statistics.median(t / s for s, _, t in rounds)
+                served[clients] = tps
+                rows.append(f"| {clients} | {rps:.2f} | {tps:,.0f} | {pct(ttft, 50):.0f} / {pct(ttft, 99):.0f} | "
+                            f"{pct(itl, 50):.1f} / {pct(itl, 99):.1f} |")
+                print(rows[-1], file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+    print("\n".join(rows), "\n")
+    rows = ["| clients | server output tokens/s | engine direct tokens/s | server / engine |", "|---|---|---|---|"]
+    for clients in (1, 32):
+        direct = engine_direct(clients, args.repeats)
+        rows.append(f"| {clients} | {served[clients]:,.0f} | {direct:,.0f} | {served[clients] / direct:.2f} |")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
