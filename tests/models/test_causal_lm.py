@@ -284,20 +284,23 @@ def test_padded_rows_and_state_histories_for_serving():
     model = _model(num_experts=0)
     toks = _tokens(2, 32, seed=4)
     lengths = jnp.asarray([13, 32], jnp.int32)
-    out = model.hidden_states(toks, Cache.init(model, 2, 48, per_row=True), lengths=lengths, history_every=16)
+    padded = nnx.jit(lambda m, t, c, n: m.hidden_states(t, c, lengths=n, history_every=16))
+    forward = nnx.jit(lambda m, t: m.forward(t, Cache.init(m, 1, 48)))
+    out = padded(model, toks, Cache.init(model, 2, 48, per_row=True), lengths)
     logits = model.logits(out.hidden)
     np.testing.assert_array_equal(out.cache.length, [13, 32])
-    for row, n in enumerate((13, 32)):
-        alone = model.forward(toks[row:row + 1, :n], Cache.init(model, 1, 48))
-        assert relative_error(logits[row, n - 1], alone.logits[0, -1]) < 1e-5
-        for mine, theirs in zip(out.cache.layers, alone.cache.layers):
+    # row 0 alone; row 1's first 16 tokens and all 32 (itself alone, and its history's second entry)
+    alone = {(0, 13): forward(model, toks[:1, :13]), (1, 16): forward(model, toks[1:, :16]),
+             (1, 32): forward(model, toks[1:, :32])}
+    for row, n in ((0, 13), (1, 32)):
+        assert relative_error(logits[row, n - 1], alone[row, n].logits[0, -1]) < 1e-5
+        for mine, theirs in zip(out.cache.layers, alone[row, n].cache.layers):
             if hasattr(mine, "recurrent"):
                 assert relative_error(mine.recurrent[row], theirs.recurrent[0]) < 1e-5
                 assert relative_error(mine.conv[row], theirs.conv[0]) < 1e-6
     # the history: after tokens 16 and 32 of the full row
     for j, end in enumerate((16, 32)):
-        stopped = model.forward(toks[1:, :end], Cache.init(model, 1, 48))
-        for mine, theirs in zip(out.cache.layers, stopped.cache.layers):
+        for mine, theirs in zip(out.cache.layers, alone[1, end].cache.layers):
             if hasattr(mine, "recurrent"):
                 assert relative_error(mine.history.recurrent[1, j], theirs.recurrent[0]) < 1e-5
                 assert relative_error(mine.history.conv[1, j], theirs.conv[0]) < 1e-5

@@ -18,6 +18,9 @@ from gdnx.generate import generate
 from gdnx.models import CausalLM
 from gdnx.serving import Engine, NgramDrafter, SamplingParams
 
+# one worker runs this module: its module fixtures (the plain path's tokens, compiled per prompt) run once
+pytestmark = pytest.mark.xdist_group("engine")
+
 TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
             linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=48, num_experts=0, gdn_chunk_size=16)

@@ -26,6 +26,9 @@ from transformers import AutoTokenizer
 
 from tests.hf_models import SPECIAL, ROLE_WORDS, VOCAB, random_hf_model, word, write_chat_tokenizer
 
+# one worker runs this module: one server process for its tests
+pytestmark = pytest.mark.xdist_group("server")
+
 KEY = "test-key"
 FIRST_WORD = len(SPECIAL) + len(ROLE_WORDS)   # ids below are special tokens and role words
 START_S = 240                                  # a server's start: import, load, compile (cold cache, 2 cores)
