@@ -57,16 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: all)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; line i of a prompts file: "
                                                           "seed + i unless it gives its own)")
-    engine = gen.add_argument_group("the engine (--prompts-file)")
-    engine.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default 8)")
-    engine.add_argument("--max-length", type=int, default=None,
-                        help="prompt + generated tokens per request (default: the longest line's need)")
-    engine.add_argument("--prefix-cache-mb", type=int, default=0,
-                        help="host memory for the prefix cache of shared prompt prefixes (default 0: off)")
-    engine.add_argument("--speculative", type=int, default=0, metavar="K",
-                        help="n-gram (prompt lookup) speculative decoding with K draft tokens (default 0: off)")
-    engine.add_argument("--batch-invariant", action="store_true",
-                        help="each result bit-identical whatever else is batched with it (prefills block by block)")
+    _engine_options(gen.add_argument_group("the engine (--prompts-file)"), "the longest line's need", 0)
     gen.add_argument("overrides", nargs="*", metavar="key=value",
                      help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla")
     _distributed_options(gen)
@@ -82,15 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="the model name requests give (default: the checkpoint directory's name)")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on /v1 routes (or set GDNX_API_KEY)")
-    serve.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default 8)")
-    serve.add_argument("--max-length", type=int, default=None,
-                       help="prompt + generated tokens per request (default: the model's positions, at most 4096)")
-    serve.add_argument("--prefix-cache-mb", type=int, default=1024,
-                       help="host memory for the prefix cache of shared prompt blocks (default 1024; 0: off)")
-    serve.add_argument("--speculative", type=int, default=0, metavar="K",
-                       help="n-gram (prompt lookup) speculative decoding with K draft tokens (default 0: off)")
-    serve.add_argument("--batch-invariant", action="store_true",
-                       help="each result bit-identical whatever else is batched with it (prefills block by block)")
+    _engine_options(serve, "the model's positions, at most 4096", 1024)
     serve.add_argument("--decode-steps", type=int, default=8,
                        help="tokens per slot per decode round trip (default 8; fewer: smoother streams)")
     serve.add_argument("--max-queue", type=int, default=256,
@@ -142,6 +125,20 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true",
                        help="small shapes and 2 repeats: a check that everything runs, in seconds")
     return parser
+
+
+def _engine_options(group: argparse._ActionsContainer, max_length_default: str, prefix_cache_mb: int) -> None:
+    """The batched engine's settings (generate --prompts-file, serve)."""
+    group.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default 8)")
+    group.add_argument("--max-length", type=int, default=None,
+                       help=f"prompt + generated tokens per request (default: {max_length_default})")
+    group.add_argument("--prefix-cache-mb", type=int, default=prefix_cache_mb,
+                       help=f"host memory for the prefix cache of shared prompt blocks (default {prefix_cache_mb}"
+                            + ("; 0: off)" if prefix_cache_mb else ": off)"))
+    group.add_argument("--speculative", type=int, default=0, metavar="K",
+                       help="n-gram (prompt lookup) speculative decoding with K draft tokens (default 0: off)")
+    group.add_argument("--batch-invariant", action="store_true",
+                       help="each result bit-identical whatever else is batched with it (prefills block by block)")
 
 
 def _distributed_options(command: argparse.ArgumentParser) -> None:
