@@ -60,6 +60,9 @@ def test_ragged_prompts_give_the_plain_greedy_tokens(model, prompts, plain):
     names = {name for name, _ in engine.stats.programs}
     assert names == {"prefill", "decode"}
     assert {shape[1] for name, shape in engine.stats.programs if name == "prefill"} <= set(engine.buckets)
+    # as the queue drains, the decode batch shrinks to the slots still in use
+    assert engine.decode_rows == (1, 2, 4)
+    assert {shape[0] for name, shape in engine.stats.programs if name == "decode"} > {4}
 
 
 def test_prefix_cache_gives_the_same_tokens_and_logits(model, prompts, plain):

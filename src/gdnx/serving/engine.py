@@ -5,8 +5,9 @@ attention keys/values at block ends, and speculative decoding.
 A request waits until a slot is free; it is then prefilled (its prompt
 after any cached prefix, right-padded to the smallest length bucket that
 holds it, together with the other prompts of that bucket), its first
-token drawn, and it joins the decode batch: one compiled step for every
-slot, `decode_steps` tokens per host round trip. It leaves on its stop
+token drawn, and it joins the decode batch: one compiled step for the
+first slots up to the highest one in use (requests take the lowest free
+slot), `decode_steps` tokens per host round trip. It leaves on its stop
 condition and its slot takes the next request. Every shape a program sees
 is fixed by the engine's settings (docs/serving.md counts them).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -180,6 +182,9 @@ class Engine:
         # prefill buckets: block_size doubling up to max_length rounded up to a block
         self.padded_length = -(-max_length // block_size) * block_size
         self.buckets = _buckets(block_size, self.padded_length)
+        # decode batches: the first 1, 2, 4, ... slots, as few as hold every running request (one shape in
+        # batch-invariant mode)
+        self.decode_rows = (max_slots,) if batch_invariant else _buckets(1, max_slots)
         draft = speculative.num_tokens if speculative is not None else 0
         # the cache holds a padded prompt's last bucket and a verify pass's drafts past max_length
         self.capacity = self.padded_length + draft + 1
@@ -259,7 +264,7 @@ class Engine:
             self._waiting.remove(req)
         elif req.slot >= 0 and self._running.get(req.slot) is req:
             del self._running[req.slot]
-            self._free.append(req.slot)
+            heapq.heappush(self._free, req.slot)
             if req in self._prefilling:
                 self._prefilling.remove(req)
 
@@ -366,7 +371,7 @@ class Engine:
         grouped by length bucket."""
         while self._waiting and self._free:
             req = self._waiting.popleft()
-            req.slot = self._free.pop(0)
+            req.slot = heapq.heappop(self._free)  # the lowest free slot: decode batches stay small
             self._running[req.slot] = req
             req.progress = self._restore(req)
             self._prefilling.append(req)
@@ -487,9 +492,12 @@ class Engine:
         return active
 
     def _decode(self, events, finished) -> None:
-        self._slots, step = self._programs.decode(self._state, self._slots, self._active(),
-                                                  steps=self.decode_steps)
-        self.stats.programs.add(("decode", (self.max_slots, self.decode_steps)))
+        active = self._active()
+        used = int(np.flatnonzero(active)[-1]) + 1
+        rows = next(r for r in self.decode_rows if r >= used)
+        self._slots, step = self._programs.decode(self._state, self._slots, active, steps=self.decode_steps,
+                                                  rows=rows)
+        self.stats.programs.add(("decode", (rows, self.decode_steps)))
         self.stats.decode_calls += 1
         got = jax.device_get(step)
         for slot, req in list(self._running.items()):
@@ -585,6 +593,6 @@ class Engine:
                               np.stack(req.logits) if req.logits else None)
         if self._running.get(req.slot) is req:
             del self._running[req.slot]
-            self._free.append(req.slot)
+            heapq.heappush(self._free, req.slot)
         self._requests.pop(req.id, None)
         finished.append(req)

@@ -164,10 +164,28 @@ class Step(NamedTuple):
 
 
 
-def decode(state: nnx.State, slots: Slots, active: jax.Array, *, static: Static, steps: int) -> tuple[Slots, Step]:
-    """active [S]: the rows decoding (the others' states are kept)."""
+def _over_rows(static: Static, fn, *slot_states: Slots) -> Slots:
+    """fn(axis, *arrays) over the arrays of slot states of one structure,
+    axis being their row axis."""
+    def entries(axis, *es):
+        return jax.tree.map(lambda *xs: fn(axis, *xs), *es)
+    layers = _map_entries(entries, static, *(s.cache.layers for s in slot_states))
+    rest = jax.tree.map(lambda *xs: fn(0, *xs), *(s._replace(cache=None) for s in slot_states))
+    return rest._replace(cache=Cache(layers, fn(0, *(s.cache.length for s in slot_states))))
+
+
+def decode(state: nnx.State, slots: Slots, active: jax.Array, *, static: Static, steps: int,
+           rows: int | None = None) -> tuple[Slots, Step]:
+    """active [S]: the rows decoding (the others' states are kept). rows:
+    only the first `rows` slots decode (the others are idle), so a step
+    costs what the batch holds rather than every slot."""
+    if rows is not None and rows < slots.last.shape[0]:
+        part = _over_rows(static, lambda axis, x: jax.lax.slice_in_dim(x, 0, rows, axis=axis), slots)
+        part, step = decode(state, part, active[:rows], static=static, steps=steps)
+        return _over_rows(static, lambda axis, x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis),
+                          slots, part), step
     model = nnx.merge(static.graphdef, state)
-    rows = jnp.arange(slots.last.shape[0])
+    index = jnp.arange(slots.last.shape[0])
 
     params = sampling.quiet(slots.params, active)
 
@@ -178,7 +196,7 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, *, static: Static,
         adj = sampling.adjust(logits, params, slots.counts, slots.seen, slots.generated, static.eos_ids)
         tok = sampling.draw(adj, params, sampling.token_keys(params, slots.generated))
         lp = sampling.logprobs(adj, tok, static.logprobs, params.logprobs)
-        slots = slots._replace(cache=out.cache, counts=slots.counts.at[rows, tok].add(1),
+        slots = slots._replace(cache=out.cache, counts=slots.counts.at[index, tok].add(1),
                                generated=slots.generated + 1, last=tok)
         return slots, (tok, lp, logits if static.keep_logits else None)
 
@@ -244,4 +262,4 @@ def compile_programs(static: Static) -> Programs:
     state donated: every program updates it in place)."""
     def jit(fn, *static_names):
         return jax.jit(functools.partial(fn, static=static), static_argnames=static_names, donate_argnames=("slots",))
-    return Programs(jit(prefill, "history_every"), jit(restore), jit(decode, "steps"), jit(verify))
+    return Programs(jit(prefill, "history_every"), jit(restore), jit(decode, "steps", "rows"), jit(verify))
