@@ -12,7 +12,7 @@ by a `gdnx serve` subprocess on 127.0.0.1 with 32 slots and the prefix
 cache off (prompts are distinct). Each client sends its requests one after
 another: 64 random words, 64 tokens out, greedy, ignore_eos. The clients
 (httpx, one asyncio loop) share the 2 cores with the server. Each
-concurrency first runs one untimed round (it compiles the prefill shapes);
+concurrency first runs two untimed rounds (they compile its prefill shapes);
 throughput is the median of --repeats rounds, latencies are pooled over
 them. Prints markdown for docs/benchmarks.md.
 """
@@ -166,7 +166,8 @@ def main() -> None:
         server = Server(Path(tmp))
         try:
             for clients in (1, 8, 32):
-                asyncio.run(round_(server.url, clients, 1000, [], []))  # compiles this concurrency's shapes
+                for seed in (998, 999):  # compile this concurrency's prefill shapes (arrivals vary)
+                    asyncio.run(round_(server.url, clients, seed, [], []))
                 ttft: list[float] = []
                 itl: list[float] = []
                 rounds = [asyncio.run(round_(server.url, clients, 1001 + r, ttft, itl)) for r in range(args.repeats)]

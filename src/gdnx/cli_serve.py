@@ -84,8 +84,9 @@ def _serve(args, sock, api_key: str | None) -> None:
     host, port = sock.getsockname()[:2]
     name = args.served_model_name or path.resolve().name
     print(f"gdnx serve: loaded {found.description}; compiling the first programs", file=sys.stderr, flush=True)
-    engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0))  # prefill and decode compile now
+    engine.generate([[0]], SamplingParams(max_tokens=2, temperature=0.0))  # the shortest prompts' prefill
     engine.stats = EngineStats()
+    engine.warm_up()  # every decode batch size
     served = Served(AsyncEngine(engine, Metrics(), args.max_queue), tok, name, chat, api_key)
     print(f"gdnx serve: serving {name!r} at http://{host}:{port}/v1 ({args.max_slots} slots, {max_length} tokens "
           f"each{', an API key' if api_key else ''}); SIGTERM or Ctrl-C stops it", file=sys.stderr, flush=True)

@@ -283,3 +283,14 @@ def test_scanned_layers_with_prefix_cache_speculation_and_invariance(prompts):
     assert engine.stats.accepted_tokens > 0
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a.logits, b.logits)
+
+
+def test_warm_up_compiles_every_decode_batch_and_changes_no_result(model, prompts, plain):
+    engine = _engine(model, speculative=NgramDrafter(num_tokens=2))
+    engine.warm_up()
+    assert {s for name, s in engine.stats.programs} == {(1, 4), (2, 4), (4, 4), (4, 2)}
+    assert [c.tokens for c in engine.generate(prompts[:3], GREEDY)] == plain[:3]
+    engine.add_request(prompts[0], GREEDY)
+    engine.step()
+    with pytest.raises(RuntimeError, match="warm_up: requests are running"):
+        engine.warm_up()

@@ -268,6 +268,25 @@ class Engine:
             if req in self._prefilling:
                 self._prefilling.remove(req)
 
+    def warm_up(self) -> None:
+        """Compile the decode step of every decode batch size (and the verify
+        pass with a drafter) now, rather than when a request first needs it
+        (a server's first requests would wait for the compiler). Runs them
+        on idle slots, so only while no request runs."""
+        if self._running:
+            raise RuntimeError("warm_up: requests are running; call it before adding any")
+        idle = np.zeros(self.max_slots, bool)
+        for rows in self.decode_rows:
+            self._slots, _ = self._programs.decode(self._state, self._slots, idle, steps=self.decode_steps,
+                                                   rows=rows)
+            self.stats.programs.add(("decode", (rows, self.decode_steps)))
+        if self.speculative is not None:
+            k = self.speculative.num_tokens
+            self._slots, _ = self._programs.verify(self._state, self._slots, idle,
+                                                   np.zeros((self.max_slots, k), np.int32),
+                                                   np.zeros(self.max_slots, np.int32))
+            self.stats.programs.add(("verify", (self.max_slots, k)))
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 

@@ -170,8 +170,9 @@ def _over_rows(static: Static, fn, *slot_states: Slots) -> Slots:
     def entries(axis, *es):
         return jax.tree.map(lambda *xs: fn(axis, *xs), *es)
     layers = _map_entries(entries, static, *(s.cache.layers for s in slot_states))
-    rest = jax.tree.map(lambda *xs: fn(0, *xs), *(s._replace(cache=None) for s in slot_states))
-    return rest._replace(cache=Cache(layers, fn(0, *(s.cache.length for s in slot_states))))
+    rest = {name: jax.tree.map(lambda *xs: fn(0, *xs), *(getattr(s, name) for s in slot_states))
+            for name in Slots._fields if name != "cache"}
+    return Slots(cache=Cache(layers, fn(0, *(s.cache.length for s in slot_states))), **rest)
 
 
 def decode(state: nnx.State, slots: Slots, active: jax.Array, *, static: Static, steps: int,
