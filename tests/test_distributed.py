@@ -169,7 +169,9 @@ def test_two_processes_match_one_then_sigterm_checkpoints_and_another_process_co
         assert two.wait() == [0, 0], two.output()
     _assert_same(tmp_path / "one", tmp_path / "two", exact=False)
 
-    with _running(_Run(tmp_path / "stopped", 2)) as (stopped,):
+    # a checkpoint every step (free to change on resume) keeps the run busy long enough for SIGTERM to
+    # arrive before its last step: with compiled steps of a few milliseconds it once finished first
+    with _running(_Run(tmp_path / "stopped", 2, ["train.checkpoint_every=1"])) as (stopped,):
         stopped.wait_for_step(2)
         for p in stopped.procs:
             p.send_signal(signal.SIGTERM)
