@@ -67,7 +67,6 @@ class AsyncEngine:
         self._in_flight = 0                        # submitted, not yet ended (the event loop's count)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="gdnx-engine", daemon=True)
-        self._stopping = False
 
     def start(self) -> None:
         self._thread.start()
@@ -76,10 +75,6 @@ class AsyncEngine:
         """Drop what is left and end the thread."""
         self._commands.put(("stop", None))
         self._thread.join()
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         """The engine's own check of a request (ValueError naming the field);

@@ -146,10 +146,8 @@ def parse(kind: type[_Request], body: Any) -> Any:
 def sampling_error(e: ValueError) -> RequestError:
     """SamplingParams' or the engine's ValueError ("field: ...") as a RequestError."""
     text = str(e)
-    field = text.split(":", 1)[0] if ":" in text else None
-    if field is not None and (" " in field or "[" in field):
-        field = field.split("[")[0] if " " not in field.split("[")[0] else None
-    return RequestError(text, field)
+    head = text.partition(":")[0].split("[")[0]  # "stop_token_ids[0]: ..." names stop_token_ids
+    return RequestError(text, head if ":" in text and head and " " not in head else None)
 
 
 # ---- responses -------------------------------------------------------------------------------------------------

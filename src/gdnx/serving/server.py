@@ -283,7 +283,6 @@ async def _stream(served: Served, rid: str, n: int, handles: list[Handle], choic
             await merged.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
-    done = [False] * len(handles)
     texts = [choice.stream_state(h.params) for h in handles]
     results: list[Completion | None] = [None] * len(handles)
     model = served.model_name
@@ -292,7 +291,7 @@ async def _stream(served: Served, rid: str, n: int, handles: list[Handle], choic
             first = choice.first_chunk(i)
             if first is not None:
                 yield _sse(envelope(rid, choice.chunk_kind, model, [first]))
-        while not all(done):
+        while any(r is None for r in results):
             i, item = await merged.get()
             if isinstance(item, EngineError):
                 yield _sse(RequestError(str(item), None, 500, "internal_server_error").body())
@@ -303,7 +302,6 @@ async def _stream(served: Served, rid: str, n: int, handles: list[Handle], choic
                 yield _sse(envelope(rid, choice.chunk_kind, model, [choice.chunk(i, text, lp, finish)]))
             if item.completion is not None:
                 results[i] = item.completion
-                done[i] = True
         else:
             if include_usage:
                 yield _sse(envelope(rid, choice.chunk_kind, model, [],
@@ -322,23 +320,25 @@ async def _stream(served: Served, rid: str, n: int, handles: list[Handle], choic
 _CONTEXT = 4
 
 
-def _piece(decode: Callable[[Sequence[int]], str], before: Sequence[int], token: int) -> str:
-    """The text `token` adds after the tokens before it."""
-    context = list(before[-_CONTEXT:])
-    head = decode(context)
-    text = decode(context + [token])
-    return text[len(head):] if text.startswith(head) else decode([token])
-
-
 def _logprob_pieces(decode: Callable[[Sequence[int]], str], before: Sequence[int], tokens: Sequence[int],
                     entries: Sequence[tuple[float, dict[int, float]]]) -> tuple[list[str], list]:
-    """Each token's text and its top-N as {text: logprob}, in context."""
+    """Each token's text and its top-N as {text: logprob}: the text a token
+    adds after the tokens before it (a tokenizer may join or space a token
+    by its neighbours)."""
     pieces, tops, context = [], [], list(before)
+
+    def piece(head: str, window: list[int], token: int) -> str:
+        text = decode(window + [token])
+        return text[len(head):] if text.startswith(head) else decode([token])
+
     for t, (lp, top) in zip(tokens, entries):
-        pieces.append(_piece(decode, context, t))
-        tops.append((lp, {_piece(decode, context, c): v for c, v in top.items()}))
+        window = context[-_CONTEXT:]
+        head = decode(window)  # once per position, for the token and each of its top-N
+        pieces.append(piece(head, window, t))
+        tops.append((lp, {piece(head, window, c): v for c, v in top.items()}))
         context.append(t)
     return pieces, tops
+
 
 class _StreamText:
     """A choice's text as its tokens come: what is safe to send (held back:
