@@ -88,7 +88,7 @@ class _Run:
                 raise AssertionError(f"a process ended early:\n{self.output()[-2000:]}")
             if _losses(self.out) and max(_losses(self.out)) >= step:
                 return
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise AssertionError(f"step {step} not reached in {timeout} s:\n{self.output()[-2000:]}")
 
 
@@ -169,12 +169,9 @@ def test_two_processes_match_one_then_sigterm_checkpoints_and_another_process_co
         assert two.wait() == [0, 0], two.output()
     _assert_same(tmp_path / "one", tmp_path / "two", exact=False)
 
-    # a checkpoint every step (free to change on resume) keeps the run busy long enough for SIGTERM to
-    # arrive before its last step: with compiled steps of a few milliseconds it once finished first
+    # a checkpoint every step (free to change on resume) keeps the run from ending between two polls
     with _running(_Run(tmp_path / "stopped", 2, ["train.checkpoint_every=1"])) as (stopped,):
-        stopped.wait_for_step(2)
-        for p in stopped.procs:
-            p.send_signal(signal.SIGTERM)
+        _sigterm_at_step(stopped, 2, to=[0, 1])
         assert stopped.wait() == [PREEMPTED_STATUS] * 2, stopped.output()
     reached = max(_losses(tmp_path / "stopped"))
     assert 2 <= reached < STEPS and _params(tmp_path / "stopped")[0] == reached
@@ -198,9 +195,8 @@ def test_text_on_two_processes_matches_one_and_sigterm_to_one_process_stops_both
     corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "some words " * (i % 7 + 1)}) + "\n"
                               for i in range(200)))
     text = ["data.source=text", f"data.path={corpus}", "model.vocab_size=256"]
-    with _running(_Run(tmp_path / "one", 1, text), _Run(tmp_path / "two", 2, text)) as (one, two):
-        two.wait_for_step(2)  # (before waiting for the other run, which may take longer)
-        two.procs[1].send_signal(signal.SIGTERM)
+    with _running(_Run(tmp_path / "one", 1, text), _Run(tmp_path / "two", 2, [*text, "train.checkpoint_every=1"])) as (one, two):
+        _sigterm_at_step(two, 2, to=[1])  # (before waiting for the other run, which may take longer)
         assert two.wait() == [PREEMPTED_STATUS] * 2, two.output()
         assert one.wait() == [0], one.output()
     assert all("stopped by SIGTERM at step" in two.output(i) for i in (0, 1))
@@ -268,6 +264,25 @@ def test_a_silent_process_ends_the_others_after_the_heartbeat_timeout(tmp_path):
     lines = [line for line in run.output(0).splitlines() if "error" in line.lower()]
     assert len(lines) == 1 and lines[0].startswith("gdnx train: error: another process of the run stopped"), lines
     assert "Check failure" not in run.output(0) and "Traceback" not in run.output(0)
+
+
+def _sigterm_at_step(run: _Run, step: int, to: list[int]) -> None:
+    """SIGTERM to processes `to` of `run` once it has logged `step`, while
+    every worker is stopped (SIGSTOP): compiled steps take milliseconds, so
+    a signal sent to a running run may land after its last step. The
+    supervisors forward SIGTERM to their stopped workers, which take it
+    before another step once continued."""
+    run.wait_for_step(step)
+    workers = [_child_of(p.pid) for p in run.procs]
+    for worker in workers:
+        os.kill(worker, signal.SIGSTOP)
+    try:
+        for i in to:
+            run.procs[i].send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # for the supervisors to forward it
+    finally:
+        for worker in workers:
+            os.kill(worker, signal.SIGCONT)
 
 
 def _child_of(pid: int) -> int:
