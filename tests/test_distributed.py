@@ -158,52 +158,39 @@ def test_the_process_group_comes_from_options_then_the_environment():
         process_group("h:1", 2, 0, 0, env={})
 
 
-def test_two_processes_match_one_then_sigterm_checkpoints_and_another_process_count_resumes(tmp_path):
-    """2 x 4 devices against 1 x 8, uninterrupted; then a 2 x 4 run that
-    every process gets SIGTERM in (as a scheduler sends it): a checkpoint at
-    the step they agree on, exit status 75, and resumed by 2 processes (bit
-    for bit the uninterrupted 2 x 4 run) and by 1 (8 devices in one
-    process: orbax restores the shards onto any split of the mesh)."""
-    with _running(_Run(tmp_path / "one", 1), _Run(tmp_path / "two", 2)) as (one, two):
-        assert one.wait() == [0], one.output()
-        assert two.wait() == [0, 0], two.output()
-    _assert_same(tmp_path / "one", tmp_path / "two", exact=False)
-
-    # a checkpoint every step (free to change on resume) keeps the run from ending between two polls
-    with _running(_Run(tmp_path / "stopped", 2, ["train.checkpoint_every=1"])) as (stopped,):
-        _sigterm_at_step(stopped, 2, to=[0, 1])
-        assert stopped.wait() == [PREEMPTED_STATUS] * 2, stopped.output()
-    reached = max(_losses(tmp_path / "stopped"))
-    assert 2 <= reached < STEPS and _params(tmp_path / "stopped")[0] == reached
-    assert f"stopped by SIGTERM at step {reached} of {STEPS}" in stopped.output(0)
-    shutil.copytree(tmp_path / "stopped", tmp_path / "on_one")
-    # one after another: gloo gives a peer 30 s to reach a collective, and
-    # several processes compiling at once on a 2-core machine can take longer
-    for name, processes in (("stopped", 2), ("on_one", 1)):
-        with _running(_Run(tmp_path / name, processes)) as (run,):
-            assert set(run.wait()) == {0}, run.output()
-            assert f"resumed from the checkpoint at step {reached}" in run.output(0)
-    _assert_same(tmp_path / "two", tmp_path / "stopped", exact=True)
-    _assert_same(tmp_path / "two", tmp_path / "on_one", exact=False)
-
-
-def test_text_on_two_processes_matches_one_and_sigterm_to_one_process_stops_both(tmp_path):
-    """data.source=text: process 0 prepares the corpus while process 1
-    waits; each reads its rows. SIGTERM to process 1 alone stops both at one
-    step with a checkpoint; the resumed run ends as one process's run does."""
+def test_two_processes_match_one_then_sigterm_to_one_stops_both_and_another_process_count_resumes(tmp_path):
+    """On a text corpus (process 0 prepares it while process 1 waits; each
+    reads its rows): 2 x 4 devices against 1 x 8, uninterrupted; then a
+    2 x 4 run where process 1 alone gets SIGTERM: both stop at the step they
+    agree on with a checkpoint and exit status 75, and the run is resumed by
+    2 processes (bit for bit the uninterrupted 2 x 4 run) and by 1 (8 devices
+    in one process: orbax restores the shards onto any split of the mesh)."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "some words " * (i % 7 + 1)}) + "\n"
                               for i in range(200)))
     text = ["data.source=text", f"data.path={corpus}", "model.vocab_size=256"]
-    with _running(_Run(tmp_path / "one", 1, text), _Run(tmp_path / "two", 2, [*text, "train.checkpoint_every=1"])) as (one, two):
-        _sigterm_at_step(two, 2, to=[1])  # (before waiting for the other run, which may take longer)
-        assert two.wait() == [PREEMPTED_STATUS] * 2, two.output()
+    with _running(_Run(tmp_path / "one", 1, text), _Run(tmp_path / "two", 2, text)) as (one, two):
         assert one.wait() == [0], one.output()
-    assert all("stopped by SIGTERM at step" in two.output(i) for i in (0, 1))
+        assert two.wait() == [0, 0], two.output()
     assert (tmp_path / "two" / "data" / "meta.json").is_file()
-    with _running(_Run(tmp_path / "two", 2, text)) as (resumed,):
-        assert resumed.wait() == [0, 0], resumed.output()
     _assert_same(tmp_path / "one", tmp_path / "two", exact=False)
+
+    # a checkpoint every step (free to change on resume) keeps the run from ending between two polls
+    with _running(_Run(tmp_path / "stopped", 2, [*text, "train.checkpoint_every=1"])) as (stopped,):
+        _sigterm_at_step(stopped, 2, to=[1])
+        assert stopped.wait() == [PREEMPTED_STATUS] * 2, stopped.output()
+    reached = max(_losses(tmp_path / "stopped"))
+    assert 2 <= reached < STEPS and _params(tmp_path / "stopped")[0] == reached
+    assert all(f"stopped by SIGTERM at step {reached} of {STEPS}" in stopped.output(i) for i in (0, 1))
+    shutil.copytree(tmp_path / "stopped", tmp_path / "on_one")
+    # one after another: gloo gives a peer 30 s to reach a collective, and
+    # several processes compiling at once on a 2-core machine can take longer
+    for name, processes in (("stopped", 2), ("on_one", 1)):
+        with _running(_Run(tmp_path / name, processes, text)) as (run,):
+            assert set(run.wait()) == {0}, run.output()
+            assert f"resumed from the checkpoint at step {reached}" in run.output(0)
+    _assert_same(tmp_path / "two", tmp_path / "stopped", exact=True)
+    _assert_same(tmp_path / "two", tmp_path / "on_one", exact=False)
 
 
 def test_a_killed_process_ends_the_others_in_one_line_and_the_run_resumes(tmp_path):
