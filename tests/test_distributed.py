@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from gdnx.cli_generate import load_for_generation
-from gdnx.distributed import PEER_LOST_STATUS, PREEMPTED_STATUS, process_group
+from gdnx.distributed import PEER_LOST_STATUS, PREEMPTED_STATUS, StopSignals, process_group
 
 # mesh data=2 x fsdp=2 x tensor=2 on 8 devices however they are split into processes
 RUN = ["model.hidden_size=32", "model.intermediate_size=32", "data.seq_len=40", "data.num_pairs=4",
@@ -156,6 +156,26 @@ def test_the_process_group_comes_from_options_then_the_environment():
         process_group(None, None, None, env={"JAX_NUM_PROCESSES": "two"})
     with pytest.raises(ValueError, match="--heartbeat-timeout"):
         process_group("h:1", 2, 0, 0, env={})
+
+
+def test_a_signal_that_lands_while_the_processes_share_theirs_stops_the_next_step(monkeypatch):
+    """SIGTERM handled in the middle of the per-step all-gather (the place a
+    process waits for the others) is not lost: the gather saw none, the next
+    one carries it."""
+    from jax.experimental import multihost_utils
+
+    import gdnx.distributed as distributed
+
+    signals = StopSignals()
+
+    def gather_while_a_signal_lands(x):
+        signals._handle(signal.SIGTERM, None)
+        return np.stack([np.asarray(x), np.zeros_like(x)])  # this process's value and a peer's
+
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(multihost_utils, "process_allgather", gather_while_a_signal_lands)
+    assert not signals.reached()
+    assert signals.reached() and signals.signal == signal.SIGTERM
 
 
 def test_two_processes_match_one_then_sigterm_to_one_stops_both_and_another_process_count_resumes(tmp_path):

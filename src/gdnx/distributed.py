@@ -159,10 +159,14 @@ class StopSignals:
     stop after a step; `reached()` is True after the same step on every
     process: each step the processes share whether any of them got a signal
     (one small all-gather; the step already waits for its metrics). A second
-    SIGINT interrupts at once. `signal` is the signal any process got."""
+    SIGINT interrupts at once. `signal` is the signal any process got, as of
+    the last `reached()`."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        # this process's own, set by the handler alone: a signal that lands while
+        # the processes share theirs is then shared at the next step, not lost
+        self._received: int | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -174,9 +178,9 @@ class StopSignals:
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.signal is not None:
+        if signum == signal.SIGINT and self._received is not None:
             raise KeyboardInterrupt
-        self.signal = signum
+        self._received = signum
         print(f"{signal.Signals(signum).name} received: stopping after this step with a checkpoint "
               "(SIGINT again interrupts at once)", file=sys.stderr, flush=True)
 
@@ -184,8 +188,10 @@ class StopSignals:
         if is_distributed():
             from jax.experimental import multihost_utils
 
-            got = multihost_utils.process_allgather(np.asarray(self.signal or 0, np.int32))
+            got = multihost_utils.process_allgather(np.asarray(self._received or 0, np.int32))
             self.signal = int(np.max(got)) or None
+        else:
+            self.signal = self._received
         return self.signal is not None
 
     def __exit__(self, *exc: object) -> None:
