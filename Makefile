@@ -25,11 +25,14 @@ demo: $(STAMP)
 # compiled programs are shared between the tests and the processes of one
 # run (and kept for the next) by JAX's persistent compilation cache, since
 # many tests compile the same tiny model's step; and XLA's CPU backend
-# compiles at optimisation level 0 (measured 1.5x faster on the model
-# tests; float semantics are the same at every level: no fast math). The
-# deviceless stages compile for TPU and GPU targets as a user would.
+# compiles at optimisation level 0, with its elemental emitters rather than
+# the fusion emitters and each program's code generated as one module (the
+# two halve the compile time of a model's train step; docs/benchmarks.md).
+# None of these changes float semantics: no fast math. The deviceless
+# stages compile for TPU and GPU targets as a user would.
 CPU_ENV := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 XLA_FLAGS=--xla_backend_optimization_level=0
+	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 XLA_FLAGS="--xla_backend_optimization_level=0 \
+	--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
 PYTEST := $(VENV)/bin/python -m pytest -p no:cacheprovider --durations=15 --durations-min=1
 AOT_PYTEST := env JAX_PLATFORMS=cpu TPU_WORKER_HOSTNAMES=localhost $(AOT_VENV)/bin/python -m pytest \
 	-p no:cacheprovider --durations=15 --durations-min=1 -m deviceless
@@ -56,7 +59,7 @@ test: $(STAMP) $(AOT_STAMP)
 	stage "op tests" env $(CPU_ENV) $(PYTEST) -n 2 tests/ops -m "not deviceless" \
 	  --ignore=tests/ops/gated_delta_rule/test_numerics.py && \
 	stage "op numerics" env $(CPU_ENV) $(PYTEST) -n 2 tests/ops/gated_delta_rule/test_numerics.py && \
-	stage "8-device tests" env $(CPU_ENV) $(PYTEST) -n 2 tests/parallel && \
+	stage "8-device tests" env $(CPU_ENV) $(PYTEST) -n 2 --dist loadgroup tests/parallel && \
 	stage "the rest" env $(CPU_ENV) $(PYTEST) -n 2 --dist loadgroup tests --ignore=tests/ops --ignore=tests/parallel \
 	  -m "not deviceless" && \
 	stage "deviceless TPU and GPU" sh -c '$(AOT_PYTEST) tests/ops -k "h100 or a100" > .deviceless-gpu.log 2>&1 & gpu=$$!; \

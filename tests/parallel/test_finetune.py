@@ -17,6 +17,9 @@ from gdnx.training.init_from import load_train_config
 from tests.parallel.helpers import mesh
 from tests.parallel.test_sharded_training import losses, max_relative
 
+# one worker builds the checkpoint (a transformers save in a child process) for both cases
+pytestmark = pytest.mark.xdist_group("finetune")
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:

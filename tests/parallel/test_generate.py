@@ -3,6 +3,8 @@ context axis, with the GDN states taken from the last shard) gives the
 one-device logits and cache (relative error <= 1e-5, float32), and greedy
 decoding gives the same tokens."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,14 +23,19 @@ from tests.parallel.test_model import FAMILIES, MODEL
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", *FAMILIES])
-def model(request):
-    return CausalLM(load_config("tiny", MODEL + FAMILIES.get(request.param, [])).model, seed=0)
+@functools.cache
+def _model(family: str) -> CausalLM:
+    return CausalLM(load_config("tiny", MODEL + FAMILIES.get(family, [])).model, seed=0)
 
 
-@pytest.mark.parametrize("mode,name", [("explicit", "context4_tensor2"), ("auto", "context8"),
-                                       ("auto", "data2_fsdp2_tensor2")])
-def test_prefill_and_greedy_decoding_on_a_mesh(model, mode, name):
+# Qwen3-Next on three meshes; the other families' own paths (GVA groups and
+# q/k norms over tensor shards) on the mesh that splits both tensor and context
+@pytest.mark.parametrize("family, mode, name", [
+    ("qwen3_next", "explicit", "context4_tensor2"), ("qwen3_next", "auto", "context8"),
+    ("qwen3_next", "auto", "data2_fsdp2_tensor2"),
+    *[(family, "explicit", "context4_tensor2") for family in FAMILIES]])
+def test_prefill_and_greedy_decoding_on_a_mesh(family, mode, name):
+    model = _model(family)
     prompt = jax.random.randint(jax.random.key(3), (8, 16), 0, model.config.vocab_size, jnp.int32)
 
     def prefill(m):

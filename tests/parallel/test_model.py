@@ -1,11 +1,14 @@
 """The sharded model equals the single-device model: loss and every
 gradient, relative error <= 1e-5 in float32 (measured ~2e-6: the shards sum
-in another order), on every test mesh, in both shard modes, with the GDN
-kernel (Pallas TPU kernel in interpret mode) and without (XLA path).
+in another order), with the GDN kernel (Pallas TPU kernel in interpret
+mode) and without (XLA path), each on every test mesh; every mesh in both
+shard modes.
 
 The model has all three mixers' paths: Gated DeltaNet layers (key heads
 over tensor, sequence over context), a full-attention layer (K/V gathered
 over context) and sparse-MoE layers (experts under shard_map)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +52,13 @@ def loss_and_grads(graphdef, params, data, aux):
     return jax.jit(jax.value_and_grad(f))(params)
 
 
-@pytest.fixture(scope="module", params=["xla", "pallas_tpu"], ids=["xla", "kernel"])
-def setup(request):
-    cfg = model_config(request.param)
-    with pytest.warns(UserWarning, match="interpret mode") if request.param == "pallas_tpu" else _nothing():
+@functools.cache
+def _reference(implementation: str):
+    """The model with `implementation` and its one-device loss and gradients
+    for batches of B and 2 rows (built once per process: each test case is a
+    parameter of its own, which a parametrized fixture would build again)."""
+    cfg = model_config(implementation)
+    with pytest.warns(UserWarning, match="interpret mode") if implementation == "pallas_tpu" else _nothing():
         graphdef, params = nnx.split(CausalLM(cfg, seed=0), nnx.Param)
     refs = {b: loss_and_grads(graphdef, params, batch(b), cfg.router_aux_loss_coef) for b in (B, 2)}
     return cfg, graphdef, params, refs
@@ -66,10 +72,22 @@ class _nothing:
         return False
 
 
-@pytest.mark.parametrize("mode", ["auto", "explicit"])
-@pytest.mark.parametrize("name,b", [(n, B) for n in MESHES] + [("data8_batch2", 2)])
-def test_sharded_loss_and_grads_match_one_device(setup, mode, name, b):
-    cfg, graphdef, params, refs = setup
+def _cases():
+    """Each implementation on every mesh, the two shard modes alternating so
+    that each mesh runs in both; and the kernel on the fsdp mesh in the
+    default mode, as a TPU run uses it. Each implementation's cases run on one
+    xdist worker, which builds its model and one-device reference once."""
+    names = [(n, B) for n in MESHES] + [("data8_batch2", 2)]
+    cases = [("xla", ("auto", "explicit")[i % 2], n, b) for i, (n, b) in enumerate(names)]
+    cases += [("pallas_tpu", ("explicit", "auto")[i % 2], n, b) for i, (n, b) in enumerate(names)]
+    cases.append(("pallas_tpu", "auto", "data2_fsdp2_tensor2", B))
+    return [pytest.param(*c, id=f"{'kernel' if c[0] == 'pallas_tpu' else c[0]}-{c[2]}-{c[1]}",
+                         marks=pytest.mark.xdist_group(f"model-{c[0]}")) for c in cases]
+
+
+@pytest.mark.parametrize("implementation, mode, name, b", _cases())
+def test_sharded_loss_and_grads_match_one_device(implementation, mode, name, b):
+    cfg, graphdef, params, refs = _reference(implementation)
     m = mesh(mode, **MESHES["data8" if name == "data8_batch2" else name])
     data = batch(b)
     with jax.set_mesh(m):
@@ -141,8 +159,7 @@ SCANNED = ["model.num_hidden_layers=7", "model.mlp_only_layers=[0, 3, 6]",
                                              + ["linear_attention"]) + "]"]
 
 
-@pytest.mark.parametrize("mode,name", [("explicit", "data2_fsdp2_tensor2"), ("auto", "context4_tensor2"),
-                                       ("explicit", "context4_tensor2")])
+@pytest.mark.parametrize("mode,name", [("explicit", "data2_fsdp2_tensor2"), ("auto", "context4_tensor2")])
 def test_scanned_layers_on_a_mesh_match_the_unrolled_stack(mode, name):
     """On the mesh, the scanned model's loss and gradients equal the unrolled
     model's: 1e-6 relative over the whole gradient, 1e-5 per leaf (float32;

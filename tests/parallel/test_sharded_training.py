@@ -37,19 +37,16 @@ def losses(trainer, steps=3):
     return np.array(out)
 
 
-def test_sharded_steps_give_the_single_device_losses():
+def test_sharded_steps_and_gradient_accumulation_give_the_single_device_losses():
+    """Whole-batch steps on a data x tensor x context mesh, and micro-batches
+    of the sharded batch (2 of 4 rows over data=2) in both shard modes: the
+    losses of whole-batch steps on one device."""
     cfg = load_config("tiny", SHARDABLE + ["train.steps=8"])
     one = losses(Trainer(cfg))
     sharded = losses(Trainer(cfg, mesh=mesh("explicit", data=2, tensor=2, context=2)))
     # each step's loss within 1e-5 relative: float32 sums split over shards
     # and added in another order drift by ~1e-7 per step over 8 steps
     assert max_relative(sharded, one) <= 1e-5
-
-
-def test_gradient_accumulation_on_a_mesh_gives_the_single_device_losses():
-    """Micro-batches of the sharded batch (2 of 4 rows over data=2) in both
-    shard modes: the losses of whole-batch steps on one device."""
-    one = losses(Trainer(load_config("tiny", SHARDABLE + ["train.steps=8"])))
     accumulated = load_config("tiny", SHARDABLE + ["train.steps=8", "train.grad_accum_steps=2"])
     for mode in ("auto", "explicit"):
         sharded = losses(Trainer(accumulated, mesh=mesh(mode, data=2, tensor=2, context=2)))
