@@ -278,7 +278,8 @@ def _sigterm_at_step(run: _Run, step: int, to: list[int]) -> None:
     every worker is stopped (SIGSTOP): compiled steps take milliseconds, so
     a signal sent to a running run may land after its last step. The
     supervisors forward SIGTERM to their stopped workers, which take it
-    before another step once continued."""
+    once continued, so the run stops at the end of the step it was in or
+    the next."""
     run.wait_for_step(step)
     workers = [_child_of(p.pid) for p in run.procs]
     for worker in workers:

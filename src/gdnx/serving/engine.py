@@ -277,15 +277,10 @@ class Engine:
             raise RuntimeError("warm_up: requests are running; call it before adding any")
         idle = np.zeros(self.max_slots, bool)
         for rows in self.decode_rows:
-            self._slots, _ = self._programs.decode(self._state, self._slots, idle, steps=self.decode_steps,
-                                                   rows=rows)
-            self.stats.programs.add(("decode", (rows, self.decode_steps)))
+            self._run_decode(idle, rows)
         if self.speculative is not None:
             k = self.speculative.num_tokens
-            self._slots, _ = self._programs.verify(self._state, self._slots, idle,
-                                                   np.zeros((self.max_slots, k), np.int32),
-                                                   np.zeros(self.max_slots, np.int32))
-            self.stats.programs.add(("verify", (self.max_slots, k)))
+            self._run_verify(idle, np.zeros((self.max_slots, k), np.int32), np.zeros(self.max_slots, np.int32))
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
@@ -510,13 +505,23 @@ class Engine:
             active[slot] = req.first_token_at is not None
         return active
 
-    def _decode(self, events, finished) -> None:
-        active = self._active()
-        used = int(np.flatnonzero(active)[-1]) + 1
-        rows = next(r for r in self.decode_rows if r >= used)
+    def _run_decode(self, active: np.ndarray, rows: int):
+        """The decode program over the first `rows` slots (recorded among the compiled programs)."""
         self._slots, step = self._programs.decode(self._state, self._slots, active, steps=self.decode_steps,
                                                   rows=rows)
         self.stats.programs.add(("decode", (rows, self.decode_steps)))
+        return step
+
+    def _run_verify(self, active: np.ndarray, drafts: np.ndarray, counts: np.ndarray):
+        """The verify program over every slot (recorded among the compiled programs)."""
+        self._slots, out = self._programs.verify(self._state, self._slots, active, drafts, counts)
+        self.stats.programs.add(("verify", drafts.shape))
+        return out
+
+    def _decode(self, events, finished) -> None:
+        active = self._active()
+        used = int(np.flatnonzero(active)[-1]) + 1
+        step = self._run_decode(active, next(r for r in self.decode_rows if r >= used))
         self.stats.decode_calls += 1
         got = jax.device_get(step)
         for slot, req in list(self._running.items()):
@@ -547,8 +552,7 @@ class Engine:
         return drafts, counts
 
     def _verify(self, drafts, counts, events, finished) -> None:
-        self._slots, out = self._programs.verify(self._state, self._slots, self._active(), drafts, counts)
-        self.stats.programs.add(("verify", drafts.shape))
+        out = self._run_verify(self._active(), drafts, counts)
         self.stats.verify_calls += 1
         got = jax.device_get(out)
         self.stats.drafted_tokens += int(counts.sum())
