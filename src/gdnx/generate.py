@@ -13,6 +13,7 @@ from flax import nnx
 from gdnx.models.cache import Cache
 from gdnx.models.causal_lm import CausalLM
 from gdnx.parallel.rules import constrain
+from gdnx.errors import FieldError
 
 
 def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_p: float = 1.0) -> jax.Array:
@@ -45,11 +46,11 @@ def prefill_bytes(model: CausalLM, prompt_length: int, cache_length: int, batch:
 
 def check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
     if not temperature >= 0.0:
-        raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        raise FieldError("temperature", f"expected >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p: expected a value in (0, 1], got {top_p}")
+        raise FieldError("top_p", f"expected a value in (0, 1], got {top_p}")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+        raise FieldError("max_new_tokens", f"expected >= 1, got {max_new_tokens}")
 
 
 def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *, temperature: float = 0.0,

@@ -105,8 +105,7 @@ def test_batch_invariance_bit_for_bit(prompts, dtype):
                      max_prefill_batch=2)
     alone = engine.generate([target], GREEDY)[0]
     assert alone.cached_tokens == 0
-    engine.prefix_cache._blocks.clear()
-    engine.prefix_cache.bytes = 0
+    engine.prefix_cache.clear()
     crowded = engine.generate(prompts[:3] + [target] + prompts[5:], GREEDY)[3]
     cached = engine.generate([prompts[1], target], GREEDY)[1]
     assert cached.cached_tokens == 32
@@ -241,7 +240,7 @@ def test_a_bad_request_is_refused_and_the_engine_keeps_serving(model, prompts, p
 
 def test_generate_names_the_bad_prompt_before_running_any(model, prompts):
     engine = _engine(model)
-    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt"):
+    with pytest.raises(ValueError, match=r"prompts\[1\]\.prompt: expected at least one token"):
         engine.generate([prompts[0], []], GREEDY)
     assert not engine.has_unfinished()
 
@@ -294,3 +293,27 @@ def test_warm_up_compiles_every_decode_batch_and_changes_no_result(model, prompt
     engine.step()
     with pytest.raises(RuntimeError, match="warm_up: requests are running"):
         engine.warm_up()
+
+
+def test_abort_a_waiting_and_a_running_request_and_the_rest_run_on(model, prompts, plain):
+    from gdnx.serving.request import RequestStatus
+
+    engine = _engine(model)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]    # 4 slots: two wait
+    engine.step()
+    S = RequestStatus
+    assert [engine.status(i) for i in ids] == [S.RUNNING] * 4 + [S.WAITING] * 2
+    engine.abort(ids[1])
+    engine.abort(ids[5])
+    assert engine.status(ids[1]) is engine.status(ids[5]) is None
+    assert engine.running == 3 and engine.waiting == 1
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    done = {}
+    while engine.has_unfinished():
+        for e in engine.step():
+            tokens[e.request_id] += e.tokens
+            if e.completion is not None:
+                done[e.request_id] = e.completion.tokens
+    assert sorted(done) == [ids[0], ids[2], ids[3], ids[4]]
+    assert all(done[ids[i]] == plain[i] for i in (0, 2, 3, 4))
+    engine.abort(ids[0])  # done: ignored

@@ -409,7 +409,8 @@ def test_an_engine_error_fails_its_requests_with_500_and_the_server_goes_on(chec
     path = checkpoint[0]
     engine = Engine(CausalLM.from_pretrained(path, gdn_chunk_size=16), max_slots=2, max_length=64, decode_steps=4,
                     tokenizer=HFTokenizer(str(path / "tokenizer.json")))
-    served = Served(AsyncEngine(engine, Metrics(), max_queue=4), HFTokenizer(str(path / "tokenizer.json")), "tiny")
+    served = Served(AsyncEngine(engine, Metrics(), max_queue=4), HFTokenizer(str(path / "tokenizer.json")), "tiny",
+                    engine.max_length)
     body = {"model": "tiny", "prompt": _text(_prompt(9, 6)), "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     real, calls = engine.step, []
 
@@ -439,16 +440,3 @@ def test_an_engine_error_fails_its_requests_with_500_and_the_server_goes_on(chec
         assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
         engine.step = real
         assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
-
-
-def test_streamed_text_holds_back_what_may_begin_a_stop_string():
-    from gdnx.serving.params import Completion, SamplingParams
-    from gdnx.serving.server import _StreamText
-
-    words = {1: "ab", 2: "c", 3: "X", 4: "Y", 5: "\ufffd"}
-    stream = _StreamText(lambda ids: "".join(words[i] for i in ids), SamplingParams(stop=["cXZ"]))
-    assert stream.advance([1], None, None)[0] == "ab"
-    assert stream.advance([2, 3], None, None)[0] == ""      # "cX" may begin "cXZ": held
-    assert stream.advance([4], None, None)[0] == "cXY"      # it did not
-    assert stream.advance([5], None, None)[0] == ""         # an incomplete character waits
-    assert stream.advance([2], None, Completion([1, 2, 3, 4, 5, 2], "stop", 1, text="abcXY\ufffdc"))[0] == "\ufffdc"

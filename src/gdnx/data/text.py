@@ -15,6 +15,10 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def token_id(self, text: str) -> int | None:
+        """The id of a named token (bytes have no named tokens: None)."""
+        return None
+
 
 class HFTokenizer:
     def __init__(self, path: str):
@@ -37,6 +41,10 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+    def token_id(self, text: str) -> int | None:
+        """The id of a token by its text (a special token's name), or None."""
+        return self.tok.token_to_id(text)
 
 
 Tokenizer = ByteTokenizer | HFTokenizer

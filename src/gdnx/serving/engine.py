@@ -11,6 +11,12 @@ slot), `decode_steps` tokens per host round trip. It leaves on its stop
 condition and its slot takes the next request. Every shape a program sees
 is fixed by the engine's settings (docs/serving.md counts them).
 
+The work is split by job: the Scheduler (gdnx.serving.scheduler) holds the
+requests and decides what runs where; the compiled programs
+(gdnx.serving.programs) run it; each request's Output
+(gdnx.serving.output) takes its tokens, detokenizes them and checks its
+stop conditions. Engine.step joins the three.
+
 Batch invariance: a row's computation never mixes with another row's,
 every slot runs the same program, a prompt's bucket (and so its padding)
 depends only on its own length, padding leaves every state as it was, and
@@ -21,9 +27,7 @@ bit-identical whatever shares the engine with it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import heapq
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -34,13 +38,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdnx.errors import FieldError
 from gdnx.layers.gated_deltanet import GDNState
 from gdnx.models.cache import row_axes
 from gdnx.serving import programs
 from gdnx.serving.drafter import Drafter
-from gdnx.serving.params import Completion, FinishReason, SamplingParams
-from gdnx.serving.prefix_cache import Block, PrefixCache
+from gdnx.serving.output import Output
+from gdnx.serving.params import Completion, SamplingParams
+from gdnx.serving.prefix_cache import PrefixCache
+from gdnx.serving.request import Request, RequestStatus
 from gdnx.serving.sampling import MAX_STOP_IDS, SlotParams
+from gdnx.serving.scheduler import Layout, Scheduler
 
 
 class Detokenizer(Protocol):
@@ -73,32 +81,40 @@ class EngineStats:
         return 1.0 + self.accepted_tokens / self.verified_requests if self.verified_requests else 1.0
 
 
-@dataclasses.dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
-    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
-    slot: int = -1
-    cached: int = 0
-    progress: int = 0               # prompt tokens prefilled (or restored) so far
-    first_token_at: float | None = None   # set when its prompt is through (it then decodes)
-    text: str | None = None
-    done: Completion | None = None
-
-
 @dataclasses.dataclass(frozen=True)
 class Event:
     """What one engine step gave a request: its new tokens (with their
-    logprobs when it asked for them), and its Completion when it finished
-    in that step."""
+    logprobs when it asked for them), the text they add that is safe to
+    show (with a tokenizer: held back while a character is incomplete or a
+    tail may begin a stop string; a request's texts join to its
+    Completion.text), and its Completion when it finished in that step."""
     request_id: int
     tokens: list[int]
     completion: Completion | None = None
     logprobs: list[tuple[float, dict[int, float]]] | None = None
+    text: str | None = None
+
+
+class _StepResults:
+    """The tokens each request gains in one step, in the order they came."""
+
+    def __init__(self) -> None:
+        self.new: dict[Request, list[int]] = {}
+        self._logprobs_from: dict[Request, int] = {}
+
+    def tokens(self, req: Request) -> list[int]:
+        if req not in self.new:
+            self.new[req] = []
+            self._logprobs_from[req] = len(req.logprobs)
+        return self.new[req]
+
+    def events(self) -> list[Event]:
+        out = []
+        for req, toks in self.new.items():
+            lp = req.logprobs[self._logprobs_from[req]:] if req.params.logprobs is not None else None
+            out.append(Event(req.id, toks, req.completion, lp,
+                             req.output.new_text(finished=req.status is RequestStatus.FINISHED)))
+        return out
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -158,16 +174,16 @@ class Engine:
                                  ("prefix_cache_bytes", prefix_cache_bytes, 0), ("block_size", block_size, 1),
                                  ("decode_steps", decode_steps, 1), ("max_logprobs", max_logprobs, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+                raise FieldError(name, f"expected an integer >= {low}, got {value!r}")
         if block_size % chunk:
-            raise ValueError(f"block_size: expected a multiple of the model's gdn_chunk_size {chunk}, "
+            raise FieldError("block_size", f"expected a multiple of the model's gdn_chunk_size {chunk}, "
                              f"got {block_size}")
         max_prefill_batch = max_slots if max_prefill_batch is None else max_prefill_batch
         if not isinstance(max_prefill_batch, int) or not 1 <= max_prefill_batch <= max_slots:
-            raise ValueError(f"max_prefill_batch: expected an integer in [1, max_slots={max_slots}], "
+            raise FieldError("max_prefill_batch", f"expected an integer in [1, max_slots={max_slots}], "
                              f"got {max_prefill_batch!r}")
         if speculative is not None and not isinstance(speculative, Drafter):
-            raise ValueError(f"speculative: expected a Drafter (propose(tokens), num_tokens) or None, "
+            raise FieldError("speculative", "expected a Drafter (propose(tokens), num_tokens) or None, "
                              f"got {type(speculative).__name__}")
         if eos_token_ids is None:
             eos = cfg.eos_token_id
@@ -188,7 +204,6 @@ class Engine:
         draft = speculative.num_tokens if speculative is not None else 0
         # the cache holds a padded prompt's last bucket and a verify pass's drafts past max_length
         self.capacity = self.padded_length + draft + 1
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, block_size) if prefix_cache_bytes else None
         self.stats = EngineStats()
         graphdef, self._state = nnx.split(model)
         # engines on one model with the same settings share compiled programs
@@ -199,81 +214,78 @@ class Engine:
             shared[key] = (static, programs.compile_programs(static))
         self._static, self._programs = shared[key]
         self._slots = programs.empty_slots(model, max_slots, self.capacity)
-        self._free = list(range(max_slots))
-        self._running: dict[int, _Request] = {}   # by slot
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._prefilling: list[_Request] = []      # holding a slot, prompt not yet through
-        self._requests: dict[int, _Request] = {}
+        is_state = tuple(isinstance(entry, GDNState) for entry in self._slots.cache.layers)
+        self.scheduler = Scheduler(Layout(max_slots, block_size, self.buckets, self.capacity, max_prefill_batch,
+                                          batch_invariant, self._static.row_axes, is_state), prefix_cache_bytes)
         self._next_id = 0
         self._rng = np.random.default_rng(seed)
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def check(self, prompt: Sequence[int], params: SamplingParams, where: str = "") -> list[int]:
-        """The prompt's token ids, or a ValueError naming what this engine
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or a FieldError naming what this engine
         refuses in the request (what add_request checks)."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"{where}params: expected SamplingParams, got {type(params).__name__}")
+            raise FieldError("params", f"expected SamplingParams, got {type(params).__name__}")
         try:
             ids = [int(t) for t in prompt]
         except (TypeError, ValueError):
-            raise ValueError(f"{where}prompt: expected a list of token ids") from None
+            raise FieldError("prompt", "expected a list of token ids") from None
         vocab = self.model.config.vocab_size
         if not ids:
-            raise ValueError(f"{where}prompt: expected at least one token, got an empty prompt")
+            raise FieldError("prompt", "expected at least one token, got an empty prompt")
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"{where}prompt: token ids must be in [0, {vocab})")
+            raise FieldError("prompt", f"token ids must be in [0, {vocab})")
         if len(ids) >= self.max_length:
-            raise ValueError(f"{where}prompt: {len(ids)} tokens leave no room to generate within the engine's "
+            raise FieldError("prompt", f"{len(ids)} tokens leave no room to generate within the engine's "
                              f"max_length={self.max_length}")
         if len(ids) + params.max_tokens > self.max_length:
-            raise ValueError(f"{where}max_tokens: the prompt's {len(ids)} tokens + max_tokens={params.max_tokens} "
+            raise FieldError("max_tokens", f"the prompt's {len(ids)} tokens + max_tokens={params.max_tokens} "
                              f"exceed the engine's max_length={self.max_length}")
+        if params.top_k > vocab:
+            raise FieldError("top_k", f"expected at most the vocabulary's {vocab} tokens (0: all), got {params.top_k}")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"{where}logprobs: expected at most the engine's max_logprobs={self.max_logprobs}, "
+            raise FieldError("logprobs", f"expected at most the engine's max_logprobs={self.max_logprobs}, "
                              f"got {params.logprobs}")
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"{where}stop: stop strings are matched on text; give the engine a tokenizer")
+            raise FieldError("stop", "stop strings are matched on text; give the engine a tokenizer")
         if len(params.stop_token_ids) > MAX_STOP_IDS:
-            raise ValueError(f"{where}stop_token_ids: at most {MAX_STOP_IDS}, got {len(params.stop_token_ids)}")
+            raise FieldError("stop_token_ids", f"at most {MAX_STOP_IDS}, got {len(params.stop_token_ids)}")
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"{where}stop_token_ids: token ids must be in [0, {vocab})")
+            raise FieldError("stop_token_ids", f"token ids must be in [0, {vocab})")
         return ids
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queue a request (token ids); returns its id. Raises ValueError
-        naming the argument for a bad one; the engine's other requests are
+        """Queue a request (token ids); returns its id. Raises FieldError
+        naming the field for a bad one; the engine's other requests are
         unaffected."""
         params = SamplingParams() if params is None else params
         ids = self.check(prompt, params)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
-        req = _Request(self._next_id, ids, params, seed)
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+        req = Request(self._next_id, ids, params, seed, Output(params, decode, self.eos_token_ids))
         self._next_id += 1
-        self._waiting.append(req)
-        self._requests[req.id] = req
+        self.scheduler.add(req)
         self.stats.requests += 1
         self.stats.prompt_tokens += len(ids)
         return req.id
 
     def abort(self, request_id: int) -> None:
-        """Drop a request, waiting or running (its slot is free at once)."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return
-        if req in self._waiting:
-            self._waiting.remove(req)
-        elif req.slot >= 0 and self._running.get(req.slot) is req:
-            del self._running[req.slot]
-            heapq.heappush(self._free, req.slot)
-            if req in self._prefilling:
-                self._prefilling.remove(req)
+        """Drop a request in any state (its slot is free at once); an id
+        that is done or unknown is ignored."""
+        self.scheduler.abort(request_id)
+
+    def status(self, request_id: int) -> RequestStatus | None:
+        """A request's state while the engine holds it (None once done)."""
+        req = self.scheduler.get(request_id)
+        return None if req is None else req.status
 
     def warm_up(self) -> None:
         """Compile the decode step of every decode batch size (and the verify
         pass with a drafter) now, rather than when a request first needs it
         (a server's first requests would wait for the compiler). Runs them
         on idle slots, so only while no request runs."""
-        if self._running:
+        if self.scheduler.running:
             raise RuntimeError("warm_up: requests are running; call it before adding any")
         idle = np.zeros(self.max_slots, bool)
         for rows in self.decode_rows:
@@ -283,22 +295,27 @@ class Engine:
             self._run_verify(idle, np.zeros((self.max_slots, k), np.int32), np.zeros(self.max_slots, np.int32))
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_unfinished()
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Requests holding a slot."""
+        return self.scheduler.running
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
-
-    # ---- the loop -------------------------------------------------------------------------------------------
+        return self.scheduler.waiting
 
     @property
     def can_admit(self) -> bool:
         """Some request waits and a slot is free."""
-        return bool(self._waiting and self._free)
+        return self.scheduler.can_admit
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.scheduler.prefix_cache
+
+    # ---- the loop -------------------------------------------------------------------------------------------
 
     def step(self, decode: bool = True) -> list[Event]:
         """Admit waiting requests into free slots (prefill), then advance
@@ -306,34 +323,24 @@ class Engine:
         Returns what each request got. decode=False stops after the
         prefill: the new requests' first tokens come back without waiting
         for the others' round trip (a server's time to first token)."""
-        events: dict[int, list[int]] = collections.defaultdict(list)
-        finished: list[_Request] = []
-        before = {r.id: len(r.tokens) for r in self._running.values()}
-        self._admit(events, finished)
-        if decode and self._active().any():  # not only prompts part way through a block-by-block prefill
+        results = _StepResults()
+        for req, layers in self.scheduler.admit():
+            self._restore(req, layers)
+        for group, length in self.scheduler.prefill_groups():
+            self._prefill(group, length, results)
+        if decode and self.scheduler.decoding():  # not only prompts part way through a block-by-block prefill
             drafts = self._drafts()
             if drafts is not None:
-                self._verify(*drafts, events, finished)
+                self._verify(*drafts, results)
             else:
-                self._decode(events, finished)
-        reqs = {r.id: r for r in (*self._running.values(), *finished)}
-        out = []
-        for rid, toks in events.items():
-            req = reqs[rid]
-            lp = req.logprobs[before.get(rid, 0):] if req.params.logprobs is not None else None
-            out.append(Event(rid, toks, req.done, lp))
-        return out + [Event(r.id, [], r.done) for r in finished if r.id not in events]
+                self._decode(results)
+        return results.events()
 
-    def reset_running(self) -> list[int]:
-        """After a step raised: drop the requests it was running (their ids
+    def reset_running(self, error: str = "the engine failed a step") -> list[int]:
+        """After a step raised: fail the requests holding slots (their ids
         are returned) and rebuild the slots' state, whose buffers the failed
         call may have consumed; waiting requests stay queued."""
-        dropped = sorted(r.id for r in self._running.values())
-        for rid in dropped:
-            self._requests.pop(rid, None)
-        self._running.clear()
-        self._prefilling.clear()
-        self._free = list(range(self.max_slots))
+        dropped = [r.id for r in self.scheduler.reset(error)]
         self._slots = programs.empty_slots(self.model, self.max_slots, self.capacity)
         return dropped
 
@@ -352,10 +359,14 @@ class Engine:
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Completions of these prompts, in order. Every prompt is checked
-        before any runs (a ValueError names the prompt's index)."""
+        before any runs (a FieldError names the prompt's index, e.g.
+        prompts[2].max_tokens)."""
         plist = self._params_list(prompts, params)
         for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
-            self.check(prompt, p, f"prompts[{i}]: ")
+            try:
+                self.check(prompt, p)
+            except FieldError as e:
+                raise e.within(f"prompts[{i}]") from None
         ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, plist)]
         results: dict[int, Completion] = {}
         while len(results) < len(ids) and self.has_unfinished():
@@ -369,75 +380,19 @@ class Engine:
             return [params or SamplingParams()] * len(prompts)
         params = list(params)
         if len(params) != len(prompts):
-            raise ValueError(f"params: expected one SamplingParams or {len(prompts)} (one per prompt), "
+            raise FieldError("params", f"expected one SamplingParams or {len(prompts)} (one per prompt), "
                              f"got {len(params)}")
         return params
 
-    # ---- prefill --------------------------------------------------------------------------------------------
+    # ---- running the programs -------------------------------------------------------------------------------
 
-    def _bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
-
-    def _admit(self, events, finished) -> None:
-        """Give waiting requests the free slots (their cached prefix
-        restored), then prefill: in batch-invariant mode one block of up to
-        max_prefill_batch prompts (a fixed shape), else every prompt whole,
-        grouped by length bucket."""
-        while self._waiting and self._free:
-            req = self._waiting.popleft()
-            req.slot = heapq.heappop(self._free)  # the lowest free slot: decode batches stay small
-            self._running[req.slot] = req
-            req.progress = self._restore(req)
-            self._prefilling.append(req)
-        if not self._prefilling:
-            return
-        if self.batch_invariant:
-            self._prefill([(r, r.progress) for r in self._prefilling[:self.max_prefill_batch]], self.block_size,
-                          events, finished)
-            return
-        groups: dict[int, list[tuple[_Request, int]]] = collections.defaultdict(list)
-        for req in self._prefilling:
-            groups[self._bucket(len(req.prompt) - req.progress)].append((req, req.progress))
-        for length, group in sorted(groups.items()):
-            while group:
-                size = 1 << (min(len(group), self.max_prefill_batch).bit_length() - 1)
-                self._prefill(group[:size], length, events, finished)
-                group = group[size:]
-
-    def _restore(self, req: _Request) -> int:
-        """Write the request's cached prefix into its slot; returns its length."""
-        if self.prefix_cache is None:
-            return 0
-        # at least one prompt token is prefilled (its logits draw the first token)
-        blocks = self.prefix_cache.match(req.prompt, (len(req.prompt) - 1) // self.block_size)
-        # the rest's bucket must fit in the cache: past its end, recompute some cached blocks instead
-        while blocks and not self.batch_invariant and (
-                len(blocks) * self.block_size + self._bucket(len(req.prompt) - len(blocks) * self.block_size)
-                > self.padded_length):
-            blocks.pop()
-        if not blocks:
-            return 0
-        start = len(blocks) * self.block_size
-        layers = []
-        for i, axis in enumerate(self._static.row_axes):
-            a, b = blocks[-1].layers[i]
-            if isinstance(self._slots.cache.layers[i], GDNState):
-                layers.append((a, b))
-            else:  # keys and values of every hit block, at their positions
-                shape = list(a.shape)
-                shape[axis] = self.capacity
-                k, v = np.zeros(shape, a.dtype), np.zeros(shape, b.dtype)
-                index = (slice(None),) * axis + (slice(0, start),)
-                k[index] = np.concatenate([blk.layers[i][0] for blk in blocks], axis=axis)
-                v[index] = np.concatenate([blk.layers[i][1] for blk in blocks], axis=axis)
-                layers.append((k, v))
-        self._slots = self._programs.restore(self._slots, jnp.int32(req.slot), tuple(layers))
+    def _restore(self, req: Request, layers: tuple) -> None:
+        """Write a request's cached prefix into its slot."""
+        self._slots = self._programs.restore(self._slots, jnp.int32(req.held_slot), layers)
         self.stats.programs.add(("restore", ()))
-        req.cached = start
-        self.stats.cached_tokens += start
-        return start
+        self.stats.cached_tokens += req.cached
 
-    def _prefill(self, group: list[tuple[_Request, int]], length: int, events, finished) -> None:
+    def _prefill(self, group: list[tuple[Request, int]], length: int, results: _StepResults) -> None:
         """One prefill call: each request's prompt from its start, up to
         `length` tokens; a request whose prompt is then done draws its first
         token and starts decoding."""
@@ -452,7 +407,7 @@ class Engine:
             n = min(length, len(req.prompt) - start)
             tokens[i, :n] = req.prompt[start:start + n]
             seen[i, req.prompt] = True
-            starts[i], lengths[i], slots[i] = start, n, req.slot
+            starts[i], lengths[i], slots[i] = start, n, req.held_slot
         lengths[len(group):] = 1
         params = SlotParams.rows([r.params for r, _ in group] + [SamplingParams()] * (rows - len(group)),
                                  [r.seed for r, _ in group] + [0] * (rows - len(group)))
@@ -462,48 +417,12 @@ class Engine:
         self.stats.programs.add(("prefill", (rows, length)))
         self.stats.prefill_calls += 1
         got = jax.device_get(out)
-        now = time.perf_counter()
         if got.snapshot is not None:
-            self._store(group, got.snapshot, lengths)
-        for i, (req, start) in enumerate(group):
-            req.progress = start + int(lengths[i])
-            if req.progress < len(req.prompt):
-                continue
-            self._prefilling.remove(req)
-            req.first_token_at = now
-            self._emit(req, [int(got.tokens[i])], got.logprobs, i,
-                       None if got.logits is None else got.logits[i][None], events, finished)
-
-    def _store(self, group, snapshot, lengths: np.ndarray) -> None:
-        """Put the blocks a prefill call completed into the prefix cache."""
-        assert self.prefix_cache is not None
-        bs = self.block_size
-        for i, (req, start) in enumerate(group):
-            first, end = start // bs, (start + int(lengths[i])) // bs
-            keys = self.prefix_cache.keys(req.prompt, end)
-            for j in range(first, end):
-                if keys[j] in self.prefix_cache:
-                    continue
-                local = j - first
-                layers = []
-                for e, axis in enumerate(self._static.row_axes):
-                    a, b = snapshot[e]
-                    pick = (slice(None),) * axis + (i,)
-                    a, b = a[pick], b[pick]
-                    if isinstance(self._slots.cache.layers[e], GDNState):
-                        at = (slice(None),) * axis + (local,)
-                    else:
-                        at = (slice(None),) * axis + (slice(local * bs, (local + 1) * bs),)
-                    layers.append((np.array(a[at]), np.array(b[at])))
-                self.prefix_cache.put(keys[j], Block(tuple(req.prompt[j * bs:(j + 1) * bs]), layers))
-
-    # ---- decode ---------------------------------------------------------------------------------------------
-
-    def _active(self) -> np.ndarray:
-        active = np.zeros(self.max_slots, bool)
-        for slot, req in self._running.items():
-            active[slot] = req.first_token_at is not None
-        return active
+            self.scheduler.store(group, got.snapshot, lengths)
+        for i, (req, _) in enumerate(group):
+            if self.scheduler.prefilled(req, int(lengths[i])):
+                self._emit(req, [int(got.tokens[i])], got.logprobs, i,
+                           None if got.logits is None else got.logits[i][None], results)
 
     def _run_decode(self, active: np.ndarray, rows: int):
         """The decode program over the first `rows` slots (recorded among the compiled programs)."""
@@ -518,17 +437,16 @@ class Engine:
         self.stats.programs.add(("verify", drafts.shape))
         return out
 
-    def _decode(self, events, finished) -> None:
-        active = self._active()
+    def _decode(self, results: _StepResults) -> None:
+        active = self.scheduler.active()
         used = int(np.flatnonzero(active)[-1]) + 1
         step = self._run_decode(active, next(r for r in self.decode_rows if r >= used))
         self.stats.decode_calls += 1
         got = jax.device_get(step)
-        for slot, req in list(self._running.items()):
-            if req.first_token_at is None:
-                continue
+        for req in self.scheduler.decoding():
+            slot = req.held_slot
             logits = None if got.logits is None else got.logits[slot]
-            self._emit(req, [int(t) for t in got.tokens[slot]], got.logprobs, slot, logits, events, finished)
+            self._emit(req, [int(t) for t in got.tokens[slot]], got.logprobs, slot, logits, results)
 
     def _drafts(self) -> tuple[np.ndarray, np.ndarray] | None:
         if self.speculative is None:
@@ -537,85 +455,53 @@ class Engine:
         drafts = np.zeros((self.max_slots, k), np.int32)
         counts = np.zeros(self.max_slots, np.int32)
         vocab = self.model.config.vocab_size
-        for slot, req in self._running.items():
-            if req.first_token_at is None:
-                continue
+        for req in self.scheduler.decoding():
             room = req.params.max_tokens - len(req.tokens) - 1  # the pass also yields one token of its own
             proposal = [int(t) for t in self.speculative.propose(req.prompt + req.tokens)][:max(0, min(k, room))]
             proposal = [t for t in proposal if 0 <= t < vocab]  # a drafter's out-of-vocabulary token is dropped
-            drafts[slot, :len(proposal)] = proposal
-            counts[slot] = len(proposal)
+            drafts[req.held_slot, :len(proposal)] = proposal
+            counts[req.held_slot] = len(proposal)
         # batch-invariant: every token from a verify pass (a plain decode step computes in another
         # shape, and whether another slot has drafts must not change a request's program)
         if not counts.any() and not self.batch_invariant:
             return None
         return drafts, counts
 
-    def _verify(self, drafts, counts, events, finished) -> None:
-        out = self._run_verify(self._active(), drafts, counts)
+    def _verify(self, drafts: np.ndarray, counts: np.ndarray, results: _StepResults) -> None:
+        out = self._run_verify(self.scheduler.active(), drafts, counts)
         self.stats.verify_calls += 1
         got = jax.device_get(out)
         self.stats.drafted_tokens += int(counts.sum())
-        for slot, req in list(self._running.items()):
-            if req.first_token_at is None:
-                continue
+        for req in self.scheduler.decoding():
+            slot = req.held_slot
             a = int(got.accepted[slot])
             self.stats.accepted_tokens += a
             self.stats.verified_requests += 1
             logits = None if got.step.logits is None else got.step.logits[slot][:a + 1]
             self._emit(req, [int(t) for t in got.step.tokens[slot][:a + 1]], got.step.logprobs, slot, logits,
-                       events, finished)
+                       results)
 
     # ---- results --------------------------------------------------------------------------------------------
 
-    def _emit(self, req: _Request, new: list[int], lp, row: int, logits, events, finished) -> None:
-        """Append a request's new tokens up to its stop condition."""
+    def _emit(self, req: Request, new: list[int], lp, row: int, logits, results: _StepResults) -> None:
+        """Give a request its new tokens up to its stop condition."""
         p = req.params
-        kept = 0
-        reason: FinishReason | None = None
         if p.logprobs is not None:  # this row's: [n] and [n, N] (a prefill gives one token: [] and [N])
             chosen, ids, top = (np.asarray(x[row]) for x in lp)
             if chosen.ndim == 0:
                 chosen, ids, top = chosen[None], ids[None], top[None]
+        got = results.tokens(req)
+        reason = None
         for j, tok in enumerate(new):
-            req.tokens.append(tok)
-            kept += 1
+            got.append(tok)
             if p.logprobs is not None:
                 req.logprobs.append((float(chosen[j]), {int(i): float(v) for i, v in
                                                         zip(ids[j][:p.logprobs], top[j][:p.logprobs])}))
             if logits is not None:
                 req.logits.append(np.asarray(logits[j]))
-            if tok in self.eos_token_ids and not p.ignore_eos or tok in p.stop_token_ids:
-                reason = "stop"
-            elif p.stop and len(req.tokens) >= p.min_tokens and self._stop_string(req):
-                reason = "stop"
-            elif len(req.tokens) >= p.max_tokens:
-                reason = "length"
-            if reason:
+            self.stats.generated_tokens += 1
+            reason = req.output.add(tok)
+            if reason is not None:
                 break
-        self.stats.generated_tokens += kept
-        events[req.id].extend(new[:kept])
-        if reason:
-            self._finish(req, reason, finished)
-
-    def _stop_string(self, req: _Request) -> bool:
-        assert self.tokenizer is not None
-        text = self.tokenizer.decode(req.tokens)
-        hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
-        if hits:
-            req.text = text[:min(hits)]
-            return True
-        return False
-
-    def _finish(self, req: _Request, reason: FinishReason, finished) -> None:
-        text = req.text
-        if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.tokens)
-        req.done = Completion(list(req.tokens), reason, len(req.prompt), req.cached, text,
-                              req.logprobs if req.params.logprobs is not None else None,
-                              np.stack(req.logits) if req.logits else None)
-        if self._running.get(req.slot) is req:
-            del self._running[req.slot]
-            heapq.heappush(self._free, req.slot)
-        self._requests.pop(req.id, None)
-        finished.append(req)
+        if reason is not None:
+            self.scheduler.finish(req, reason)

@@ -9,24 +9,26 @@ from typing import Literal
 
 import numpy as np
 
+from gdnx.errors import FieldError
+
 
 def _int(name: str, value, low: int, high: float = math.inf) -> None:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or not low <= int(value) <= high:
         bound = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-        raise ValueError(f"{name}: expected an integer {bound}, got {value!r}")
+        raise FieldError(name, f"expected an integer {bound}, got {value!r}")
 
 
 def _float(name: str, value, low: float, high: float, *, open_low: bool = False) -> None:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value > high or value < low or (open_low and value == low):
         bound = f"in ({low}, {high}]" if open_low else f"in [{low}, {high}]"
-        raise ValueError(f"{name}: expected a number {bound}, got {value!r}")
+        raise FieldError(name, f"expected a number {bound}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled; every field is checked on construction
-    (ValueError naming the field).
+    (FieldError naming the field).
 
     The logits are adjusted in this order: repetition_penalty (over the
     prompt and the generated tokens: a positive logit divided by it, a
@@ -68,7 +70,7 @@ class SamplingParams:
                 if name == "stop" and isinstance(value, str):
                     value = (value,)
                 else:
-                    raise ValueError(f"{name}: expected a list, got {type(value).__name__}")
+                    raise FieldError(name, f"expected a list, got {type(value).__name__}")
             object.__setattr__(self, name, tuple(value))
         _int("max_tokens", self.max_tokens, 1)
         _int("min_tokens", self.min_tokens, 0, self.max_tokens)
@@ -85,9 +87,9 @@ class SamplingParams:
             _int(f"stop_token_ids[{i}]", t, 0)
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop[{i}]: expected a non-empty string, got {s!r}")
+                raise FieldError(f"stop[{i}]", f"expected a non-empty string, got {s!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos: expected a bool, got {self.ignore_eos!r}")
+            raise FieldError("ignore_eos", f"expected a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, 20)
 

@@ -1,7 +1,10 @@
 """The prefix cache: model states at block ends, keyed by the tokens before.
 
-A block is `block_size` tokens; block i of a prompt is keyed by a hash
-chain over blocks 0..i, so an entry stands for its whole prefix. An entry
+A block is `block_size` tokens; block i of a prompt is keyed by a digest
+chain over blocks 0..i (BLAKE2b, 128 bits: collision-resistant, so a
+client cannot craft a prompt whose key names another prefix's states, as
+it could with Python's unkeyed hash of integers), so an entry stands for
+its whole prefix. An entry
 holds what continuing after the block needs: each GDN layer's conv and
 recurrent state at the block's end, and each attention layer's keys and
 values for the block's tokens. Entries live in host memory, least recently
@@ -12,9 +15,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
+
+Key = bytes
 
 
 @dataclasses.dataclass
@@ -32,16 +38,17 @@ class PrefixCache:
     def __init__(self, capacity_bytes: int, block_size: int):
         self.capacity = capacity_bytes
         self.block_size = block_size
-        self._blocks: collections.OrderedDict[int, Block] = collections.OrderedDict()
+        self._blocks: collections.OrderedDict[Key, Block] = collections.OrderedDict()
         self.bytes = 0
         self.hits = self.lookups = 0  # blocks found / blocks looked up
 
-    def keys(self, tokens: Sequence[int], blocks: int) -> list[int]:
+    def keys(self, tokens: Sequence[int], blocks: int) -> list[Key]:
         """The chain keys of the first `blocks` blocks of `tokens`."""
-        keys: list[int] = []
-        parent: int | None = None
+        keys: list[Key] = []
+        parent = b""
         for i in range(blocks):
-            parent = hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size])))
+            block = np.asarray(tokens[i * self.block_size:(i + 1) * self.block_size], np.int64).tobytes()
+            parent = hashlib.blake2b(parent + block, digest_size=16).digest()
             keys.append(parent)
         return keys
 
@@ -61,7 +68,11 @@ class PrefixCache:
     def __contains__(self, key: object) -> bool:
         return key in self._blocks
 
-    def put(self, key: int, block: Block) -> None:
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.bytes = 0
+
+    def put(self, key: Key, block: Block) -> None:
         if key in self._blocks or block.nbytes > self.capacity:
             return
         self._blocks[key] = block

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from gdnx.errors import FieldError
 from gdnx.serving.params import SamplingParams
 
 # the most top-N log-probabilities a request may ask for (the protocol's own bound)
@@ -143,11 +144,9 @@ def parse(kind: type[_Request], body: Any) -> Any:
     return request
 
 
-def sampling_error(e: ValueError) -> RequestError:
-    """SamplingParams' or the engine's ValueError ("field: ...") as a RequestError."""
-    text = str(e)
-    head = text.partition(":")[0].split("[")[0]  # "stop_token_ids[0]: ..." names stop_token_ids
-    return RequestError(text, head if ":" in text and head and " " not in head else None)
+def field_error(e: FieldError) -> RequestError:
+    """SamplingParams' or the engine's FieldError as a 400 naming its field."""
+    return RequestError(str(e), e.field)
 
 
 # ---- responses -------------------------------------------------------------------------------------------------
@@ -167,20 +166,31 @@ def envelope(rid: str, kind: str, model: str, choices: list[dict], extra: dict |
             **(extra or {})}
 
 
-def completion_logprobs(pieces: list[str], entries: list[tuple[float, dict[str, float]]], offset: int) -> dict:
+Logprob = tuple[float, list[tuple[str, int, float]]]   # a token's logprob, its top-N as (text, id, logprob)
+
+
+def completion_logprobs(pieces: list[str], entries: list[Logprob], offset: int) -> dict:
     """The completions API's logprobs: each token's text, its logprob, the
-    top-N as {text: logprob}, and where the token starts in the text."""
+    top-N as {text: logprob}, and where the token starts in the text. Its
+    top-N is a mapping by text: a candidate whose text an earlier one took
+    is keyed "token_id:ID", so all N are there."""
     offsets, at = [], offset
     for piece in pieces:
         offsets.append(at)
         at += len(piece)
-    return {"tokens": pieces, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [top for _, top in entries], "text_offset": offsets}
+    tops = []
+    for _, top in entries:
+        by_text: dict[str, float] = {}
+        for text, token, lp in top:
+            by_text[text if text not in by_text else f"token_id:{token}"] = lp
+        tops.append(by_text)
+    return {"tokens": pieces, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops,
+            "text_offset": offsets}
 
 
-def chat_logprobs(pieces: list[str], entries: list[tuple[float, dict[str, float]]]) -> dict:
+def chat_logprobs(pieces: list[str], entries: list[Logprob]) -> dict:
     """The chat API's logprobs: per token its text, bytes, logprob and top-N."""
     def item(text: str, lp: float) -> dict:
         return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-    return {"content": [{**item(piece, lp), "top_logprobs": [item(t, v) for t, v in top.items()]}
+    return {"content": [{**item(piece, lp), "top_logprobs": [item(t, v) for t, _, v in top]}
                         for piece, (lp, top) in zip(pieces, entries)]}

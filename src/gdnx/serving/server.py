@@ -28,8 +28,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from gdnx.serving.async_engine import AsyncEngine, EngineError, Handle, Overloaded
 from gdnx.serving.params import Completion, SamplingParams
+from gdnx.errors import FieldError
 from gdnx.serving.protocol import (ChatRequest, CompletionRequest, RequestError, chat_logprobs, completion_logprobs,
-                                   envelope, new_id, parse, sampling_error, usage)
+                                   Logprob, envelope, field_error, new_id, parse, usage)
 
 log = logging.getLogger("gdnx.serve")
 
@@ -49,12 +50,14 @@ class Template(Protocol):
 
 @dataclasses.dataclass
 class Served:
-    """What the server serves. chat: the checkpoint's chat template (None:
+    """What the server serves. max_length: prompt + generated tokens per
+    request (the engine's). chat: the checkpoint's chat template (None:
     /v1/chat/completions is refused). api_key: required on every /v1
     route when set."""
     engine: AsyncEngine
     tokenizer: TextTokenizer
     model_name: str
+    max_length: int
     chat: Template | None = None
     api_key: str | None = None
     draining: bool = False
@@ -99,7 +102,7 @@ def create_app(served: Served) -> FastAPI:
         _authorize(served, request)
         return JSONResponse({"object": "list", "data": [{
             "id": served.model_name, "object": "model", "created": served.created, "owned_by": "gdnx",
-            "max_model_len": served.engine.engine.max_length}]})
+            "max_model_len": served.max_length}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -187,7 +190,7 @@ def _requests(served: Served, req: Any, prompts: list[list[int]], logprobs: int 
               field: str) -> list[tuple[list[int], SamplingParams]]:
     """One engine request per (prompt, choice), each checked by the engine."""
     out = []
-    room = served.engine.engine.max_length
+    room = served.max_length
     for p, ids in enumerate(prompts):
         where = f"{field}[{p}]" if len(prompts) > 1 else field
         max_tokens = req.max_tokens
@@ -199,11 +202,9 @@ def _requests(served: Served, req: Any, prompts: list[list[int]], logprobs: int 
             try:
                 params = req.sampling(max_tokens, logprobs, i)
                 served.engine.check(ids, params)
-            except ValueError as e:
-                err = sampling_error(e)
-                if err.param == "prompt":
-                    err = RequestError(f"{where}{err.message[len('prompt'):]}", field)
-                if err.param in ("prompt", "max_tokens") and "max_length" in err.message:
+            except FieldError as e:
+                err = field_error(FieldError(where, e.detail) if e.field == "prompt" else e)
+                if e.field in ("prompt", "max_tokens") and len(ids) + max_tokens > room:
                     err.code = "context_length_exceeded"
                 raise err from None
             out.append((ids, params))
@@ -283,7 +284,7 @@ async def _stream(served: Served, rid: str, n: int, handles: list[Handle], choic
             await merged.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
-    texts = [choice.stream_state(h.params) for h in handles]
+    streamed: list[list[int]] = [[] for _ in handles]   # each choice's tokens so far (its logprob texts' context)
     results: list[Completion | None] = [None] * len(handles)
     model = served.model_name
     try:
@@ -296,7 +297,11 @@ async def _stream(served: Served, rid: str, n: int, handles: list[Handle], choic
             if isinstance(item, EngineError):
                 yield _sse(RequestError(str(item), None, 500, "internal_server_error").body())
                 break  # the other choices are aborted below
-            text, lp = texts[i].advance(item.tokens, item.logprobs, item.completion)
+            text = item.text or ""
+            lp = None
+            if item.logprobs is not None:
+                lp = _logprob_pieces(served.tokenizer.decode, streamed[i], item.tokens, item.logprobs)
+            streamed[i] += item.tokens
             if text or lp is not None or item.completion is not None:
                 finish = item.completion.finish_reason if item.completion is not None else None
                 yield _sse(envelope(rid, choice.chunk_kind, model, [choice.chunk(i, text, lp, finish)]))
@@ -321,11 +326,12 @@ _CONTEXT = 4
 
 
 def _logprob_pieces(decode: Callable[[Sequence[int]], str], before: Sequence[int], tokens: Sequence[int],
-                    entries: Sequence[tuple[float, dict[int, float]]]) -> tuple[list[str], list]:
-    """Each token's text and its top-N as {text: logprob}: the text a token
-    adds after the tokens before it (a tokenizer may join or space a token
-    by its neighbours)."""
-    pieces, tops, context = [], [], list(before)
+                    entries: Sequence[tuple[float, dict[int, float]]]) -> tuple[list[str], list[Logprob]]:
+    """Each token's text, and its logprob with the top-N as (text, token
+    id, logprob), every candidate kept even where two decode alike: the
+    text a token adds after the tokens before it (a tokenizer may join or
+    space a token by its neighbours)."""
+    pieces, tops, context = [], [], list(before[-_CONTEXT:])
 
     def piece(head: str, window: list[int], token: int) -> str:
         text = decode(window + [token])
@@ -335,42 +341,9 @@ def _logprob_pieces(decode: Callable[[Sequence[int]], str], before: Sequence[int
         window = context[-_CONTEXT:]
         head = decode(window)  # once per position, for the token and each of its top-N
         pieces.append(piece(head, window, t))
-        tops.append((lp, {piece(head, window, c): v for c, v in top.items()}))
+        tops.append((lp, [(piece(head, window, c), c, v) for c, v in top.items()]))
         context.append(t)
     return pieces, tops
-
-
-class _StreamText:
-    """A choice's text as its tokens come: what is safe to send (held back:
-    an incomplete character, and a tail that may begin a stop string)."""
-
-    def __init__(self, decode: Callable[[Sequence[int]], str], params: SamplingParams):
-        self.decode, self.stop = decode, params.stop
-        self.tokens: list[int] = []
-        self.sent = 0
-
-    def advance(self, new: list[int], logprobs: list | None, completion: Completion | None
-                ) -> tuple[str, tuple[list[str], list] | None]:
-        self.tokens += new
-        if completion is not None and completion.text is not None:
-            text, safe = completion.text, len(completion.text)
-        else:
-            text = self.decode(self.tokens)
-            end = len(text.rstrip("\ufffd"))
-            safe = end
-            for s in self.stop:
-                at = text.find(s, self.sent)
-                if at >= 0:  # a stop string the engine does not act on yet (min_tokens)
-                    safe = min(safe, at)
-                for k in range(min(len(s) - 1, end), 0, -1):  # a tail that may begin this stop string waits
-                    if text.endswith(s[:k], 0, end):
-                        safe = min(safe, end - k)
-                        break
-        out = text[self.sent:safe] if safe > self.sent else ""
-        self.sent = max(self.sent, safe)
-        before = self.tokens[:len(self.tokens) - len(new)]
-        lp = None if logprobs is None else _logprob_pieces(self.decode, before, new, logprobs)
-        return out, lp
 
 
 class _Choice:
@@ -383,9 +356,6 @@ class _Choice:
     def pieces(self, c: Completion) -> tuple[list[str], list]:
         assert c.logprobs is not None
         return _logprob_pieces(self.tokenizer.decode, [], c.tokens, c.logprobs)
-
-    def stream_state(self, params: SamplingParams) -> _StreamText:
-        return _StreamText(self.tokenizer.decode, params)
 
     def text(self, c: Completion) -> str:
         return c.text if c.text is not None else self.tokenizer.decode(c.tokens)

@@ -1,0 +1,232 @@
+"""Which requests run where: the queue, the slots, prefill batches and the
+prefix cache. The Scheduler alone holds the engine's requests; it moves
+them through their states (gdnx.serving.request) and hands the engine
+what to run: restores to write, prefill groups, the decoding slots.
+
+Requests take the lowest free slot, so a decode batch (the first 1, 2,
+4, ... slots) stays as small as the running requests allow. Prompts are
+prefilled whole, grouped by length bucket in power-of-two batches, or in
+batch-invariant mode one block at a time in batches of one fixed shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+from gdnx.serving.params import FinishReason
+from gdnx.serving.prefix_cache import Block, PrefixCache
+from gdnx.serving.request import Request, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The engine's shapes the scheduler plans with."""
+    max_slots: int
+    block_size: int
+    buckets: tuple[int, ...]       # prefill lengths, ascending; the last is the padded max_length
+    capacity: int                  # tokens a slot's cache holds
+    max_prefill_batch: int
+    batch_invariant: bool
+    row_axes: tuple[int, ...]      # per cache entry: the axis of its rows
+    is_state: tuple[bool, ...]     # per cache entry: a GDN (conv, recurrent) state, else attention (k, v)
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+
+Restore = tuple[Request, tuple]   # a request and the per-entry arrays its slot gets from the prefix cache
+PrefillGroup = tuple[list[tuple[Request, int]], int]   # (request, start) pairs and the padded length
+
+
+class Scheduler:
+    def __init__(self, layout: Layout, prefix_cache_bytes: int):
+        self.layout = layout
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, layout.block_size) if prefix_cache_bytes else None
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._free = list(range(layout.max_slots))   # a heap
+        self._slots: dict[int, Request] = {}           # PREFILLING and RUNNING requests by slot
+        self._requests: dict[int, Request] = {}        # every request not yet done, by id
+
+    # ---- what is where ------------------------------------------------------------------------------------
+
+    def get(self, request_id: int) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot (prefilling or decoding)."""
+        return len(self._slots)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._slots)
+
+    @property
+    def can_admit(self) -> bool:
+        """Some request waits and a slot is free."""
+        return bool(self._waiting and self._free)
+
+    def in_slots(self, status: RequestStatus | None = None) -> list[Request]:
+        """The requests holding slots (of one status), by slot."""
+        return [r for _, r in sorted(self._slots.items()) if status is None or r.status is status]
+
+    def decoding(self) -> list[Request]:
+        return self.in_slots(RequestStatus.RUNNING)
+
+    def active(self) -> np.ndarray:
+        """bool [max_slots]: the slots whose request decodes."""
+        mask = np.zeros(self.layout.max_slots, bool)
+        for r in self.decoding():
+            mask[r.held_slot] = True
+        return mask
+
+    # ---- requests in and out ------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self._waiting.append(request)
+        self._requests[request.id] = request
+
+    def admit(self) -> list[Restore]:
+        """Give waiting requests the free slots; returns the prefix-cache
+        states to write into the slots of those that hit."""
+        restores = []
+        while self._waiting and self._free:
+            req = self._waiting.popleft()
+            req.transition(RequestStatus.PREFILLING, slot=heapq.heappop(self._free))
+            self._slots[req.held_slot] = req
+            hit = self._match(req)
+            if hit is not None:
+                restores.append((req, hit))
+        return restores
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        self._leave(req, RequestStatus.FINISHED, reason=reason)
+
+    def abort(self, request_id: int) -> Request | None:
+        """Drop a request in any state not yet done (its slot is free at
+        once); returns it, or None for an id the scheduler does not hold."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._leave(req, RequestStatus.ABORTED)
+        return req
+
+    def fail(self, requests: Sequence[Request], error: str) -> None:
+        for req in requests:
+            self._leave(req, RequestStatus.FAILED, error=error)
+
+    def reset(self, error: str) -> list[Request]:
+        """Fail every request holding a slot (their slots' states are lost
+        with a failed step); waiting requests stay."""
+        dropped = self.in_slots()
+        self.fail(dropped, error)
+        return dropped
+
+    def _leave(self, req: Request, to: RequestStatus, **how) -> None:
+        """End a request: out of the queue or its slot, then into `to`."""
+        if req.status is RequestStatus.WAITING:
+            self._waiting.remove(req)
+        if req.slot is not None:
+            del self._slots[req.slot]
+            heapq.heappush(self._free, req.slot)
+        req.transition(to, **how)
+        del self._requests[req.id]
+
+    # ---- prefill ------------------------------------------------------------------------------------------
+
+    def prefill_groups(self) -> list[PrefillGroup]:
+        """The prefill calls of this step: in batch-invariant mode one block
+        of up to max_prefill_batch prompts (a fixed shape), else every
+        prompt whole, grouped by length bucket in power-of-two batches."""
+        lay = self.layout
+        pending = self.in_slots(RequestStatus.PREFILLING)
+        if not pending:
+            return []
+        if lay.batch_invariant:
+            return [([(r, r.progress) for r in pending[:lay.max_prefill_batch]], lay.block_size)]
+        groups: dict[int, list[tuple[Request, int]]] = collections.defaultdict(list)
+        for req in pending:
+            groups[lay.bucket(len(req.prompt) - req.progress)].append((req, req.progress))
+        out = []
+        for length, group in sorted(groups.items()):
+            while group:
+                size = 1 << (min(len(group), lay.max_prefill_batch).bit_length() - 1)
+                out.append((group[:size], length))
+                group = group[size:]
+        return out
+
+    def prefilled(self, req: Request, tokens: int) -> bool:
+        """Count `tokens` more of the request's prompt as through; True once
+        it all is (the request then decodes)."""
+        req.progress += tokens
+        if req.progress < len(req.prompt):
+            return False
+        req.transition(RequestStatus.RUNNING)
+        return True
+
+    # ---- the prefix cache ---------------------------------------------------------------------------------
+
+    def _match(self, req: Request) -> tuple | None:
+        """The arrays a request's slot gets from its cached prefix, or None
+        (sets the request's progress and cached count)."""
+        lay, cache = self.layout, self.prefix_cache
+        if cache is None:
+            return None
+        # at least one prompt token is prefilled (its logits draw the first token)
+        blocks = cache.match(req.prompt, (len(req.prompt) - 1) // lay.block_size)
+        # the rest's bucket must fit in the cache: past its end, recompute some cached blocks instead
+        while blocks and not lay.batch_invariant and (
+                len(blocks) * lay.block_size + lay.bucket(len(req.prompt) - len(blocks) * lay.block_size)
+                > lay.buckets[-1]):
+            blocks.pop()
+        if not blocks:
+            return None
+        start = len(blocks) * lay.block_size
+        layers = []
+        for i, axis in enumerate(lay.row_axes):
+            a, b = blocks[-1].layers[i]
+            if lay.is_state[i]:
+                layers.append((a, b))
+            else:  # keys and values of every hit block, at their positions
+                shape = list(a.shape)
+                shape[axis] = lay.capacity
+                k, v = np.zeros(shape, a.dtype), np.zeros(shape, b.dtype)
+                index = (slice(None),) * axis + (slice(0, start),)
+                k[index] = np.concatenate([blk.layers[i][0] for blk in blocks], axis=axis)
+                v[index] = np.concatenate([blk.layers[i][1] for blk in blocks], axis=axis)
+                layers.append((k, v))
+        req.progress = req.cached = start
+        return tuple(layers)
+
+    def store(self, group: list[tuple[Request, int]], snapshot: tuple, lengths: np.ndarray) -> None:
+        """Put the blocks a prefill call completed into the prefix cache
+        (snapshot: per cache entry, the call's per-block states or keys and
+        values, rows in the group's order)."""
+        cache, bs = self.prefix_cache, self.layout.block_size
+        if cache is None:
+            return
+        for i, (req, start) in enumerate(group):
+            first, end = start // bs, (start + int(lengths[i])) // bs
+            keys = cache.keys(req.prompt, end)
+            for j in range(first, end):
+                if keys[j] in cache:
+                    continue
+                local = j - first
+                layers = []
+                for e, axis in enumerate(self.layout.row_axes):
+                    a, b = snapshot[e]
+                    pick = (slice(None),) * axis + (i,)
+                    a, b = a[pick], b[pick]
+                    if self.layout.is_state[e]:
+                        at = (slice(None),) * axis + (local,)
+                    else:
+                        at = (slice(None),) * axis + (slice(local * bs, (local + 1) * bs),)
+                    layers.append((np.array(a[at]), np.array(b[at])))
+                cache.put(keys[j], Block(tuple(req.prompt[j * bs:(j + 1) * bs]), layers))
