@@ -22,7 +22,7 @@ import pytest
 
 from flax import nnx
 
-from gdnx.cli_generate import load_for_generation
+from gdnx.loading import load
 from gdnx.distributed import PEER_LOST_STATUS, PREEMPTED_STATUS, StopSignals, process_group
 
 # mesh data=2 x fsdp=2 x tensor=2 on 8 devices however they are split into processes
@@ -113,7 +113,7 @@ def _params(out: Path):
     """The latest checkpoint's step and parameters, loaded as `gdnx
     generate` loads them: onto this process's one device, whatever mesh
     wrote them."""
-    found = load_for_generation(out, [])
+    found = load(out, [], "generate")
     model, loaded = found.model, found.description
     return int(loaded.split()[1]), nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
@@ -340,3 +340,24 @@ def test_two_processes_load_a_hugging_face_directory_sharded_and_save_the_same_b
     CausalLM.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "one")
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("error,raised,says", [
+    ("DEADLINE_EXCEEDED: Barrier timed out. Id: gdnx:prepare", "BarrierTimeout", "within 5 s"),
+    ("UNAVAILABLE: Connection reset by peer", "PeerLost", "while waiting for every process"),
+])
+def test_a_barrier_timeout_is_a_timeout_not_a_lost_process(monkeypatch, error, raised, says):
+    """The distributed runtime's barrier fails: a timeout says so (not
+    "another process stopped"), a lost connection is a lost process."""
+    from jax._src import distributed as state
+
+    import gdnx.distributed as dist
+
+    class Client:
+        def wait_at_barrier(self, name, timeout_in_ms):
+            raise RuntimeError(error)
+
+    monkeypatch.setattr(dist, "is_distributed", lambda: True)
+    monkeypatch.setattr(state.global_state, "client", Client())
+    with pytest.raises(getattr(dist, raised), match=says):
+        dist.wait_for_first("prepare", 5)

@@ -292,7 +292,8 @@ def _out_of_memory(e: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from gdnx.checkpoints.orbax import CheckpointDamaged
-    from gdnx.distributed import PREEMPTED_STATUS, SUPERVISED, exit_peer_lost, peer_failure, supervise
+    from gdnx.distributed import (PREEMPTED_STATUS, SUPERVISED, BarrierTimeout, exit_peer_lost, exit_run,
+                                  peer_failure, supervise)
     from gdnx.files import DirectoryBusy
     from gdnx.training import NonFiniteStop, Preempted
 
@@ -316,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteStop as e:
         say(str(e))
         return 3
+    except BarrierTimeout as e:
+        exit_run(args.command, str(e))
     except Preempted as e:
         say(str(e))
         return PREEMPTED_STATUS
@@ -337,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         hint = MEMORY_HINT
         if args.command == "generate":
-            from gdnx.cli_generate import GENERATE_MEMORY_HINT as hint
+            from gdnx.loading import MEMORY_HINT as hint
         say(f"error: out of memory ({str(e).splitlines()[0][:160]}); {hint}")
         return 2
 

@@ -3,93 +3,14 @@ directory of any family gdnx builds, tokenize the prompt, stream the continuatio
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from typing import Any
 from pathlib import Path
 
 from flax import nnx
 
-from gdnx.config.loading import ConfigError, apply_overrides
-from gdnx.data.text import HFTokenizer, make_tokenizer
-
-
-class _IdTokenizer:
-    """MQAR models: prompts and outputs are token ids."""
-
-    def encode(self, text: str) -> list[int]:
-        try:
-            return [int(t) for t in text.split()]
-        except ValueError:
-            raise ConfigError("--prompt: this model was trained on MQAR; give token ids separated by spaces") from None
-
-    def decode(self, ids) -> str:
-        return " ".join(str(int(i)) for i in ids) + " "
-
-
-GENERATE_MEMORY_HINT = ("shorten the prompt or --max-new-tokens, or load the weights in bfloat16 "
-                        "(model.param_dtype=bfloat16 model.dtype=bfloat16)")
-# what generate may change: how the model computes, not its shapes
-_GENERATE_FIELDS = ("dtype", "param_dtype")
-
-
-def _model_overrides(overrides: list[str], command: str) -> dict:
-    data = apply_overrides({}, overrides)
-    extra = set(data) - {"model"}
-    if extra:
-        raise ConfigError(f"{sorted(extra)[0]}: {command} takes model.* overrides only")
-    model = data.get("model", {})
-    for key in model:
-        if not key.startswith("gdn_") and key not in _GENERATE_FIELDS:
-            raise ConfigError(f"model.{key}: {command} takes overrides of the model.gdn_* fields, model.dtype and "
-                              "model.param_dtype only (the checkpoint fixes the architecture)")
-    return model
-
-
-@dataclasses.dataclass
-class Loaded:
-    """A model to generate with: its tokenizer, the directory holding the
-    tokenizer's files (chat template) if any, and what was loaded."""
-    model: Any
-    tokenizer: Any
-    description: str
-    tokenizer_dir: Path | None
-
-
-def load_for_generation(path: Path, overrides: list[str], command: str = "generate") -> Loaded:
-    """The model and tokenizer of a gdnx out_dir or a Hugging Face directory."""
-    from gdnx.checkpoints.orbax import CONFIG_FILE
-    from gdnx.models import CausalLM
-    from gdnx.checkpoints.orbax import is_run
-    from gdnx.data.source import run_tokenizer
-    from gdnx.runs import load_run
-
-    if not path.is_dir():
-        raise ConfigError(f"--checkpoint: no such directory {path}")
-    model_overrides = _model_overrides(overrides, command)
-    if is_run(path):
-        try:
-            run = load_run(path, model_overrides)
-        except ValueError as e:
-            if "not a gdnx run config" in str(e):
-                raise ConfigError(f"--checkpoint: {e}") from None
-            raise
-        for line in run.notes:
-            print(f"gdnx {command}: {line}", file=sys.stderr)
-        found = None
-        if run.config.data.source == "mqar":
-            tok: Any = _IdTokenizer()
-        else:  # the tokenizer the run's text was tokenized with (raw bytes when none)
-            found = run_tokenizer(run.config)
-            tok = make_tokenizer(None if found is None else str(found))
-        return Loaded(run.model, tok, f"step {run.step} of {path}", None if found is None else found.parent)
-    if (path / "config.json").is_file():
-        model = CausalLM.from_pretrained(path, **model_overrides)
-        if not (path / "tokenizer.json").is_file():
-            raise ConfigError(f"--checkpoint: {path} has no tokenizer.json to encode the prompt with")
-        return Loaded(model, HFTokenizer(str(path / "tokenizer.json")), str(path), path)
-    raise ConfigError(f"--checkpoint: {path} is neither a gdnx run directory (checkpoints/ and {CONFIG_FILE}) "
-                      "nor a Hugging Face directory (config.json)")
+from gdnx.config.loading import ConfigError
+from gdnx.errors import FieldError
+from gdnx.loading import MEMORY_HINT, EngineSettings, build_engine, load
 
 
 def run_generate(args) -> None:
@@ -103,8 +24,8 @@ def run_generate(args) -> None:
 
     try:
         check_sampling(args.temperature, args.top_p, args.max_new_tokens)
-    except ValueError as e:
-        raise ConfigError(f"--{str(e).replace('_', '-')}") from None
+    except FieldError as e:
+        raise ConfigError(f"--{e.field.replace('_', '-')}: {e.detail}") from None
     if args.prompts_file is not None:
         if args.out is None:
             raise ConfigError("--out: --prompts-file writes its results to a jsonl file; give its path")
@@ -114,18 +35,15 @@ def run_generate(args) -> None:
         lines = read_prompts_file(Path(args.prompts_file))
     elif args.out is not None:
         raise ConfigError("--out: applies to --prompts-file")
-    try:
-        found = load_for_generation(Path(args.checkpoint), list(args.overrides))
-        model, tok, loaded = found.model, found.tokenizer, found.description
-    except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
-        raise ConfigError(str(e)) from None
+    found = load(Path(args.checkpoint), list(args.overrides), "generate")
+    model, tok, loaded = found.model, found.tokenizer, found.description
     if args.prompts_file is not None:
-        run_prompts_file(args, model, tok, loaded, lines)
+        run_prompts_file(args, found, lines)
         return
     try:
         ids = tok.encode(args.prompt)
-    except ConfigError:
-        raise
+    except FieldError as e:
+        raise ConfigError(f"--{e.field}: {e.detail}") from None
     except Exception as e:  # a tokenizer's own error on text it cannot encode
         raise ConfigError(f"--prompt: cannot be encoded ({str(e).splitlines()[0][:120]})") from None
     if not ids:
@@ -144,7 +62,7 @@ def run_generate(args) -> None:
         raise ConfigError(f"--max-new-tokens: {total} tokens need {(weights + cache + prefill) / 2 ** 30:,.1f} GiB "
                           f"(weights {weights / 2 ** 30:,.1f}, the generation cache {cache / 2 ** 30:,.1f}, the "
                           f"prompt's pass {prefill / 2 ** 30:,.1f}) and the device holds {have / 2 ** 30:,.1f} GiB; "
-                          f"{GENERATE_MEMORY_HINT}")
+                          f"{MEMORY_HINT}")
     # with several processes each generates the same tokens (same seed); process 0 shows them
     shows = jax.process_index() == 0
     if shows:
@@ -202,7 +120,7 @@ def read_prompts_file(path: Path) -> list[dict]:
     return lines
 
 
-def run_prompts_file(args, model, tok, loaded: str, lines: list[dict]) -> None:
+def run_prompts_file(args, found, lines: list[dict]) -> None:
     """Every line through the batched engine, results in order to --out."""
     import json
     import time
@@ -210,8 +128,9 @@ def run_prompts_file(args, model, tok, loaded: str, lines: list[dict]) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from gdnx.serving import Engine, NgramDrafter, SamplingParams
+    from gdnx.serving import SamplingParams
 
+    model, tok, loaded = found.model, found.tokenizer, found.description
     requests = []
     for i, line in enumerate(lines):
         where = f"--prompts-file: line {line['_line']}"
@@ -224,23 +143,16 @@ def run_prompts_file(args, model, tok, loaded: str, lines: list[dict]) -> None:
             raise ConfigError(f"{where}: {e}") from None
         try:
             ids = tok.encode(line["prompt"])
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {str(e).removeprefix('--prompt: ')}") from None
+        except FieldError as e:
+            raise ConfigError(f"{where}: {e.detail}") from None
         except Exception as e:  # a tokenizer's own error on text it cannot encode
             raise ConfigError(f"{where}: the prompt cannot be encoded ({str(e).splitlines()[0][:120]})") from None
         requests.append((ids, params, where))
-    limit = model.config.max_position_embeddings
     need = max(len(ids) + p.max_tokens for ids, p, _ in requests)
     max_length = need if args.max_length is None else args.max_length
-    if max_length > limit:
-        raise ConfigError(f"--max-length: {max_length} exceeds the model's {limit} positions (max_position_embeddings)")
-    try:
-        engine = Engine(model, max_slots=args.max_slots, max_length=max_length,
-                        prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
-                        speculative=NgramDrafter(args.speculative) if args.speculative else None,
-                        batch_invariant=args.batch_invariant, tokenizer=tok, max_logprobs=20)
-    except ValueError as e:
-        raise ConfigError(f"--{str(e).split(':')[0].replace('_', '-')}:{str(e).split(':', 1)[1]}") from None
+    engine = build_engine(found, EngineSettings(
+        max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
+        speculative=args.speculative, batch_invariant=args.batch_invariant))
     ids_of = {}
     for ids, params, where in requests:  # every line is checked before any runs
         try:

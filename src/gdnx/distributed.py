@@ -50,6 +50,11 @@ class PeerLost(RuntimeError):
     """Another process of the run stopped answering."""
 
 
+class BarrierTimeout(RuntimeError):
+    """Not every process of the run reached a barrier within its time (one
+    may still be working, or was never started)."""
+
+
 @dataclass(frozen=True)
 class ProcessGroup:
     """Where this process stands in a run of several: what
@@ -129,11 +134,16 @@ def peer_failure(e: BaseException) -> str | None:
 
 
 def exit_peer_lost(command: str, what: str) -> NoReturn:
+    """Another process of the run stopped: one line, PEER_LOST_STATUS."""
+    exit_run(command, f"another process of the run stopped ({what}); start every process again to resume from "
+             "the last intact checkpoint")
+
+
+def exit_run(command: str, message: str) -> NoReturn:
     """One line and PEER_LOST_STATUS, at once: the runtime's shutdown at
-    exit would wait for the lost process until the heartbeat timeout and
+    exit would wait for the missing process until the heartbeat timeout and
     then abort with a fatal report."""
-    print(f"gdnx {command}: error: another process of the run stopped ({what}); start every process again to "
-          "resume from the last intact checkpoint", file=sys.stderr, flush=True)
+    print(f"gdnx {command}: error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(PEER_LOST_STATUS)
 
@@ -151,7 +161,11 @@ def wait_for_first(name: str, timeout_s: int) -> None:
     try:
         client.wait_at_barrier(f"gdnx:{name}", timeout_in_ms=timeout_s * 1000)
     except Exception as e:  # the runtime's own error type
-        raise PeerLost(f"while waiting for every process at {name!r}: {str(e).splitlines()[0][:200]}") from None
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
+            raise BarrierTimeout(f"not every process reached {name!r} within {timeout_s} s ({text}); start every "
+                                 "process of the run, or give the slow one more time") from None
+        raise PeerLost(f"while waiting for every process at {name!r}: {text}") from None
 
 
 class StopSignals:

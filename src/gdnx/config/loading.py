@@ -18,6 +18,7 @@ import pydantic
 import yaml
 
 from gdnx.config.schema import Config
+from gdnx.errors import FieldError
 
 BUNDLED = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny"
@@ -26,6 +27,11 @@ DEFAULT_CONFIG = "tiny"
 class ConfigError(ValueError):
     """A config file, field or override the user has to fix; the message
     names it."""
+
+
+class ConfigFieldError(ConfigError, FieldError):
+    """A config field the schema refuses; `.field` is its dotted name
+    (e.g. train.batch_size)."""
 
 
 def bundled_names() -> list[str]:
@@ -91,7 +97,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def format_validation_error(err: pydantic.ValidationError, prefix: str = "") -> str:
     """One line per problem: `section.field: what is wrong`."""
-    lines = []
+    return "; ".join(f"{loc}: {msg}" if loc else msg for loc, msg in validation_problems(err, prefix))
+
+
+def validation_problems(err: pydantic.ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted field, what is wrong) per problem ("" where no field is named)."""
+    out = []
     for e in err.errors():
         loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
         msg = e["msg"].removeprefix("Value error, ")
@@ -105,14 +116,19 @@ def format_validation_error(err: pydantic.ValidationError, prefix: str = "") -> 
             # a model-level check names the field itself
             field, msg = msg.split(": ", 1)
             loc = f"{loc}.{field}" if loc else field
-        lines.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(lines)
+        out.append((loc, msg))
+    return out
 
 
 def build_config(data: dict) -> Config:
     try:
         return Config.model_validate(data)
     except pydantic.ValidationError as e:
+        problems = validation_problems(e)
+        field, first = problems[0]
+        rest = "".join(f"; {loc}: {msg}" if loc else f"; {msg}" for loc, msg in problems[1:])
+        if field:
+            raise ConfigFieldError(field, first + rest) from None
         raise ConfigError(format_validation_error(e)) from None
 
 

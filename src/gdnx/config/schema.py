@@ -282,6 +282,15 @@ class LoraConfig(_Strict):
     targets: list[LoraTarget] = Field(default_factory=lambda: list(_DEFAULT_LORA_TARGETS), min_length=1)
 
 
+class WandbConfig(_Strict):
+    """The Weights & Biases run (train.trackers holding wandb)."""
+
+    project: str = "gdnx"
+    name: str | None = None          # None: W&B names the run
+    # offline: written under out_dir/wandb for `wandb sync`; disabled: nothing written
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
 class TrainConfig(_Strict):
     """Optimiser, schedule, checkpoints and logging."""
 
@@ -309,6 +318,10 @@ class TrainConfig(_Strict):
     nonfinite_steps_limit: PositiveInt = 5
     # LoRA adapters on a frozen base (model.init_from); null trains every weight
     lora: LoraConfig | None = None
+    # where metrics go besides metrics.jsonl (always written): tensorboard (event files under
+    # out_dir/tensorboard), wandb (train.wandb)
+    trackers: list[Literal["jsonl", "tensorboard", "wandb"]] = ["jsonl"]
+    wandb: WandbConfig = WandbConfig()
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -9,17 +9,19 @@ and B [E, rank, out] added into the weights, W_e + scale * A_e B_e, before
 the matmuls: the same function, without the input dropout.
 
 Dropout needs a key, given for the training step by `dropout_key`; each
-adapter folds in its own number, and a scanned stack folds in the repeat,
-so every layer draws its own mask. Without a key (evaluation, generation)
-there is none.
+adapter folds in a number derived from its module path (the same in every
+process and every model built with that layout), a scanned stack folds in
+the repeat and gradient accumulation the micro-batch (`fold_dropout`), so
+every layer of every micro-batch draws its own mask. Without a key
+(evaluation, generation) there is none.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
 import math
+import zlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -36,7 +38,6 @@ P = jax.sharding.PartitionSpec
 EXPERTS = "experts"
 
 _KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("gdnx_lora_dropout_key", default=None)
-_NUMBERS = itertools.count()
 
 
 class AdapterSpec(NamedTuple):
@@ -61,8 +62,9 @@ def dropout_key(key: jax.Array | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def repeat(index: jax.Array) -> Iterator[None]:
-    """Inside a scanned stack's body: fold the repeat into the dropout key."""
+def fold_dropout(index: jax.Array | int) -> Iterator[None]:
+    """Fold `index` into the dropout key inside this context (a scanned
+    stack's repeat, an accumulated step's micro-batch)."""
     key = _KEY.get()
     with dropout_key(None if key is None else jax.random.fold_in(key, index)):
         yield
@@ -89,12 +91,14 @@ class LoRA(nnx.Module):
     """The adapter of one projection [in, out]."""
 
     def __init__(self, d_in: int, d_out: int, spec: AdapterSpec, *, param_dtype: DTypeLike, rngs: nnx.Rngs,
-                 experts: int | None = None):
+                 path: str, experts: int | None = None):
+        """path: the adapted module's path in the model; its dropout masks
+        are keyed by it."""
         lead = () if experts is None else (experts,)
         self.lora_a = nnx.LoRAParam(_a_init(rngs.params(), (*lead, d_in, spec.rank), param_dtype))
         self.lora_b = nnx.LoRAParam(jnp.zeros((*lead, spec.rank, d_out), param_dtype))
         self.scale, self.rate = spec.scale, spec.dropout
-        self.number = next(_NUMBERS)
+        self.number = zlib.crc32(path.encode())
 
     def __call__(self, x: jax.Array, out: P | None = None) -> jax.Array:
         """scale * dropout(x) A B for x [B, T, in]; `out`: the result's

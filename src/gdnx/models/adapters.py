@@ -27,6 +27,10 @@ def adapter_spec(lora: LoraConfig | None) -> AdapterSpec | None:
     return AdapterSpec(lora.rank, lora.alpha, lora.dropout, frozenset(lora.targets))
 
 
+def _path(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
 def add_adapters(module: nnx.Module, spec: AdapterSpec, *, param_dtype: DTypeLike, rngs: nnx.Rngs) -> int:
     """Give every projection of `module` that spec targets an adapter;
     returns how many."""
@@ -34,13 +38,13 @@ def add_adapters(module: nnx.Module, spec: AdapterSpec, *, param_dtype: DTypeLik
     for path, node in list(nnx.iter_graph(module)):
         if isinstance(node, Linear) and path and str(path[-1]) in spec.targets:
             d_in, d_out = node.kernel.shape
-            node.lora = LoRA(d_in, d_out, spec, param_dtype=param_dtype, rngs=rngs)
+            node.lora = LoRA(d_in, d_out, spec, param_dtype=param_dtype, rngs=rngs, path=_path(path))
             count += 1
         elif isinstance(node, SparseMoE) and EXPERTS in spec.targets:
             for name in EXPERT_WEIGHTS:
                 e, d_in, d_out = getattr(node, name).shape
                 setattr(node, f"{name}_lora", LoRA(d_in, d_out, spec, param_dtype=param_dtype, rngs=rngs,
-                                                   experts=e))
+                                                   path=f"{_path(path)}/{name}", experts=e))
                 count += 1
     return count
 

@@ -35,7 +35,7 @@ from gdnx.layers.attention import GatedAttention, KVCache, NormedAttention, Rope
 from gdnx.layers.documents import document_positions
 from gdnx.layers.gated_deltanet import GatedDeltaNet, GDNState
 from gdnx.layers.linear import linear
-from gdnx.layers.lora import AdapterSpec, repeat
+from gdnx.layers.lora import AdapterSpec, fold_dropout
 from gdnx.layers.mlp import MLP
 from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
@@ -336,7 +336,7 @@ class CausalLM(nnx.Module):
 
         def body(x, xs):
             params, layer_caches, index = xs
-            with repeat(index):  # each repeat draws its own LoRA dropout masks
+            with fold_dropout(index):  # each repeat draws its own LoRA dropout masks
                 x, new, stats = through(nnx.merge(graphdef, params), x,
                                         [None] * cycle if layer_caches is None else layer_caches)
             return x, (None if layer_caches is None else new, stats)

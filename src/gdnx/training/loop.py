@@ -1,6 +1,7 @@
 """`gdnx train`'s loop: the Trainer (the compiled step and evaluation,
-host-read batches), checkpoints every N steps with resume, progress, JSONL
-metrics and a plot.
+host-read batches), resume from the last intact checkpoint, then the step
+and its hooks (gdnx.training.hooks: metrics to the trackers, evaluation,
+checkpoints, the non-finite guard, preemption, early stop).
 
 Batch s is a function of (seed, s) only, and a resumed run restores the
 parameters and optimizer state of the last checkpoint, so stopping and
@@ -16,11 +17,8 @@ writes the rest (the lock, the log, the manifest, the plot, the bar).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +39,10 @@ from gdnx.models.causal_lm import check_platform, parameter_count
 from gdnx.parallel import make_mesh, shard, shardings, spec
 from gdnx.progress import Reporter
 from gdnx.models.adapters import adapter_spec
+from gdnx.training.hooks import LoopState, NonFiniteStop, Preempted, default_hooks
 from gdnx.training.init_from import check_source, initial_params
 from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
+from gdnx.training.trackers import METRICS_FILE, Tracker, make_trackers, rewrite_metrics
 
 EVAL_BATCHES = 4
 
@@ -182,42 +182,6 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> range:
     return range(start, stop)
 
 
-class NonFiniteStop(RuntimeError):
-    """Too many steps in a row had a non-finite loss or gradient."""
-
-
-class Preempted(RuntimeError):
-    """SIGTERM or SIGINT stopped the run, with a checkpoint at the step reached."""
-
-
-def _json_line(record: dict) -> str:
-    """One metrics line; a non-finite number becomes null (JSON has no NaN)."""
-    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
-    return json.dumps(clean, allow_nan=False) + "\n"
-
-
-def _step_of(line: str) -> int | None:
-    """The step of a metrics line; None for a damaged one (a full disk can
-    cut the last line short)."""
-    try:
-        step = json.loads(line).get("step")
-    except (ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) else None
-
-
-def _rewrite_metrics(path: Path, upto: int) -> int:
-    """Keep the lines of steps <= upto: a resumed run continues the log.
-    Returns how many damaged lines were dropped."""
-    if not path.is_file():
-        return 0
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line]
-    steps = [_step_of(line) for line in lines]
-    keep = [line for line, s in zip(lines, steps) if s is not None and s <= upto]
-    atomic_write_text(path, "".join(line + "\n" for line in keep))
-    return steps.count(None)
-
-
 def _check_out_dir(out: Path) -> None:
     existing = next((p for p in (out, *out.parents) if p.exists()), None)
     if out.exists() and not out.is_dir():
@@ -273,12 +237,13 @@ def train(config: Config, *, console: Console | None = None) -> dict[str, float]
 
 def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignals,
           console: Console | None) -> dict[str, float]:
+    """Resume, then step and call the hooks until the last step or a hook
+    ends the run."""
     config = trainer.config
     t_cfg = config.train
-    target = t_cfg.target_accuracy
     out = Path(t_cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    primary = jax.process_index() == 0  # on several hosts, one writes the log, the plot and the bar
+    primary = jax.process_index() == 0  # on several hosts, one logs, plots and shows the bar
     report = Reporter(console=console, quiet=not primary)
     if primary:  # one run at a time in a directory: the first process of a run holds it
         stale = resources.enter_context(directory_lock(out, "train.out_dir"))
@@ -297,7 +262,6 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignal
     if trainer.mesh is not None:
         axes = " x ".join(f"{n}={s}" for n, s in trainer.mesh.shape.items())
         report.note(f"mesh {axes} ({config.parallel.shard_mode})")
-    last_eval: dict = {}
     if start:
         params, opt_state = ckpt.restore(start, params, opt_state)
         report.note(f"resumed from the checkpoint at step {start} in {ckpt.dir}")
@@ -305,74 +269,30 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignal
             before, now = ckpt.changes["train.steps"]
             report.note(f"train.steps: {before} there, {now} here: the learning rate's cosine decay now ends at "
                         f"step {now}, so the steps after {start} differ from those of the {before}-step run")
-        if t_cfg.target_accuracy is not None:
-            # a run that already reached its target is finished, not extended
-            last_eval = trainer.evaluate(params)
-            if last_eval["accuracy"] >= t_cfg.target_accuracy:
-                report.note(f"already at {100 * last_eval['accuracy']:.2f}% answer accuracy (target "
-                            f"{100 * t_cfg.target_accuracy:.0f}%); nothing to do. Raise train.target_accuracy "
-                            "or use another train.out_dir to train further.")
-                return {"step": start, **last_eval}
-    metrics_file = out / "metrics.jsonl"
-    if primary and (dropped := _rewrite_metrics(metrics_file, start)):
-        report.note(f"{metrics_file}: dropped {dropped} damaged line(s) (a write cut short)")
-    if not start and config.model.init_from is not None and t_cfg.eval_every:
-        # the loaded model's own loss, before any step: what fine-tuning starts from
-        last_eval = trainer.evaluate(params)
-        if primary:
-            with metrics_file.open("a") as first:
-                first.write(_json_line({"step": 0, "split": "eval", **last_eval}))
-        report.eval(0, last_eval)
-    tokens_per_step = t_cfg.batch_size * config.data.seq_len
-    step = start
-    log_path = metrics_file if primary else Path(os.devnull)
-    nonfinite = 0
+    trackers: list[Tracker] = []
+    if primary:
+        metrics_file = out / METRICS_FILE
+        if dropped := rewrite_metrics(metrics_file, start):
+            report.note(f"{metrics_file}: dropped {dropped} damaged line(s) (a write cut short)")
+        trackers = make_trackers(config, out, start)
+        for tracker in trackers:
+            resources.callback(tracker.close)
     bar = resources.enter_context(report.progress(start, t_cfg.steps))
-    log = resources.enter_context(log_path.open("a"))
-    t0, since = time.perf_counter(), start
-    while step < t_cfg.steps:
-        params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(step, jnp.int32))
-        step += 1
-        if float(metrics["skipped"]):
-            nonfinite += 1
-            report.note(f"step {step}: the loss or gradient is not finite; parameters not updated")
-            if nonfinite >= t_cfg.nonfinite_steps_limit:
-                last = ckpt.latest_step()
-                where = f"step {last} in {ckpt.dir}" if last else "none"
-                raise NonFiniteStop(f"stopped at step {step}: {nonfinite} steps in a row had a non-finite loss "
-                                    f"or gradient norm (train.nonfinite_steps_limit); the last good checkpoint "
-                                    f"is {where}. Lower train.learning_rate or raise train.warmup_steps")
-        else:
-            nonfinite = 0
-        done = step == t_cfg.steps
-        if step % t_cfg.log_every == 0 or done:
-            logged = {k: float(v) for k, v in metrics.items()}
-            elapsed = time.perf_counter() - t0
-            logged["tokens_per_s"] = tokens_per_step * (step - since) / max(elapsed, 1e-9)
-            t0, since = time.perf_counter(), step
-            log.write(_json_line({"step": step, "split": "train", **logged}))
-            log.flush()  # each line as it comes: the log is what a user (or a scheduler's hook) watches
-            bar.update(step, logged)
-        evaluate = t_cfg.eval_every and (step % t_cfg.eval_every == 0 or done)
-        reached = False
-        if evaluate:
-            last_eval = trainer.evaluate(params)
-            log.write(_json_line({"step": step, "split": "eval", **last_eval}))
-            log.flush()
-            report.eval(step, last_eval)
-            reached = target is not None and last_eval["accuracy"] >= target
-        stop = signals.reached()
-        if step % t_cfg.checkpoint_every == 0 or done or reached or stop:
-            ckpt.save(step, params, opt_state)
-            if primary:
-                report.plot(out, metrics_file)
-        if stop and not done:
-            why = signal.Signals(signals.signal or signal.SIGTERM).name
-            raise Preempted(f"stopped by {why} at step {step} of {t_cfg.steps}, with a checkpoint in {ckpt.dir}; "
-                            "run the same command again to resume")
-        if reached and target is not None:
-            report.note(f"reached {100 * last_eval['accuracy']:.2f}% answer accuracy "
-                        f"(target {100 * target:.0f}%) at step {step}")
-            break
-    report.finish(out, step)
-    return {"step": step, **last_eval}
+    loop = LoopState(config, out, trainer, ckpt, signals, report, bar, trackers, start, start, params, opt_state)
+    hooks = default_hooks(config)
+    for hook in hooks:
+        hook.start(loop)
+    while loop.stop is None and not loop.done:
+        loop.params, loop.opt_state, metrics = trainer.step(loop.params, loop.opt_state,
+                                                            jnp.asarray(loop.step, jnp.int32))
+        loop.step += 1
+        for hook in hooks:
+            hook.after_step(loop, metrics)
+    if isinstance(loop.stop, BaseException):
+        raise loop.stop
+    if loop.stop is not None:
+        report.note(loop.stop)
+        if loop.step == start:  # nothing run
+            return {"step": start, **loop.last_eval}
+    report.finish(out, loop.step)
+    return {"step": loop.step, **loop.last_eval}

@@ -17,7 +17,7 @@ from flax import nnx
 from gdnx.config.schema import Config, TrainConfig
 from gdnx.data import Batch
 from gdnx.loss import blocked_cross_entropy
-from gdnx.layers.lora import dropout_key
+from gdnx.layers.lora import dropout_key, fold_dropout
 from gdnx.models import CausalLM
 from gdnx.parallel import constrain
 from gdnx.stacking import layer_ndim
@@ -93,14 +93,16 @@ def accumulated_gradients(loss_fn: Callable[[Any, Batch, Totals, float], tuple[j
     if count == 1:
         return grad(params, batch, totals, 1.0)
 
-    def body(acc, micro):
-        out = grad(params, place_batch(micro), totals, 1.0 / count)
+    def body(acc, indexed):
+        index, micro = indexed
+        with fold_dropout(index):  # each micro-batch draws its own LoRA dropout masks
+            out = grad(params, place_batch(micro), totals, 1.0 / count)
         return jax.tree.map(jnp.add, acc, out), None
 
     values = jax.eval_shape(grad, params, jax.tree.map(lambda x: x[:x.shape[0] // count], batch), totals, 1.0)[0]
     # zeros_like keeps each parameter's sharding (an Explicit mesh types it)
     zeros = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), values), jax.tree.map(jnp.zeros_like, params))
-    total, _ = jax.lax.scan(body, zeros, micro_batches(batch, count))
+    total, _ = jax.lax.scan(body, zeros, (jnp.arange(count), micro_batches(batch, count)))
     return total
 
 

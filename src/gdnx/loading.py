@@ -1,0 +1,180 @@
+"""One way from a checkpoint to something that generates: a gdnx run or a
+Hugging Face directory, `model.*` overrides and the engine's settings
+become a model, its tokenizer, its chat template and an Engine.
+`gdnx generate` and `gdnx serve` both load through here.
+
+Engine settings arrive as fields (max_slots, prefix_cache_bytes, ...);
+ENGINE_FLAGS names the command-line flag of each, so a refused field is
+reported as the flag the user typed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from gdnx.config.loading import ConfigError, apply_overrides
+from gdnx.errors import FieldError
+
+# the command-line flag of each engine field (a refusal names the flag)
+ENGINE_FLAGS = {"max_slots": "--max-slots", "max_length": "--max-length", "prefix_cache_bytes": "--prefix-cache-mb",
+                "speculative": "--speculative", "batch_invariant": "--batch-invariant",
+                "decode_steps": "--decode-steps", "max_logprobs": "--max-logprobs"}
+
+MEMORY_HINT = ("shorten the prompt or --max-new-tokens, or load the weights in bfloat16 "
+               "(model.param_dtype=bfloat16 model.dtype=bfloat16)")
+# what a loaded checkpoint may change: how the model computes, not its shapes
+_OVERRIDABLE = ("dtype", "param_dtype")
+
+
+class IdTokenizer:
+    """MQAR models: prompts and outputs are token ids separated by spaces."""
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [int(t) for t in text.split()]
+        except ValueError:
+            raise FieldError("prompt", "this model was trained on MQAR; give token ids separated by "
+                             "spaces") from None
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids) + " "
+
+    def token_id(self, text: str) -> int | None:
+        return None
+
+
+def model_overrides(overrides: list[str], command: str) -> dict:
+    """The model.* overrides a loaded checkpoint may take (its gdn_* fields,
+    dtype and param_dtype); anything else is refused naming the key."""
+    data = apply_overrides({}, overrides)
+    extra = set(data) - {"model"}
+    if extra:
+        raise ConfigError(f"{sorted(extra)[0]}: {command} takes model.* overrides only")
+    model = data.get("model", {})
+    for key in model:
+        if not key.startswith("gdn_") and key not in _OVERRIDABLE:
+            raise ConfigError(f"model.{key}: {command} takes overrides of the model.gdn_* fields, model.dtype and "
+                              "model.param_dtype only (the checkpoint fixes the architecture)")
+    return model
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A model to generate with: its tokenizer, the directory holding the
+    tokenizer's files (chat template) if any, and what was loaded."""
+    model: Any
+    tokenizer: Any
+    description: str
+    tokenizer_dir: Path | None
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
+
+def load(path: Path, overrides: list[str], command: str) -> Loaded:
+    """The model and tokenizer of a gdnx out_dir or a Hugging Face
+    directory. Raises ConfigError naming --checkpoint or the override."""
+    from gdnx.checkpoints.orbax import CONFIG_FILE, is_run
+    from gdnx.data.source import run_tokenizer
+    from gdnx.data.text import HFTokenizer, make_tokenizer
+    from gdnx.models import CausalLM
+    from gdnx.runs import load_run
+
+    if not path.is_dir():
+        raise ConfigError(f"--checkpoint: no such directory {path}")
+    model_fields = model_overrides(overrides, command)
+    try:
+        if is_run(path):
+            try:
+                run = load_run(path, model_fields)
+            except ValueError as e:
+                if "not a gdnx run config" in str(e):
+                    raise ConfigError(f"--checkpoint: {e}") from None
+                raise
+            for line in run.notes:
+                print(f"gdnx {command}: {line}", file=sys.stderr)
+            found = None
+            if run.config.data.source == "mqar":
+                tok: Any = IdTokenizer()
+            else:  # the tokenizer the run's text was tokenized with (raw bytes when none)
+                found = run_tokenizer(run.config)
+                tok = make_tokenizer(None if found is None else str(found))
+            return Loaded(run.model, tok, f"step {run.step} of {path}", None if found is None else found.parent)
+        if (path / "config.json").is_file():
+            model = CausalLM.from_pretrained(path, **model_fields)
+            if not (path / "tokenizer.json").is_file():
+                raise ConfigError(f"--checkpoint: {path} has no tokenizer.json to encode the prompt with")
+            return Loaded(model, HFTokenizer(str(path / "tokenizer.json")), str(path), path)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
+        raise ConfigError(str(e)) from None
+    raise ConfigError(f"--checkpoint: {path} is neither a gdnx run directory (checkpoints/ and {CONFIG_FILE}) "
+                      "nor a Hugging Face directory (config.json)")
+
+
+def chat_template(loaded: Loaded, command: str) -> Any:
+    """The checkpoint's chat template, or None (said once on stderr) when it
+    has none or jinja2 cannot read it."""
+    from gdnx.data.chat import ChatTemplate
+
+    if loaded.tokenizer_dir is None:
+        return None
+    try:
+        return ChatTemplate(loaded.tokenizer_dir)
+    except ValueError as e:
+        print(f"gdnx {command}: no chat template: {e}", file=sys.stderr)
+        return None
+
+
+def eos_ids(loaded: Loaded, chat: Any = None) -> list[int]:
+    """The model config's end-of-sequence ids, and the chat template's eos
+    token (a chat model's end of turn, e.g. <|im_end|>)."""
+    eos = loaded.model.config.eos_token_id
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    name = chat.special.get("eos_token") if chat is not None else None
+    if name is not None and (found := loaded.tokenizer.token_id(name)) is not None:
+        ids.append(int(found))
+    return sorted(set(ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """The engine fields a command sets (ENGINE_FLAGS names their flags)."""
+    max_slots: int = 8
+    max_length: int = 4096
+    prefix_cache_bytes: int = 0
+    speculative: int = 0          # n-gram draft tokens per step (0: off)
+    batch_invariant: bool = False
+    decode_steps: int = 8
+    max_logprobs: int = 20
+
+
+def build_engine(loaded: Loaded, settings: EngineSettings, chat: Any = None) -> Any:
+    """The Engine for a loaded model. A refused setting is a ConfigError
+    naming its flag."""
+    from gdnx.serving import Engine, NgramDrafter
+
+    if settings.max_length > loaded.max_positions:
+        raise ConfigError(f"--max-length: {settings.max_length} exceeds the model's {loaded.max_positions} positions "
+                          "(max_position_embeddings)")
+    try:
+        if settings.speculative < 0:
+            raise FieldError("speculative", f"expected a non-negative integer, got {settings.speculative}")
+        return Engine(loaded.model, max_slots=settings.max_slots, max_length=settings.max_length,
+                      prefix_cache_bytes=settings.prefix_cache_bytes, decode_steps=settings.decode_steps,
+                      speculative=NgramDrafter(settings.speculative) if settings.speculative else None,
+                      batch_invariant=settings.batch_invariant, tokenizer=loaded.tokenizer,
+                      max_logprobs=settings.max_logprobs, eos_token_ids=eos_ids(loaded, chat))
+    except FieldError as e:
+        raise flag_error(e) from None
+
+
+def flag_error(e: FieldError) -> ConfigError:
+    """An engine field's refusal as the flag a user typed."""
+    flag = ENGINE_FLAGS.get(e.field, e.field)
+    return ConfigError(f"{flag}: {e.detail}")

@@ -1,0 +1,113 @@
+"""Each hook of the training loop alone, on a LoopState of fakes."""
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from gdnx.config import load_config
+from gdnx.progress import Reporter
+from gdnx.training.hooks import (Checkpoint, Evaluate, LogMetrics, LoopState, NonFiniteGuard, NonFiniteStop,
+                                 Preempted, Preemption, TargetAccuracy, default_hooks)
+
+
+class Fakes:
+    def __init__(self, accuracy=0.5, signal_at=None):
+        self.saved, self.logged, self.bar, self.accuracy, self.signal_at = [], [], [], accuracy, signal_at
+        self.dir, self.signal, self.step = Path("ckpt"), None, 0
+
+    # trainer
+    def evaluate(self, params):
+        return {"loss": 1.0, "accuracy": self.accuracy, "first_query_accuracy": self.accuracy}
+
+    # checkpoints
+    def save(self, step, params, opt_state):
+        self.saved.append(step)
+
+    def latest_step(self):
+        return self.saved[-1] if self.saved else None
+
+    # signals
+    def reached(self):
+        if self.signal_at is not None and self.step >= self.signal_at:
+            self.signal = signal.SIGTERM
+        return self.signal is not None
+
+    # bar
+    def update(self, step, metrics):
+        self.bar.append(step)
+
+    # tracker
+    def log(self, step, split, metrics):
+        self.logged.append((step, split))
+
+    def close(self):
+        pass
+
+
+def _loop(fakes, steps=8, start=0, tracked=True, **train):
+    """tracked=False: the LoopState of a process that does not log (no plot to redraw)."""
+    overrides = [f"train.steps={steps}", "train.warmup_steps=1"] + [f"train.{k}={v}" for k, v in train.items()]
+    config = load_config("tiny", overrides)
+    return LoopState(config, Path("out"), fakes, fakes, fakes, Reporter(quiet=True), fakes, [fakes] if tracked else [], start, start,
+                     None, None)
+
+
+def _run(loop, hooks, skipped=lambda step: False):
+    fakes = loop.trainer
+    for h in hooks:
+        h.start(loop)
+    while loop.stop is None and not loop.done:
+        loop.step += 1
+        fakes.step = loop.step
+        for h in hooks:
+            h.after_step(loop, {"loss": 1.0, "skipped": float(skipped(loop.step))})
+    return loop
+
+
+def test_non_finite_guard_stops_after_its_limit_in_a_row_only():
+    loop = _loop(Fakes())
+    with pytest.raises(NonFiniteStop, match="3 steps in a row"):
+        _run(loop, [NonFiniteGuard(3)], skipped=lambda s: s >= 4)
+    assert loop.step == 6
+    loop = _loop(Fakes())
+    _run(loop, [NonFiniteGuard(3)], skipped=lambda s: s % 3 == 0)  # never 3 in a row
+    assert loop.step == 8
+
+
+def test_metrics_and_evaluations_at_their_cadence_and_the_last_step():
+    fakes = Fakes()
+    _run(_loop(fakes, steps=7), [LogMetrics(3, 10), Evaluate(4)])
+    assert fakes.logged == [(3, "train"), (4, "eval"), (6, "train"), (7, "train"), (7, "eval")]
+    assert fakes.bar == [3, 6, 7]
+
+
+def test_checkpoints_at_their_cadence_the_end_and_an_early_stop():
+    fakes = Fakes(accuracy=1.0)
+    loop = _run(_loop(fakes, steps=20, tracked=False), [Evaluate(5), TargetAccuracy(0.9), Checkpoint(3)])
+    assert loop.step == 5 and fakes.saved == [3, 5] and "reached 100.00%" in loop.stop
+
+
+def test_preemption_after_the_same_step_with_a_checkpoint_there():
+    fakes = Fakes(signal_at=5)
+    loop = _run(_loop(fakes, tracked=False), [Preemption(), Checkpoint(4)])
+    assert isinstance(loop.stop, Preempted) and "SIGTERM at step 5 of 8" in str(loop.stop)
+    assert fakes.saved == [4, 5]
+    fakes = Fakes(signal_at=8)  # on the last step: a finished run, not a preempted one
+    loop = _run(_loop(fakes, tracked=False), [Preemption(), Checkpoint(4)])
+    assert loop.stop is None and fakes.saved == [4, 8]
+
+
+def test_a_resumed_run_at_its_target_does_nothing():
+    fakes = Fakes(accuracy=0.995)
+    loop = _run(_loop(fakes, start=4, tracked=False), [TargetAccuracy(0.99), Checkpoint(2)])
+    assert loop.step == 4 and fakes.saved == [] and "nothing to do" in loop.stop
+
+
+def test_default_hooks_follow_the_config():
+    names = lambda **t: [type(h).__name__ for h in default_hooks(load_config("tiny", [  # noqa: E731
+        "train.steps=8", "train.warmup_steps=1", *(f"train.{k}={v}" for k, v in t.items())]))]
+    assert names(eval_every=0, target_accuracy="null") == ["NonFiniteGuard", "LogMetrics", "Preemption",
+                                                           "Checkpoint"]
+    assert names(eval_every=2, target_accuracy=0.9) == ["NonFiniteGuard", "LogMetrics", "Evaluate",
+                                                        "TargetAccuracy", "Preemption", "Checkpoint"]
