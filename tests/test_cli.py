@@ -18,7 +18,7 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from gdnx.cli import main
 from tests.hf_models import VOCAB, hf_and_gdnx
-from tests.training.test_loop import SMALL
+from tests.helpers.configs import SMALL_RUN
 
 
 def _error(capsys, argv) -> str:
@@ -56,10 +56,10 @@ def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv
 
 def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path):
     out = f"train.out_dir={tmp_path}"
-    assert main(["train", "tiny", *SMALL, "train.steps=3", "train.checkpoint_every=3", out]) == 0
+    assert main(["train", "tiny", *SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", out]) == 0
     capsys.readouterr()
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    err = _error(capsys, ["train", "tiny", *SMALL, "model.hidden_size=48", "train.steps=3", out])
+    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "model.hidden_size=48", "train.steps=3", out])
     assert "holds checkpoints of another config" in err and "model.hidden_size: 32 there, 48 here" in err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
@@ -95,19 +95,19 @@ def test_generate_from_a_hugging_face_directory(capsys, tmp_path, kind):
 def test_train_on_a_text_file(tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"line {i} of some text"}) for i in range(50)))
-    assert main(["train", "tiny", *SMALL, "data.source=text", f"data.path={data}", "model.vocab_size=256",
+    assert main(["train", "tiny", *SMALL_RUN, "data.source=text", f"data.path={data}", "model.vocab_size=256",
                  "train.steps=3", f"train.out_dir={tmp_path / 'run'}"]) == 0
     assert "perplexity" in capsys.readouterr().err  # the evaluation line of a text run
     assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "line 3", "--max-new-tokens", "4"]) == 0
     capsys.readouterr()
     # the text changed under a run with checkpoints: refused, not re-tokenized and resumed on other data
     data.write_text(data.read_text() + "\n" + json.dumps({"text": "one more line"}))
-    err = _error(capsys, ["train", "tiny", *SMALL, "data.source=text", f"data.path={data}", "model.vocab_size=256",
+    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "data.source=text", f"data.path={data}", "model.vocab_size=256",
                           "train.steps=4", f"train.out_dir={tmp_path / 'run'}"])
     assert "data.path: " in err and "changed since" in err and "restore it, or use another train.out_dir" in err
     # shards from gdnx prepare: generate finds their tokenizer
     assert main(["prepare", str(data), "--out", str(tmp_path / "shards")]) == 0
-    assert main(["train", "tiny", *SMALL, "data.source=tokens", f"data.path={tmp_path / 'shards'}",
+    assert main(["train", "tiny", *SMALL_RUN, "data.source=tokens", f"data.path={tmp_path / 'shards'}",
                  "model.vocab_size=256", "train.steps=3", f"train.out_dir={tmp_path / 'run3'}"]) == 0
     assert main(["generate", "--checkpoint", str(tmp_path / "run3"), "--prompt", "line", "--max-new-tokens", "4"]) == 0
     capsys.readouterr()
@@ -124,7 +124,7 @@ def test_train_and_generate_each_family(capsys, tmp_path, family):
              "model.linear_num_value_heads=6", "model.linear_num_key_heads=2"]
     if family == "olmo_hybrid":
         model += ["model.linear_allow_neg_eigval=true", "model.partial_rotary_factor=1.0"]
-    assert main(["train", "tiny", *SMALL, *model, "train.steps=3", f"train.out_dir={tmp_path}"]) == 0
+    assert main(["train", "tiny", *SMALL_RUN, *model, "train.steps=3", f"train.out_dir={tmp_path}"]) == 0
     assert json.loads((tmp_path / "config.json").read_text())["model"]["family"] == family
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "1 17 2 18 1", "--max-new-tokens", "3"]) == 0
@@ -156,7 +156,7 @@ def _tokenizer(path):
 def test_every_data_and_file_mistake_is_one_line(capsys, tmp_path, monkeypatch):
     """Data files, tokenizers, out_dir: one line naming the key or path, exit 2."""
     monkeypatch.chdir(tmp_path)
-    text = ["train", "tiny", *SMALL, "data.source=text", "model.vocab_size=256"]
+    text = ["train", "tiny", *SMALL_RUN, "data.source=text", "model.vocab_size=256"]
     (tmp_path / "num.jsonl").write_text('{"text": 5}\n')
     assert 'line 1: "text" is a int, expected a string' in _error(capsys, [*text, "data.path=num.jsonl"])
     (tmp_path / "bin.jsonl").write_bytes(b'{"text": "\xff\xfe"}\n')
@@ -166,10 +166,10 @@ def test_every_data_and_file_mistake_is_one_line(capsys, tmp_path, monkeypatch):
     err = _error(capsys, [*text, "data.path=ok.txt", "data.tokenizer=tokenizer.json"])
     assert "data.tokenizer: " in err and "is not a readable tokenizer.json" in err
     (tmp_path / "afile").write_text("x")
-    assert "train.out_dir" in _error(capsys, ["train", "tiny", *SMALL, "train.out_dir=afile"])
+    assert "train.out_dir" in _error(capsys, ["train", "tiny", *SMALL_RUN, "train.out_dir=afile"])
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
-    err = _error(capsys, ["train", "tiny", *SMALL, f"train.out_dir={tmp_path / 'new'}"])
+    err = _error(capsys, ["train", "tiny", *SMALL_RUN, f"train.out_dir={tmp_path / 'new'}"])
     assert f"{tmp_path} is not writable" in err
 
 
@@ -183,9 +183,9 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_bind_the_out_dir
     out = f"train.out_dir={tmp_path}"
     with monkeypatch.context() as m:
         m.setattr(loop.Trainer, "step", exhausted)
-        assert "out of memory" in _error(capsys, ["train", "tiny", *SMALL, "train.steps=3", out])
+        assert "out of memory" in _error(capsys, ["train", "tiny", *SMALL_RUN, "train.steps=3", out])
     assert (tmp_path / "config.json").is_file()
-    assert main(["train", "tiny", *SMALL, "data.seq_len=36", "train.steps=3", out]) == 0
+    assert main(["train", "tiny", *SMALL_RUN, "data.seq_len=36", "train.steps=3", out]) == 0
 
 
 def test_every_config_and_size_mistake_is_one_line(capsys, tmp_path, monkeypatch):
@@ -205,19 +205,19 @@ def test_every_config_and_size_mistake_is_one_line(capsys, tmp_path, monkeypatch
 
 def test_resume_refuses_a_change_that_alters_results_and_records_the_others(capsys, tmp_path):
     out = f"train.out_dir={tmp_path}"
-    assert main(["train", "tiny", *SMALL, "train.steps=3", "train.checkpoint_every=3", out]) == 0
-    err = _error(capsys, ["train", "tiny", *SMALL, "train.batch_size=8", "train.steps=4", out])
+    assert main(["train", "tiny", *SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", out]) == 0
+    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "train.batch_size=8", "train.steps=4", out])
     assert "train.batch_size: 4 there, 8 here" in err
     saved = (tmp_path / "config.json").read_text()
     (tmp_path / "config.json").write_text("{corrupt")
-    assert "config.json: not valid JSON" in _error(capsys, ["train", "tiny", *SMALL, "train.steps=4", out])
+    assert "config.json: not valid JSON" in _error(capsys, ["train", "tiny", *SMALL_RUN, "train.steps=4", out])
     # no config.json beside the checkpoints: refused in one line, and nothing overwritten
     (tmp_path / "config.json").unlink()
-    err = _error(capsys, ["train", "tiny", *SMALL, "model.hidden_size=48", "train.steps=4", out])
+    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "model.hidden_size=48", "train.steps=4", out])
     assert "holds checkpoints but no config.json" in err and not (tmp_path / "config.json").exists()
     (tmp_path / "config.json").write_text(saved)
     capsys.readouterr()
-    assert main(["train", "tiny", *SMALL, "train.steps=4", "train.log_every=1", out]) == 0
+    assert main(["train", "tiny", *SMALL_RUN, "train.steps=4", "train.log_every=1", out]) == 0
     said = " ".join(capsys.readouterr().err.split())  # (the console wraps long notes)
     assert "train.steps: 3 there, 4 here: the learning rate's cosine decay now ends at step 4" in said
     change = json.loads((tmp_path / "config_changes.jsonl").read_text().splitlines()[-1])
@@ -229,7 +229,7 @@ def test_resume_refuses_a_change_that_alters_results_and_records_the_others(caps
 
 def test_every_generate_mistake_is_one_line(capsys, tmp_path):
     run = tmp_path / "run"
-    assert main(["train", "tiny", *SMALL, "train.steps=3", "train.checkpoint_every=3", f"train.out_dir={run}"]) == 0
+    assert main(["train", "tiny", *SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", f"train.out_dir={run}"]) == 0
     capsys.readouterr()
     gen = ["generate", "--checkpoint", str(run), "--prompt", "1 2 3"]
     err = _error(capsys, [*gen, "--max-new-tokens", str(10 ** 12)])
@@ -276,7 +276,7 @@ def test_distributed_on_a_plain_host_and_out_of_memory_are_one_line(capsys, tmp_
     def exhausted(*a, **k):
         raise MemoryError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0TiB")
     monkeypatch.setattr(train_module.Trainer, "step", exhausted)
-    err = _error(capsys, ["train", "tiny", *SMALL, f"train.out_dir={tmp_path}"])
+    err = _error(capsys, ["train", "tiny", *SMALL_RUN, f"train.out_dir={tmp_path}"])
     assert "out of memory" in err and "train.grad_accum_steps" in err and "model.remat_policy=full" in err
 
 

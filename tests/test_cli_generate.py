@@ -83,3 +83,6 @@ def test_out_goes_with_prompts_file(checkpoint, tmp_path, capsys):
     assert "--prompts-file: no such file" in _error(capsys, base + ["--prompts-file", "nope", "--out", "x"])
     assert "--max-slots: expected an integer >= 1" in _error(capsys, base + ["--prompts-file", str(src), "--out",
                                                                              str(tmp_path / "o"), "--max-slots", "0"])
+    # an engine field's refusal names the flag typed (the engine's field is prefix_cache_bytes)
+    assert "--prefix-cache-mb: expected a non-negative integer" in _error(
+        capsys, base + ["--prompts-file", str(src), "--out", str(tmp_path / "o"), "--prefix-cache-mb", "-1"])

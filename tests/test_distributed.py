@@ -6,15 +6,14 @@ axis in another order, so they differ in the last float32 bits); against an
 uninterrupted run with the same processes: bit for bit. Every process a test
 starts is bounded in time and stopped at the end."""
 
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from flax import nnx
 
 from gdnx.loading import load
 from gdnx.distributed import PEER_LOST_STATUS, PREEMPTED_STATUS, StopSignals, process_group
+from tests.helpers.processes import LIMIT_S, Processes, cpu_env, free_port, gdnx
 
 # mesh data=2 x fsdp=2 x tensor=2 on 8 devices however they are split into processes
 RUN = ["model.hidden_size=32", "model.intermediate_size=32", "data.seq_len=40", "data.num_pairs=4",
@@ -31,29 +31,20 @@ RUN = ["model.hidden_size=32", "model.intermediate_size=32", "data.seq_len=40", 
        "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=100", "train.target_accuracy=null",
        "parallel.data=2", "parallel.fsdp=2", "parallel.tensor=2"]
 STEPS = 8
-LIMIT_S = 300  # a run of a few steps takes well under a minute; a hang fails the test instead of CI
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Run:
     """`gdnx train` as `processes` processes of `8 / processes` CPU devices each."""
 
-    def __init__(self, out: Path, processes: int, extra: list[str] = (), *, steps: int = STEPS,
-                 heartbeat_s: int | None = None):
-        devices = 8 // processes
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
-        port = _free_port()
+    def __init__(self, procs: Processes, out: Path, processes: int, extra: Sequence[str] = (), *,
+                 steps: int = STEPS, heartbeat_s: int | None = None):
+        env = cpu_env(devices=8 // processes)
+        port = free_port()
         self.out, self.logs, self.procs = out, [], []
+        self._registry = procs
         out.parent.mkdir(parents=True, exist_ok=True)
         for i in range(processes):
-            args = [sys.executable, "-m", "gdnx", "train", "tiny", *RUN, *extra, f"train.steps={steps}",
-                    f"train.out_dir={out}"]
+            args = gdnx("train", "tiny", *RUN, *extra, f"train.steps={steps}", f"train.out_dir={out}")
             if processes > 1:
                 args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
                          "--process-id", str(i)]
@@ -62,20 +53,18 @@ class _Run:
             log = out.parent / f"{out.name}.{i}.log"
             self.logs.append(log)
             with log.open("ab") as f:
-                self.procs.append(subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env))
+                self.procs.append(procs.start(args, stdout=f, stderr=subprocess.STDOUT, env=env))
 
     def wait(self, timeout: float = LIMIT_S) -> list[int]:
+        """Every process's status; past `timeout` each still running is killed and the test fails."""
         deadline = time.monotonic() + timeout
         try:
-            return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in self.procs]
+            return [self._registry.wait(p, max(1.0, deadline - time.monotonic())) for p in self.procs]
         finally:
-            self.kill()
-
-    def kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
     def output(self, i: int = 0) -> str:
         return self.logs[i].read_text(errors="replace")
@@ -90,15 +79,6 @@ class _Run:
                 return
             time.sleep(0.05)
         raise AssertionError(f"step {step} not reached in {timeout} s:\n{self.output()[-2000:]}")
-
-
-@contextlib.contextmanager
-def _running(*runs: _Run):
-    try:
-        yield runs
-    finally:
-        for run in runs:
-            run.kill()
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -178,94 +158,117 @@ def test_a_signal_that_lands_while_the_processes_share_theirs_stops_the_next_ste
     assert signals.reached() and signals.signal == signal.SIGTERM
 
 
-def test_two_processes_match_one_then_sigterm_to_one_stops_both_and_another_process_count_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def text_runs(tmp_path_factory):
     """On a text corpus (process 0 prepares it while process 1 waits; each
-    reads its rows): 2 x 4 devices against 1 x 8, uninterrupted; then a
-    2 x 4 run where process 1 alone gets SIGTERM: both stop at the step they
-    agree on with a checkpoint and exit status 75, and the run is resumed by
-    2 processes (bit for bit the uninterrupted 2 x 4 run) and by 1 (8 devices
-    in one process: orbax restores the shards onto any split of the mesh)."""
-    corpus = tmp_path / "corpus.jsonl"
+    reads its rows): a run of 1 x 8 devices and one of 2 x 4, uninterrupted;
+    then a 2 x 4 run in which process 1 alone gets SIGTERM after step 2.
+    Returns the directory and each run's statuses; the tests below check
+    them, so a failure in one stage does not hide the others."""
+    root = tmp_path_factory.mktemp("text_runs")
+    corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i}: " + "some words " * (i % 7 + 1)}) + "\n"
                               for i in range(200)))
     text = ["data.source=text", f"data.path={corpus}", "model.vocab_size=256"]
-    with _running(_Run(tmp_path / "one", 1, text), _Run(tmp_path / "two", 2, text)) as (one, two):
-        assert one.wait() == [0], one.output()
-        assert two.wait() == [0, 0], two.output()
-    assert (tmp_path / "two" / "data" / "meta.json").is_file()
-    _assert_same(tmp_path / "one", tmp_path / "two", exact=False)
-
-    # a checkpoint every step (free to change on resume) keeps the run from ending between two polls
-    with _running(_Run(tmp_path / "stopped", 2, [*text, "train.checkpoint_every=1"])) as (stopped,):
-        _sigterm_at_step(stopped, 2, to=[1])
-        assert stopped.wait() == [PREEMPTED_STATUS] * 2, stopped.output()
-    reached = max(_losses(tmp_path / "stopped"))
-    assert 2 <= reached < STEPS and _params(tmp_path / "stopped")[0] == reached
-    assert all(f"stopped by SIGTERM at step {reached} of {STEPS}" in stopped.output(i) for i in (0, 1))
-    shutil.copytree(tmp_path / "stopped", tmp_path / "on_one")
-    # one after another: gloo gives a peer 30 s to reach a collective, and
-    # several processes compiling at once on a 2-core machine can take longer
-    for name, processes in (("stopped", 2), ("on_one", 1)):
-        with _running(_Run(tmp_path / name, processes, text)) as (run,):
-            assert set(run.wait()) == {0}, run.output()
-            assert f"resumed from the checkpoint at step {reached}" in run.output(0)
-    _assert_same(tmp_path / "two", tmp_path / "stopped", exact=True)
-    _assert_same(tmp_path / "two", tmp_path / "on_one", exact=False)
+    runs = {}
+    with Processes() as procs:
+        one, two = _Run(procs, root / "one", 1, text), _Run(procs, root / "two", 2, text)
+        runs["one"], runs["two"] = (one, one.wait()), (two, two.wait())
+        # a checkpoint every step (free to change on resume) keeps the run from ending between two polls
+        stopped = _Run(procs, root / "stopped", 2, [*text, "train.checkpoint_every=1"])
+        try:
+            _sigterm_at_step(stopped, 2, to=[1])
+        finally:
+            runs["stopped"] = (stopped, stopped.wait())
+    return root, text, runs
 
 
-def test_a_killed_process_ends_the_others_in_one_line_and_the_run_resumes(tmp_path):
+@pytest.mark.xdist_group("text_runs")  # one worker builds the runs once
+def test_two_processes_match_one_on_a_text_corpus(text_runs):
+    root, _, runs = text_runs
+    assert runs["one"][1] == [0], runs["one"][0].output()
+    assert runs["two"][1] == [0, 0], runs["two"][0].output()
+    assert (root / "two" / "data" / "meta.json").is_file()
+    _assert_same(root / "one", root / "two", exact=False)
+
+
+def _stopped_at(text_runs) -> int:
+    root, _, runs = text_runs
+    stopped, statuses = runs["stopped"]
+    assert statuses == [PREEMPTED_STATUS] * 2, stopped.output()
+    return max(_losses(root / "stopped"))
+
+
+@pytest.mark.xdist_group("text_runs")  # one worker builds the runs once
+def test_sigterm_to_one_process_stops_both_at_a_step_they_agree_on(text_runs):
+    root, _, runs = text_runs
+    reached = _stopped_at(text_runs)
+    assert 2 <= reached < STEPS and _params(root / "stopped")[0] == reached
+    assert all(f"stopped by SIGTERM at step {reached} of {STEPS}" in runs["stopped"][0].output(i) for i in (0, 1))
+
+
+@pytest.mark.xdist_group("text_runs")  # one worker builds the runs once
+@pytest.mark.parametrize("processes_now", [2, 1])
+def test_a_stopped_run_resumes_on_two_processes_bit_for_bit_or_on_one(text_runs, tmp_path, processes, processes_now):
+    """2 processes: bit for bit the uninterrupted 2 x 4 run; 1 (8 devices in
+    one process: orbax restores the shards onto any split of the mesh):
+    within the float32 rounding of another reduction order."""
+    root, text, _ = text_runs
+    reached = _stopped_at(text_runs)
+    shutil.copytree(root / "stopped", tmp_path / "run")
+    run = _Run(processes, tmp_path / "run", processes_now, text)
+    assert set(run.wait()) == {0}, run.output()
+    assert f"resumed from the checkpoint at step {reached}" in run.output(0)
+    _assert_same(root / "two", tmp_path / "run", exact=processes_now == 2)
+
+
+def test_a_killed_process_ends_the_others_in_one_line_and_the_run_resumes(tmp_path, processes):
     """kill -9 of process 1: process 0 exits within the heartbeat timeout
     with one line and status 4; the run then resumes from its checkpoint."""
-    with _running(_Run(tmp_path / "run", 2, ["train.checkpoint_every=2"], heartbeat_s=5)) as (run,):
-        run.wait_for_step(3)
-        run.procs[1].kill()
-        start = time.monotonic()
-        status = run.procs[0].wait(timeout=60)
-        took = time.monotonic() - start
+    run = _Run(processes, tmp_path / "run", 2, ["train.checkpoint_every=2"], heartbeat_s=5)
+    run.wait_for_step(3)
+    run.procs[1].kill()
+    start = time.monotonic()
+    status = processes.wait(run.procs[0], 60)
+    took = time.monotonic() - start
     assert status == PEER_LOST_STATUS, run.output(0)
     assert took < 30  # the heartbeat timeout (5 s) and the runtime's polling, not a hang
     lines = [line for line in run.output(0).splitlines() if "error" in line.lower()]
     assert len(lines) == 1 and lines[0].startswith("gdnx train: error: another process of the run stopped")
     assert "Traceback" not in run.output(0) and "Check failure" not in run.output(0)
     assert "[Gloo]" not in run.output(0)
-    with _running(_Run(tmp_path / "run", 1, ["train.checkpoint_every=2"])) as (resumed,):
-        assert resumed.wait() == [0], resumed.output()
+    resumed = _Run(processes, tmp_path / "run", 1, ["train.checkpoint_every=2"])
+    assert resumed.wait() == [0], resumed.output()
     assert "resumed from the checkpoint at step" in resumed.output(0)
     assert sorted(_losses(tmp_path / "run")) == list(range(1, STEPS + 1))
 
     # generate runs under the distributed runtime too: the same tokens, shown once
-    gen = [sys.executable, "-m", "gdnx", "generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "1 2 3 4",
-           "--max-new-tokens", "4"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    alone = subprocess.run(gen, capture_output=True, text=True, env=env, timeout=LIMIT_S)
+    gen = gdnx("generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "1 2 3 4", "--max-new-tokens", "4")
+    alone = subprocess.run(gen, capture_output=True, text=True, env=cpu_env(), timeout=LIMIT_S)
     assert alone.returncode == 0 and len(alone.stdout.split()) == 4, alone.stderr
-    port = _free_port()
-    procs = [subprocess.Popen(gen + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
-                                     str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    port = free_port()
+    procs = [processes.start(gen + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                                    str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=LIMIT_S) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = [p.communicate(timeout=LIMIT_S) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert outs[0][0] == alone.stdout and outs[1][0] == ""
 
 
-def test_a_silent_process_ends_the_others_after_the_heartbeat_timeout(tmp_path):
+def test_a_silent_process_ends_the_others_after_the_heartbeat_timeout(tmp_path, processes):
     """A process that stops answering with its connections open (SIGSTOP:
     as when its host vanishes) is taken for dead after --heartbeat-timeout
     seconds: the other exits with one line and status 4, not a hang."""
-    with _running(_Run(tmp_path / "run", 2, heartbeat_s=5)) as (run,):
-        run.wait_for_step(1)
-        worker = _child_of(run.procs[1].pid)
-        os.kill(worker, signal.SIGSTOP)
-        try:
-            start = time.monotonic()
-            status = run.procs[0].wait(timeout=120)
-            took = time.monotonic() - start
-        finally:
-            os.kill(worker, signal.SIGKILL)
+    run = _Run(processes, tmp_path / "run", 2, heartbeat_s=5)
+    run.wait_for_step(1)
+    worker = _child_of(run.procs[1].pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        status = processes.wait(run.procs[0], 120)
+        took = time.monotonic() - start
+    finally:
+        os.kill(worker, signal.SIGKILL)
     assert status == PEER_LOST_STATUS, run.output(0)
     assert 3 < took < 60, took  # the 5 s timeout and the runtime's polling, not an instant error nor a hang
     lines = [line for line in run.output(0).splitlines() if "error" in line.lower()]
@@ -316,24 +319,18 @@ print("saved by", jax.process_index())
 """
 
 
-def test_two_processes_load_a_hugging_face_directory_sharded_and_save_the_same_bytes(tmp_path):
+def test_two_processes_load_a_hugging_face_directory_sharded_and_save_the_same_bytes(tmp_path, processes):
     """Each process reads its devices' parts of the files (fsdp=4 x tensor=2
     over two processes of 4 devices); saving gathers each tensor and
     process 0 writes: the bytes of a single-process save."""
     from tests.hf_models import random_hf_model
 
     random_hf_model("qwen3_5_moe").save_pretrained(tmp_path / "hf")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"}
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARDED_HF, f"127.0.0.1:{port}", str(i), str(tmp_path / "hf"),
-                               str(tmp_path / "two")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=LIMIT_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    port = free_port()
+    procs = [processes.start([sys.executable, "-c", _SHARDED_HF, f"127.0.0.1:{port}", str(i), str(tmp_path / "hf"),
+                              str(tmp_path / "two")], env=cpu_env(devices=4), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=LIMIT_S)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     from gdnx.models import CausalLM
 

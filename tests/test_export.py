@@ -11,7 +11,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from gdnx.config import load_config
 from gdnx.export import export_run
 from gdnx.training import train
-from tests.training.test_loop import SMALL
+from tests.helpers.configs import SMALL_RUN
 
 
 def test_a_text_run_exports_with_its_tokenizer(tmp_path):
@@ -25,7 +25,7 @@ def test_a_text_run_exports_with_its_tokenizer(tmp_path):
     corpus.write_text("".join(json.dumps({"text": " ".join(f"w{(i + j) % 30}" for j in range(12))}) + "\n"
                               for i in range(40)))
     run = tmp_path / "run"
-    train(load_config("tiny", SMALL + ["data.source=text", f"data.path={corpus}",
+    train(load_config("tiny", SMALL_RUN + ["data.source=text", f"data.path={corpus}",
                                        f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}", "train.steps=3",
                                        "train.eval_every=0", f"train.out_dir={run}"]))
     step, notes = export_run(run, tmp_path / "hf")

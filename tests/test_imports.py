@@ -87,3 +87,16 @@ def test_checkpoints_know_the_model_by_interface():
     for name, deps in graph.items():
         if name.startswith("gdnx.checkpoints"):
             assert not {d for d in deps if d.startswith("gdnx.models")}, (name, deps)
+
+
+def test_no_command_module_imports_another():
+    """gdnx.cli (the entry point) dispatches to each command's module
+    (cli_generate, cli_serve); those share code through the library
+    (gdnx.loading), never by importing one another, and nothing else in
+    the library imports a CLI module (`python -m gdnx` runs gdnx.cli)."""
+    graph = import_graph()
+    commands = {name for name in graph if name.startswith("gdnx.cli_")}
+    assert commands >= {"gdnx.cli_generate", "gdnx.cli_serve"}
+    for name, deps in graph.items():
+        if name not in ("gdnx.cli", "gdnx.__main__"):
+            assert not deps & (commands | {"gdnx.cli"}), (name, deps & (commands | {"gdnx.cli"}))

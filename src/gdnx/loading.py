@@ -82,7 +82,7 @@ def load(path: Path, overrides: list[str], command: str) -> Loaded:
     from gdnx.data.source import run_tokenizer
     from gdnx.data.text import HFTokenizer, make_tokenizer
     from gdnx.models import CausalLM
-    from gdnx.runs import load_run
+    from gdnx.runs import NotARun, load_run
 
     if not path.is_dir():
         raise ConfigError(f"--checkpoint: no such directory {path}")
@@ -91,10 +91,8 @@ def load(path: Path, overrides: list[str], command: str) -> Loaded:
         if is_run(path):
             try:
                 run = load_run(path, model_fields)
-            except ValueError as e:
-                if "not a gdnx run config" in str(e):
-                    raise ConfigError(f"--checkpoint: {e}") from None
-                raise
+            except NotARun as e:
+                raise ConfigError(f"--checkpoint: {e}") from None
             for line in run.notes:
                 print(f"gdnx {command}: {line}", file=sys.stderr)
             found = None
@@ -163,8 +161,9 @@ def build_engine(loaded: Loaded, settings: EngineSettings, chat: Any = None) -> 
         raise ConfigError(f"--max-length: {settings.max_length} exceeds the model's {loaded.max_positions} positions "
                           "(max_position_embeddings)")
     try:
-        if settings.speculative < 0:
-            raise FieldError("speculative", f"expected a non-negative integer, got {settings.speculative}")
+        for name in ("speculative", "prefix_cache_bytes"):
+            if getattr(settings, name) < 0:  # the flag's own value (MiB for the prefix cache) is what was wrong
+                raise FieldError(name, "expected a non-negative integer")
         return Engine(loaded.model, max_slots=settings.max_slots, max_length=settings.max_length,
                       prefix_cache_bytes=settings.prefix_cache_bytes, decode_steps=settings.decode_steps,
                       speculative=NgramDrafter(settings.speculative) if settings.speculative else None,

@@ -17,6 +17,10 @@ from gdnx.models.adapters import adapter_spec
 from gdnx.training.init_from import initial_params
 
 
+class NotARun(ValueError):
+    """A directory's config.json is not a gdnx run config."""
+
+
 class LoadedRun(NamedTuple):
     model: CausalLM
     config: Config
@@ -26,14 +30,14 @@ class LoadedRun(NamedTuple):
 
 def load_run(path: Path, model_overrides: dict | None = None) -> LoadedRun:
     """The run in `path`, with model_overrides (ModelConfig fields that do
-    not change shapes) applied to its config. ValueError naming the file
-    when the config is not a gdnx run config. A LoRA run's model holds its
+    not change shapes) applied to its config. NotARun naming the file when
+    the config is not a gdnx run config. A LoRA run's model holds its
     base (model.init_from) and its adapters."""
     try:
         saved = json.loads((path / CONFIG_FILE).read_text())
         saved["model"] = {**saved["model"], **(model_overrides or {})}
     except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{path / CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
+        raise NotARun(f"{path / CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
     config = build_config(saved)
     spec = adapter_spec(config.train.lora)
     abstract = nnx.eval_shape(lambda: CausalLM(config.model, adapters=spec))

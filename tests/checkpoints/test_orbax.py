@@ -13,11 +13,12 @@ from gdnx.checkpoints.orbax import CheckpointDamaged, Checkpoints, damage
 from gdnx.cli import main
 from gdnx.config import load_config
 from gdnx.training import train
-from tests.training.test_loop import SMALL, _params
+from tests.helpers.configs import SMALL_RUN
+from tests.training.test_loop import _params
 
 
 def _config(out, steps, **kw):
-    return load_config("tiny", SMALL + [f"train.steps={steps}", "train.checkpoint_every=3",
+    return load_config("tiny", SMALL_RUN + [f"train.steps={steps}", "train.checkpoint_every=3",
                                         "train.keep_checkpoints=3", f"train.out_dir={out}"])
 
 
@@ -77,7 +78,7 @@ def test_no_intact_checkpoint_is_one_line(tmp_path, capsys):
     with pytest.raises(CheckpointDamaged, match=r"no intact checkpoint \(step 3: .* does not match its checksum\)"):
         Checkpoints(tmp_path, _config(tmp_path, 6)).latest_intact_step()
     capsys.readouterr()
-    argv = ["train", "tiny", *SMALL, "train.steps=6", "train.checkpoint_every=3", "train.keep_checkpoints=3",
+    argv = ["train", "tiny", *SMALL_RUN, "train.steps=6", "train.checkpoint_every=3", "train.keep_checkpoints=3",
             f"train.out_dir={tmp_path}"]
     assert main(argv) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdnx")]
@@ -116,7 +117,7 @@ def test_keeping_one_checkpoint_never_leaves_none_intact(tmp_path, capsys, strai
     run does."""
     import gdnx.checkpoints.orbax as module
 
-    one = lambda steps: load_config("tiny", SMALL + [f"train.steps={steps}", "train.checkpoint_every=3",  # noqa: E731
+    one = lambda steps: load_config("tiny", SMALL_RUN + [f"train.steps={steps}", "train.checkpoint_every=3",  # noqa: E731
                                                      "train.keep_checkpoints=1", f"train.out_dir={tmp_path}"])
     train(one(3))
     real = module.atomic_write_text

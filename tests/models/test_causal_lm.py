@@ -14,11 +14,9 @@ from gdnx.measure import relative_error
 from gdnx.models import Cache, CausalLM
 from gdnx.models.causal_lm import parameter_count
 from gdnx.stacking import layer_paths
+from tests.helpers.configs import MOE, TINY_HYBRID
 
-TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=48, num_experts=4,
-            num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, gdn_chunk_size=16)
+TINY = {**TINY_HYBRID, **MOE}
 
 
 def _model(**kw):

@@ -12,10 +12,10 @@ from gdnx.config.loading import load_config
 from gdnx.measure import relative_error
 from gdnx.training import Trainer, train
 from tests.parallel.helpers import mesh
-from tests.training.test_loop import SMALL
+from tests.helpers.configs import SMALL_RUN
 
 # 4 key heads so that tensor=2 splits them; batch 8 over data=4
-SHARDABLE = SMALL + ["model.linear_num_key_heads=4", "model.linear_num_value_heads=4",
+SHARDABLE = SMALL_RUN + ["model.linear_num_key_heads=4", "model.linear_num_value_heads=4",
                      "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "train.batch_size=8",
                      "model.gdn_chunk_size=16"]
 

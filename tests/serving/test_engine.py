@@ -17,14 +17,12 @@ from gdnx.config import ModelConfig
 from gdnx.generate import generate
 from gdnx.models import CausalLM
 from gdnx.serving import Engine, NgramDrafter, SamplingParams
+from tests.helpers.configs import MOE, TINY_HYBRID
 
 # one worker runs this module: its module fixtures (the plain path's tokens, compiled per prompt) run once
 pytestmark = pytest.mark.xdist_group("engine")
 
-TINY = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=48, num_experts=0, gdn_chunk_size=16)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+TINY = TINY_HYBRID
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 LENGTHS = (5, 13, 30, 17, 40, 3)
 

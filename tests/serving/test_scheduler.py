@@ -72,7 +72,11 @@ def test_abort_in_every_state():
         assert r.status is (before if before.done else S.ABORTED) and r.slot is None
     assert s.running == s.waiting == 0 and not s.has_unfinished()
     assert s.abort(99) is None
-    assert sorted(s._free) == [0, 1, 2]  # every slot back
+    again = [_request(i) for i in range(10, 13)]
+    for r in again:
+        s.add(r)
+    s.admit()
+    assert sorted(r.slot for r in again) == [0, 1, 2]  # every slot back
 
 
 def test_reset_fails_the_slot_holders_and_keeps_the_queue():

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -24,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tests.helpers.processes import cpu_env, gdnx, stop
 from tests.hf_models import SPECIAL, ROLE_WORDS, VOCAB, random_hf_model, word, write_chat_tokenizer
 
 # one worker runs this module: one server process for its tests
@@ -38,9 +37,9 @@ class Server:
     """`gdnx serve` in a subprocess; its URL read from its stderr."""
 
     def __init__(self, checkpoint, *flags: str, env: dict | None = None):
-        cmd = [sys.executable, "-m", "gdnx", "serve", "--checkpoint", str(checkpoint), "--port", "0",
-               "--served-model-name", "tiny", *flags, "model.gdn_chunk_size=16"]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        cmd = gdnx("serve", "--checkpoint", str(checkpoint), "--port", "0", "--served-model-name", "tiny", *flags,
+                   "model.gdn_chunk_size=16")
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=cpu_env(**(env or {})))
         self.lines: list[str] = []
         self.url: str | None = None
         ready = threading.Event()
@@ -80,14 +79,8 @@ class Server:
         return {k: float(v) for k, v in re.findall(r"^(gdnx_\w+) (\S+)$", text, re.M)}
 
     def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        """SIGTERM (the server drains), then SIGKILL past `timeout`; its status."""
+        return stop(self.proc, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -111,3 +111,18 @@ def test_default_hooks_follow_the_config():
                                                            "Checkpoint"]
     assert names(eval_every=2, target_accuracy=0.9) == ["NonFiniteGuard", "LogMetrics", "Evaluate",
                                                         "TargetAccuracy", "Preemption", "Checkpoint"]
+
+
+def test_a_callers_hook_ends_a_real_run_with_a_checkpoint(tmp_path):
+    from gdnx.training import Hook, train
+    from tests.helpers.configs import SMALL_RUN
+
+    class StopAt(Hook):
+        def after_step(self, loop, metrics):
+            if loop.step == 3:
+                loop.stop = "enough"
+
+    result = train(load_config("tiny", SMALL_RUN + ["train.steps=8", "train.checkpoint_every=5",
+                                                    f"train.out_dir={tmp_path}"]), hooks=[StopAt()])
+    assert result["step"] == 3
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [3]

@@ -17,10 +17,9 @@ import pytest
 
 from gdnx.config import load_config
 from gdnx.training import Trainer, train
+from tests.helpers.configs import SMALL_RUN
+from tests.helpers.processes import Processes, gdnx
 
-SMALL = ["model.hidden_size=32", "model.intermediate_size=32", "data.seq_len=40", "data.num_pairs=4",
-         "data.num_keys=16", "data.num_values=16", "model.vocab_size=32", "train.batch_size=4",
-         "train.warmup_steps=2", "train.log_every=2", "train.eval_every=4", "train.target_accuracy=null"]
 
 
 def _params(out: Path):
@@ -32,7 +31,7 @@ def _params(out: Path):
 
 
 def test_train_writes_metrics_plot_and_checkpoints(tmp_path):
-    cfg = load_config("tiny", SMALL + ["train.steps=8", "train.checkpoint_every=4", f"train.out_dir={tmp_path}"])
+    cfg = load_config("tiny", SMALL_RUN + ["train.steps=8", "train.checkpoint_every=4", f"train.out_dir={tmp_path}"])
     result = train(cfg)
     assert result["step"] == 8 and 0.0 <= result["accuracy"] <= 1.0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -43,22 +42,21 @@ def test_train_writes_metrics_plot_and_checkpoints(tmp_path):
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [4, 8]
 
 
-def _cli(out: Path, steps: int):
-    args = [sys.executable, "-m", "gdnx.cli", "train", "tiny", *SMALL, f"train.steps={steps}",
-            "train.checkpoint_every=3", f"train.out_dir={out}"]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+def _cli(procs: Processes, out: Path, steps: int) -> subprocess.Popen:
+    args = gdnx("train", "tiny", *SMALL_RUN, f"train.steps={steps}", "train.checkpoint_every=3",
+                f"train.out_dir={out}")
+    return procs.start(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_sigterm_saves_the_step_reached_and_the_resume_matches_an_uninterrupted_run(tmp_path):
+def test_sigterm_saves_the_step_reached_and_the_resume_matches_an_uninterrupted_run(tmp_path, processes):
     """SIGTERM once the step-3 checkpoint is complete (its checksum manifest
     is written last): the run finishes its step, saves a checkpoint there
     and exits with status 75; started again, it resumes from that step and
     its final parameters equal those of a run that was never stopped, with
     each step once in the metrics log. Kills (SIGKILL) at random moments are
     tested below; several processes in tests/test_distributed.py."""
-    straight = _cli(tmp_path / "straight", 9)
-    stopped = _cli(tmp_path / "stopped", 9)
+    straight = _cli(processes, tmp_path / "straight", 9)
+    stopped = _cli(processes, tmp_path / "stopped", 9)
     ckpt = tmp_path / "stopped" / "checksums" / "3.json"
     deadline = time.time() + 300
     while not ckpt.is_file() and stopped.poll() is None and time.time() < deadline:
@@ -70,7 +68,7 @@ def test_sigterm_saves_the_step_reached_and_the_resume_matches_an_uninterrupted_
     if reached < 9:  # (the run may have ended first on a fast machine)
         assert stopped.returncode == 75, out
         assert f"stopped by SIGTERM at step {reached} of 9" in out and reached > 3
-    resumed = _cli(tmp_path / "stopped", 9)
+    resumed = _cli(processes, tmp_path / "stopped", 9)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     assert reached == 9 or f"resumed from the checkpoint at step {reached}" in out
@@ -92,7 +90,7 @@ def jax_leaves(tree):
 
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "xla"])
 def test_train_step_with_kernel_on_and_off(tmp_path, implementation):
-    cfg = load_config("tiny", SMALL + ["train.steps=4", f"model.gdn_implementation={implementation}",
+    cfg = load_config("tiny", SMALL_RUN + ["train.steps=4", f"model.gdn_implementation={implementation}",
                                        "model.num_hidden_layers=1",
                                        "model.layer_types=[linear_attention]", f"train.out_dir={tmp_path}"])
     if implementation == "pallas_tpu":
@@ -104,7 +102,7 @@ def test_train_step_with_kernel_on_and_off(tmp_path, implementation):
 
 
 def test_a_run_that_reached_its_target_is_not_extended(tmp_path, capsys, monkeypatch):
-    overrides = SMALL + ["train.steps=20", f"train.out_dir={tmp_path}"]
+    overrides = SMALL_RUN + ["train.steps=20", f"train.out_dir={tmp_path}"]
     assert train(load_config("tiny", overrides + ["train.steps=4"]))["step"] == 4
     capsys.readouterr()
     # the evaluation of the restored parameters says the target is met
@@ -135,7 +133,7 @@ def test_non_finite_steps_do_not_update_and_stop_the_run(tmp_path, capsys, monke
     monkeypatch.setattr(train_module, "loss_and_metrics",
                         lambda *args: (lambda l, m: (l * jnp.nan, {**m, "loss": m["loss"] * jnp.nan}))(
                             *real(*args)))
-    argv = ["train", "tiny", *SMALL, "train.steps=20", "train.checkpoint_every=3", "train.nonfinite_steps_limit=5",
+    argv = ["train", "tiny", *SMALL_RUN, "train.steps=20", "train.checkpoint_every=3", "train.nonfinite_steps_limit=5",
             f"train.out_dir={tmp_path}"]
     assert main(argv) == 3
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdnx")]
@@ -144,7 +142,7 @@ def test_non_finite_steps_do_not_update_and_stop_the_run(tmp_path, capsys, monke
     rows = _strict_json_lines(tmp_path / "metrics.jsonl")
     assert rows and all(r["loss"] is None and r["skipped"] == 1.0 for r in rows if r["split"] == "train")
     step, params = _params(tmp_path)
-    init = Trainer(load_config("tiny", SMALL + [f"train.out_dir={tmp_path}"])).params
+    init = Trainer(load_config("tiny", SMALL_RUN + [f"train.out_dir={tmp_path}"])).params
     assert step == 3
     for a, b in zip(jax_leaves(params), jax_leaves(init), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -161,33 +159,33 @@ def test_a_run_with_some_non_finite_steps_goes_on(tmp_path, capsys, monkeypatch)
         loss, metrics = real(model, batch, *args)
         return loss * jnp.where(jnp.sum(batch.inputs) % 3 == 0, jnp.nan, 1.0), metrics
     monkeypatch.setattr(train_module, "loss_and_metrics", sometimes_nan)
-    result = train(load_config("tiny", SMALL + ["train.steps=12", f"train.out_dir={tmp_path}"]))
+    result = train(load_config("tiny", SMALL_RUN + ["train.steps=12", f"train.out_dir={tmp_path}"]))
     assert result["step"] == 12
     assert "parameters not updated" in capsys.readouterr().err
     assert all(np.isfinite(x).all() for x in jax_leaves(_params(tmp_path)[1]))
 
 
-def _interrupted(out: Path, steps: int, kills: list[float]) -> subprocess.Popen:
+def _interrupted(procs: Processes, out: Path, steps: int, kills: list[float]) -> subprocess.Popen:
     """Start the run, SIGKILL it `kills` seconds after each (re)start that got
     past its first checkpoint, then let the last start finish."""
     for delay in kills:
-        proc = _cli(out, steps)
+        proc = _cli(procs, out, steps)
         deadline = time.time() + 300
         while not (out / "checkpoints").is_dir() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    return _cli(out, steps)
+    return _cli(procs, out, steps)
 
 
-def test_sigkill_at_random_points_then_resume_is_bit_identical(tmp_path):
+def test_sigkill_at_random_points_then_resume_is_bit_identical(tmp_path, processes):
     """Killed at random moments (checkpoint writes included: one every 3
     steps of a few hundred ms), restarted each time: the final parameters
     equal an uninterrupted run's."""
-    straight = _cli(tmp_path / "straight", 12)
+    straight = _cli(processes, tmp_path / "straight", 12)
     delays = list(np.random.default_rng(7).uniform(0.0, 3.0, 3))
-    last = _interrupted(tmp_path / "killed", 12, delays)
+    last = _interrupted(processes, tmp_path / "killed", 12, delays)
     out, _ = last.communicate(timeout=600)
     assert last.returncode == 0, out
     assert straight.wait(timeout=600) == 0
@@ -197,14 +195,14 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_full_disk_stops_cleanly_and_the_run_resumes(tmp_path):
+def test_a_full_disk_stops_cleanly_and_the_run_resumes(tmp_path, processes):
     """A file size limit (ulimit -f) below a checkpoint's size: the run
     stops with one line before writing it (exit 2), nothing damaged is
     left; without the limit it resumes and ends bit-identical to a run
     never stopped."""
     import shlex
 
-    args = [sys.executable, "-m", "gdnx.cli", "train", "tiny", *SMALL, "train.steps=9", "train.checkpoint_every=3",
+    args = [sys.executable, "-m", "gdnx.cli", "train", "tiny", *SMALL_RUN, "train.steps=9", "train.checkpoint_every=3",
             f"train.out_dir={tmp_path / 'run'}"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     # files up to 200 KiB (ulimit -f counts KiB); an ignored SIGXFSZ makes a larger write fail with EFBIG
@@ -215,7 +213,7 @@ def test_a_full_disk_stops_cleanly_and_the_run_resumes(tmp_path):
     assert "Traceback" not in limited.stderr
     assert not any(p.name.isdigit() for p in (tmp_path / "run" / "checkpoints").iterdir())
     _strict_json_lines(tmp_path / "run" / "metrics.jsonl")
-    straight = _cli(tmp_path / "straight", 9)
+    straight = _cli(processes, tmp_path / "straight", 9)
     resumed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     assert straight.wait(timeout=600) == 0
@@ -242,7 +240,7 @@ def _text_corpus(directory: Path, megabytes: int) -> None:
         (directory / f"{i:05d}.txt").write_bytes(b" ".join(rng.choice(words, 20_000))[:100_000])
 
 
-def test_a_corpus_ten_times_larger_takes_no_more_memory_and_resumes_bit_identical(tmp_path):
+def test_a_corpus_ten_times_larger_takes_no_more_memory_and_resumes_bit_identical(tmp_path, processes):
     """10 MB and 100 MB of text, prepared and trained on: peak resident
     memory flat in corpus size (within 64 MiB); a training run on the
     prepared shards killed and resumed ends bit-identical."""
@@ -250,7 +248,7 @@ def test_a_corpus_ten_times_larger_takes_no_more_memory_and_resumes_bit_identica
     for mb in (10, 100):
         _text_corpus(tmp_path / f"text{mb}", mb)
         prepare_peak = _peak_rss(["prepare", str(tmp_path / f"text{mb}"), "--out", str(tmp_path / f"tok{mb}")])
-        train_peak = _peak_rss(["train", "tiny", *SMALL, "data.source=tokens", f"data.path={tmp_path / f'tok{mb}'}",
+        train_peak = _peak_rss(["train", "tiny", *SMALL_RUN, "data.source=tokens", f"data.path={tmp_path / f'tok{mb}'}",
                                 "model.vocab_size=256", "train.steps=3", f"train.out_dir={tmp_path / f'run{mb}'}"])
         peaks[mb] = (prepare_peak, train_peak)
     print(f"peak RSS KiB (prepare, train): {peaks}")  # docs/benchmarks.md quotes these
@@ -258,13 +256,13 @@ def test_a_corpus_ten_times_larger_takes_no_more_memory_and_resumes_bit_identica
         assert peaks[100][stage] - peaks[10][stage] < 64 * 1024, peaks
 
     data = ["data.source=tokens", f"data.path={tmp_path / 'tok100'}", "model.vocab_size=256"]
-    args = lambda out, steps: [sys.executable, "-m", "gdnx.cli", "train", "tiny", *SMALL, *data,  # noqa: E731
+    args = lambda out, steps: [sys.executable, "-m", "gdnx.cli", "train", "tiny", *SMALL_RUN, *data,  # noqa: E731
                                f"train.steps={steps}", "train.checkpoint_every=3", f"train.out_dir={out}"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    straight = subprocess.Popen(args(tmp_path / "straight", 9), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-    killed = subprocess.Popen(args(tmp_path / "killed", 9), env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    straight = processes.start(args(tmp_path / "straight", 9), env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    killed = processes.start(args(tmp_path / "killed", 9), env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     ckpt = tmp_path / "killed" / "checksums" / "3.json"
     deadline = time.time() + 300
     while not ckpt.is_file() and killed.poll() is None and time.time() < deadline:
@@ -288,7 +286,7 @@ def test_training_with_gradient_accumulation_tracks_the_whole_batch(tmp_path):
 
     params = {}
     for n in (1, 4):
-        cfg = load_config("tiny", SMALL + ["train.batch_size=8", f"train.grad_accum_steps={n}", "train.steps=3",
+        cfg = load_config("tiny", SMALL_RUN + ["train.batch_size=8", f"train.grad_accum_steps={n}", "train.steps=3",
                                            "train.warmup_steps=0", "train.eval_every=0",
                                            f"train.out_dir={tmp_path / str(n)}"])
         train(cfg)
@@ -307,7 +305,7 @@ def test_bfloat16_activations_track_the_float32_run(tmp_path):
     losses = {}
     for dtype in ("float32", "bfloat16"):
         out = tmp_path / dtype
-        train(load_config("tiny", SMALL + ["train.steps=100", "train.eval_every=0", "train.log_every=5",
+        train(load_config("tiny", SMALL_RUN + ["train.steps=100", "train.eval_every=0", "train.log_every=5",
                                            f"model.dtype={dtype}", f"train.out_dir={out}"]))
         losses[dtype] = np.array([r["loss"] for r in _strict_json_lines(out / "metrics.jsonl")])
         assert all(x.dtype == np.float32 for x in jax_leaves(_params(out)[1]))
@@ -321,7 +319,7 @@ def _text_run(tmp_path: Path) -> list[str]:
     """A host-read run (the prefetch thread runs), on a small byte corpus."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(40)))
-    return SMALL + ["data.source=text", f"data.path={corpus}", "model.vocab_size=256", "train.steps=8",
+    return SMALL_RUN + ["data.source=text", f"data.path={corpus}", "model.vocab_size=256", "train.steps=8",
                     "train.checkpoint_every=2", f"train.out_dir={tmp_path / 'run'}"]
 
 
@@ -359,7 +357,7 @@ def test_a_failed_save_or_an_interrupt_leaves_no_thread_running(tmp_path, monkey
     assert closed == [True]
 
 
-def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys, processes):
     """Another process holds train.out_dir: `gdnx train` there is one line and
     exit 2, and nothing in the directory changes. A lock whose holder was
     killed (its pid left in the file, its flock gone with it) is taken over,
@@ -368,8 +366,8 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_stale_lock_taken_over(t
 
     out = tmp_path / "run"
     out.mkdir()
-    argv = ["train", "tiny", *SMALL, "train.steps=4", f"train.out_dir={out}"]
-    holder = subprocess.Popen([sys.executable, "-c", (
+    argv = ["train", "tiny", *SMALL_RUN, "train.steps=4", f"train.out_dir={out}"]
+    holder = processes.start([sys.executable, "-c", (
         "import sys, time; from pathlib import Path; from gdnx.files import directory_lock\n"
         "with directory_lock(Path(sys.argv[1]), 'train.out_dir'):\n    print('held', flush=True); time.sleep(60)"),
         str(out)], stdout=subprocess.PIPE, text=True)
@@ -392,7 +390,7 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_stale_lock_taken_over(t
 def test_a_damaged_metrics_log_does_not_block_the_resume(tmp_path, capsys):
     """A full disk can leave metrics.jsonl ending mid-line: the resumed run
     drops that line, says so, and continues the log as strict JSON."""
-    over = SMALL + ["train.checkpoint_every=2", "train.eval_every=0", "train.warmup_steps=1",
+    over = SMALL_RUN + ["train.checkpoint_every=2", "train.eval_every=0", "train.warmup_steps=1",
                     f"train.out_dir={tmp_path}"]
     train(load_config("tiny", over + ["train.steps=2"]))
     with (tmp_path / "metrics.jsonl").open("a") as f:

@@ -4,7 +4,7 @@ import pytest
 
 from gdnx.config import load_config
 from gdnx.training import Trainer
-from tests.training.test_loop import SMALL
+from tests.helpers.configs import SMALL_RUN
 
 
 @pytest.mark.parametrize("count", [2, 4, 8])
@@ -21,7 +21,7 @@ def test_accumulated_gradients_equal_the_whole_batch(tmp_path, count):
     from gdnx.measure import relative_error
     from gdnx.training.step import accumulated_gradients, loss_and_metrics
 
-    trainer = Trainer(load_config("tiny", SMALL + ["train.batch_size=8", f"train.out_dir={tmp_path}"]))
+    trainer = Trainer(load_config("tiny", SMALL_RUN + ["train.batch_size=8", f"train.out_dir={tmp_path}"]))
     batch = trainer.source.train(0)(jnp.int32(3))
 
     def loss_fn(p, data, totals, share):

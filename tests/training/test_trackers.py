@@ -15,9 +15,9 @@ import pytest
 from gdnx.config import load_config
 from gdnx.config.loading import ConfigError
 from gdnx.training import train
-from tests.training.test_loop import SMALL
+from tests.helpers.configs import SMALL_RUN
 
-TRACKED = SMALL + ["train.steps=6", "train.checkpoint_every=3", "train.trackers=[jsonl, tensorboard, wandb]",
+TRACKED = SMALL_RUN + ["train.steps=6", "train.checkpoint_every=3", "train.trackers=[jsonl, tensorboard, wandb]",
                    "train.wandb.mode=offline", "train.wandb.project=gdnx-test", "train.keep_checkpoints=3"]
 
 
@@ -81,7 +81,7 @@ def test_tensorboard_and_wandb_follow_metrics_jsonl_across_a_resume(tmp_path):
 
 def test_a_missing_tracker_package_names_the_pip_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)
-    cfg = load_config("tiny", SMALL + ["train.steps=4", "train.trackers=[tensorboard]", f"train.out_dir={tmp_path}"])
+    cfg = load_config("tiny", SMALL_RUN + ["train.steps=4", "train.trackers=[tensorboard]", f"train.out_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"train.trackers: tensorboard needs the tensorboardX package "
                                           r"\(pip install 'gdnx\[tracking\]'\)"):
         train(cfg)

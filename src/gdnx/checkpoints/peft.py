@@ -10,7 +10,7 @@ the PEFT adapter computes exactly what the gdnx one does. Routed experts are
 parameters in transformers, not modules: an adapter on them is refused
 here (export the merged model instead). So is one on a Qwen3-Next MLP
 projection (gate_proj, up_proj, down_proj: the shared expert's): PEFT
-(0.21) loads a qwen3_next adapter as one trained on the Qwen2-MoE layout
+loads a qwen3_next adapter as one trained on the Qwen2-MoE layout
 and moves every target of those names onto the routed experts.
 """
 

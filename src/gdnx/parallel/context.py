@@ -10,7 +10,7 @@ O0 and final state B of a zero start, the last K columns are P itself and
 Q = scale P_t^T q_t per token. The (P, B) of every shard are all-gathered
 and folded in shard order, which gives each shard its incoming state S_in,
 and its outputs are O0 + Q S_in. Cost: the op at V + K instead of V (at
-most twice the work for K = V; 1.31x measured, docs/sharding.md), one
+most twice the work for K = V; docs/sharding.md has the measured cost), one
 all-gather of C states of size K (V + K), and C small matmuls, for C
 shards.
 

@@ -1,8 +1,8 @@
 """Training: the step (gdnx.training.step) apart from the loop that runs it
 (gdnx.training.loop)."""
 
-from gdnx.training.hooks import NonFiniteStop, Preempted
+from gdnx.training.hooks import Hook, LoopState, NonFiniteStop, Preempted
 from gdnx.training.loop import Trainer, build_trainer, train
 from gdnx.training.step import loss_and_metrics, make_optimizer, make_step_fn
 
-__all__ = ["NonFiniteStop", "Preempted", "Trainer", "build_trainer", "loss_and_metrics", "make_optimizer", "make_step_fn", "train"]
+__all__ = ["Hook", "LoopState", "NonFiniteStop", "Preempted", "Trainer", "build_trainer", "loss_and_metrics", "make_optimizer", "make_step_fn", "train"]

@@ -7,7 +7,8 @@ a hook that ends the run sets `LoopState.stop` (a note to finish with, or
 an exception the loop raises), which the checkpoint hook reads, so the
 run ends with a checkpoint at that step. `start` runs once before the
 first step (after a resume). Each hook holds its own counters and is
-testable alone with a LoopState of its own.
+testable alone with a LoopState of its own. `gdnx.training.train(config,
+hooks=[...])` adds a caller's own (a Hook subclass).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -209,8 +211,11 @@ class Checkpoint(Hook):
                 loop.report.plot(loop.out, loop.out / METRICS_FILE)
 
 
-def default_hooks(config: Config) -> list[Hook]:
-    """The hooks of `gdnx train`, in the order they run after a step."""
+def default_hooks(config: Config, extra: Sequence[Hook] = ()) -> list[Hook]:
+    """The hooks of `gdnx train`, in the order they run after a step; a
+    caller's `extra` hooks run after the built-in ones and before
+    preemption and the checkpoint (so one that sets LoopState.stop ends the
+    run with a checkpoint)."""
     t = config.train
     hooks: list[Hook] = [NonFiniteGuard(t.nonfinite_steps_limit),
                          LogMetrics(t.log_every, t.batch_size * config.data.seq_len)]
@@ -218,7 +223,7 @@ def default_hooks(config: Config) -> list[Hook]:
         hooks.append(Evaluate(t.eval_every))
     if t.target_accuracy is not None:
         hooks.append(TargetAccuracy(t.target_accuracy))
-    return [*hooks, Preemption(), Checkpoint(t.checkpoint_every)]
+    return [*hooks, *extra, Preemption(), Checkpoint(t.checkpoint_every)]
 
 
 __all__ = ["Checkpoint", "Evaluate", "Hook", "LogMetrics", "LoopState", "NonFiniteGuard", "NonFiniteStop",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from gdnx.models.causal_lm import check_platform, parameter_count
 from gdnx.parallel import make_mesh, shard, shardings, spec
 from gdnx.progress import Reporter
 from gdnx.models.adapters import adapter_spec
-from gdnx.training.hooks import LoopState, NonFiniteStop, Preempted, default_hooks
+from gdnx.training.hooks import Hook, LoopState, NonFiniteStop, Preempted, default_hooks
 from gdnx.training.init_from import check_source, initial_params
 from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
 from gdnx.training.trackers import METRICS_FILE, Tracker, make_trackers, rewrite_metrics
@@ -140,7 +141,7 @@ class Trainer:
             self._prefetch.close()
             self._prefetch = None
 
-    def run(self, *, console: Console | None = None) -> dict[str, float]:
+    def run(self, *, console: Console | None = None, hooks: Sequence[Hook] = ()) -> dict[str, float]:
         """Run (or resume) the run in the config's train.out_dir. Returns the
         last evaluation. The checkpoint manager, the metrics log, the progress
         display and the prefetch thread are closed on every exit: a finished
@@ -148,7 +149,7 @@ class Trainer:
         with contextlib.ExitStack() as resources:
             resources.callback(self.close)
             signals = resources.enter_context(StopSignals())
-            return _loop(self, resources, signals, console)
+            return _loop(self, resources, signals, console, hooks)
 
     def init_opt_state(self, params: Any) -> Any:
         opt_state = self.tx.init(params)
@@ -229,14 +230,14 @@ def build_trainer(config: Config) -> Trainer:
     return Trainer(config, mesh=mesh if mesh.size > 1 else None)
 
 
-def train(config: Config, *, console: Console | None = None) -> dict[str, float]:
+def train(config: Config, *, console: Console | None = None, hooks: Sequence[Hook] = ()) -> dict[str, float]:
     """Run (or resume) the training run in config.train.out_dir. Returns the
     last evaluation."""
-    return build_trainer(config).run(console=console)
+    return build_trainer(config).run(console=console, hooks=hooks)
 
 
-def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignals,
-          console: Console | None) -> dict[str, float]:
+def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignals, console: Console | None,
+          extra: Sequence[Hook]) -> dict[str, float]:
     """Resume, then step and call the hooks until the last step or a hook
     ends the run."""
     config = trainer.config
@@ -279,7 +280,7 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignal
             resources.callback(tracker.close)
     bar = resources.enter_context(report.progress(start, t_cfg.steps))
     loop = LoopState(config, out, trainer, ckpt, signals, report, bar, trackers, start, start, params, opt_state)
-    hooks = default_hooks(config)
+    hooks = default_hooks(config, extra)
     for hook in hooks:
         hook.start(loop)
     while loop.stop is None and not loop.done:

@@ -2,9 +2,9 @@
 
 Forward: one scan over chunks; each step does the chunk's state-free algebra
 (gate cumsums, QK^T, KK^T, the inverse, U, W) and the state update, carrying
-the float32 state. Keeping a step's work together keeps it in cache: on CPU
-this measured as fast as batching the state-free part over all chunks, and
-its backward twice as fast (docs/benchmarks.md).
+the float32 state. Keeping a step's work together keeps it in cache
+(docs/benchmarks.md compares it with batching the state-free part over all
+chunks).
 
 Backward (`custom_vjp`): a reverse scan carries dS and produces each chunk's
 input gradients in the same step. Residuals are the inputs

@@ -1,0 +1,1 @@
+"""What many tests share: the tiny model configs and the subprocess runner."""

@@ -1,0 +1,14 @@
+"""The tiny models and runs the tests build (few compiled shapes, shared)."""
+
+# a hybrid of every layer kind: GDN, attention, GDN, attention; GVA 2 (4 value heads on 2 key heads); dense MLPs
+TINY_HYBRID = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_attention_interval=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=48,
+                   num_experts=0, gdn_chunk_size=16)
+# its MLPs as a mixture of experts (with a shared expert)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+
+# `gdnx train tiny` overrides for a run of a few seconds (MQAR, 32 tokens of vocabulary)
+SMALL_RUN = ["model.hidden_size=32", "model.intermediate_size=32", "data.seq_len=40", "data.num_pairs=4",
+             "data.num_keys=16", "data.num_values=16", "model.vocab_size=32", "train.batch_size=4",
+             "train.warmup_steps=2", "train.log_every=2", "train.eval_every=4", "train.target_accuracy=null"]
