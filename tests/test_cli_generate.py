@@ -86,3 +86,77 @@ def test_out_goes_with_prompts_file(checkpoint, tmp_path, capsys):
     # an engine field's refusal names the flag typed (the engine's field is prefix_cache_bytes)
     assert "--prefix-cache-mb: expected a non-negative integer" in _error(
         capsys, base + ["--prompts-file", str(src), "--out", str(tmp_path / "o"), "--prefix-cache-mb", "-1"])
+
+
+@pytest.mark.parametrize("out,match", [
+    ("dir", "is a directory"), ("prompts", "is the prompts file"), ("file/x.jsonl", "is not a directory")])
+def test_out_is_checked_before_the_model_loads(tmp_path, capsys, out, match):
+    src = tmp_path / "prompts"
+    src.write_text('{"prompt": "w1"}\n')
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("")
+    # the checkpoint does not exist: --out is refused first
+    err = _error(capsys, ["generate", "--checkpoint", str(tmp_path / "none"), "--prompts-file", str(src),
+                          "--out", str(tmp_path / out)])
+    assert err.startswith("gdnx generate: error: --out:") and match in err, err
+
+
+@pytest.mark.parametrize("content,flags,match", [
+    (b'{"prompt": "w1"}\n{"prompt": "\xff"}\n', [], "--prompts-file: line 2: not UTF-8 text"),
+    (b'{"prompt": "w1"}\n', ["--seed", str(2 ** 64)], "--seed: expected an integer in [0, 2**63)"),
+    (b'{"prompt": "w1"}\n', ["--resume"], "--resume: applies to --prompts-file"),
+])
+def test_more_prompts_file_mistakes_are_one_line(tmp_path, capsys, content, flags, match):
+    src = tmp_path / "p.jsonl"
+    src.write_bytes(content)
+    what = ["--prompt", "w1"] if "--resume" in flags else ["--prompts-file", str(src), "--out", str(tmp_path / "o")]
+    err = _error(capsys, ["generate", "--checkpoint", str(tmp_path), *what, *flags])
+    assert match in err, err
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_stopped_prompts_file_keeps_its_results_and_resume_finishes_it(checkpoint, tmp_path, capsys,
+                                                                         monkeypatch, how):
+    """Results are written in order as they finish; Ctrl-C (status 130) or
+    SIGTERM (status 75) leaves those in --out and says how many; --resume
+    runs the rest: the file then equals an uninterrupted run's."""
+    import signal
+
+    from gdnx.serving import Engine
+
+    path, _ = checkpoint
+    rng = np.random.default_rng(3)
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": _words(rng.integers(1, VOCAB, n).tolist()),
+                                       "max_tokens": int(m)}) + "\n"
+                           for n, m in zip((5, 9, 3, 12, 7, 4), (2, 9, 3, 9, 2, 5))))
+    argv = ["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--max-slots", "2",
+            "model.gdn_chunk_size=16", "--out"]
+    assert main([*argv, str(tmp_path / "straight.jsonl")]) == 0
+    want = (tmp_path / "straight.jsonl").read_text().splitlines(keepends=True)
+    real, calls = Engine.step, []
+
+    def interrupted(self, decode=True):
+        calls.append(1)
+        if len(calls) == 2:
+            if how == "ctrl-c":
+                raise KeyboardInterrupt
+            signal.raise_signal(signal.SIGTERM)
+        return real(self, decode)
+
+    monkeypatch.setattr(Engine, "step", interrupted)
+    out = tmp_path / "out.jsonl"
+    if how == "ctrl-c":
+        assert main([*argv, str(out)]) == 130
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            main([*argv, str(out)])
+        assert stopped.value.code == 75
+    got = out.read_text().splitlines(keepends=True)
+    assert 0 < len(got) < 6 and got == want[:len(got)]
+    assert f"{len(got)} of 6 results in {out}; run the same command with --resume" in capsys.readouterr().err
+    monkeypatch.setattr(Engine, "step", real)
+    with out.open("a") as f:
+        f.write('{"prompt": "cut sho')  # a line a kill cut short is run again
+    assert main([*argv, str(out), "--resume"]) == 0
+    assert out.read_text().splitlines(keepends=True) == want

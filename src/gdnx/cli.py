@@ -50,7 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--prompt", help="text (token ids separated by spaces for MQAR models), streamed to the terminal")
     what.add_argument("--prompts-file", help="a jsonl file of {\"prompt\": text, sampling fields optional} run "
                                              "through the batched engine (docs/serving.md); results to --out")
-    gen.add_argument("--out", help="with --prompts-file: the jsonl file of results, one per prompt, in order")
+    gen.add_argument("--out", help="with --prompts-file: the jsonl file of results, one per prompt, in order, each "
+                                   "written once it and every earlier one are done")
+    gen.add_argument("--resume", action="store_true",
+                     help="with --prompts-file: keep the results already in --out and run the lines after them")
     gen.add_argument("--max-new-tokens", type=int, default=32,
                      help="tokens to generate (default 32; prompt + new tokens must fit the model's positions)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")

@@ -12,6 +12,9 @@ from gdnx.config.loading import ConfigError
 from gdnx.errors import FieldError
 from gdnx.loading import MEMORY_HINT, EngineSettings, build_engine, load
 
+# seeds are 64-bit: a request's key is made of its seed's two 32-bit halves
+MAX_SEED = 2 ** 63
+
 
 def run_generate(args) -> None:
     import jax
@@ -26,6 +29,8 @@ def run_generate(args) -> None:
         check_sampling(args.temperature, args.top_p, args.max_new_tokens)
     except FieldError as e:
         raise ConfigError(f"--{e.field.replace('_', '-')}: {e.detail}") from None
+    if not 0 <= args.seed < MAX_SEED:
+        raise ConfigError(f"--seed: expected an integer in [0, 2**63), got {args.seed}")
     if args.prompts_file is not None:
         if args.out is None:
             raise ConfigError("--out: --prompts-file writes its results to a jsonl file; give its path")
@@ -33,12 +38,18 @@ def run_generate(args) -> None:
             raise ConfigError("--prompts-file: the engine runs in one process; start gdnx generate without "
                               "--distributed")
         lines = read_prompts_file(Path(args.prompts_file))
-    elif args.out is not None:
-        raise ConfigError("--out: applies to --prompts-file")
+        done = check_out(Path(args.out), Path(args.prompts_file), args.resume)  # before the model loads
+        if done > len(lines):
+            raise ConfigError(f"--resume: {args.out} holds {done} results, more than the {len(lines)} prompts of "
+                              f"{args.prompts_file}; is it another file's output?")
+        if args.seed + len(lines) > MAX_SEED:
+            raise ConfigError(f"--seed: line i draws with --seed + i, past 2**63 for {len(lines)} lines")
+    elif args.out is not None or args.resume:
+        raise ConfigError(f"{'--out' if args.out is not None else '--resume'}: applies to --prompts-file")
     found = load(Path(args.checkpoint), list(args.overrides), "generate")
     model, tok, loaded = found.model, found.tokenizer, found.description
     if args.prompts_file is not None:
-        run_prompts_file(args, found, lines)
+        run_prompts_file(args, found, lines, done)
         return
     try:
         ids = tok.encode(args.prompt)
@@ -99,38 +110,93 @@ def read_prompts_file(path: Path) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"--prompts-file: no such file {path}")
     lines = []
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--prompts-file: line {n}: not JSON ({e.msg})") from None
-            if not isinstance(line, dict) or not isinstance(line.get("prompt"), str):
-                raise ConfigError(f'--prompts-file: line {n}: expected an object with a "prompt" string')
-            unknown = sorted(set(line) - {"prompt", *_LINE_FIELDS})
-            if unknown:
-                raise ConfigError(f"--prompts-file: line {n}: unknown field {unknown[0]!r} (expected prompt and "
-                                  f"sampling fields: {', '.join(_LINE_FIELDS)})")
-            line["_line"] = n
-            lines.append(line)
+    try:
+        raw = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ConfigError(f"--prompts-file: line {at}: not UTF-8 text (byte {e.start}); a .jsonl file is "
+                          "UTF-8") from None
+    for n, text in enumerate(raw.split("\n"), 1):  # JSON lines end at \n only
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--prompts-file: line {n}: not JSON ({e.msg})") from None
+        if not isinstance(line, dict) or not isinstance(line.get("prompt"), str):
+            raise ConfigError(f'--prompts-file: line {n}: expected an object with a "prompt" string')
+        unknown = sorted(set(line) - {"prompt", *_LINE_FIELDS})
+        if unknown:
+            raise ConfigError(f"--prompts-file: line {n}: unknown field {unknown[0]!r} (expected prompt and "
+                              f"sampling fields: {', '.join(_LINE_FIELDS)})")
+        line["_line"] = n
+        lines.append(line)
     if not lines:
         raise ConfigError(f"--prompts-file: {path} holds no prompts")
     return lines
 
 
-def run_prompts_file(args, found, lines: list[dict]) -> None:
-    """Every line through the batched engine, results in order to --out."""
+def check_out(out: Path, prompts: Path, resume: bool) -> int:
+    """Refuse an --out that cannot take the results, before the model loads:
+    a directory, the prompts file itself, a place that is not writable.
+    Returns how many results --out holds already (with --resume; a last
+    line cut short is dropped), else 0."""
     import json
+    import os
+
+    if out.is_dir():
+        raise ConfigError(f"--out: {out} is a directory; give a file path")
+    if out.exists() and prompts.exists() and out.resolve() == prompts.resolve():
+        raise ConfigError(f"--out: {out} is the prompts file; give another path")
+    parent = next((p for p in (out.parent, *out.parent.parents) if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise ConfigError(f"--out: {parent} is not a directory")
+    if not os.access(out if out.exists() else parent, os.W_OK):
+        raise ConfigError(f"--out: {out if out.exists() else parent} is not writable")
+    if not resume or not out.exists():
+        return 0
+    kept = []
+    for text in out.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+        try:
+            if not text.endswith("\n"):
+                raise ValueError
+            json.loads(text)
+        except ValueError:
+            break
+        kept.append(text)
+    with open(out, "w", encoding="utf-8") as f:  # a line cut short by a kill is run again
+        f.writelines(kept)
+    return len(kept)
+
+
+def _record(line: dict, c) -> str:
+    import json
+
+    record = {"prompt": line["prompt"], "completion": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason,
+              "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens}
+    if c.logprobs is not None:
+        record["logprobs"] = [{"logprob": lp, "top": {str(k): v for k, v in top.items()}} for lp, top in c.logprobs]
+    return json.dumps(record, ensure_ascii=False) + "\n"
+
+
+class _Stopped(Exception):
+    """SIGTERM while generating."""
+
+
+def run_prompts_file(args, found, lines: list[dict], done: int) -> None:
+    """Every line after the first `done` through the batched engine; each
+    result written to --out as soon as it and every earlier one are done.
+    Ctrl-C or SIGTERM leaves the finished results there (--resume goes on)."""
+    import signal
     import time
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from gdnx.distributed import PREEMPTED_STATUS
     from gdnx.serving import SamplingParams
 
-    model, tok, loaded = found.model, found.tokenizer, found.description
+    tok, loaded = found.tokenizer, found.description
     requests = []
     for i, line in enumerate(lines):
         where = f"--prompts-file: line {line['_line']}"
@@ -153,40 +219,52 @@ def run_prompts_file(args, found, lines: list[dict]) -> None:
     engine = build_engine(found, EngineSettings(
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
         speculative=args.speculative, batch_invariant=args.batch_invariant))
-    ids_of = {}
     for ids, params, where in requests:  # every line is checked before any runs
         try:
             engine.check(ids, params)
         except ValueError as e:
             hint = " (raise --max-length)" if args.max_length is not None and "max_length" in str(e) else ""
             raise ConfigError(f"{where}: {e}{hint}") from None
-    print(f"loaded {loaded}; {len(requests)} prompts through {args.max_slots} slots", file=sys.stderr)
-    start = time.perf_counter()
-    results = {}
-    with Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[rate]}"), console=Console(stderr=True)) as bar:
-        task = bar.add_task("generate", total=len(requests), rate="")
-        for i, (ids, params, _) in enumerate(requests):
-            ids_of[engine.add_request(ids, params)] = i
-        while engine.has_unfinished():
-            for event in engine.step():
-                if event.completion is not None:
-                    results[ids_of[event.request_id]] = event.completion
-                    rate = engine.stats.generated_tokens / (time.perf_counter() - start)
-                    bar.update(task, advance=1, rate=f"{rate:,.0f} tokens/s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        for i, line in enumerate(lines):
-            c = results[i]
-            record = {"prompt": line["prompt"], "completion": c.text, "tokens": c.tokens,
-                      "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
-                      "cached_tokens": c.cached_tokens}
-            if c.logprobs is not None:
-                record["logprobs"] = [{"logprob": lp, "top": {str(k): v for k, v in top.items()}}
-                                      for lp, top in c.logprobs]
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    todo = range(done, len(requests))
+    print(f"loaded {loaded}; {len(todo)} prompts through {args.max_slots} slots"
+          + (f" ({done} done already in {out})" if done else ""), file=sys.stderr)
+    start = time.perf_counter()
+    results = {}
+    written = done
+
+    def stop(signum, frame):
+        raise _Stopped
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with open(out, "a" if done else "w", encoding="utf-8") as f, \
+                Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                         TextColumn("{task.fields[rate]}"), console=Console(stderr=True)) as bar:
+            task = bar.add_task("generate", total=len(requests), completed=done, rate="")
+            index_of = {engine.add_request(requests[i][0], requests[i][1]): i for i in todo}
+            while engine.has_unfinished():
+                for event in engine.step():
+                    if event.completion is None:
+                        continue
+                    results[index_of[event.request_id]] = event.completion
+                    while written in results:  # in input order, each as soon as every earlier one is done
+                        f.write(_record(lines[written], results.pop(written)))
+                        written += 1
+                    f.flush()
+                    rate = engine.stats.generated_tokens / (time.perf_counter() - start)
+                    bar.update(task, advance=1, rate=f"{rate:,.0f} tokens/s")
+    except (KeyboardInterrupt, _Stopped) as e:
+        why = "Ctrl-C" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
+        print(f"gdnx generate: stopped by {why}: {written} of {len(lines)} results in {out}; run the same command "
+              "with --resume to generate the rest", file=sys.stderr, flush=True)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        sys.exit(PREEMPTED_STATUS)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     s = engine.stats
-    print(f"wrote {len(lines)} results to {out}: {s.generated_tokens} tokens in "
+    print(f"wrote {len(lines) - done} results to {out}: {s.generated_tokens} tokens in "
           f"{time.perf_counter() - start:.1f} s; prefix cache {s.cached_tokens} of {s.prompt_tokens} prompt tokens"
           + (f"; speculative acceptance {s.acceptance:.0%}" if args.speculative else ""), file=sys.stderr)
