@@ -315,3 +315,39 @@ def test_abort_a_waiting_and_a_running_request_and_the_rest_run_on(model, prompt
     assert sorted(done) == [ids[0], ids[2], ids[3], ids[4]]
     assert all(done[ids[i]] == plain[i] for i in (0, 2, 3, 4))
     engine.abort(ids[0])  # done: ignored
+
+
+def test_a_failure_of_one_requests_host_work_fails_it_alone(model, prompts, plain):
+    """Host work done for one request (the drafter on its context, the
+    tokenizer on its tokens) that raises fails that request with an error
+    event; the others' tokens are those of the plain path."""
+    from gdnx.serving import RequestFailed
+
+    class Faulty(_Oracle):
+        def propose(self, tokens):
+            if tuple(tokens[:len(prompts[2])]) == tuple(prompts[2]) and len(tokens) > len(prompts[2]) + 2:
+                raise RuntimeError("injected drafter failure")
+            return super().propose(tokens)
+
+    class Tokenizer:
+        def decode(self, ids):
+            if 13 in ids:  # one request's token
+                raise UnicodeDecodeError("utf-8", b"", 0, 1, "injected")
+            return " ".join(map(str, ids))
+
+    for engine, bad in ((_engine(model, speculative=Faulty(prompts, plain)), {2}),
+                        (_engine(model, tokenizer=Tokenizer()), {i for i, c in enumerate(plain) if 13 in c})):
+        assert bad and len(bad) < len(prompts)
+        ids = [engine.add_request(p, GREEDY) for p in prompts]
+        done, failed = {}, {}
+        while engine.has_unfinished():
+            for e in engine.step():
+                if e.error is not None:
+                    failed[e.request_id] = e.error
+                elif e.completion is not None:
+                    done[e.request_id] = e.completion.tokens
+        assert sorted(failed) == sorted(ids[i] for i in bad)
+        assert all(done[ids[i]] == plain[i] for i in range(len(prompts)) if i not in bad)
+        assert engine.running == 0
+        with pytest.raises(RequestFailed, match="injected"):
+            engine.generate([prompts[next(iter(bad))]], GREEDY)

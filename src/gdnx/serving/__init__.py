@@ -3,7 +3,7 @@ length-bucket prefill, a prefix cache of recurrent states, speculative
 decoding, batch invariance)."""
 
 from gdnx.serving.drafter import Drafter, NgramDrafter
-from gdnx.serving.engine import Engine, EngineStats, Event
+from gdnx.serving.engine import Engine, EngineStats, Event, RequestFailed
 from gdnx.serving.params import Completion, SamplingParams
 
-__all__ = ["Completion", "Drafter", "Engine", "EngineStats", "Event", "NgramDrafter", "SamplingParams"]
+__all__ = ["Completion", "Drafter", "Engine", "EngineStats", "Event", "NgramDrafter", "RequestFailed", "SamplingParams"]

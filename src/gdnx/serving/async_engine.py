@@ -24,6 +24,11 @@ class Overloaded(Exception):
     """More requests than the engine's slots and the queue limit hold."""
 
 
+class TooLarge(Exception):
+    """More requests in one HTTP request than the engine's slots and queue
+    could ever hold: never admitted, so not worth retrying."""
+
+
 class EngineError(Exception):
     """The engine failed while running a request (the request is dropped;
     the engine goes on with the others)."""
@@ -83,7 +88,13 @@ class AsyncEngine:
 
     def submit(self, requests: Sequence[tuple[list[int], SamplingParams]]) -> list[Handle]:
         """Queue these engine requests (the choices of one HTTP request)
-        together, or raise Overloaded for all of them."""
+        together, or raise Overloaded for all of them (TooLarge when they
+        could never all be held)."""
+        capacity = self.engine.max_slots + self.max_queue
+        if len(requests) > capacity:
+            raise TooLarge(f"{len(requests)} prompts x choices exceed what the server ever holds at once "
+                           f"({self.engine.max_slots} slots + a queue of {self.max_queue}); send fewer prompts or "
+                           "a smaller n")
         with self._lock:
             if self._in_flight + len(requests) > self.engine.max_slots + self.max_queue:
                 self.metrics.rejected.inc()
@@ -186,6 +197,11 @@ class AsyncEngine:
                     for _ in event.tokens:
                         m.inter_token_latency.observe(gap)
                 handle.last = now
+            if event.error is not None:  # this request's own failure: the others go on
+                del self._handles[event.request_id]
+                m.failed.inc()
+                handle._put(EngineError(event.error))
+                continue
             if event.completion is not None:
                 del self._handles[event.request_id]
                 m.finished.inc()

@@ -87,12 +87,19 @@ class Event:
     logprobs when it asked for them), the text they add that is safe to
     show (with a tokenizer: held back while a character is incomplete or a
     tail may begin a stop string; a request's texts join to its
-    Completion.text), and its Completion when it finished in that step."""
+    Completion.text), and its Completion when it finished in that step, or
+    `error` when it failed (host work of its own raised: the tokenizer on
+    its tokens, the drafter on its context; the other requests go on)."""
     request_id: int
     tokens: list[int]
     completion: Completion | None = None
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     text: str | None = None
+    error: str | None = None
+
+
+class RequestFailed(RuntimeError):
+    """A request failed in the engine (Event.error says why)."""
 
 
 class _StepResults:
@@ -111,6 +118,9 @@ class _StepResults:
     def events(self) -> list[Event]:
         out = []
         for req, toks in self.new.items():
+            if req.status is RequestStatus.FAILED:
+                out.append(Event(req.id, toks, error=req.error))
+                continue
             lp = req.logprobs[self._logprobs_from[req]:] if req.params.logprobs is not None else None
             out.append(Event(req.id, toks, req.completion, lp,
                              req.output.new_text(finished=req.status is RequestStatus.FINISHED)))
@@ -329,10 +339,10 @@ class Engine:
         for group, length in self.scheduler.prefill_groups():
             self._prefill(group, length, results)
         if decode and self.scheduler.decoding():  # not only prompts part way through a block-by-block prefill
-            drafts = self._drafts()
+            drafts = self._drafts(results)
             if drafts is not None:
                 self._verify(*drafts, results)
-            else:
+            elif self.scheduler.decoding():
                 self._decode(results)
         return results.events()
 
@@ -353,6 +363,8 @@ class Engine:
             self.add_request(prompt, p)
         while self.has_unfinished():
             for event in self.step():
+                if event.error is not None:
+                    raise RequestFailed(f"request {event.request_id}: {event.error}")
                 if event.tokens:
                     yield event.request_id, event.tokens
 
@@ -371,6 +383,8 @@ class Engine:
         results: dict[int, Completion] = {}
         while len(results) < len(ids) and self.has_unfinished():
             for event in self.step():
+                if event.error is not None:
+                    raise RequestFailed(f"request {event.request_id}: {event.error}")
                 if event.completion is not None:
                     results[event.request_id] = event.completion
         return [results[i] for i in ids]
@@ -448,7 +462,7 @@ class Engine:
             logits = None if got.logits is None else got.logits[slot]
             self._emit(req, [int(t) for t in got.tokens[slot]], got.logprobs, slot, logits, results)
 
-    def _drafts(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def _drafts(self, results: _StepResults) -> tuple[np.ndarray, np.ndarray] | None:
         if self.speculative is None:
             return None
         k = self.speculative.num_tokens
@@ -457,7 +471,11 @@ class Engine:
         vocab = self.model.config.vocab_size
         for req in self.scheduler.decoding():
             room = req.params.max_tokens - len(req.tokens) - 1  # the pass also yields one token of its own
-            proposal = [int(t) for t in self.speculative.propose(req.prompt + req.tokens)][:max(0, min(k, room))]
+            try:
+                proposal = [int(t) for t in self.speculative.propose(req.prompt + req.tokens)][:max(0, min(k, room))]
+            except Exception as e:  # the drafter's failure on this request's context: this request alone fails
+                self._fail(req, f"the drafter failed: {type(e).__name__}: {e}", results)
+                continue
             proposal = [t for t in proposal if 0 <= t < vocab]  # a drafter's out-of-vocabulary token is dropped
             drafts[req.held_slot, :len(proposal)] = proposal
             counts[req.held_slot] = len(proposal)
@@ -500,8 +518,16 @@ class Engine:
             if logits is not None:
                 req.logits.append(np.asarray(logits[j]))
             self.stats.generated_tokens += 1
-            reason = req.output.add(tok)
+            try:
+                reason = req.output.add(tok)
+            except Exception as e:  # the tokenizer's failure on this request's tokens: it alone fails
+                self._fail(req, f"detokenizing failed: {type(e).__name__}: {e}", results)
+                return
             if reason is not None:
                 break
         if reason is not None:
             self.scheduler.finish(req, reason)
+
+    def _fail(self, req: Request, error: str, results: _StepResults) -> None:
+        results.tokens(req)  # it gets an event, with the error
+        self.scheduler.fail([req], error)

@@ -26,7 +26,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from gdnx.serving.async_engine import AsyncEngine, EngineError, Handle, Overloaded
+from gdnx.serving.async_engine import AsyncEngine, EngineError, Handle, Overloaded, TooLarge
 from gdnx.serving.params import Completion, SamplingParams
 from gdnx.errors import FieldError
 from gdnx.serving.protocol import (ChatRequest, CompletionRequest, RequestError, chat_logprobs, completion_logprobs,
@@ -218,6 +218,8 @@ async def _respond(served: Served, request: Request, req: Any, prompts: list[lis
     requests = _requests(served, req, prompts, logprobs, field)
     try:
         handles = served.engine.submit(requests)
+    except TooLarge as e:
+        raise RequestError(str(e), "n" if req.n > 1 else field) from None
     except Overloaded as e:
         raise RequestError(str(e), None, 503, "service_unavailable") from None
     rid = new_id(choice.id_prefix)
