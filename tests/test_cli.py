@@ -352,3 +352,23 @@ def test_every_fine_tuning_mistake_is_one_line(capsys, tmp_path):
         " ".join(capsys.readouterr().err.split())  # as one line, however the console wrapped it
     err = _error(capsys, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--adapter"])
     assert "--adapter: the run trained every weight (no train.lora)" in err
+
+
+def test_what_a_run_cannot_hold_or_write_is_refused_before_training(tmp_path, capsys):
+    """A batch larger than the machine (before JAX allocates it), and a
+    `checkpoints` that is a file in the out_dir (before the first step)."""
+    err = _error(capsys, ["train", "tiny", "train.batch_size=1000000000", f"train.out_dir={tmp_path / 'big'}"])
+    assert "train.batch_size: 1000000000 rows of" in err and "lower train.batch_size" in err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("not a directory")
+    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "train.steps=4", f"train.out_dir={tmp_path / 'run'}"])
+    assert "checkpoints there is a file" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_plot_of_a_degenerate_run_prints_no_warning(tmp_path, capsys):
+    from gdnx.progress import write_plot
+
+    (tmp_path / "m.jsonl").write_text('{"step": 1, "split": "train", "loss": 0.0, "accuracy": 1.0}\n')
+    write_plot(tmp_path / "m.jsonl", tmp_path / "m.png")
+    assert (tmp_path / "m.png").is_file() and capsys.readouterr().err == ""

@@ -44,3 +44,40 @@ def test_each_bad_flag_is_one_line(checkpoint, capsys, flags, match):
 def test_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     err = _error(capsys, ["serve", "--checkpoint", str(tmp_path / "none"), "--port", "0"])
     assert "--checkpoint: no such directory" in err
+
+
+def test_two_servers_started_together_on_one_port_one_serves_and_one_refuses(checkpoint, processes):
+    """The second to listen is refused in one line before it loads a model
+    (it listens before it announces); the winner serves, here with the
+    smallest context (--max-length 2: its warm-up fits it)."""
+    import re
+    import subprocess
+    import time
+
+    import httpx
+
+    from tests.helpers.processes import free_port, gdnx
+
+    port = free_port()
+    cmd = gdnx("serve", "--checkpoint", str(checkpoint), "--port", str(port), "--max-length", "2")
+    procs = [processes.start(cmd, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    loser = None
+    deadline = time.monotonic() + 60
+    while loser is None:
+        loser = next((p for p in procs if p.poll() is not None), None)
+        assert time.monotonic() < deadline, "neither server was refused"
+        time.sleep(0.1)
+    err = loser.stderr.read()
+    assert loser.returncode == 2 and err.strip().splitlines() == [
+        f"gdnx serve: error: --port: cannot listen on 127.0.0.1:{port} (Address already in use)"], err
+    winner = procs[1 - procs.index(loser)]
+    lines = []
+    for line in winner.stderr:
+        lines.append(line)
+        if re.search(r"serving .* at http://", line):
+            break
+    assert winner.poll() is None, "".join(lines)
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+    winner.send_signal(__import__("signal").SIGTERM)
+    assert winner.wait(60) == 0
+    assert "Traceback" not in "".join(lines) + winner.stderr.read()

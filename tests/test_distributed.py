@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,20 +38,25 @@ class _Run:
     """`gdnx train` as `processes` processes of `8 / processes` CPU devices each."""
 
     def __init__(self, procs: Processes, out: Path, processes: int, extra: Sequence[str] = (), *,
-                 steps: int = STEPS, heartbeat_s: int | None = None):
+                 steps: int = STEPS, heartbeat_s: int | None = None, ids: Sequence[int] | None = None,
+                 own: Sequence[Sequence[str]] | None = None, port: int | None = None, flags: Sequence[str] = ()):
+        """ids: the process ids to start (default all); own: each started
+        process's own extra overrides; flags: more command-line flags."""
         env = cpu_env(devices=8 // processes)
-        port = free_port()
-        self.out, self.logs, self.procs = out, [], []
+        port = free_port() if port is None else port
+        self.out, self.logs, self.procs, self.port = out, [], [], port
         self._registry = procs
         out.parent.mkdir(parents=True, exist_ok=True)
-        for i in range(processes):
-            args = gdnx("train", "tiny", *RUN, *extra, f"train.steps={steps}", f"train.out_dir={out}")
+        for n, i in enumerate(range(processes) if ids is None else ids):
+            mine = [] if own is None else list(own[n])
+            args = gdnx("train", "tiny", *RUN, *extra, *mine, f"train.steps={steps}", f"train.out_dir={out}",
+                        *flags)
             if processes > 1:
                 args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
                          "--process-id", str(i)]
                 if heartbeat_s is not None:
                     args += ["--heartbeat-timeout", str(heartbeat_s)]
-            log = out.parent / f"{out.name}.{i}.log"
+            log = out.parent / f"{out.name}.{i}.{n}.log"
             self.logs.append(log)
             with log.open("ab") as f:
                 self.procs.append(procs.start(args, stdout=f, stderr=subprocess.STDOUT, env=env))
@@ -358,3 +364,53 @@ def test_a_barrier_timeout_is_a_timeout_not_a_lost_process(monkeypatch, error, r
     monkeypatch.setattr(state.global_state, "client", Client())
     with pytest.raises(getattr(dist, raised), match=says):
         dist.wait_for_first("prepare", 5)
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error" in line.lower()]
+
+
+def test_processes_started_with_different_configs_refuse_naming_the_field(tmp_path, processes):
+    """Two processes of one run with different learning rates: both refuse
+    in one line naming train.learning_rate, before anything is written."""
+    run = _Run(processes, tmp_path / "run", 2, own=[["train.learning_rate=1e-3"], ["train.learning_rate=2e-3"]])
+    assert run.wait() == [2, 2], run.output()
+    for i in range(2):
+        lines = _error_lines(run.output(i))
+        assert len(lines) == 1 and ("train.learning_rate: 0.001 in process" in lines[0]
+                                    or "train.learning_rate: 0.002 in process" in lines[0]), lines
+        assert "Traceback" not in run.output(i)
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_coordinator_port_in_use_is_one_line(tmp_path, processes):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        run = _Run(processes, tmp_path / "run", 2, ids=[0], port=taken.getsockname()[1])
+        assert run.wait(120) == [2], run.output()
+    lines = _error_lines(run.output())
+    assert len(lines) == 1 and f"--coordinator: port {run.port} is in use on this host" in lines[0], run.output()
+
+
+def test_a_process_that_never_joins_and_a_second_process_id_are_named(tmp_path, processes):
+    """Process 1 never starts: process 0 says every few seconds that it
+    waits, then stops after --join-timeout in one line (status 4). Then a
+    run of two whose process 1 is started twice: the run stops, naming the
+    --process-id given twice."""
+    alone = _Run(processes, tmp_path / "alone", 2, ids=[0], flags=["--join-timeout", "12"])
+    assert alone.wait(120) == [PEER_LOST_STATUS], alone.output()
+    out = alone.output()
+    assert out.count("waiting for the 2 processes of the run to join") >= 2, out
+    lines = _error_lines(out)
+    assert len(lines) == 1 and "not every process joined the run at 127.0.0.1" in lines[0], out
+    assert "within --join-timeout (12 s)" in lines[0]
+    run = _Run(processes, tmp_path / "twice", 2, steps=200)
+    run.wait_for_step(1)
+    again = _Run(processes, tmp_path / "twice", 2, ids=[1], port=run.port, steps=200, flags=["--join-timeout", "20"])
+    statuses = run.wait(120)
+    assert statuses == [PEER_LOST_STATUS] * 2, run.output()
+    again.wait(120)
+    for i in range(2):
+        lines = _error_lines(run.output(i))
+        assert len(lines) == 1 and "a second process started with --process-id 1 tried to join" in lines[0], lines

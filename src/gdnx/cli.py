@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="requests that may wait for a slot; more are answered 503 at once (default 256)")
     serve.add_argument("--grace", type=int, default=30, metavar="SECONDS",
                        help="on SIGTERM, how long requests in flight may take to finish (default 30)")
+    serve.add_argument("--max-request-bytes", type=int, default=8 * 2 ** 20, metavar="BYTES",
+                       help="a larger request body is answered 413 (default 8 MiB)")
+    serve.add_argument("--request-timeout", type=int, default=30, metavar="SECONDS",
+                       help="a client's time to send a whole request, and an idle connection's life (default 30)")
     serve.add_argument("overrides", nargs="*", metavar="key=value",
                        help="model.gdn_* and model.dtype overrides, e.g. model.dtype=bfloat16")
     export = sub.add_parser("export", help="a training run's newest intact checkpoint as a Hugging Face directory",
@@ -156,20 +160,23 @@ def _distributed_options(command: argparse.ArgumentParser) -> None:
     group.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0 .. N-1")
     group.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
                        help="a process silent this long is taken for dead and the others stop (default 100)")
+    group.add_argument("--join-timeout", type=int, default=None, metavar="SECONDS",
+                       help="how long the processes may take to join the run before it stops (default 300)")
 
 
 def _wants_distributed(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "distributed", False)) or any(
         getattr(args, k, None) is not None for k in ("coordinator", "num_processes", "process_id",
-                                                     "heartbeat_timeout"))
+                                                     "heartbeat_timeout", "join_timeout"))
 
 
 def _process_group(args: argparse.Namespace) -> ProcessGroup:
-    from gdnx.distributed import HEARTBEAT_TIMEOUT_S, process_group
+    from gdnx.distributed import HEARTBEAT_TIMEOUT_S, JOIN_TIMEOUT_S, process_group
 
     try:
         return process_group(args.coordinator, args.num_processes, args.process_id,
-                             HEARTBEAT_TIMEOUT_S if args.heartbeat_timeout is None else args.heartbeat_timeout)
+                             HEARTBEAT_TIMEOUT_S if args.heartbeat_timeout is None else args.heartbeat_timeout,
+                             JOIN_TIMEOUT_S if args.join_timeout is None else args.join_timeout)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -180,7 +187,7 @@ def _start_distributed(args: argparse.Namespace) -> None:
     group = _process_group(args)
     native_output_to_supervisor()
     try:
-        initialize(group)
+        initialize(group, args.command)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -20,12 +20,15 @@ report with one line and exit status PEER_LOST_STATUS.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import FrameType
@@ -34,7 +37,12 @@ from typing import Any, NoReturn
 import jax
 import numpy as np
 
+from gdnx.errors import FieldError
+
 HEARTBEAT_TIMEOUT_S = 100  # JAX's default: how long a silent process is taken for alive
+JOIN_TIMEOUT_S = 300       # JAX's default: how long the processes of a run may take to join
+JOIN_NOTE_S = 5            # a line this often while they join
+JOIN_MARGIN_S = 10         # past --join-timeout, the runtime's own deadline (gdnx stops first, in one line)
 PREEMPTED_STATUS = 75  # stopped by SIGTERM / SIGINT with a checkpoint (sysexits' EX_TEMPFAIL: run it again)
 PEER_LOST_STATUS = 4   # another process of the run died; rerunning resumes from the last intact checkpoint
 SUPERVISED = "GDNX_SUPERVISED"  # set in the child: the fd the supervisor reads native output from
@@ -63,6 +71,7 @@ class ProcessGroup:
     num_processes: int | None = None
     process_id: int | None = None
     heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S
+    join_timeout_s: int = JOIN_TIMEOUT_S
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
@@ -76,7 +85,7 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
 
 
 def process_group(coordinator: str | None, num_processes: int | None, process_id: int | None,
-                  heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+                  heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S, join_timeout_s: int = JOIN_TIMEOUT_S,
                   env: Mapping[str, str] = os.environ) -> ProcessGroup:
     """Options first, then the environment; checks what is given."""
     coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
@@ -92,24 +101,93 @@ def process_group(coordinator: str | None, num_processes: int | None, process_id
         raise ValueError(f"--process-id: expected 0 <= id < --num-processes ({num_processes}), got {process_id}")
     if heartbeat_timeout_s < 1:
         raise ValueError(f"--heartbeat-timeout: expected a positive number of seconds, got {heartbeat_timeout_s}")
-    return ProcessGroup(coordinator, num_processes, process_id, heartbeat_timeout_s)
+    if join_timeout_s < 1:
+        raise ValueError(f"--join-timeout: expected a positive number of seconds, got {join_timeout_s}")
+    return ProcessGroup(coordinator, num_processes, process_id, heartbeat_timeout_s, join_timeout_s)
 
 
-def initialize(group: ProcessGroup) -> None:
+def _check_port_free(coordinator: str) -> None:
+    """Process 0 serves the coordinator's port: one in use there would end
+    the runtime's start in a crash of native code, so it is refused first.
+    The runtime listens on every interface of the port (IPv6 and IPv4)."""
+    port = int(coordinator.rpartition(":")[2])
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is no obstacle
+            try:
+                probe.bind((address, port))
+            except OSError as e:
+                raise ValueError(f"--coordinator: port {port} is in use on this host ({e.strerror}); process 0 "
+                                 "serves the coordinator there: choose a free port") from None
+        return
+
+
+def initialize(group: ProcessGroup, command: str = "run") -> None:
     """Start JAX's distributed runtime; before anything else touches JAX's
-    devices. A process that stops answering for group.heartbeat_timeout_s
-    ends the others' runs."""
+    devices. While the processes join, a line every few seconds says so; a
+    process whose run has not gathered within group.join_timeout_s stops
+    with one line and PEER_LOST_STATUS (before the runtime's own deadline,
+    which ends the process in native code). A process that stops answering
+    for group.heartbeat_timeout_s ends the others' runs."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if group.coordinator is not None and group.process_id == 0:
+        _check_port_free(group.coordinator)
+    joined = threading.Event()
+
+    def say_waiting() -> None:
+        start = time.monotonic()
+        where = f" at {group.coordinator}" if group.coordinator else ""
+        while not joined.wait(min(JOIN_NOTE_S, max(0.0, start + group.join_timeout_s - time.monotonic()))):
+            waited = time.monotonic() - start
+            if waited >= group.join_timeout_s:
+                exit_run(command, f"not every process joined the run{where} within --join-timeout "
+                                  f"({group.join_timeout_s} s); start every process with the same --coordinator "
+                                  "and --num-processes, each with its own --process-id (a process whose id another "
+                                  "already holds cannot join)")
+            print(f"gdnx: waiting for the {group.num_processes or 'other'} processes of the run to join{where} "
+                  f"({waited:.0f} s of {group.join_timeout_s})", file=sys.stderr, flush=True)
+
+    threading.Thread(target=say_waiting, name="gdnx-join", daemon=True).start()
     try:
         jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id,
                                    heartbeat_timeout_seconds=group.heartbeat_timeout_s,
-                                   initialization_timeout=max(60, group.heartbeat_timeout_s))
+                                   initialization_timeout=group.join_timeout_s + JOIN_MARGIN_S)
     except (ValueError, RuntimeError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--distributed: the distributed runtime did not start ({first[:200]}); give --coordinator "
                          "HOST:PORT --num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS, "
                          "JAX_NUM_PROCESSES, JAX_PROCESS_ID), or run where a cluster (Cloud TPU, SLURM, Open MPI) "
                          "is detected") from None
+    finally:
+        joined.set()
+
+
+def agree(name: str, record: Mapping[str, Any], timeout_s: int = 300) -> None:
+    """Every process of the run gives `record` (JSON values); raises
+    FieldError naming the first key whose value differs between this
+    process and another (both see it: each compares with every other).
+    Over the runtime's key-value store, not a device collective."""
+    if not is_distributed():
+        return
+    from jax._src import distributed as state
+
+    client = state.global_state.client
+    assert client is not None  # is_distributed() means initialize() ran
+    me = jax.process_index()
+    client.key_value_set(f"gdnx:{name}:{me}", json.dumps(dict(record), sort_keys=True, default=str))
+    mine = json.loads(json.dumps(dict(record), sort_keys=True, default=str))
+    for other in range(jax.process_count()):
+        if other == me:
+            continue
+        theirs = json.loads(client.blocking_key_value_get(f"gdnx:{name}:{other}", timeout_s * 1000))
+        for key in sorted(set(mine) | set(theirs)):
+            if mine.get(key) != theirs.get(key):
+                raise FieldError(key, f"{mine.get(key)!r} in process {me}, {theirs.get(key)!r} in process {other}: "
+                                 "every process of a run must be started with the same config and data")
 
 
 def is_distributed() -> bool:
@@ -257,6 +335,9 @@ def supervise(argv: list[str], command: str) -> int:
     if fatal:
         # the status follows "absl::Status:" and may run on to the next line (the lost tasks' ids)
         reason = " ".join(x.strip() for x in [fatal[0].split("absl::Status:", 1)[-1], *fatal[1:2]] if x.strip())
+        if twice := re.search(r"(\d+) unexpectedly tried to connect with a different incarnation", reason):
+            exit_run(command, f"a second process started with --process-id {twice.group(1)} tried to join the run; "
+                              "give each process its own --process-id (0 .. N-1) and start the run again")
         exit_peer_lost(command, reason[:200])
     return status if status >= 0 else 128 - status
 

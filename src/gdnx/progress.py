@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import warnings
 from pathlib import Path
 
 from rich.console import Console
@@ -65,6 +66,14 @@ class Reporter:
 
 
 def write_plot(metrics_file: Path, png: Path) -> None:
+    # matplotlib warns (on stderr) about what a plot of a short or degenerate run holds, e.g. a loss of 0 on a
+    # log axis; the plot is a convenience, and the run's messages are the CLI's own
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _plot(metrics_file, png)
+
+
+def _plot(metrics_file: Path, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

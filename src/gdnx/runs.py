@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from flax import nnx
 
-from gdnx.checkpoints.orbax import CONFIG_FILE, load_params
+from gdnx.checkpoints.orbax import CONFIG_FILE, check_base, load_params
 from gdnx.config.loading import build_config
 from gdnx.config.schema import Config
 from gdnx.models import CausalLM
@@ -39,6 +39,7 @@ def load_run(path: Path, model_overrides: dict | None = None) -> LoadedRun:
     except (ValueError, KeyError, TypeError):
         raise NotARun(f"{path / CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
     config = build_config(saved)
+    check_base(path, config)
     spec = adapter_spec(config.train.lora)
     abstract = nnx.eval_shape(lambda: CausalLM(config.model, adapters=spec))
     if spec is None:

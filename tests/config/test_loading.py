@@ -72,3 +72,11 @@ def test_a_yaml_error_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(str(bad))
     assert "not valid YAML" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_base_chain_that_loops_through_dotdot_is_named(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.yml").write_text("base: ../d/b.yml\n")
+    (tmp_path / "d" / "b.yml").write_text("base: ../d/a.yml\n")
+    with pytest.raises(ConfigError, match=r"`base` chain loops back to itself"):
+        load_config(str(tmp_path / "d" / "a.yml"))

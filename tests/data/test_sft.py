@@ -111,10 +111,17 @@ def test_overlong_examples_are_dropped_or_truncated_and_counted(tmp_path):
     dropped = ExampleRows(shards, length, overlong="drop")
     assert dropped.fit.dropped == longer > 0 and dropped.fit.truncated == 0
     cut = ExampleRows(shards, length, overlong="truncate")
-    assert cut.fit.truncated == longer and cut.fit.dropped == 0
+    assert cut.fit.truncated + cut.fit.unscored == longer and cut.fit.dropped == 0
+    starts = np.concatenate([[0], shards.ends[:-1]])
+    unscored = sum(not shards.scored[a + 1:a + length + 1].any() for a, n in zip(starts, sizes) if n > length + 1)
+    assert cut.fit.unscored == unscored  # cut to a row with no response token left: dropped and counted
     assert all(cut.row(0, 0, i).valid.sum() <= length + 1 for i in range(20))
     with pytest.raises(ValueError, match="data.seq_len: every one of the 36 examples"):
         ExampleRows(shards, 1)
+    # every example cut before its response: refused, never trained with loss 0
+    prompt_lengths = [int(np.argmax(shards.scored[a:b] != 0)) for a, b in zip(starts, shards.ends)]
+    with pytest.raises(ValueError, match="none of the 36 examples of the train split keeps a scored"):
+        ExampleRows(shards, min(prompt_lengths) - 2, overlong="truncate")
 
 
 def test_the_batch_mask_scores_response_targets_only(tmp_path):

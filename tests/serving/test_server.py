@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.xdist_group("server")
 KEY = "test-key"
 FIRST_WORD = len(SPECIAL) + len(ROLE_WORDS)   # ids below are special tokens and role words
 START_S = 240                                  # a server's start: import, load, compile (cold cache, 2 cores)
+MAX_BYTES = 2_000_000                          # the module server's --max-request-bytes
+TIMEOUT_S = 5                                  # its --request-timeout
 
 
 class Server:
@@ -95,7 +98,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     s = Server(checkpoint[0], "--max-slots", "4", "--max-length", "128", "--decode-steps", "4",
-               "--prefix-cache-mb", "8", "--speculative", "2", env={"GDNX_API_KEY": KEY})
+               "--prefix-cache-mb", "8", "--speculative", "2", "--max-request-bytes", str(MAX_BYTES),
+               "--request-timeout", str(TIMEOUT_S), env={"GDNX_API_KEY": KEY})
     yield s
     assert s.stop() == 0, "".join(s.lines)
 
@@ -267,6 +271,12 @@ def _post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
      "unknown role robot"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w9"}], "top_logprobs": 2},
      400, "top_logprobs", "only with logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "top_k": 2 ** 31}, 400, "top_k", "vocabulary"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "seed": 2 ** 64}, 400, "seed", "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": [[5]] * 17, "n": 16, "max_tokens": 1}, 400, "n",
+     "exceed what the server ever holds"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None,
+     "nested too deeply"),
 ])
 def test_each_bad_request_names_its_field(server, path, body, status, param, match):
     r = _post(server, path, body)
@@ -433,3 +443,116 @@ def test_an_engine_error_fails_its_requests_with_500_and_the_server_goes_on(chec
         assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
         engine.step = real
         assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+
+
+def _raw(server) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _head(length: int) -> bytes:
+    """A completions request's headers, its body of `length` bytes to follow."""
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bytes:
+    """What the server sends until it closes the connection (within `seconds`)."""
+    sock.settimeout(seconds)
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
+def test_a_body_over_the_limit_is_413_and_health_answers_while_a_large_one_is_prepared(server):
+    """413 past --max-request-bytes (known from Content-Length); a body just
+    under it, tokenized off the event loop, does not hold up /health."""
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "w9 " * (MAX_BYTES // 3 + 10)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    big = {"model": "tiny", "prompt": "w9 " * ((MAX_BYTES - 100) // 3)}
+    answer: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answer.append(_post(server, "/v1/completions", big)))
+    sender.start()
+    slowest = 0.0
+    while sender.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.05)
+    sender.join()
+    assert answer[0].status_code == 400 and answer[0].json()["error"]["code"] == "context_length_exceeded"
+    assert slowest < 1.0, slowest
+
+
+def test_idle_and_half_sent_connections_are_closed(server):
+    """A connection that sends nothing, or part of its headers, is closed
+    after --request-timeout seconds; a body sent in part gets 408."""
+    with _raw(server) as idle, _raw(server) as headers, _raw(server) as body:
+        start = time.monotonic()
+        headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        body.sendall(_head(100) + b'{"model": ')
+        assert _closed_within(idle, 3 * TIMEOUT_S) == b""
+        assert _closed_within(headers, 3 * TIMEOUT_S) == b""
+        assert b" 408 " in _closed_within(body, 3 * TIMEOUT_S).split(b"\r\n")[0]
+        assert TIMEOUT_S - 1 < time.monotonic() - start < 3 * TIMEOUT_S
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_client_gone_before_its_first_token_frees_its_slot(server):
+    """A streaming request whose client closes the connection at once (its
+    prompt still being prefilled) is aborted: nothing stays running."""
+    before = server.metrics()
+    body = json.dumps({"model": "tiny", "prompt": _text(_prompt(41, 100)), "max_tokens": 20, "stream": True,
+                       "ignore_eos": True}).encode()
+    for _ in range(3):
+        with _raw(server) as sock:
+            sock.sendall(_head(len(body)) + body)
+    deadline = time.monotonic() + 60
+    while True:
+        m = server.metrics()
+        ended = m["gdnx_requests_aborted_total"] + m["gdnx_requests_finished_total"]
+        if ended - before["gdnx_requests_aborted_total"] - before["gdnx_requests_finished_total"] >= 3 \
+                and not m["gdnx_running_slots"] and not m["gdnx_queue_depth"]:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    assert m["gdnx_requests_aborted_total"] > before["gdnx_requests_aborted_total"]
+
+
+def test_sigterm_drains_then_ends_streams_with_an_error_and_done(checkpoint):
+    """SIGTERM: /health says 503 while requests are in flight (the listener
+    stays open), new requests get 503; after --grace seconds a stream still
+    running ends with an error event and [DONE]; exit 0, no traceback."""
+    server = Server(checkpoint[0], "--max-slots", "1", "--max-length", "4000", "--decode-steps", "1",
+                    "--grace", "1", env={"GDNX_API_KEY": KEY})
+    try:  # a stream of 3,990 tokens, one per round trip: longer than the grace period
+        body = {"model": "tiny", "prompt": "w9 w10", "max_tokens": 3990, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}"}) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "shutting down"
+        refused = _post(server, "/v1/completions", {"model": "tiny", "prompt": "w9"})
+        assert refused.status_code == 503
+        assert server.proc.wait(60) == 0, "".join(server.lines)
+        t.join(10)
+        assert lines[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"]
+        assert "Traceback" not in "".join(server.lines), "".join(server.lines)
+    finally:
+        server.stop()

@@ -144,3 +144,30 @@ def test_expert_adapters_merge_and_are_refused_as_peft(bases, tmp_path):
         export_run(tmp_path / "run", tmp_path / "adapter", "adapter")
     with pytest.raises(ValueError, match="the run trained LoRA adapters on a frozen base"):
         export_run(tmp_path / "run", tmp_path / "plain", "model")
+
+
+def test_a_changed_base_is_refused_on_resume_export_and_load(bases, tmp_path):
+    """The run records its base's fingerprint; once the base's weights
+    change, resuming, exporting and loading the run are refused naming
+    model.init_from (the adapters were trained on the old weights)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(bases / "qwen3_5", base)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "qwen3_5").symlink_to(base)
+    (root / "sft.jsonl").symlink_to(bases / "sft.jsonl")
+    _train(root, "qwen3_5", tmp_path / "run")
+    assert load_run(tmp_path / "run").step == 6  # unchanged base: fine
+    weights = load_file(base / "model.safetensors")
+    name = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    weights[name] = weights[name] * 1.5
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    for attempt in (lambda: _train(root, "qwen3_5", tmp_path / "run", "train.steps=8"),
+                    lambda: export_run(tmp_path / "run", tmp_path / "merged", "merge_lora"),
+                    lambda: load_run(tmp_path / "run")):
+        with pytest.raises(ValueError, match=r"model.init_from: .* changed since the LoRA run"):
+            attempt()

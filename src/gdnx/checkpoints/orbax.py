@@ -34,7 +34,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from gdnx.files import atomic_write_text, read_json_object
+from gdnx.files import atomic_write_text, fingerprint, read_json_object
 from gdnx.config.schema import Config
 
 CONFIG_FILE = "config.json"
@@ -86,6 +86,43 @@ def check_compatible(out_dir: Path, config: Config) -> None:
     if diffs:
         raise ValueError(f"train.out_dir {out_dir} holds checkpoints of another config ({'; '.join(diffs[:4])}); "
                          "use another train.out_dir or the same values")
+
+
+BASE_FILE = "base.json"
+
+
+def base_fingerprint(base: Path) -> str:
+    """What a LoRA run's base (model.init_from) holds, as a fingerprint: a
+    Hugging Face directory's config.json and weight files, or a gdnx run's
+    config and checkpoint checksums (a newer checkpoint there is another
+    base)."""
+    if is_run(base):
+        return fingerprint([base / CONFIG_FILE, base / "checksums"])
+    return fingerprint([base / "config.json", *sorted(base.glob("*.safetensors")),
+                        *sorted(base.glob("*.safetensors.index.json"))])
+
+
+def record_base(out_dir: Path, config: Config) -> None:
+    """A LoRA run's base, recorded at its start (base.json in out_dir)."""
+    if config.train.lora is None or config.model.init_from is None:
+        return
+    base = Path(config.model.init_from)
+    atomic_write_text(out_dir / BASE_FILE, json.dumps({"init_from": str(base),
+                                                       "fingerprint": base_fingerprint(base)}) + "\n")
+
+
+def check_base(out_dir: Path, config: Config) -> None:
+    """Refuse a LoRA run (to resume, export or load) whose base changed
+    since the run started: its adapters were trained on other weights."""
+    record = out_dir / BASE_FILE
+    if config.train.lora is None or config.model.init_from is None or not record.is_file():
+        return
+    saved = read_json_object(record, "restore it, or delete it to accept the base as it is now")
+    now = base_fingerprint(Path(config.model.init_from))
+    if saved.get("fingerprint") != now:
+        raise ValueError(f"model.init_from: {config.model.init_from} changed since the LoRA run in {out_dir} started "
+                         f"(fingerprint {saved.get('fingerprint')} then, {now} now); its adapters were trained on the "
+                         "old weights: restore that base, or train new adapters in another train.out_dir")
 
 
 def has_checkpoints(out_dir: Path) -> bool:

@@ -45,7 +45,7 @@ def _resolve(name: str, relative_to: Path | None = None) -> Path:
         candidates.append(BUNDLED / f"{name}.yml")
     for c in candidates:
         if c.is_file():
-            return c
+            return c.resolve()  # one spelling per file: a `base` chain through `..` or a link is seen to loop
     raise ConfigError(f"config {name!r}: no such file, and not a bundled config ({', '.join(bundled_names())})")
 
 

@@ -153,6 +153,7 @@ class Fit(NamedTuple):
     dropped: int    # longer than a row (data.sft_overlong=drop)
     truncated: int  # longer than a row, cut to it (data.sft_overlong=truncate)
     padding: float  # fraction of the rows' tokens that are padding
+    unscored: int = 0  # cut to a row with no scored target left (data.sft_overlong=truncate): dropped
 
 
 def _bins(examples: np.ndarray, sizes: np.ndarray, row: int) -> tuple[np.ndarray, np.ndarray]:
@@ -190,8 +191,13 @@ class ExampleRows:
         self.starts = np.concatenate([[0], shards.ends[:-1]]).astype(np.int64)
         sizes = shards.ends - self.starts
         long = sizes > row
+        unscored = 0
         if overlong == "truncate":
             self.sizes, keep = np.minimum(sizes, row), np.ones(len(sizes), bool)
+            for k in np.flatnonzero(long):  # a cut that leaves no scored target trains on nothing: dropped
+                if not self.scored[self.starts[k] + 1:self.starts[k] + row].any():
+                    keep[k] = False
+                    unscored += 1
         else:
             self.sizes, keep = sizes, ~long
         kept = np.flatnonzero(keep)
@@ -203,12 +209,19 @@ class ExampleRows:
         self.rows = len(self.bounds) - 1
         used = int(self.sizes[kept].sum())
         self.fit = Fit(self.rows, int(long.sum()) if overlong == "drop" else 0,
-                       int(long.sum()) if overlong == "truncate" else 0,
-                       1.0 - used / max(self.rows * row, 1))
+                       int(long.sum()) - unscored if overlong == "truncate" else 0,
+                       1.0 - used / max(self.rows * row, 1), unscored)
+        if self.rows == 0 and overlong == "truncate":
+            raise ValueError(f"data.seq_len: cut to {length} + 1 tokens, none of the {len(sizes)} examples of the "
+                             f"{shards.split} split keeps a scored (response) token (data.sft_overlong=truncate); "
+                             "raise data.seq_len")
         if self.rows == 0:
             raise ValueError(f"data.seq_len: every one of the {len(sizes)} examples of the {shards.split} split is "
                              f"longer than {length} + 1 tokens (data.sft_overlong=drop); raise data.seq_len or "
                              "set data.sft_overlong=truncate")
+        if not any(self.scored[self.starts[k] + 1:self.starts[k] + self.sizes[k]].any() for k in kept):
+            raise ValueError(f"data.path: no example of the {shards.split} split has a scored (response) token: "
+                             "nothing to train on")
 
     def row(self, seed: int, step: int, index: int) -> Row:
         rng = np.random.default_rng([seed, step, index])

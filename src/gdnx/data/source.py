@@ -102,11 +102,12 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
             return PackedRows(shards, data_cfg.seq_len)
         made = ExampleRows(shards, data_cfg.seq_len, packing=data_cfg.sft_packing, overlong=data_cfg.sft_overlong)
         fit, split = made.fit, "training" if shards.split == "train" else "validation"
-        for count, what in ((fit.dropped, "dropped"), (fit.truncated, "truncated to it")):
+        for count, what in ((fit.dropped, "dropped"), (fit.truncated, "truncated to it"),
+                            (fit.unscored, "dropped: cut to a row, no response token was left")):
             if count:
                 notes.append(f"data: {count} of the {len(shards.ends)} {split} examples are longer than "
                              f"data.seq_len + 1 = {data_cfg.seq_len + 1} tokens: {what} (data.sft_overlong)")
-        notes.append(f"data: {len(shards.ends) - fit.dropped} {split} examples in {fit.rows} rows of "
+        notes.append(f"data: {len(shards.ends) - fit.dropped - fit.unscored} {split} examples in {fit.rows} rows of "
                      f"{data_cfg.seq_len + 1} tokens, {100 * fit.padding:.1f}% padding "
                      f"({'packed' if data_cfg.sft_packing else 'one per row'})")
         return made

@@ -37,7 +37,9 @@ class HFTokenizer:
         self.vocab_size = self.tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
+        # encode_batch lets go of the GIL while it works (encode holds it): a long text encoded in one thread
+        # does not stop the others (a server's event loop)
+        return self.tok.encode_batch([text])[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode([int(i) for i in ids])

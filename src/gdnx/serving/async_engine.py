@@ -41,6 +41,7 @@ class Handle:
     def __init__(self, loop: asyncio.AbstractEventLoop, prompt: list[int], params: SamplingParams):
         self.prompt, self.params = prompt, params
         self.request_id: int | None = None      # set by the engine thread
+        self.released = False                   # the server is done with it (AsyncEngine.release)
         self.submitted = time.perf_counter()
         self.last: float | None = None          # when its previous tokens came
         self._loop = loop
@@ -107,13 +108,28 @@ class AsyncEngine:
             self._commands.put(("add", h))
         return handles
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet released by the server."""
+        with self._lock:
+            return self._in_flight
+
     def release(self, handle: Handle, finished: bool) -> None:
         """The server is done with a request: unfinished, it is aborted (its
-        slot is free at the engine's next step)."""
+        slot is free at the engine's next step). A second release of the
+        same request does nothing."""
         with self._lock:
+            if handle.released:
+                return
+            handle.released = True
             self._in_flight -= 1
         if not finished:
             self._commands.put(("abort", handle))
+
+    def end_all(self, why: str) -> None:
+        """End every request in flight with an EngineError (streams send it
+        as an error event, then [DONE]); the engine keeps running."""
+        self._commands.put(("end_all", why))
 
     # ---- the engine thread ----------------------------------------------------------------------------------
 
@@ -146,6 +162,12 @@ class AsyncEngine:
             for h in self._handles.values():
                 h._put(EngineError("the server is shutting down"))
             return False
+        if what == "end_all":
+            for rid, h in list(self._handles.items()):
+                self.engine.abort(rid)
+                h._put(EngineError(handle))
+            self._handles.clear()
+            return True
         if what == "add":
             try:
                 handle.request_id = self.engine.add_request(handle.prompt, handle.params)

@@ -11,6 +11,7 @@ within the grace period, and returns."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -23,7 +24,9 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from gdnx.serving.async_engine import AsyncEngine, EngineError, Handle, Overloaded, TooLarge
@@ -36,6 +39,13 @@ log = logging.getLogger("gdnx.serve")
 
 # the completions API's max_tokens when a request gives none
 DEFAULT_MAX_TOKENS = 16
+# a request body larger than this is refused (413) before it is read whole
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2 ** 20
+# seconds a client has to send a whole request (headers and body) once it starts one, or to start one on a new
+# connection
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+# threads that parse, tokenize and render requests off the event loop
+PREPARE_THREADS = 4
 
 
 class TextTokenizer(Protocol):
@@ -60,6 +70,8 @@ class Served:
     max_length: int
     chat: Template | None = None
     api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
     draining: bool = False
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -74,8 +86,12 @@ def create_app(served: Served) -> FastAPI:
             yield
         finally:
             served.engine.stop()
+            prepare.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="gdnx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # parsing JSON, validating, tokenizing and rendering chat templates run here, not on the event loop: a large
+    # request must not hold up the others (/health included)
+    prepare = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="gdnx-prepare")
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, e: RequestError) -> JSONResponse:
@@ -107,9 +123,8 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         _authorize(served, request)
-        req: CompletionRequest = parse(CompletionRequest, await _body(request))
-        _check_model(served, req.model)
-        prompts = _prompts(served, req.prompt)
+        raw = await _body(served, request)
+        req, prompts = await _off_loop(prepare, _prepare_completion, served, raw)
         logprobs = req.logprobs
         return await _respond(served, request, req, prompts, logprobs, "prompt",
                               _TextChoice(served.tokenizer, logprobs))
@@ -117,29 +132,54 @@ def create_app(served: Served) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         _authorize(served, request)
-        req: ChatRequest = parse(ChatRequest, await _body(request))
-        _check_model(served, req.model)
-        if served.chat is None:
-            raise RequestError("messages: this model has no chat template (tokenizer_config.json's chat_template "
-                               "or chat_template.jinja); use /v1/completions", "messages")
-        try:
-            text = served.chat.render([m.rendered() for m in req.messages], req.add_generation_prompt)
-        except ValueError as e:
-            raise RequestError(f"messages: {e}", "messages") from None
-        if req.max_completion_tokens is not None:
-            if req.max_tokens is not None:
-                raise RequestError("max_tokens: give max_tokens or max_completion_tokens, not both", "max_tokens")
-            req.max_tokens = req.max_completion_tokens
+        raw = await _body(served, request)
+        req, prompt = await _off_loop(prepare, _prepare_chat, served, raw)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        if req.top_logprobs is not None and not req.logprobs:
-            raise RequestError("top_logprobs: only with logprobs true", "top_logprobs")
-        return await _respond(served, request, req, [_encode(served, text, "messages")], logprobs, "messages",
+        return await _respond(served, request, req, [prompt], logprobs, "messages",
                               _ChatChoice(served.tokenizer, logprobs))
 
     return app
 
 
 # ---- requests -------------------------------------------------------------------------------------------------
+
+async def _off_loop(pool: concurrent.futures.Executor, fn: Callable[..., Any], *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply", None) from None
+    except ValueError as e:
+        raise RequestError(f"the request body is not valid JSON ({e})", None) from None
+
+
+def _prepare_completion(served: Served, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+    req: CompletionRequest = parse(CompletionRequest, _json(raw))
+    _check_model(served, req.model)
+    return req, _prompts(served, req.prompt)
+
+
+def _prepare_chat(served: Served, raw: bytes) -> tuple[ChatRequest, list[int]]:
+    req: ChatRequest = parse(ChatRequest, _json(raw))
+    _check_model(served, req.model)
+    if served.chat is None:
+        raise RequestError("messages: this model has no chat template (tokenizer_config.json's chat_template "
+                           "or chat_template.jinja); use /v1/completions", "messages")
+    try:
+        text = served.chat.render([m.rendered() for m in req.messages], req.add_generation_prompt)
+    except ValueError as e:
+        raise RequestError(f"messages: {e}", "messages") from None
+    if req.max_completion_tokens is not None:
+        if req.max_tokens is not None:
+            raise RequestError("max_tokens: give max_tokens or max_completion_tokens, not both", "max_tokens")
+        req.max_tokens = req.max_completion_tokens
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs: only with logprobs true", "top_logprobs")
+    return req, _encode(served, text, "messages")
+
 
 def _authorize(served: Served, request: Request) -> None:
     if served.api_key is None:
@@ -151,12 +191,33 @@ def _authorize(served: Served, request: Request) -> None:
                            None, 401, code="invalid_api_key")
 
 
-async def _body(request: Request) -> Any:
-    raw = await request.body()
+async def _body(served: Served, request: Request) -> bytes:
+    """The request body, at most served.max_request_bytes (413 past it,
+    known from Content-Length before reading, or counted as it comes), sent
+    within served.request_timeout seconds (408 for a body sent in part)."""
+    limit = served.max_request_bytes
+    too_large = RequestError(f"the request body exceeds the server's {limit} bytes (--max-request-bytes)", None,
+                             413, code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise RequestError(f"the request body is not valid JSON ({e})", None) from None
+        return await asyncio.wait_for(read(), served.request_timeout)
+    except TimeoutError:
+        raise RequestError(f"the request body did not arrive within {served.request_timeout:g} s", None, 408,
+                           code="request_timeout") from None
+    except ClientDisconnect:
+        raise RequestError("the client left before sending its request", None, 400) from None
 
 
 def _check_model(served: Served, model: str) -> None:
@@ -225,8 +286,11 @@ async def _respond(served: Served, request: Request, req: Any, prompts: list[lis
     rid = new_id(choice.id_prefix)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(_stream(served, rid, req.n, handles, choice, include_usage),
-                                 media_type="text/event-stream")
+        def abort_rest() -> None:
+            for h in handles:
+                served.engine.release(h, False)
+        return _Stream(_stream(served, rid, req.n, handles, choice, include_usage), abort_rest,
+                       media_type="text/event-stream")
     done = [False] * len(handles)
     work: asyncio.Future[list[Completion]] = asyncio.ensure_future(asyncio.gather(*(_completion(h) for h in handles)))
     gone: asyncio.Future[Any] = asyncio.ensure_future(_disconnected(request))
@@ -246,6 +310,22 @@ async def _respond(served: Served, request: Request, req: Any, prompts: list[lis
     choices = [choice.whole(i, c) for i, c in enumerate(results)]
     return JSONResponse(envelope(rid, choice.kind, served.model_name, choices,
                                  {"usage": _usage(results, req.n)}))
+
+
+class _Stream(StreamingResponse):
+    """A stream whose requests are released however it ends: a client that
+    leaves before the stream's first step cancels the response before its
+    generator ever runs (so the generator's own cleanup never runs)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any], **kw: Any):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()  # releases what the generator did not (a release happens once)
 
 
 async def _disconnected(request: Request, every: float = 0.25) -> None:
@@ -412,8 +492,8 @@ class _ChatChoice(_Choice):
 # ---- running it -----------------------------------------------------------------------------------------------
 
 def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port (port 0: a free one), not yet listening
-    (connections are refused until the server runs); OSError when taken."""
+    """A socket bound to host:port (port 0: a free one), not yet listening;
+    OSError when taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -425,21 +505,30 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server with signals that end it gracefully and return
-    (uvicorn re-raises a caught SIGTERM after shutting down, which would
-    end the process with the signal rather than status 0)."""
+# seconds the requests still in flight when the grace period ends get to send their error event and close
+END_S = 5.0
 
-    def __init__(self, config: uvicorn.Config, served: Served):
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with a drain: SIGTERM or SIGINT marks the server
+    draining (/health 503, new requests 503) while it keeps listening;
+    once no request is in flight, or `grace` seconds have passed (the
+    requests still in flight then end with an error event and [DONE]), it
+    stops listening and returns (uvicorn itself would re-raise a caught
+    SIGTERM after shutting down, ending the process with the signal rather
+    than status 0). A second SIGINT stops at once."""
+
+    def __init__(self, config: uvicorn.Config, served: Served, grace: float):
         super().__init__(config)
-        self.served = served
+        self.served, self.grace = served, grace
+        self._drain_started: float | None = None
+        self._ended: float | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         def stop(sig: int, frame: Any) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
+            if self.served.draining and sig == signal.SIGINT:
+                self.force_exit = self.should_exit = True
             self.served.draining = True
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -449,11 +538,63 @@ class _Server(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    async def on_tick(self, counter: int) -> bool:
+        if self.served.draining and not self.should_exit:
+            now = time.monotonic()
+            if self._drain_started is None:
+                self._drain_started = now
+            if not self.served.engine.in_flight:
+                self.should_exit = True
+            elif self._ended is None and now - self._drain_started >= self.grace:
+                self.served.engine.end_all(f"the server is shutting down (its {self.grace:g} s grace period for "
+                                           "requests in flight has passed)")
+                self._ended = now
+            elif self._ended is not None and now - self._ended >= END_S:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with a deadline for a request's headers:
+    a connection that opens and sends nothing, or sends part of a request's
+    headers, is closed after `timeout_keep_alive` seconds (uvicorn's own
+    timer covers only the wait between two requests, and any byte resets
+    it). A body sent in part is the handler's to time out (408)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._headers_deadline: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._between_requests():
+            self._arm()
+        elif self._headers_deadline is not None:
+            self._headers_deadline.cancel()
+            self._headers_deadline = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._headers_deadline is not None:
+            self._headers_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm(self) -> None:
+        if self._headers_deadline is None:
+            self._headers_deadline = self.loop.call_later(self.timeout_keep_alive, self._expire)
+
+    def _expire(self) -> None:
+        self._headers_deadline = None
+        if self._between_requests() and not self.transport.is_closing():
+            self.transport.close()
+
 
 def run_server(served: Served, sock: socket.socket, grace: int) -> None:
-    """Serve on the bound socket until SIGTERM or SIGINT; requests in flight
-    then get `grace` seconds to finish."""
-    config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=grace)
-    sock.listen(2048)
-    _Server(config, served).run(sockets=[sock])
+    """Serve on the listening socket until SIGTERM or SIGINT; requests in
+    flight then get `grace` seconds to finish (docs/serving.md)."""
+    config = uvicorn.Config(create_app(served), log_level="warning", access_log=False, lifespan="on", http=_Protocol,
+                            timeout_keep_alive=int(served.request_timeout), timeout_graceful_shutdown=int(END_S))
+    _Server(config, served, grace).run(sockets=[sock])

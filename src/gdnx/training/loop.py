@@ -29,9 +29,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from rich.console import Console
 
-from gdnx.files import atomic_write_text, directory_lock
-from gdnx.checkpoints.orbax import Checkpoints, check_compatible, has_checkpoints
-from gdnx.distributed import StopSignals
+from gdnx.files import atomic_write_text, directory_lock, fingerprint
+from gdnx.checkpoints.orbax import Checkpoints, check_base, check_compatible, has_checkpoints, record_base
+from gdnx.distributed import StopSignals, agree
 from gdnx.config.schema import Config
 from gdnx.data import Batch, make_source
 from gdnx.data.tokens import HostBatch, Prefetcher, host_batch
@@ -187,6 +187,10 @@ def _check_out_dir(out: Path) -> None:
     existing = next((p for p in (out, *out.parents) if p.exists()), None)
     if out.exists() and not out.is_dir():
         raise ValueError(f"train.out_dir {out}: exists and is not a directory")
+    for name in ("checkpoints", "checksums"):  # where the run writes its checkpoints
+        if (out / name).exists() and not (out / name).is_dir():
+            raise ValueError(f"train.out_dir {out}: {name} there is a file, where the run keeps its checkpoints; "
+                             "move it away or use another train.out_dir")
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"train.out_dir {out}: {existing} is not writable")
 
@@ -215,6 +219,32 @@ def _check_fits(config: Config, devices: list[jax.Device]) -> None:
                          f"and these {len(devices)} device(s) hold "
                          f"{have / 2 ** 30:,.0f} GiB; a full-size bundled config is a base for a run on a slice "
                          "that holds it (docs/sharding.md), or for a smaller model of its family")
+    tokens = config.train.batch_size * config.data.seq_len
+    # at the least, one micro-batch's input and output of every layer, and the batch's six int32 arrays
+    micro = tokens // config.train.grad_accum_steps
+    batch = micro * config.model.hidden_size * jnp.dtype(config.model.dtype).itemsize * \
+        (config.model.num_hidden_layers + 1) + 6 * 4 * tokens
+    if tokens >= 2 ** 31 or need + batch > have:
+        raise ValueError(f"train.batch_size: {config.train.batch_size} rows of {config.data.seq_len} tokens need at "
+                         f"least {batch / 2 ** 30:,.1f} GiB for the batch and its activations beside "
+                         f"{need / 2 ** 30:,.1f} GiB for the model, and these {len(devices)} device(s) hold "
+                         f"{have / 2 ** 30:,.1f} GiB; lower train.batch_size or raise train.grad_accum_steps")
+
+
+def _run_record(config: Config) -> dict[str, Any]:
+    """The config's fields (dotted) and the data files' fingerprint: what
+    the processes of one run must agree on."""
+    def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+    record = flat(config.model_dump(mode="json"))
+    # prepared token shards are read by every process from data.path (text and SFT corpora are prepared once,
+    # by process 0, into the out_dir, with a fingerprint of their own)
+    if config.data.source == "tokens" and config.data.path is not None and Path(config.data.path).exists():
+        record["data.path (its files)"] = fingerprint([Path(config.data.path)])
+    return record
 
 
 def build_trainer(config: Config) -> Trainer:
@@ -224,8 +254,10 @@ def build_trainer(config: Config) -> Trainer:
     the field or path."""
     out = Path(config.train.out_dir)
     _check_out_dir(out)
+    agree("config", _run_record(config))  # every process of the run, the same config and data
     mesh = make_mesh(config.parallel)
     check_compatible(out, config)
+    check_base(out, config)
     _check_fits(config, list(mesh.devices.flat))
     return Trainer(config, mesh=mesh if mesh.size > 1 else None)
 
@@ -258,6 +290,8 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignal
     for line in damaged:
         report.note(line)
     start = intact or 0
+    if primary and not start:
+        record_base(out, config)  # what a LoRA run's adapters are trained on
     for line in trainer.source.notes:
         report.note(line)
     if trainer.mesh is not None:
