@@ -5,7 +5,6 @@ import socket
 
 import pytest
 
-from gdnx.cli import main
 from tests.hf_models import random_hf_model, write_chat_tokenizer
 from tests.test_cli import _error
 

@@ -164,7 +164,9 @@ def test_a_signal_that_lands_while_the_processes_share_theirs_stops_the_next_ste
     assert signals.reached() and signals.signal == signal.SIGTERM
 
 
-@pytest.fixture(scope="module")
+# session scope: built once on the worker that runs the "text_runs" group, whatever other tests of this module
+# that worker runs between them (a module fixture would be rebuilt after each)
+@pytest.fixture(scope="session")
 def text_runs(tmp_path_factory):
     """On a text corpus (process 0 prepares it while process 1 waits; each
     reads its rows): a run of 1 x 8 devices and one of 2 x 4, uninterrupted;
@@ -398,16 +400,16 @@ def test_a_process_that_never_joins_and_a_second_process_id_are_named(tmp_path, 
     waits, then stops after --join-timeout in one line (status 4). Then a
     run of two whose process 1 is started twice: the run stops, naming the
     --process-id given twice."""
-    alone = _Run(processes, tmp_path / "alone", 2, ids=[0], flags=["--join-timeout", "12"])
+    alone = _Run(processes, tmp_path / "alone", 2, ids=[0], flags=["--join-timeout", "11"])
     assert alone.wait(120) == [PEER_LOST_STATUS], alone.output()
     out = alone.output()
     assert out.count("waiting for the 2 processes of the run to join") >= 2, out
     lines = _error_lines(out)
     assert len(lines) == 1 and "not every process joined the run at 127.0.0.1" in lines[0], out
-    assert "within --join-timeout (12 s)" in lines[0]
+    assert "within --join-timeout (11 s)" in lines[0]
     run = _Run(processes, tmp_path / "twice", 2, steps=200)
     run.wait_for_step(1)
-    again = _Run(processes, tmp_path / "twice", 2, ids=[1], port=run.port, steps=200, flags=["--join-timeout", "20"])
+    again = _Run(processes, tmp_path / "twice", 2, ids=[1], port=run.port, steps=200, flags=["--join-timeout", "6"])
     statuses = run.wait(120)
     assert statuses == [PEER_LOST_STATUS] * 2, run.output()
     again.wait(120)

@@ -8,7 +8,6 @@ invariance test also runs it with MoE MLPs, whose routing groups tokens
 across rows) and few engine shapes: max_length 64 in blocks of 16
 (prefill buckets 16, 32, 64)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

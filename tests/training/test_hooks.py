@@ -49,7 +49,8 @@ def _loop(fakes, steps=8, start=0, tracked=True, **train):
     """tracked=False: the LoopState of a process that does not log (no plot to redraw)."""
     overrides = [f"train.steps={steps}", "train.warmup_steps=1"] + [f"train.{k}={v}" for k, v in train.items()]
     config = load_config("tiny", overrides)
-    return LoopState(config, Path("out"), fakes, fakes, fakes, Reporter(quiet=True), fakes, [fakes] if tracked else [], start, start,
+    trackers = [fakes] if tracked else []
+    return LoopState(config, Path("out"), fakes, fakes, fakes, Reporter(quiet=True), fakes, trackers, start, start,
                      None, None)
 
 

@@ -81,7 +81,8 @@ def test_tensorboard_and_wandb_follow_metrics_jsonl_across_a_resume(tmp_path):
 
 def test_a_missing_tracker_package_names_the_pip_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)
-    cfg = load_config("tiny", SMALL_RUN + ["train.steps=4", "train.trackers=[tensorboard]", f"train.out_dir={tmp_path}"])
+    cfg = load_config("tiny", SMALL_RUN + ["train.steps=4", "train.trackers=[tensorboard]",
+                                           f"train.out_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"train.trackers: tensorboard needs the tensorboardX package "
                                           r"\(pip install 'gdnx\[tracking\]'\)"):
         train(cfg)

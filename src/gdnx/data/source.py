@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from gdnx.config.schema import Config, DataConfig
 from gdnx.data.mqar import mqar_batch

@@ -97,7 +97,7 @@ class AsyncEngine:
                            f"({self.engine.max_slots} slots + a queue of {self.max_queue}); send fewer prompts or "
                            "a smaller n")
         with self._lock:
-            if self._in_flight + len(requests) > self.engine.max_slots + self.max_queue:
+            if self._in_flight + len(requests) > capacity:
                 self.metrics.rejected.inc()
                 raise Overloaded(f"the server holds {self._in_flight} requests ({self.engine.max_slots} slots, a "
                                  f"queue of {self.max_queue}); retry later")
@@ -165,6 +165,7 @@ class AsyncEngine:
         if what == "end_all":
             for rid, h in list(self._handles.items()):
                 self.engine.abort(rid)
+                self.metrics.failed.inc()
                 h._put(EngineError(handle))
             self._handles.clear()
             return True

@@ -28,7 +28,6 @@ bit-identical whatever shares the engine with it.
 from __future__ import annotations
 
 import dataclasses
-import time
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol

@@ -5,4 +5,5 @@ from gdnx.training.hooks import Hook, LoopState, NonFiniteStop, Preempted
 from gdnx.training.loop import Trainer, build_trainer, train
 from gdnx.training.step import loss_and_metrics, make_optimizer, make_step_fn
 
-__all__ = ["Hook", "LoopState", "NonFiniteStop", "Preempted", "Trainer", "build_trainer", "loss_and_metrics", "make_optimizer", "make_step_fn", "train"]
+__all__ = ["Hook", "LoopState", "NonFiniteStop", "Preempted", "Trainer", "build_trainer", "loss_and_metrics",
+           "make_optimizer", "make_step_fn", "train"]

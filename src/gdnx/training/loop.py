@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from rich.console import Console
 
-from gdnx.files import atomic_write_text, directory_lock, fingerprint
+from gdnx.files import directory_lock, fingerprint
 from gdnx.checkpoints.orbax import Checkpoints, check_base, check_compatible, has_checkpoints, record_base
 from gdnx.distributed import StopSignals, agree
 from gdnx.config.schema import Config
@@ -40,7 +40,7 @@ from gdnx.models.causal_lm import check_platform, parameter_count
 from gdnx.parallel import make_mesh, shard, shardings, spec
 from gdnx.progress import Reporter
 from gdnx.models.adapters import adapter_spec
-from gdnx.training.hooks import Hook, LoopState, NonFiniteStop, Preempted, default_hooks
+from gdnx.training.hooks import Hook, LoopState, default_hooks
 from gdnx.training.init_from import check_source, initial_params
 from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
 from gdnx.training.trackers import METRICS_FILE, Tracker, make_trackers, rewrite_metrics
