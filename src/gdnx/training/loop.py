@@ -43,7 +43,7 @@ from gdnx.models.adapters import adapter_spec
 from gdnx.training.hooks import Hook, LoopState, default_hooks
 from gdnx.training.init_from import check_source, initial_params
 from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
-from gdnx.training.trackers import METRICS_FILE, Tracker, make_trackers, rewrite_metrics
+from gdnx.training.trackers import METRICS_FILE, Tracker, dotted, make_trackers, rewrite_metrics
 
 EVAL_BATCHES = 4
 
@@ -234,12 +234,7 @@ def _check_fits(config: Config, devices: list[jax.Device]) -> None:
 def _run_record(config: Config) -> dict[str, Any]:
     """The config's fields (dotted) and the data files' fingerprint: what
     the processes of one run must agree on."""
-    def flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-    record = flat(config.model_dump(mode="json"))
+    record = dotted(config)
     # prepared token shards are read by every process from data.path (text and SFT corpora are prepared once,
     # by process 0, into the out_dir, with a fingerprint of their own)
     if config.data.source == "tokens" and config.data.path is not None and Path(config.data.path).exists():

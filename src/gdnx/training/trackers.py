@@ -81,14 +81,14 @@ class JsonlTracker:
         self._file.close()
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out
+def dotted(config: Config) -> dict[str, Any]:
+    """The config's fields as {"section.field": JSON value}."""
+    def walk(tree: dict, prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(walk(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+    return walk(config.model_dump(mode="json"), "")
 
 
 class TensorBoardTracker:
@@ -105,7 +105,7 @@ class TensorBoardTracker:
         self._writer = SummaryWriter(str(out / TENSORBOARD_DIR), purge_step=start + 1 if start else None,
                                      filename_suffix=f".from{start}")
         if not start:
-            flat = _flat(config.model_dump(mode="json"))
+            flat = dotted(config)
             self._writer.add_text("config", "\n".join(f"    {k}: {v}" for k, v in sorted(flat.items())), 0)
 
     def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
