@@ -1,4 +1,4 @@
-"""Public ops. The gated delta rule's load on first use, so that a leaf such
+"""Public ops. The gated delta rule and KDA ops load on first use, so that a leaf such
 as gdnx.ops.checks or gdnx.ops.gated_delta_rule.options imports no kernel."""
 
 from __future__ import annotations
@@ -13,16 +13,23 @@ from gdnx.ops.gated_rmsnorm import gated_rmsnorm
 
 if TYPE_CHECKING:
     from gdnx.ops.gated_delta_rule.api import chunk_gated_delta_rule, recurrent_gated_delta_rule
+    from gdnx.ops.gated_delta_rule.gates import kda_gate
+    from gdnx.ops.gated_delta_rule.kda import chunk_kda, recurrent_kda
 
-_LAZY = {"chunk_gated_delta_rule": "gated_delta_rule.api", "recurrent_gated_delta_rule": "gated_delta_rule.api"}
+_LAZY = {"chunk_gated_delta_rule": "gated_delta_rule.api", "recurrent_gated_delta_rule": "gated_delta_rule.api",
+         "chunk_kda": "gated_delta_rule.kda", "recurrent_kda": "gated_delta_rule.kda",
+         "kda_gate": "gated_delta_rule.gates"}
 
 __all__ = [
     "CHUNK_IMPLEMENTATIONS",
     "causal_conv1d",
     "causal_conv1d_update",
     "chunk_gated_delta_rule",
+    "chunk_kda",
     "gated_rmsnorm",
+    "kda_gate",
     "recurrent_gated_delta_rule",
+    "recurrent_kda",
 ]
 
 

@@ -10,7 +10,8 @@ import numpy as np
 
 
 def oracle(q, k, v, g, beta, h0=None, *, scale=None, use_qk_l2norm=False):
-    """q, k [B, T, HK, K]; v [B, T, HV, V]; g, beta [B, T, HV]; h0 [B, HV, K, V].
+    """q, k [B, T, HK, K]; v [B, T, HV, V]; g [B, T, HV] (GDN) or [B, T, HV, K]
+    (KDA), beta [B, T, HV]; h0 [B, HV, K, V].
     Returns (o [B, T, HV, V], final [B, HV, K, V]) in float64."""
     f64 = jnp.float64
     q, k, v, g, beta = (jnp.asarray(x).astype(f64) for x in (q, k, v, g, beta))
@@ -26,7 +27,8 @@ def oracle(q, k, v, g, beta, h0=None, *, scale=None, use_qk_l2norm=False):
 
     def step(s, x):
         qt, kt, vt, gt, bt = x
-        s = jnp.exp(gt)[..., None, None] * s
+        # a per-head decay scales the state, a per-channel one (KDA) its rows
+        s = (jnp.exp(gt)[..., None, None] if gt.ndim == 2 else jnp.exp(gt)[..., None]) * s
         err = vt - jnp.einsum("bhk,bhkv->bhv", kt, s)
         s = s + jnp.einsum("bhk,bhv->bhkv", kt, bt[..., None] * err)
         return s, scale * jnp.einsum("bhk,bhkv->bhv", qt, s)

@@ -20,7 +20,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from gdnx.ops.checks import check_cu_seqlens, float_dtype
-from gdnx.ops.gated_delta_rule import chunk_math
+from gdnx.ops.gated_delta_rule import chunk_math, gates
 from gdnx.ops.gated_delta_rule.options import (
     CHUNK_IMPLEMENTATIONS,
     CHUNK_SIZES,
@@ -31,21 +31,24 @@ from gdnx.ops.gated_delta_rule.options import (
     Implementation,
     ResidualPolicy,
 )
-from gdnx.ops.gated_delta_rule import chunked, pallas_common, pallas_gpu, pallas_tpu, reference, xla
+from gdnx.ops.gated_delta_rule import chunked, kda_xla, pallas_common, pallas_gpu, pallas_tpu, reference, xla
 from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, choose_tiles
 
 # the op's table: one Backend per implementation (backend.py)
 IMPLEMENTATIONS: dict[str, Backend] = {
     b.name: b for b in (xla.BACKEND, pallas_tpu.BACKEND, pallas_gpu.BACKEND, reference.BACKEND)}
-# the default implementation per platform: the kernel written for it
-_AUTO = {b.platform: b.name for b in IMPLEMENTATIONS.values() if b.platform}
+# KDA's table (per-channel gates): the chunked XLA path and the token recurrence
+KDA_IMPLEMENTATIONS: dict[str, Backend] = {b.name: b for b in (kda_xla.BACKEND, reference.BACKEND)}
 
 
-def default_chunk_implementation(platform: str | None = None) -> str:
-    """The implementation `implementation=None` picks: pallas_tpu on TPU,
-    pallas_gpu on GPU, xla elsewhere (the CPU)."""
-    return _AUTO.get(platform or jax.default_backend(), "xla")
+def default_chunk_implementation(platform: str | None = None, *, per_channel: bool = False) -> str:
+    """The implementation `implementation=None` picks: the kernel written
+    for the platform (pallas_tpu on TPU, pallas_gpu on GPU) where the op
+    has one, xla elsewhere (the CPU; KDA everywhere until it has kernels)."""
+    table = KDA_IMPLEMENTATIONS if per_channel else IMPLEMENTATIONS
+    auto = {b.platform: b.name for b in table.values() if b.platform}
+    return auto.get(platform or jax.default_backend(), "xla")
 
 
 def _resolve_dtype(name: str, value: DTypeLike | str) -> np.dtype:
@@ -64,11 +67,25 @@ def _check_float_array(name: str, x, ndim: int, layout: str):
         raise ValueError(f"{name}: expected rank {ndim} {layout}, got shape {tuple(x.shape)}")
 
 
-def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm):
+def _check_gate(g, per_channel: bool, shape: tuple[int, ...]):
+    """g [B, T, HV] (per head, GDN) or [B, T, HV, K] (per key channel, KDA),
+    with a pointer to the other op when it has the other one's shape."""
+    want = "[B, T, HV, K]" if per_channel else "[B, T, HV]"
+    ndim = getattr(g, "ndim", None)
+    _check_float_array("g", g, ndim if ndim in (3, 4) else len(shape), want)
+    if g.ndim != len(shape):
+        other = ("a per-head gate [B, T, HV] is chunk_gated_delta_rule's" if per_channel
+                 else "a per-channel gate [B, T, HV, K] is chunk_kda's")
+        raise ValueError(f"g: expected {want} = {shape}, got shape {tuple(g.shape)}; {other}")
+    if g.shape != shape:
+        what = " (its last dimension must be K, the key head dim)" if per_channel else ""
+        raise ValueError(f"g: expected {want} = {shape}{what}, got {tuple(g.shape)}")
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, per_channel: bool = False):
     _check_float_array("q", q, 4, "[B, T, HK, K]")
     _check_float_array("k", k, 4, "[B, T, HK, K]")
     _check_float_array("v", v, 4, "[B, T, HV, V]")
-    _check_float_array("g", g, 3, "[B, T, HV]")
     _check_float_array("beta", beta, 3, "[B, T, HV]")
     b, t, hk, k_dim = q.shape
     if k.shape != q.shape:
@@ -80,9 +97,9 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
         raise ValueError("q: expected at least one token (T >= 1), got T=0")
     if hv % hk:
         raise ValueError(f"v: value heads HV={hv} must be a multiple of key heads HK={hk}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (b, t, hv):
-            raise ValueError(f"{name}: expected [B, T, HV] = {(b, t, hv)}, got {tuple(x.shape)}")
+    _check_gate(g, per_channel, (b, t, hv, k_dim) if per_channel else (b, t, hv))
+    if beta.shape != (b, t, hv):
+        raise ValueError(f"beta: expected [B, T, HV] = {(b, t, hv)}, got {tuple(beta.shape)}")
     if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
         raise TypeError(f"scale: expected a Python float or None, got {type(scale).__name__}")
     if not isinstance(use_qk_l2norm, bool):
@@ -105,15 +122,20 @@ def l2norm(x: jax.Array) -> jax.Array:
     return chunk_math.l2norm(x.astype(jnp.promote_types(x.dtype, jnp.float32))).astype(x.dtype)
 
 
-def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, q, k, v, g, beta, *, scale,
-          initial_state, output_final_state, cu_seqlens, use_qk_l2norm, tiles, history=None):
+def call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, q, k, v, g, beta, *, scale,
+         initial_state, output_final_state, cu_seqlens, use_qk_l2norm, tiles, history=None, per_channel=False,
+         gate=None):
     """Check the arguments of `op` (whose implementations are `allowed`) and
     run the implementation `opts` names, jitted. history: None, or "chunks"
-    / "tokens" to also return the state after every chunk / token."""
-    name = opts.implementation or default_chunk_implementation()
+    / "tokens" to also return the state after every chunk / token.
+    per_channel: g is KDA's [B, T, HV, K] (KDA's table of implementations).
+    gate: None, or a `gates.GateParams` that turns g (then the gate's raw
+    input) into the log decay inside the jitted op."""
+    table = KDA_IMPLEMENTATIONS if per_channel else IMPLEMENTATIONS
+    name = opts.implementation or default_chunk_implementation(per_channel=per_channel)
     if name not in allowed:
         raise ValueError(f"implementation: expected None or one of {sorted(allowed)} for {op}, got {name!r}")
-    impl = IMPLEMENTATIONS[name]
+    impl = table[name]
     knobs: dict[str, Any] = {"use_qk_l2norm": use_qk_l2norm}
     if impl.kernel:
         if opts.interpret is not None and not isinstance(opts.interpret, bool):
@@ -121,7 +143,7 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
         knobs.update(interpret=pallas_common.resolve_interpret(opts.interpret),
                      tiles=choose_tiles(name, tiles, key_heads=q.shape[2]))
     else:
-        kernels = sorted(n for n, i in IMPLEMENTATIONS.items() if i.kernel)
+        kernels = sorted(n for n, i in table.items() if i.kernel)
         for what, x in (("interpret", opts.interpret), ("tiles", tiles)):
             if x is not None:
                 raise ValueError(f"{what}: applies to the Pallas implementations {kernels}, not to {name!r}")
@@ -135,9 +157,9 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
         knobs.update(chunk_size=opts.chunk_size)
     elif opts.residuals != DEFAULTS.residuals or matmul_dtype is not None:
         what = "residuals" if opts.residuals != DEFAULTS.residuals else "matmul_dtype"
-        chunked = sorted(n for n, i in IMPLEMENTATIONS.items() if i.chunked)
+        chunked = sorted(n for n, i in table.items() if i.chunked)
         raise ValueError(f"{what}: applies to the chunked implementations {chunked}, not to {name!r}")
-    n = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm)
+    n = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, per_channel)
     state_dtype = _resolve_dtype("state_dtype", opts.state_dtype)
     decay_dtype = _resolve_dtype("decay_dtype", opts.decay_dtype)
     if not isinstance(output_final_state, bool):
@@ -153,14 +175,15 @@ def _call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, 
         h0 = jnp.asarray(initial_state).astype(state_dtype)
     cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens).astype(jnp.int32)
     q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-    o, final, states = _dispatch(q, k, v, g, beta, h0, cu, backend=impl, scale=scale, state_dtype=state_dtype,
-                                 decay_dtype=decay_dtype, history=history, **knobs)
+    o, final, states = _dispatch(q, k, v, g, beta, h0, cu, None if gate is None else gate.arrays(), backend=impl,
+                                 scale=scale, state_dtype=state_dtype, decay_dtype=decay_dtype, history=history,
+                                 lower_bound=None if gate is None else gate.lower_bound, **knobs)
     if history is not None:
         return o, (final if output_final_state else None), states
     return o, (final if output_final_state else None)
 
 
-def _options(options: DeltaRuleOptions | None, **given) -> DeltaRuleOptions:
+def resolve_options(options: DeltaRuleOptions | None, **given) -> DeltaRuleOptions:
     """The op's settings: `options`, or the keyword arguments (whose defaults
     are DeltaRuleOptions'), not both. A keyword at its default value counts
     as not given."""
@@ -176,10 +199,14 @@ def _options(options: DeltaRuleOptions | None, **given) -> DeltaRuleOptions:
 
 @functools.partial(jax.jit, static_argnames=("backend", "use_qk_l2norm", "scale", "state_dtype", "decay_dtype",
                                              "chunk_size", "interpret", "tiles", "residuals", "matmul_dtype",
-                                             "history"))
-def _dispatch(q, k, v, g, beta, h0, cu_seqlens, *, backend: Backend, use_qk_l2norm=False, history=None, **kw):
-    # Jitted so that eager callers get one compiled program, not op-by-op dispatch.
+                                             "history", "lower_bound"))
+def _dispatch(q, k, v, g, beta, h0, cu_seqlens, gate, *, backend: Backend, use_qk_l2norm=False, history=None,
+              lower_bound=None, **kw):
+    # Jitted so that eager callers get one compiled program, not op-by-op dispatch,
+    # and so that a gate function fuses into the pass that lays out g.
     states = None
+    if gate is not None:
+        g = gates.kda_gate(g, *gate, lower_bound=lower_bound, dtype=kw["decay_dtype"])
     if backend.chunked:
         out = chunked.run(backend, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
                           chunk_states=history == "chunks", **kw)
@@ -261,15 +288,16 @@ def chunk_gated_delta_rule(
       (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] in state_dtype
       or None), and the chunk states (state_dtype) when output_chunk_states.
     """
-    opts = _options(options, implementation=implementation, chunk_size=chunk_size, state_dtype=state_dtype,
-                    decay_dtype=decay_dtype, residuals=residuals, matmul_dtype=matmul_dtype, interpret=interpret)
+    opts = resolve_options(options, implementation=implementation, chunk_size=chunk_size, state_dtype=state_dtype,
+                           decay_dtype=decay_dtype, residuals=residuals, matmul_dtype=matmul_dtype,
+                           interpret=interpret)
     if opts.chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {opts.chunk_size!r}")
     if not isinstance(output_chunk_states, bool):
         raise TypeError(f"output_chunk_states: expected a bool, got {type(output_chunk_states).__name__}")
-    return _call(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
-                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                 use_qk_l2norm=use_qk_l2norm, tiles=tiles, history="chunks" if output_chunk_states else None)
+    return call(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                use_qk_l2norm=use_qk_l2norm, tiles=tiles, history="chunks" if output_chunk_states else None)
 
 
 def recurrent_gated_delta_rule(
@@ -291,6 +319,6 @@ def recurrent_gated_delta_rule(
                             decay_dtype=decay_dtype)
     if not isinstance(output_token_states, bool):
         raise TypeError(f"output_token_states: expected a bool, got {type(output_token_states).__name__}")
-    return _call(RECURRENT_IMPLEMENTATIONS, "recurrent_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
-                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                 use_qk_l2norm=use_qk_l2norm, tiles=None, history="tokens" if output_token_states else None)
+    return call(RECURRENT_IMPLEMENTATIONS, "recurrent_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                use_qk_l2norm=use_qk_l2norm, tiles=None, history="tokens" if output_token_states else None)

@@ -70,7 +70,9 @@ def save_residuals(states, tinv):
 
 
 def to_blocks(q, k, v, g, beta, plan: ChunkPlan) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """[R, T, H, D] inputs -> [NC, R, HK, (G,) C, D] chunk blocks."""
+    """[R, T, H, D] inputs -> [NC, R, HK, (G,) C, D] chunk blocks; a gate
+    [R, T, HV] becomes rows [NC, R, HK, G, 1, C], a per-channel gate
+    [R, T, HV, K] blocks [NC, R, HK, G, C, K]."""
     r, _, hk, k_dim = q.shape
     hv, v_dim = v.shape[2], v.shape[3]
     grp = hv // hk
@@ -79,12 +81,15 @@ def to_blocks(q, k, v, g, beta, plan: ChunkPlan) -> tuple[jax.Array, jax.Array, 
     def qk_blocks(x):
         return to_slots(x, plan).reshape(r, nc, c, hk, k_dim).transpose(1, 0, 3, 2, 4)
 
-    vb = to_slots(v, plan).reshape(r, nc, c, hk, grp, v_dim).transpose(1, 0, 3, 4, 2, 5)
+    def value_blocks(x):
+        return to_slots(x, plan).reshape(r, nc, c, hk, grp, x.shape[-1]).transpose(1, 0, 3, 4, 2, 5)
 
     def gate_blocks(x):  # rows [1, C], as the chunk algebra takes them
         return to_slots(x, plan).reshape(r, nc, c, hk, grp).transpose(1, 0, 3, 4, 2)[..., None, :]
 
-    return qk_blocks(q), qk_blocks(k), vb, gate_blocks(g), gate_blocks(beta)
+    # a per-channel gate (KDA, [R, T, HV, K]) is laid out as the values: [C, K] blocks
+    gb = value_blocks(g) if g.ndim == 4 else gate_blocks(g)
+    return qk_blocks(q), qk_blocks(k), value_blocks(v), gb, gate_blocks(beta)
 
 
 def from_blocks(o, plan: ChunkPlan):

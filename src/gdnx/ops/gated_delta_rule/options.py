@@ -17,6 +17,8 @@ ResidualPolicy = Literal["save", "recompute"]
 # the chunked op takes any implementation; the token recurrence is the reference
 CHUNK_IMPLEMENTATIONS: tuple[Implementation, ...] = get_args(Implementation)
 RECURRENT_IMPLEMENTATIONS: tuple[Implementation, ...] = ("reference",)
+# KDA (per-channel gates): the chunked XLA path and the token recurrence
+KDA_CHUNK_IMPLEMENTATIONS: tuple[Implementation, ...] = ("xla", "reference")
 # the Pallas implementations and the platform each is written for
 KERNEL_PLATFORMS: dict[Implementation, str] = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 CHUNK_SIZES = (16, 32, 64, 128)

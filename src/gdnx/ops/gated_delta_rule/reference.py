@@ -3,6 +3,9 @@
     S_t = exp(g_t) S_{t-1} + k_t (x) beta_t (v_t - (exp(g_t) S_{t-1})^T k_t)
     o_t = scale S_t^T q_t
 
+with g_t a scalar per value head (GDN, g [B, T, HV]) or one per key channel
+(KDA, g [B, T, HV, K], exp(g_t) a diagonal matrix on the state's rows).
+
 A scan over tokens in the state dtype; gradients by plain autodiff. Packed
 sequences use the chunk plan with a chunk of one token.
 """
@@ -43,7 +46,8 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, *, cu_seqlens, sc
         state, final = carry
         qt, kt, vt, dt, bt, rs, sq, ls = xs
         state = jnp.where(rs[:, None, None, None, None], h0[sq], state)
-        state = dt[..., None, None] * state
+        # a per-head decay scales the whole state, a per-channel one (KDA) its rows
+        state = (dt[..., None, None] if dt.ndim == 3 else dt[..., None]) * state
         pred = jnp.einsum("rhk,rhgkv->rhgv", kt, state, precision=_HIGHEST)
         delta = bt[..., None] * (vt - pred)
         state = state + jnp.einsum("rhk,rhgv->rhgkv", kt, delta, precision=_HIGHEST)
