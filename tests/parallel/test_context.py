@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from gdnx.ops import causal_conv1d, chunk_gated_delta_rule
+from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
 from gdnx.parallel.context import context_causal_conv1d, context_gated_delta_rule
 from gdnx.measure import relative_error
 from tests.parallel.helpers import mesh, worst_relative_error
@@ -24,12 +24,13 @@ CU = jnp.array([0, 5, 16, 18, 18, 31, 64], jnp.int32)
 PACKED = P(None, "context")
 
 
-def _delta_rule_inputs(batch, states):
+def _delta_rule_inputs(batch, states, per_channel=False):
     ks = jax.random.split(jax.random.key(0), 6)
     f32 = jnp.float32
+    gate = (batch, T, HV, K) if per_channel else (batch, T, HV)
     return (jax.random.normal(ks[0], (batch, T, HK, K), f32), jax.random.normal(ks[1], (batch, T, HK, K), f32),
             jax.random.normal(ks[2], (batch, T, HV, V), f32),
-            -jax.nn.softplus(jax.random.normal(ks[3], (batch, T, HV), f32)),
+            -jax.nn.softplus(jax.random.normal(ks[3], gate, f32)),
             jax.nn.sigmoid(jax.random.normal(ks[4], (batch, T, HV), f32)),
             0.1 * jax.random.normal(ks[5], (states, HV, K, V), f32))
 
@@ -64,16 +65,19 @@ def _on_context(body, in_specs, out_specs):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
-@pytest.mark.parametrize("implementation", ["xla", "pallas_tpu"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas_tpu", "kda_xla"])
 def test_delta_rule_over_context_matches_one_device(implementation, packed):
+    """GDN on each implementation, and KDA (per-channel gates) on xla."""
     cu = CU if packed else None
-    args = _delta_rule_inputs(1 if packed else B, CU.shape[0] - 1 if packed else B)
-    kw = dict(use_qk_l2norm=True, chunk_size=16, implementation=implementation, output_final_state=True,
-              cu_seqlens=cu)
+    per_channel = implementation.startswith("kda_")
+    args = _delta_rule_inputs(1 if packed else B, CU.shape[0] - 1 if packed else B, per_channel)
+    kw = dict(use_qk_l2norm=True, chunk_size=16, implementation=implementation.removeprefix("kda_"),
+              output_final_state=True, cu_seqlens=cu)
     seq, rows = (PACKED, P()) if packed else (SEQ, ROWS)
+    op = chunk_kda if per_channel else chunk_gated_delta_rule
 
     def single(q, k, v, g, beta, h0):
-        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, **kw)
+        return op(q, k, v, g, beta, initial_state=h0, **kw)
 
     def body(q, k, v, g, beta, h0):
         return context_gated_delta_rule(q, k, v, g, beta, axis="context", initial_state=h0, **kw)

@@ -3,7 +3,6 @@ shardings, trained on SFT data in full or with LoRA adapters (sharded like
 their projections, both shard modes): the losses of the same steps on one
 device."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -1,9 +1,10 @@
-"""Context parallelism for Gated DeltaNet: the sequence split over a mesh
-axis, run inside shard_map (every function here takes that axis's name).
+"""Context parallelism for Gated DeltaNet and KDA: the sequence split over a
+mesh axis, run inside shard_map (every function here takes that axis's name).
 
 Delta rule. Across a shard's span the state map is affine,
 S_out = P S_in + B (P in R^{K x K}, per value head), because each value
-column of the state evolves on its own. So one call of the op on the local
+column of the state evolves on its own (under a per-head or a per-channel
+decay alike). So one call of the op on the local
 tokens with the value dim widened to V + K, values [v | 0] and initial
 state [0 | I], returns both at once: the first V columns are the outputs
 O0 and final state B of a zero start, the last K columns are P itself and
@@ -34,7 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gdnx.ops import causal_conv1d, chunk_gated_delta_rule
+from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
 from gdnx.ops.causal_conv1d import cross_document_terms
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -152,13 +153,19 @@ def _packed_conv(x, weight, axis, initial_state, output_final_state, cu):
     return y, (pk.pick_final(final, axis) if output_final_state else None)
 
 
+def _op(g):
+    """The chunked op of the gate's shape: KDA's for a per-channel one."""
+    return chunk_kda if g.ndim == 4 else chunk_gated_delta_rule
+
+
 def context_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, axis: str,
                              initial_state: jax.Array | None = None, output_final_state: bool = False,
                              cu_seqlens: jax.Array | None = None, **op_kw: Any,
                              ) -> tuple[jax.Array, jax.Array | None]:
-    """chunk_gated_delta_rule over a sequence split on `axis` (same
-    arguments, local shards of [B, T, ...]; cu_seqlens global). Returns
-    (o, final state of the whole sequence(s) or None)."""
+    """chunk_gated_delta_rule, or chunk_kda for a per-channel g
+    [B, T, HV, K], over a sequence split on `axis` (same arguments, local
+    shards of [B, T, ...]; cu_seqlens global). Returns (o, final state of
+    the whole sequence(s) or None)."""
     if cu_seqlens is not None:
         return _packed_delta_rule(q, k, v, g, beta, axis, initial_state, output_final_state, cu_seqlens, op_kw)
     b, _, hv, dv = v.shape
@@ -166,8 +173,8 @@ def context_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
     state_dtype = jnp.dtype(op_kw.get("state_dtype", jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=state_dtype), (b, hv, dk, dk))
     wide_h0 = jnp.concatenate([jnp.zeros((b, hv, dk, dv), state_dtype), eye], axis=-1)
-    o_wide, s_wide = chunk_gated_delta_rule(q, k, _widen(v, dk), g, beta, initial_state=wide_h0,
-                                            output_final_state=True, **op_kw)[:2]
+    o_wide, s_wide = _op(g)(q, k, _widen(v, dk), g, beta, initial_state=wide_h0, output_final_state=True,
+                            **op_kw)[:2]
     assert s_wide is not None  # asked for
     s0 = jnp.zeros((b, hv, dk, dv), state_dtype) if initial_state is None else initial_state.astype(state_dtype)
     s_in, final = _fold(s_wide[..., dv:], s_wide[..., :dv], s0, axis)
@@ -185,8 +192,8 @@ def _packed_delta_rule(q, k, v, g, beta, axis, initial_state, output_final_state
     carried = jnp.concatenate([jnp.zeros((hv, dk, dv), state_dtype),
                                jnp.broadcast_to(jnp.eye(dk, dtype=state_dtype), (hv, dk, dk))], axis=-1)
     wide_h0 = wide_h0.at[pk.first].set(jnp.where(pk.continues, carried, wide_h0[pk.first]))
-    o_wide, s_wide = chunk_gated_delta_rule(q, k, _widen(v, dk), g, beta, initial_state=wide_h0,
-                                            output_final_state=True, cu_seqlens=pk.local, **op_kw)
+    o_wide, s_wide = _op(g)(q, k, _widen(v, dk), g, beta, initial_state=wide_h0, output_final_state=True,
+                            cu_seqlens=pk.local, **op_kw)
     passed = s_wide[pk.last]
     s_in, _ = _fold(passed[..., dv:], passed[..., :dv], jnp.zeros((hv, dk, dv), state_dtype), axis)
     # Q is zero outside the continuing sequence (its identity block is)

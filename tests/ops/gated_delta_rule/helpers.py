@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdnx.measure import relative_error
-from gdnx.ops import chunk_gated_delta_rule
+from gdnx.ops import chunk_gated_delta_rule, chunk_kda
 from tests.ops.gated_delta_rule.cases import Case, make_inputs
 from tests.ops.gated_delta_rule.oracle import oracle, oracle_packed
 
@@ -34,10 +34,15 @@ FLOOR = 1e-6
 NAMES = ("q", "k", "v", "g", "beta", "h0")
 
 
+def chunk_op(per_channel: bool):
+    """The chunked op of a gate: KDA's for a per-channel one, GDN's otherwise."""
+    return chunk_kda if per_channel else chunk_gated_delta_rule
+
+
 def run_op(case: Case, implementation: str, args, state_dtype="float32", decay_dtype="float32", **op_kw):
     q, k, v, g, beta, h0 = args
     cu = None if case.cu_seqlens is None else jnp.asarray(case.cu_seqlens, jnp.int32)
-    return chunk_gated_delta_rule(
+    return chunk_op(case.per_channel)(
         q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
         use_qk_l2norm=case.l2norm, chunk_size=case.chunk, state_dtype=state_dtype,
         decay_dtype=decay_dtype, implementation=implementation, **op_kw)

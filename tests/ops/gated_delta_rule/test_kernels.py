@@ -10,7 +10,6 @@ Tolerances as in helpers.py (bfloat16 gradients: 2e-2). The tests are the
 shared contract (contract.py) with these cases.
 """
 
-import jax.numpy as jnp
 import pytest
 
 from gdnx.ops import chunk_gated_delta_rule

@@ -74,7 +74,7 @@ def to_blocks(q, k, v, g, beta, plan: ChunkPlan) -> tuple[jax.Array, jax.Array, 
     [R, T, HV] becomes rows [NC, R, HK, G, 1, C], a per-channel gate
     [R, T, HV, K] blocks [NC, R, HK, G, C, K]."""
     r, _, hk, k_dim = q.shape
-    hv, v_dim = v.shape[2], v.shape[3]
+    hv = v.shape[2]
     grp = hv // hk
     nc, c = plan.num_chunks, plan.chunk
 
