@@ -122,9 +122,12 @@ def l2norm(x: jax.Array) -> jax.Array:
     return chunk_math.l2norm(x.astype(jnp.promote_types(x.dtype, jnp.float32))).astype(x.dtype)
 
 
-def call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, q, k, v, g, beta, *, scale,
-         initial_state, output_final_state, cu_seqlens, use_qk_l2norm, tiles, history=None, per_channel=False,
-         gate=None):
+def call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, q: jax.Array, k: jax.Array,
+         v: jax.Array, g: jax.Array, beta: jax.Array, *, scale: float | None, initial_state: jax.Array | None,
+         output_final_state: bool, cu_seqlens: jax.Array | None, use_qk_l2norm: bool,
+         tiles: GpuTiles | TpuTiles | None, history: str | None = None, per_channel: bool = False,
+         gate: gates.GateParams | None = None,
+         ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
     """Check the arguments of `op` (whose implementations are `allowed`) and
     run the implementation `opts` names, jitted. history: None, or "chunks"
     / "tokens" to also return the state after every chunk / token.
@@ -183,7 +186,7 @@ def call(allowed: tuple[Implementation, ...], op: str, opts: DeltaRuleOptions, q
     return o, (final if output_final_state else None)
 
 
-def resolve_options(options: DeltaRuleOptions | None, **given) -> DeltaRuleOptions:
+def resolve_options(options: DeltaRuleOptions | None, **given: Any) -> DeltaRuleOptions:
     """The op's settings: `options`, or the keyword arguments (whose defaults
     are DeltaRuleOptions'), not both. A keyword at its default value counts
     as not given."""

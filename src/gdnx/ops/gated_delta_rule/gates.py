@@ -35,14 +35,15 @@ class GateParams:
         return (self.A_log, self.dt_bias)
 
 
-def check_gate(shape: tuple[int, ...], A_log, dt_bias, lower_bound) -> GateParams:
+def check_gate(shape: tuple[int, ...], A_log: jax.Array, dt_bias: jax.Array | None,
+               lower_bound: float | None) -> GateParams:
     """The gate's parameters for a raw gate input of `shape` [..., H, K],
     checked: a ValueError or TypeError names the argument."""
     heads, channels = shape[-2], shape[-1]
     for name, x, want, size in (("A_log", A_log, "H", heads), ("dt_bias", dt_bias, "H * K", heads * channels)):
         if x is None and name == "dt_bias":
             continue
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name}: expected an array of {want} = {size} values, got {type(x).__name__}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
