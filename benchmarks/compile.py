@@ -3,7 +3,8 @@
     JAX_PLATFORMS=cpu .venv-aot/bin/python benchmarks/compile.py [--targets h100 tpu_v5e ...]
         [--programs grad forward_long ...] [--out FILE]
 
-For every target and program of tests/ops/gated_delta_rule/test_compile.py:
+For every target and program of tests/ops/gated_delta_rule/test_compile.py
+(GDN's, then KDA's):
 compile seconds (this host), and per kernel what the compiler reports: on
 GPU the shared memory each launch requests (XLA's thunk sequence) and the
 registers and spill bytes ptxas reports (it is rerun with -v on the PTX XLA
@@ -67,11 +68,11 @@ def tpu_kernels(program, target: str) -> str:
     from gdnx.ops.gated_delta_rule.pallas_tpu import vmem_bytes
 
     ht = tiles_for("pallas_tpu", aot.device(target)).head_tile
-    grp, d = program.hv // program.hk, program.dim
-    fwd = vmem_bytes(ht, grp, 64, d, d, 2, program.grad)
+    grp, d, kda = program.hv // program.hk, program.dim, program.per_channel
+    fwd = vmem_bytes(ht, grp, 64, d, d, 2, program.grad, kda)
     text = f"head tile {ht}; forward: {fwd / 2**20:.1f} MiB VMEM"
     if program.grad:
-        text += f"; backward: {2 * vmem_bytes(ht, grp, 64, d, d, 4, True) / 2**20:.1f} MiB VMEM"
+        text += f"; backward: {2 * vmem_bytes(ht, grp, 64, d, d, 4, True, kda) / 2**20:.1f} MiB VMEM"
     return text
 
 
@@ -125,11 +126,11 @@ def main():
     import jax
 
     from gdnx import aot
-    from tests.ops.gated_delta_rule.test_compile import COMPILE_TARGETS, PROGRAMS, build
+    from tests.ops.gated_delta_rule.test_compile import COMPILE_TARGETS, KDA_PROGRAMS, PROGRAMS, build
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", nargs="*", default=list(COMPILE_TARGETS))
-    p.add_argument("--programs", nargs="*", default=[x.name for x in PROGRAMS])
+    p.add_argument("--programs", nargs="*", default=[x.name for x in PROGRAMS + KDA_PROGRAMS])
     p.add_argument("--out", default=None)
     p.add_argument("--phases", action="store_true", help="print the per-phase FLOPs and bytes table and stop")
     a = p.parse_args()
@@ -141,7 +142,7 @@ def main():
              "", "| target | program | compile s | kernels (grid: shared memory, registers, spills / VMEM) |",
              "|---|---|---:|---|"]
     print("\n".join(lines), flush=True)
-    programs = {x.name: x for x in PROGRAMS}
+    programs = {x.name: x for x in PROGRAMS + KDA_PROGRAMS}
     for target in a.targets:
         for name in a.programs:
             fn, args = build(programs[name], target)
@@ -168,9 +169,9 @@ def one(target: str, name: str, dump: str):
     import jax
 
     from gdnx import aot
-    from tests.ops.gated_delta_rule.test_compile import PROGRAMS, build
+    from tests.ops.gated_delta_rule.test_compile import KDA_PROGRAMS, PROGRAMS, build
 
-    fn, args = build(next(x for x in PROGRAMS if x.name == name), target)
+    fn, args = build(next(x for x in PROGRAMS + KDA_PROGRAMS if x.name == name), target)
     t0 = time.perf_counter()
     try:
         jax.jit(fn).lower(*args).compile()

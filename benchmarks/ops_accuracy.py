@@ -30,7 +30,6 @@ import numpy as np  # noqa: E402
 
 from gdnx.measure import relative_error as rel  # noqa: E402
 from gdnx.ops import CHUNK_IMPLEMENTATIONS, chunk_gated_delta_rule, chunk_kda  # noqa: E402
-from gdnx.ops.gated_delta_rule.options import KDA_CHUNK_IMPLEMENTATIONS  # noqa: E402
 
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -82,7 +81,7 @@ def main():
     gshape = (b, t, hv, d) if a.op == "kda" else (b, t, hv)
     raw = (rng.standard_normal((b, t, hk, d)), rng.standard_normal((b, t, hk, d)), rng.standard_normal((b, t, hv, d)),
            gates(a.gates, gshape, rng), rng.uniform(0, 1, (b, t, hv)), 0.5 * rng.standard_normal((b, hv, d, d)))
-    impls = KDA_CHUNK_IMPLEMENTATIONS if a.op == "kda" else CHUNK_IMPLEMENTATIONS
+    impls = CHUNK_IMPLEMENTATIONS
     print(f"# relative error vs float64 recurrence: {a.op}, {a.gates} gates, B={b} T={t} HK={hk} HV={hv} K=V={d} "
           f"chunk={a.chunk_size}, l2norm on, initial state on; {datetime.date.today()}, jax {jax.__version__}, "
           f"{jax.default_backend()}")

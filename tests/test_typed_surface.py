@@ -16,8 +16,7 @@ SURFACE = ("gdnx.ops", "gdnx.layers", "gdnx.models", "gdnx.config", "gdnx.checkp
            "gdnx.serving")
 INTERNAL = ("gdnx.ops.gated_delta_rule.chunk_math", "gdnx.ops.gated_delta_rule.pallas_",
             "gdnx.ops.gated_delta_rule.xla", "gdnx.ops.gated_delta_rule.chunked", "gdnx.ops.gated_delta_rule.layout",
-            "gdnx.ops.gated_delta_rule.reference", "gdnx.ops.gated_delta_rule.kda_math",
-            "gdnx.ops.gated_delta_rule.kda_xla")
+            "gdnx.ops.gated_delta_rule.reference", "gdnx.ops.gated_delta_rule.kda_")
 
 
 def _modules():

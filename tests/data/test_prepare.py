@@ -53,7 +53,7 @@ def test_bytes_documents_split_and_rerun(tmp_path):
 def test_a_tokenizer_and_a_large_vocabulary(tmp_path):
     corpus = _corpus(tmp_path, 50)
     for vocab, dtype in ((100, "uint16"), (70_000, "uint32")):
-        words = {"[UNK]": 0, "</s>": 1, **{f"doc": 2}, **{str(i): 3 + i for i in range(50)}}
+        words = {"[UNK]": 0, "</s>": 1, **{"doc": 2}, **{str(i): 3 + i for i in range(50)}}
         words.update({f"w{i}": len(words) + i for i in range(vocab - len(words))})
         tok = Tokenizer(WordLevel(vocab=words, unk_token="[UNK]"))
         tok.pre_tokenizer = Whitespace()

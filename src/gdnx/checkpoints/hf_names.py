@@ -22,7 +22,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

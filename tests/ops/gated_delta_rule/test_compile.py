@@ -14,6 +14,12 @@ value-head groups of 3 and 4 as in Qwen3.5), and one long sequence
 (B=1, T=32768) with bfloat16 operands, the packed-training shape. Each
 target compiles with its entry of the tiles table (TPU v4 too, at the base
 shape), so every entry is compiled.
+
+KDA (`chunk_kda`, per-channel gates) compiles its kernels at Kimi Linear's
+shape (B=2, T=4096, HK=HV=32, K=V=128, bfloat16 inputs, float32 gates,
+l2norm): the forward and the gradient program on every target, TPU v4
+included, and each knob varied once on TPU v5e and H100 (bfloat16 matmul
+operands, recomputed residuals, packed sequences, value-head groups of 2).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import jax.numpy as jnp
 import pytest
 
 from gdnx import aot
-from gdnx.ops import chunk_gated_delta_rule
+from gdnx.ops import chunk_gated_delta_rule, chunk_kda
 from gdnx.ops.gated_delta_rule import tiles_for
 
 pytestmark = pytest.mark.deviceless
@@ -46,6 +52,7 @@ class Program:
     packed: bool = False
     matmul_dtype: str | None = None
     residuals: str = "save"
+    per_channel: bool = False  # KDA
 
     def __str__(self):
         return self.name
@@ -63,6 +70,15 @@ PROGRAMS = [
     Program("forward_long", grad=False, b=1, t=32768, matmul_dtype="bfloat16"),
     Program("grad_long", b=1, t=32768, matmul_dtype="bfloat16"),
 ]
+KDA = dict(hk=32, hv=32, per_channel=True)
+KDA_PROGRAMS = [
+    Program("kda_forward", grad=False, **KDA),
+    Program("kda_grad", **KDA),
+    Program("kda_grad_bf16_operands", matmul_dtype="bfloat16", **KDA),
+    Program("kda_grad_recompute", residuals="recompute", **KDA),
+    Program("kda_grad_packed", b=1, packed=True, **KDA),
+    Program("kda_grad_gva2", **{**KDA, "hk": 16}),
+]
 
 
 def build(program: Program, target: str):
@@ -74,14 +90,15 @@ def build(program: Program, target: str):
     def sd(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
+    gate = (p.b, p.t, p.hv, p.dim) if p.per_channel else (p.b, p.t, p.hv)
     args = [sd((p.b, p.t, p.hk, p.dim), jnp.bfloat16), sd((p.b, p.t, p.hk, p.dim), jnp.bfloat16),
-            sd((p.b, p.t, p.hv, p.dim), jnp.bfloat16), sd((p.b, p.t, p.hv), jnp.float32),
+            sd((p.b, p.t, p.hv, p.dim), jnp.bfloat16), sd(gate, jnp.float32),
             sd((p.b, p.t, p.hv), jnp.bfloat16), sd((n, p.hv, p.dim, p.dim), jnp.float32)]
     cu = sd((n + 1,), jnp.int32) if p.packed else None
     impl = KERNEL[aot.platform(target)]
 
     def op(q, k, v, g, beta, h0, cu_seqlens=None):
-        return chunk_gated_delta_rule(
+        return (chunk_kda if p.per_channel else chunk_gated_delta_rule)(
             q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens,
             use_qk_l2norm=True, implementation=impl, interpret=False, tiles=tiles_for(impl, aot.device(target)),
             matmul_dtype=p.matmul_dtype, residuals=p.residuals)
@@ -105,7 +122,22 @@ def test_compiles(target, program):
     assert mem is not None and mem.argument_size_in_bytes > 0
 
 
-@pytest.mark.parametrize("program", [p for p in PROGRAMS if p.name in ("forward", "grad")], ids=str)
+@pytest.mark.parametrize("program", KDA_PROGRAMS[:2], ids=str)
+@pytest.mark.parametrize("target", COMPILE_TARGETS)
+def test_kda_compiles(target, program):
+    fn, args = build(program, target)
+    assert jax.jit(fn).lower(*args).compile().memory_analysis() is not None
+
+
+@pytest.mark.parametrize("program", KDA_PROGRAMS[2:], ids=str)
+@pytest.mark.parametrize("target", ["tpu_v5e", "h100"])
+def test_kda_knobs_compile(target, program):
+    fn, args = build(program, target)
+    assert jax.jit(fn).lower(*args).compile().memory_analysis() is not None
+
+
+@pytest.mark.parametrize("program", [p for p in PROGRAMS + KDA_PROGRAMS if p.name.endswith(("forward", "grad"))],
+                         ids=str)
 def test_compiles_for_tpu_v4(program):
     """The fourth TPU generation of the tiles table, at the base shape."""
     fn, args = build(program, "tpu_v4")

@@ -1,5 +1,5 @@
 """KDA (chunk_kda, recurrent_kda): the xla implementation and the token
-recurrence against the float64 oracle through the shared contract
+recurrence (the kernels: test_kernels.py) against the float64 oracle through the shared contract
 (contract.py), and what the per-channel gate adds: exactness for any
 g <= 0 at every chunk size, the hand-written VJP against autodiff of the
 same forward, GDN as the case of a gate equal across K, the gate functions
@@ -195,7 +195,9 @@ def args():
         (lambda a: a[:3] + (a[3][..., 0],) + a[4:], {}, ValueError,
          r"g: expected \[B, T, HV, K\] = \(1, 20, 4, 16\), got shape \(1, 20, 4\); a per-head gate"),
         (lambda a: a[:3] + (a[3][..., :8],) + a[4:], {}, ValueError, "its last dimension must be K"),
-        (None, dict(implementation="pallas_tpu"), ValueError, r"implementation: expected None or one of \["),
+        (None, dict(implementation="triton"), ValueError, r"implementation: expected None or one of \["),
+        (None, dict(implementation="xla", interpret=True), ValueError, "interpret: applies to the Pallas"),
+        (None, dict(recurrent=True, implementation="xla"), ValueError, r"implementation: expected None or one of \['reference'\]"),
         (None, dict(dt_bias=jnp.zeros(64)), ValueError, "dt_bias: given without A_log"),
         (None, dict(A_log=jnp.zeros(3)), ValueError, r"A_log: expected H = 4 values"),
         (None, dict(A_log=jnp.zeros(4), dt_bias=jnp.zeros(16)), ValueError, r"dt_bias: expected H \* K = 64"),
@@ -206,8 +208,9 @@ def args():
 def test_bad_input_is_named(args, change, kw, err, match):
     if change is not None:
         args = change(args)
+    op = recurrent_kda if kw.pop("recurrent", False) else chunk_kda
     with pytest.raises(err, match=match):
-        chunk_kda(*args, **kw)
+        op(*args, **kw)
 
 
 def test_gdn_rejects_a_per_channel_gate(args):

@@ -31,21 +31,22 @@ from gdnx.ops.gated_delta_rule.options import (
     Implementation,
     ResidualPolicy,
 )
-from gdnx.ops.gated_delta_rule import chunked, kda_xla, pallas_common, pallas_gpu, pallas_tpu, reference, xla
+from gdnx.ops.gated_delta_rule import chunked, kda_pallas_gpu, kda_xla, pallas_common, pallas_gpu, pallas_tpu, reference, xla
 from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, choose_tiles
 
 # the op's table: one Backend per implementation (backend.py)
 IMPLEMENTATIONS: dict[str, Backend] = {
     b.name: b for b in (xla.BACKEND, pallas_tpu.BACKEND, pallas_gpu.BACKEND, reference.BACKEND)}
-# KDA's table (per-channel gates): the chunked XLA path and the token recurrence
-KDA_IMPLEMENTATIONS: dict[str, Backend] = {b.name: b for b in (kda_xla.BACKEND, reference.BACKEND)}
+# KDA's table (per-channel gates): the same names, KDA's chunk algebra behind them
+KDA_IMPLEMENTATIONS: dict[str, Backend] = {
+    b.name: b for b in (kda_xla.BACKEND, pallas_tpu.KDA_BACKEND, kda_pallas_gpu.KDA_BACKEND, reference.BACKEND)}
 
 
 def default_chunk_implementation(platform: str | None = None, *, per_channel: bool = False) -> str:
     """The implementation `implementation=None` picks: the kernel written
     for the platform (pallas_tpu on TPU, pallas_gpu on GPU) where the op
-    has one, xla elsewhere (the CPU; KDA everywhere until it has kernels)."""
+    has one, xla elsewhere (the CPU)."""
     table = KDA_IMPLEMENTATIONS if per_channel else IMPLEMENTATIONS
     auto = {b.platform: b.name for b in table.values() if b.platform}
     return auto.get(platform or jax.default_backend(), "xla")

@@ -20,10 +20,11 @@ from jax.typing import DTypeLike
 
 from gdnx.ops.gated_delta_rule.api import call, resolve_options
 from gdnx.ops.gated_delta_rule.gates import check_gate
+from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles
 from gdnx.ops.gated_delta_rule.options import (
     CHUNK_SIZES,
     DEFAULTS,
-    KDA_CHUNK_IMPLEMENTATIONS,
+    CHUNK_IMPLEMENTATIONS,
     RECURRENT_IMPLEMENTATIONS,
     DeltaRuleOptions,
     Implementation,
@@ -49,6 +50,7 @@ def chunk_kda(
     lower_bound: float | None = None, options: DeltaRuleOptions | None = None,
     chunk_size: int = DEFAULTS.chunk_size, state_dtype: DTypeLike = DEFAULTS.state_dtype,
     decay_dtype: DTypeLike = DEFAULTS.decay_dtype, implementation: Implementation | None = DEFAULTS.implementation,
+    interpret: bool | None = DEFAULTS.interpret, tiles: GpuTiles | TpuTiles | None = None,
     residuals: ResidualPolicy = DEFAULTS.residuals, matmul_dtype: DTypeLike | None = DEFAULTS.matmul_dtype,
     output_chunk_states: bool = False,
 ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
@@ -66,19 +68,22 @@ def chunk_kda(
         lower_bound < 0 the bounded lower_bound sigmoid(exp(A_log)
         (g + dt_bias)); dt_bias holds HV * K values or is None. Gradients
         reach g, A_log and dt_bias.
-      implementation: None (xla on every platform until the Pallas KDA
-        kernels land), "xla" or "reference". A named implementation never
-        falls back to another.
+      implementation: None (pallas_tpu on TPU, pallas_gpu on GPU, xla on
+        CPU), or one of "xla", "pallas_tpu", "pallas_gpu", "reference". A
+        named implementation never falls back to another.
+      interpret, tiles: as chunk_gated_delta_rule's, for the Pallas
+        implementations.
     """
     opts = resolve_options(options, implementation=implementation, chunk_size=chunk_size, state_dtype=state_dtype,
-                           decay_dtype=decay_dtype, residuals=residuals, matmul_dtype=matmul_dtype)
+                           decay_dtype=decay_dtype, residuals=residuals, matmul_dtype=matmul_dtype,
+                           interpret=interpret)
     if opts.chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {opts.chunk_size!r}")
     if not isinstance(output_chunk_states, bool):
         raise TypeError(f"output_chunk_states: expected a bool, got {type(output_chunk_states).__name__}")
-    return call(KDA_CHUNK_IMPLEMENTATIONS, "chunk_kda", opts, q, k, v, g, beta, scale=scale,
+    return call(CHUNK_IMPLEMENTATIONS, "chunk_kda", opts, q, k, v, g, beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                use_qk_l2norm=use_qk_l2norm, tiles=None, history="chunks" if output_chunk_states else None,
+                use_qk_l2norm=use_qk_l2norm, tiles=tiles, history="chunks" if output_chunk_states else None,
                 per_channel=True, gate=_gate(g, A_log, dt_bias, lower_bound))
 
 

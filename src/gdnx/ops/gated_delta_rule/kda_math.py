@@ -1,7 +1,7 @@
 """Intra-chunk algebra of Kimi Delta Attention (KDA): the gated delta rule
 with one log decay per key channel, g [C, K] in a chunk.
 
-One value head's chunk, as in chunk_math (whose inverse, row helpers and
+One value head's chunk, as in chunk_math (whose inverses, row helpers and
 matmuls it uses), with decays that are diagonal matrices over K:
 
     D_ijc = exp(sum_{j < l <= i} g_lc)                 i >= j, per channel c
@@ -11,23 +11,28 @@ matmuls it uses), with decays that are diagonal matrices over K:
     O  = scale (exp(G) * q) S + P Vn                    P = scale tril(sum_c q_ic k_jc D_ijc)
     S' = diag(exp(G_last)) S + (exp(G_last - G) * k)^T Vn
 
-Every exponent here is a sum of gates over a segment, so every factor is in
-[0, 1] and nothing overflows for any g <= 0. The pairwise sums over c are
-not a masked QK^T any more; writing them as (q exp(G)) (k exp(-G))^T
-overflows once a channel's decay over the chunk passes ~-88 in float32.
-`pair_products` cuts the chunk into sub-chunks of SUB tokens instead:
+The pairwise sums over c are not a masked QK^T any more; writing them as
+(q exp(G)) (k exp(-G))^T overflows once a channel's decay over the chunk
+passes ~-88 in float32. `pair_products` splits the pairs by the highest
+bit in which i and j differ (i has it set, j not): for that bit b, every
+token of i's aligned block of 2^b tokens comes after every token of j's
+block, so the decay factors through m, the last token of j's block:
 
-- between two sub-chunks I > J the decay factors through the last token r
-  before sub-chunk I: D_ijc = exp(G_ic - G_rc) exp(G_rc - G_jc), both
-  exponents sums over their own segments (<= 0), so the block is one
-  matmul of rescaled rows with factors in [0, 1];
-- inside a sub-chunk the [SUB, SUB, K] decays are exact: each exponent is
-  its own segment's sum (a cumulative sum of terms of one sign), never a
-  difference of two cumulative sums, which cancels when both are large.
+    D_ijc = exp(sum over (m, i] of g_c) exp(sum over (j, m] of g_c)
 
-Cost over the per-head gate: the diagonal blocks' C * SUB * K exponentials
-and products (a quarter of a [C, C, K] decay tensor at C = 64) and the
-exponentials of the rescaled rows; the off-diagonal products are matmuls.
+the first factor a sum from the start of i's block to i, the second from
+after j to the end of j's block. Both are in [0, 1], and for each bit the
+pairs are one matmul of rows rescaled by them, masked: log2(C) matmuls of
+[C, K] x [K, C] (6 at C = 64), plus the diagonal (D = 1). Each exponent is
+a sum of gates over its own segment, formed as a 0/1 matrix times g, so a
+sum of terms of one sign: never a difference of two cumulative sums, which
+cancels when both are large (after a hard step) and leaves eps |G| of
+absolute error in a decay near 1. Nothing overflows for any g <= 0, and a
+factor that underflows belongs to a decay below 1e-38.
+
+Everything is 2-D tiles, iotas, masks, matmuls and reductions (no cumsum,
+slices, reshapes or 3-D decay tensors), so the same code runs in the XLA
+path under vmap and inside the Pallas kernels.
 
 The backward is hand written in the same pieces (`pair_products_bwd`).
 Gate gradients go through the exponents' segments: a term exp(sum over
@@ -46,6 +51,7 @@ import jax.numpy as jnp
 
 from gdnx.ops.gated_delta_rule.chunk_math import (
     HIGHEST,
+    exact_dot,
     iotas,
     mm,
     mm_nt,
@@ -55,118 +61,130 @@ from gdnx.ops.gated_delta_rule.chunk_math import (
     unit_lower_inverse,
 )
 
-# sub-chunk of the pairwise decays: exact [SUB, SUB, K] decays inside, one
-# matmul per sub-chunk row between
-SUB = 16
+
+def num_levels(c: int) -> int:
+    """Bits that tell two token positions of a chunk of c apart."""
+    return (c - 1).bit_length()
 
 
-def _einsum(spec, *xs):
-    return jnp.einsum(spec, *xs, precision=HIGHEST)
+def level_mask(c: int, bit: int):
+    """[C, C] bool: the pairs i > j whose highest differing bit is `bit`."""
+    r, j = iotas(c)
+    return ((r >> bit) == (j >> bit) + 1) & (((r >> bit) & 1) == 1)
+
+
+def _segment_sums(mask, g, split: bool):
+    """mask [C, C] (0/1) times g [C, K]: sums of gates over segments, each of
+    terms of one sign. split: as three exact bfloat16 passes (chunk_math.
+    segment_sums), for a GPU kernel's registers."""
+    m = mask.astype(g.dtype)
+    if split:
+        return exact_dot(m, g, ((1,), (0,)))
+    return jax.lax.dot_general(m, g, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=g.dtype)
 
 
 class Decays(NamedTuple):
-    """One value head's decay factors in a chunk, every one in [0, 1]."""
+    """One value head's decay factors in a chunk (or a block of its key
+    channels), every one in [0, 1]; the per-bit factors of the pairwise
+    products are formed from g where they are used (`level_factors`)."""
 
+    g: jax.Array       # [C, K] the gates, decay dtype
     eg: jax.Array      # [C, K] exp(G), G_i = sum_{l <= i} g_l
     ek: jax.Array      # [C, K] exp(G_last - G), the sum over l > i
     gamma: jax.Array   # [1, K] exp(G_last)
-    ein: jax.Array     # [C, K] exp(sum from the start of i's sub-chunk to i)
-    eout: tuple        # per sub-chunk I >= 1: [I * SUB, K] exp(sum over (j, end of sub-chunk I - 1])
-    diag: tuple        # per sub-chunk: [SUB, SUB, K] exp(sum over (j, i]), zero for j > i
 
 
-def _segments(g, sub: int):
-    """Sums of g [C, K] over segments, each a cumulative sum of terms of one
-    sign: (inclusive prefix, exclusive suffix, per-sub-chunk inclusive prefix,
-    per-sub-chunk exclusive suffix, per-sub-chunk totals [NB, K])."""
-    c, k = g.shape
-    nb = c // sub
-    blocks = g.reshape(nb, sub, k)
-    prefix = jnp.cumsum(g, axis=0)
-    # exclusive: the sum over l > i, as a sum of its own terms (a difference would cancel)
-    suffix = jnp.concatenate([jnp.flip(jnp.cumsum(jnp.flip(g[1:], 0), axis=0), 0), jnp.zeros((1, k), g.dtype)])
-    local_in = jnp.cumsum(blocks, axis=1).reshape(c, k)
-    local_out = jnp.concatenate(
-        [jnp.flip(jnp.cumsum(jnp.flip(blocks[:, 1:], 1), axis=1), 1), jnp.zeros((nb, 1, k), g.dtype)], axis=1)
-    return prefix, suffix, local_in, local_out.reshape(c, k), jnp.sum(blocks, axis=1)
+def prefix_decays(g, *, state_dtype, decay_dtype, split_segments: bool = False):
+    """exp(G) [C, K] alone (a kernel that needs it again after `decays`)."""
+    r, j = iotas(g.shape[0])
+    return jnp.exp(_segment_sums(j <= r, g.astype(decay_dtype), split_segments)).astype(state_dtype)
 
 
-def decays(g, *, state_dtype, decay_dtype, sub: int = SUB) -> Decays:
-    """Decay factors of g [C, K] (C a multiple of `sub`, or smaller than it)."""
-    c, k = g.shape
-    sub = min(sub, c)
+def decays(g, *, state_dtype, decay_dtype, split_segments: bool = False) -> Decays:
+    """Decay factors of g [C, K], or of any block of its key channels
+    (`split_segments`: see `_segment_sums`)."""
     g = g.astype(decay_dtype)
-    prefix, suffix, local_in, local_out, totals = _segments(g, sub)
-    nb = c // sub
-    r, j = iotas(sub)
-    eout = []
-    for b in range(1, nb):
-        # to the end of sub-chunk b - 1: the rest of j's own sub-chunk, then whole ones (all terms <= 0)
-        whole = jnp.cumsum(totals[:b][::-1], axis=0)[::-1]            # [b, K]: sum of sub-chunks J..b-1
-        after = jnp.concatenate([whole[1:], jnp.zeros((1, k), g.dtype)])  # sub-chunks after J, up to b - 1
-        seg = local_out[:b * sub] + jnp.repeat(after, sub, axis=0)
-        eout.append(jnp.exp(seg).astype(state_dtype))
-    diag = []
-    for b in range(nb):
-        gb = g[b * sub:(b + 1) * sub]
-        # [i, j, c] = sum_{j < l <= i} g_lc: a cumulative sum over i of the gates after j
-        seg = jnp.cumsum(jnp.where((r > j)[:, :, None], gb[:, None, :], 0), axis=0)
-        diag.append(jnp.where((r >= j)[:, :, None], jnp.exp(seg), 0).astype(state_dtype))
-    return Decays(eg=jnp.exp(prefix).astype(state_dtype), ek=jnp.exp(suffix).astype(state_dtype),
-                  gamma=jnp.exp(jnp.sum(g, axis=0, keepdims=True)).astype(state_dtype),
-                  ein=jnp.exp(local_in).astype(state_dtype), eout=tuple(eout), diag=tuple(diag))
+    r, j = iotas(g.shape[0])   # [i, l]: the output row i sums the gates l of its segment
+    return Decays(g=g, eg=prefix_decays(g, state_dtype=state_dtype, decay_dtype=decay_dtype,
+                                        split_segments=split_segments),
+                  ek=jnp.exp(_segment_sums(j > r, g, split_segments)).astype(state_dtype),
+                  gamma=jnp.exp(jnp.sum(g, axis=0, keepdims=True)).astype(state_dtype))
 
 
-def _sub(dec: Decays) -> int:
-    return dec.diag[0].shape[0]
+def level_factors(dec: Decays, bit, *, split_segments: bool = False):
+    """(ein, eout) [C, K] of one bit (a Python int or a loop index): exp of
+    the sum from the start of i's block of 2^bit tokens to i, and of the sum
+    after j to the end of j's block."""
+    r, j = iotas(dec.g.shape[0])
+    same = (r >> bit) == (j >> bit)
+    acc = dec.eg.dtype
+    return (jnp.exp(_segment_sums(same & (j <= r), dec.g, split_segments)).astype(acc),
+            jnp.exp(_segment_sums(same & (j > r), dec.g, split_segments)).astype(acc))
 
 
-def pair_products(a, b, dec: Decays, *, strict: bool, matmul_dtype=None):
-    """M [C, C] with M_ij = sum_c a_ic b_jc D_ijc for i >= j (i > j when
-    strict), zero above."""
-    c = a.shape[0]
-    sub = _sub(dec)
-    r, j = iotas(sub)
-    keep = (r > j) if strict else (r >= j)
-    rows = []
-    for blk in range(c // sub):
-        lo, hi = blk * sub, (blk + 1) * sub
-        parts = []
-        if blk:
-            parts.append(mm_nt(a[lo:hi] * dec.ein[lo:hi], b[:lo] * dec.eout[blk - 1], matmul_dtype=matmul_dtype))
-        parts.append(jnp.where(keep, _einsum("ic,jc,ijc->ij", a[lo:hi], b[lo:hi], dec.diag[blk]), 0))
-        if hi < c:
-            parts.append(jnp.zeros((sub, c - hi), a.dtype))
-        rows.append(jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
-    return jnp.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+def unrolled_bits(c: int, body, init):
+    """carry = body(bit, carry) for every bit of the chunk position, unrolled
+    (XLA: differentiable, each bit's masks constant)."""
+    for bit in range(num_levels(c)):
+        init = body(bit, init)
+    return init
 
 
-def pair_products_bwd(a, b, dec: Decays, dm, *, strict: bool, matmul_dtype=None):
-    """Adjoint of `pair_products` given dM [C, C] (read on and below the
-    diagonal): (da, db, dG) with dG the cotangent of the cumulative gates
-    G [C, K] through the decays (to be summed over i >= l into dg_l)."""
-    c, k = a.shape
-    sub = _sub(dec)
-    r, j = iotas(sub)
-    da_rows, db = [], jnp.zeros_like(b)
-    for blk in range(c // sub):
-        lo, hi = blk * sub, (blk + 1) * sub
-        # inside the sub-chunk, off the diagonal: the diagonal's decay is exp(0)
-        d = jnp.where(r > j, dm[lo:hi, lo:hi], 0)
-        da_b = _einsum("ij,jc,ijc->ic", d, b[lo:hi], dec.diag[blk])
-        db = db.at[lo:hi].add(_einsum("ij,ic,ijc->jc", d, a[lo:hi], dec.diag[blk]))
-        if blk:
-            x = dm[lo:hi, :lo]
-            da_b = da_b + dec.ein[lo:hi] * mm(x, b[:lo] * dec.eout[blk - 1], matmul_dtype=matmul_dtype)
-            db = db.at[:lo].add(dec.eout[blk - 1] * mm_tn(x, a[lo:hi] * dec.ein[lo:hi], matmul_dtype=matmul_dtype))
-        da_rows.append(da_b)
-    da = jnp.concatenate(da_rows, axis=0) if len(da_rows) > 1 else da_rows[0]
-    dgcum = a * da - b * db
-    if not strict:
-        rc, jc = iotas(c)
-        diag = jnp.sum(jnp.where(rc == jc, dm, 0), axis=1, keepdims=True)
-        da, db = da + diag * b, db + diag * a
-    return da, db, dgcum
+def looped_bits(c: int, body, init):
+    """The same in a loop that is not unrolled (kernels): the kernel holds one
+    bit's code and one bit's [C, C] operands, which a compiler would
+    otherwise hoist out of the kernel's own loops all at once (Triton: shared
+    memory past the block's limit). int32 bounds: Mosaic lowers no int64
+    loop index."""
+    return jax.lax.fori_loop(jnp.int32(0), jnp.int32(num_levels(c)), body, init)
+
+
+def pair_products(pairs, dec: Decays, *, matmul_dtype=None, split_segments: bool = False, bits=unrolled_bits):
+    """[M] for pairs [(a, b, strict)] sharing the decays: M [C, C] with
+    M_ij = sum_c a_ic b_jc D_ijc for i >= j (i > j when strict), zero above."""
+    c = dec.g.shape[0]
+
+    def level(bit, ms):
+        ein, eout = level_factors(dec, bit, split_segments=split_segments)
+        mask = level_mask(c, bit)
+        return tuple(m + jnp.where(mask, mm_nt(a * ein, b * eout, matmul_dtype=matmul_dtype), 0)
+                     for m, (a, b, _) in zip(ms, pairs))
+
+    ms = bits(c, level, tuple(jnp.zeros((c, c), a.dtype) for a, _, _ in pairs))
+    r, j = iotas(c)
+    return [m if strict else m + jnp.where(r == j, jnp.sum(a * b, axis=1, keepdims=True), 0)
+            for m, (a, b, strict) in zip(ms, pairs)]
+
+
+def pair_products_bwd(terms, dec: Decays, *, matmul_dtype=None, split_segments: bool = False,
+                      bits=unrolled_bits):
+    """Adjoints of `pair_products` for terms [(a, b, dM, strict)] (dM [C, C]
+    read on and below the diagonal): [(da, db, dG)], dG the cotangent of the
+    cumulative gates G [C, K] through the decays (to be summed over i >= l
+    into dg_l)."""
+    c = dec.g.shape[0]
+
+    def level(bit, grads):
+        ein, eout = level_factors(dec, bit, split_segments=split_segments)
+        mask = level_mask(c, bit)
+        out = []
+        for (da, db), (a, b, dm, _) in zip(grads, terms):
+            x = jnp.where(mask, dm, 0)
+            out.append((da + ein * mm(x, b * eout, matmul_dtype=matmul_dtype),
+                        db + eout * mm_tn(x, a * ein, matmul_dtype=matmul_dtype)))
+        return tuple(out)
+
+    grads = bits(c, level, tuple((jnp.zeros_like(a), jnp.zeros_like(b)) for a, b, _, _ in terms))
+    r, j = iotas(c)
+    out = []
+    for (da, db), (a, b, dm, strict) in zip(grads, terms):
+        # the off-diagonal pairs only: a diagonal decay is exp(0)
+        dgcum = a * da - b * db
+        if not strict:
+            diag = jnp.sum(jnp.where(r == j, dm, 0), axis=1, keepdims=True)
+            da, db = da + diag * b, db + diag * a
+        out.append((da, db, dgcum))
+    return out
 
 
 class ChunkTerms(NamedTuple):
@@ -180,20 +198,24 @@ class ChunkTerms(NamedTuple):
     p: jax.Array      # [C, C]  scale tril(sum_c q_ic k_jc D_ijc)
 
 
-def chunk_terms(q, k, v, g, beta, *, scale, decay_dtype, tinv=None, matmul_dtype=None, sub: int = SUB):
+def chunk_terms(q, k, v, g, beta, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse, matmul_dtype=None,
+                split_segments: bool = False, bits=unrolled_bits):
     """Everything one value head's chunk needs before it sees the state.
 
     q, k [C, K] and v [C, V] in the accumulation dtype; g [C, K] and beta
     [1, C] in any float dtype. Pass `tinv` (a saved (I + A)^-1) to skip the
-    inverse."""
+    inverse. `inverse` is one of chunk_math's and `bits` one of this
+    module's loops over bits (the kernels take the loops)."""
     acc = q.dtype
-    dec = decays(g, state_dtype=acc, decay_dtype=decay_dtype, sub=sub)
+    dec = decays(g, state_dtype=acc, decay_dtype=decay_dtype, split_segments=split_segments)
     beta = row_to_col(beta.astype(acc))
+    pairs = [(q, k, False)] + ([(k, k, True)] if tinv is None else [])
+    p, *akk = pair_products(pairs, dec, matmul_dtype=matmul_dtype, split_segments=split_segments, bits=bits)
     if tinv is None:
-        tinv = unit_lower_inverse(beta * pair_products(k, k, dec, strict=True, matmul_dtype=matmul_dtype))
+        tinv = inverse(beta * akk[0])
     u = mm(tinv, beta * v, matmul_dtype=matmul_dtype)
     w = mm(tinv, (beta * dec.eg) * k, matmul_dtype=matmul_dtype)
-    p = scale * pair_products(q, k, dec, strict=False, matmul_dtype=matmul_dtype)
+    p = scale * p
     return ChunkTerms(dec=dec, beta=beta, tinv=tinv, u=u, w=w, p=p)
 
 
@@ -205,9 +227,11 @@ def step(state, q, k, prep: ChunkTerms, *, scale, matmul_dtype=None):
     return o, new
 
 
-def value_head_forward(q, k, v, g, beta, state, *, scale, decay_dtype, matmul_dtype=None):
+def value_head_forward(q, k, v, g, beta, state, *, scale, decay_dtype, inverse=unit_lower_inverse, matmul_dtype=None,
+                       split_segments: bool = False, bits=unrolled_bits):
     """One value head's chunk: (o [C, V], outgoing state [K, V], (I + A)^-1)."""
-    prep = chunk_terms(q, k, v, g, beta, scale=scale, decay_dtype=decay_dtype, matmul_dtype=matmul_dtype)
+    prep = chunk_terms(q, k, v, g, beta, scale=scale, decay_dtype=decay_dtype, inverse=inverse,
+                       matmul_dtype=matmul_dtype, split_segments=split_segments, bits=bits)
     o, new_state = step(state, q, k, prep, scale=scale, matmul_dtype=matmul_dtype)
     return o, new_state, prep.tinv
 
@@ -221,21 +245,38 @@ class ValueHeadGrads(NamedTuple):
     dstate_in: jax.Array  # [K, V]
 
 
-def gate_grads(dgcum, dsuffix, dlast):
+def gate_grads(dgcum, dsuffix, dlast, *, split_segments: bool = False):
     """dg [C, K] from the cotangents of the prefix sums G_i = sum_{l <= i} g_l,
     of the exclusive suffix sums sum_{l > i} g_l and of the chunk total."""
     c = dgcum.shape[0]
     r, j = iotas(c)
-    # dg_l = sum_{i >= l} dG_i + sum_{i < l} dsuffix_i + dlast, as 0/1 matmuls
-    after = (r >= j).astype(dgcum.dtype).T   # [l, i]: i >= l
-    before = (r > j).astype(dgcum.dtype)     # [l, i]: i < l
-    return mm(after, dgcum) + mm(before, dsuffix) + dlast
+    # dg_l = sum_{i >= l} dG_i + sum_{i < l} dsuffix_i + dlast, as 0/1 matmuls ([l, i])
+    return _segment_sums(j >= r, dgcum, split_segments) + _segment_sums(j < r, dsuffix, split_segments) + dlast
 
 
-def value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_out, *, scale, decay_dtype, matmul_dtype=None):
+def key_grads(q, k, dec: Decays, beta_col, dqs, dks, dx, dgamma, dp, da, *, scale, matmul_dtype=None,
+              split_segments: bool = False, bits=unrolled_bits):
+    """(dq, dk, dg) of any block of key channels, given the block's decays
+    and state terms (dqs of q * eg, dks of k * ek, dx of beta eg k, dgamma
+    of exp(G_last)) and the chunk's [C, C] cotangents of P / scale (dp, on
+    and below the diagonal) and of A (da, below it)."""
+    (dq_p, dk_p, dg_p), (dk_a, dk_b, dg_a) = pair_products_bwd(
+        [(q, k, scale * dp, False), (k, k, beta_col * da, True)], dec, matmul_dtype=matmul_dtype,
+        split_segments=split_segments, bits=bits)
+    xk = beta_col * dec.eg * dx
+    dq = dqs * dec.eg + dq_p
+    dk = dks * dec.ek + xk + dk_p + dk_a + dk_b
+    dgcum = dqs * q * dec.eg + xk * k + dg_p + dg_a
+    dg = gate_grads(dgcum, dks * k * dec.ek, dgamma * dec.gamma, split_segments=split_segments)
+    return dq, dk, dg
+
+
+def value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_out, *, scale, decay_dtype, matmul_dtype=None,
+                        split_segments: bool = False, bits=unrolled_bits):
     """Adjoint of `value_head_forward` given the chunk's saved inverse and
     incoming state, the output cotangent and the outgoing state's cotangent."""
-    prep = chunk_terms(q, k, v, g, beta, scale=scale, decay_dtype=decay_dtype, tinv=tinv, matmul_dtype=matmul_dtype)
+    prep = chunk_terms(q, k, v, g, beta, scale=scale, decay_dtype=decay_dtype, tinv=tinv, matmul_dtype=matmul_dtype,
+                       split_segments=split_segments, bits=bits)
     dec, bcol = prep.dec, prep.beta
     gamma_col = row_to_col(dec.gamma)
     kek = k * dec.ek
@@ -255,15 +296,10 @@ def value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_out, *, scale,
     da = jnp.where(r > j, -(mm_nt(dbv, prep.u, matmul_dtype=matmul_dtype)
                             + mm_nt(dx, prep.w, matmul_dtype=matmul_dtype)), 0)
     dp = jnp.where(r >= j, mm_nt(do, vn, matmul_dtype=matmul_dtype), 0)
-    mkk = pair_products(k, k, dec, strict=True, matmul_dtype=matmul_dtype)
-    dq_p, dk_p, dg_p = pair_products_bwd(q, k, dec, scale * dp, strict=False, matmul_dtype=matmul_dtype)
-    dk_a, dk_b, dg_a = pair_products_bwd(k, k, dec, bcol * da, strict=True, matmul_dtype=matmul_dtype)
-    xk = bcol * dec.eg * dx
-    dq = dqs * dec.eg + dq_p
-    dk = dks * dec.ek + xk + dk_p + dk_a + dk_b
+    mkk, = pair_products([(k, k, True)], dec, matmul_dtype=matmul_dtype, split_segments=split_segments, bits=bits)
+    dq, dk, dg = key_grads(q, k, dec, bcol, dqs, dks, dx, dgamma, dp, da, scale=scale, matmul_dtype=matmul_dtype,
+                           split_segments=split_segments, bits=bits)
     dv = bcol * dbv
     dbeta = (jnp.sum(v * dbv, axis=1, keepdims=True) + jnp.sum(dec.eg * k * dx, axis=1, keepdims=True)
              + jnp.sum(da * mkk, axis=1, keepdims=True))
-    dgcum = dqs * q * dec.eg + xk * k + dg_p + dg_a
-    dg = gate_grads(dgcum, dks * kek, dgamma * dec.gamma)
     return ValueHeadGrads(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=col_to_row(dbeta), dstate_in=dstate_in)

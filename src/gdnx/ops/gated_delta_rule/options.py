@@ -15,10 +15,8 @@ Implementation = Literal["xla", "pallas_tpu", "pallas_gpu", "reference"]
 ResidualPolicy = Literal["save", "recompute"]
 
 # the chunked op takes any implementation; the token recurrence is the reference
-CHUNK_IMPLEMENTATIONS: tuple[Implementation, ...] = get_args(Implementation)
+CHUNK_IMPLEMENTATIONS: tuple[Implementation, ...] = get_args(Implementation)  # KDA's too
 RECURRENT_IMPLEMENTATIONS: tuple[Implementation, ...] = ("reference",)
-# KDA (per-channel gates): the chunked XLA path and the token recurrence
-KDA_CHUNK_IMPLEMENTATIONS: tuple[Implementation, ...] = ("xla", "reference")
 # the Pallas implementations and the platform each is written for
 KERNEL_PLATFORMS: dict[Implementation, str] = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 CHUNK_SIZES = (16, 32, 64, 128)

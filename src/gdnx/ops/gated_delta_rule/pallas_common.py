@@ -43,6 +43,23 @@ def chunk_flops(c: int, dk: int, dv: int) -> dict[str, int]:
     }
 
 
+def kda_chunk_flops(c: int, dk: int, dv: int) -> dict[str, int]:
+    """`chunk_flops` of KDA's chunk algebra (kda_math), all per value head:
+
+    decays         the 0/1 matmuls of the gate segment sums (2 per bit of
+                   the chunk position but the lowest, G and the suffix)
+    pairs          KK^T and QK^T with the decays, one masked matmul per bit each
+    pairs_bwd      their adjoints (4 per bit) and KK^T again
+    and GDN's prepare, state, output, state_bwd and grads (the same products
+    on the value side); no key-head parts.
+    """
+    mm, bits = matmul_flops, max(1, (c - 1).bit_length())
+    f = chunk_flops(c, dk, dv)
+    f.update(key_products=0, key_grads=0, decays=2 * bits * mm(c, c, dk), pairs=2 * bits * mm(c, dk, c),
+             pairs_bwd=5 * bits * mm(c, dk, c))
+    return f
+
+
 def op_flops(b: int, t: int, hk: int, hv: int, dk: int, dv: int, chunk: int = 64) -> tuple[int, int]:
     """(forward, backward) analytic FLOPs of the op on [B, T] tokens with HK
     key and HV value heads: `chunk_flops` over every chunk and head."""
@@ -56,6 +73,12 @@ def op_flops(b: int, t: int, hk: int, hv: int, dk: int, dv: int, chunk: int = 64
 def transcendentals(c: int) -> int:
     """exp of the decays per chunk and value head: C x C pairwise, 2 C, 1."""
     return c * c + 2 * c + 1
+
+
+def kda_transcendentals(c: int, dk: int) -> int:
+    """exp of KDA's decay factors per chunk and value head: two [C, K] per
+    bit of the chunk position, exp(G), exp(G_last - G), exp(G_last)."""
+    return (2 * max(1, (c - 1).bit_length()) + 2) * c * dk + dk
 
 
 def cost(flops: int, exps: int, arrays) -> pl.CostEstimate:

@@ -64,7 +64,7 @@ def _pad(x, axis, to):
     return jnp.pad(x, pads)
 
 
-class _Layout:
+class Layout:
     """Padded sizes and the block specs of the three grid shapes.
 
     Key-head arrays are [NC, R, HK, rows, cols], value-head arrays
@@ -141,13 +141,13 @@ class _Layout:
 FLOAT32_PRODUCTS = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def _hardware(opts, interpret: bool):
+def on_hardware(opts, interpret: bool):
     if interpret or opts.matmul_dtype is not None or opts.state_dtype != jnp.float32:
         return opts
     return opts._replace(matmul_dtype=FLOAT32_PRODUCTS)
 
 
-def _norm_rows(x, opts):
+def norm_rows(x, opts):
     """[NC, R, HK, C, K] q or k -> [NC, R, HK, 1, C]: the l2norm scale of
     every row (ones without l2norm), in the accumulation dtype."""
     if not opts.use_qk_l2norm:
@@ -155,7 +155,7 @@ def _norm_rows(x, opts):
     return jnp.swapaxes(chunk_math.l2norm_scale(x.astype(opts.state_dtype)), -1, -2)
 
 
-def _call(kernel, *, grid, in_specs, out_specs, out_shape, tiles: GpuTiles, interpret: bool, flops: int, exps: int,
+def launch(kernel, *, grid, in_specs, out_specs, out_shape, tiles: GpuTiles, interpret: bool, flops: int, exps: int,
           args, num_warps: int | None = None):
     """pallas_call at the tiles' warps (num_warps: this kernel's own) and stages."""
     outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
@@ -174,32 +174,32 @@ def _costs(lay) -> tuple[int, dict[str, int], int]:
 
 # --- blocks inside a kernel ------------------------------------------------
 
-def _ds(i, size):
+def block_ds(i, size):
     """Block i of `size` along an axis (i a Python int or a loop index)."""
     if isinstance(i, int):
         return pl.ds(i * size, size)
     return pl.ds(pl.multiple_of(i * size, size), size)
 
 
-def _cols(idx, i, size):
+def block_cols(idx, i, size):
     """Index of column block i of the [rows, cols] tile at idx."""
-    return idx + (slice(None), _ds(i, size))
+    return idx + (slice(None), block_ds(i, size))
 
 
 def _keys(ref, idx, kb, bk, scale_col, opts):
     """Column block kb of q or k at idx, in the accumulation dtype, its rows
     scaled by scale_col (the l2norm scale; None: raw, for a kernel that
     scales the other factor of its products instead)."""
-    x = ref[_cols(idx, kb, bk)].astype(opts.state_dtype)
+    x = ref[block_cols(idx, kb, bk)].astype(opts.state_dtype)
     return x if scale_col is None else x * scale_col
 
 
-def _blocks(n, body, init):
+def loop_blocks(n, body, init):
     """fori_loop over n blocks; the kernel holds one block's code."""
     return jax.lax.fori_loop(0, n, body, init)
 
 
-def _each_block(n, body):
+def each_block(n, body):
     """body(i) for i < n, in a loop, for its stores."""
     def step(i, carry):
         body(i)
@@ -222,7 +222,7 @@ def _bf16_products(opts) -> bool:
     return opts.matmul_dtype in (None, FLOAT32_PRODUCTS) or opts.matmul_dtype == jnp.bfloat16
 
 
-def _raw(x, opts):
+def as_operand(x, opts):
     """An input block as it enters products: bfloat16 as loaded (with a
     float32 factor, `chunk_math.dot` takes exact bfloat16 passes), any other
     dtype in the accumulation dtype."""
@@ -246,11 +246,11 @@ def _key_products(x_ref, y_ref, rx_ref, ry_ref, bk, opts):
     key = (0, 0, 0)
 
     def block(kb, xy):
-        return xy + _dot(_raw(x_ref[_cols(key, kb, bk)], opts), _raw(y_ref[_cols(key, kb, bk)], opts),
+        return xy + _dot(as_operand(x_ref[block_cols(key, kb, bk)], opts), as_operand(y_ref[block_cols(key, kb, bk)], opts),
                          ((1,), (1,)), opts)
 
     c = x_ref.shape[-2]
-    xy = _blocks(x_ref.shape[-1] // bk, block, jnp.zeros((c, c), opts.state_dtype))
+    xy = loop_blocks(x_ref.shape[-1] // bk, block, jnp.zeros((c, c), opts.state_dtype))
     return chunk_math.row_to_col(rx_ref[key]) * xy * ry_ref[key]
 
 
@@ -261,12 +261,12 @@ def _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk):
 
 def _key_dot(ref, idx, kb, bk, b, contract, opts):
     """dot_general of q's or k's raw column block kb with a float32 b."""
-    return chunk_math.dot(_raw(ref[_cols(idx, kb, bk)], opts), b, contract, opts.matmul_dtype)
+    return chunk_math.dot(as_operand(ref[block_cols(idx, kb, bk)], opts), b, contract, opts.matmul_dtype)
 
 
 def _state_times(ref, idx, state, bk, opts):
     """sum over K blocks of ref[idx][:, block] @ state[block]: [C, BV]."""
-    return sum(chunk_math.mm(ref[_cols(idx, kb, bk)].astype(opts.state_dtype), s, matmul_dtype=opts.matmul_dtype)
+    return sum(chunk_math.mm(ref[block_cols(idx, kb, bk)].astype(opts.state_dtype), s, matmul_dtype=opts.matmul_dtype)
                for kb, s in enumerate(state))
 
 
@@ -291,15 +291,15 @@ def _prepare_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, *refs, opts, bk, bv, giv
         tinv_ref[head] = tinv
 
     def u_block(vb):
-        cols = _cols(head, vb, bv)
+        cols = block_cols(head, vb, bv)
         u_ref[cols] = chunk_math.wy_values(tinv, v_ref[cols].astype(acc), beta, matmul_dtype=opts.matmul_dtype)
 
     def w_block(kb):
         k = _keys(k_ref, key, kb, bk, rk, opts)
-        w_ref[_cols(head, kb, bk)] = chunk_math.wy_keys(tinv, k, beta, dec, matmul_dtype=opts.matmul_dtype)
+        w_ref[block_cols(head, kb, bk)] = chunk_math.wy_keys(tinv, k, beta, dec, matmul_dtype=opts.matmul_dtype)
 
-    _each_block(v_ref.shape[-1] // bv, u_block)
-    _each_block(nkb, w_block)
+    each_block(v_ref.shape[-1] // bv, u_block)
+    each_block(nkb, w_block)
 
 
 def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, rk_ref, w_ref, u_ref, g_ref, h0_ref, vn_ref, states_ref,
@@ -310,7 +310,7 @@ def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, rk_ref, w_ref, u_ref, g_r
     nkb = k_ref.shape[-1] // bk
 
     def rows(idx, kb):
-        return idx + (_ds(kb, bk), slice(None))
+        return idx + (block_ds(kb, bk), slice(None))
 
     def chunk(c, state):
         reset, seq, last = reset_ref[c, 0] != 0, seq_ref[c, 0], last_ref[c, 0] != 0
@@ -346,9 +346,9 @@ def _output_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, states_ref, vn_ref, o_re
 
     def qs_block(kb, qs):
         # (rq q) S = rq (q S): the raw query block enters the product
-        return qs + _key_dot(q_ref, key, kb, bk, states_ref[head + (_ds(kb, bk), slice(None))], ((1,), (0,)), opts)
+        return qs + _key_dot(q_ref, key, kb, bk, states_ref[head + (block_ds(kb, bk), slice(None))], ((1,), (0,)), opts)
 
-    qs = _blocks(q_ref.shape[-1] // bk, qs_block, jnp.zeros(o_ref.shape[-2:], opts.state_dtype))
+    qs = loop_blocks(q_ref.shape[-1] // bk, qs_block, jnp.zeros(o_ref.shape[-2:], opts.state_dtype))
     o = (opts.scale * dec.eg * rq) * qs + chunk_math.mm(p, vn_ref[head], matmul_dtype=opts.matmul_dtype)
     o_ref[head] = o.astype(o_ref.dtype)
 
@@ -366,12 +366,12 @@ def _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret):
     heads, f, exps = _costs(lay)
     flops = heads * (f["key_products"] // 2 + f["prepare"])
     if tinv is not None:
-        u, w = _call(kernel, grid=lay.head_grid, in_specs=in_specs + [lay.head_spec(c, c)],
+        u, w = launch(kernel, grid=lay.head_grid, in_specs=in_specs + [lay.head_spec(c, c)],
                      out_specs=[lay.head_spec(c, lay.vp), lay.head_spec(c, lay.kp)], out_shape=[u_shape, w_shape],
                      tiles=tiles, interpret=interpret, flops=flops, exps=heads * exps,
                      args=(k, rk, v, g, beta, tinv))
         return u, w, tinv
-    return _call(kernel, grid=lay.head_grid, in_specs=in_specs,
+    return launch(kernel, grid=lay.head_grid, in_specs=in_specs,
                  out_specs=[lay.head_spec(c, lay.vp), lay.head_spec(c, lay.kp), lay.head_spec(c, c)],
                  out_shape=[u_shape, w_shape, jax.ShapeDtypeStruct(shape + (c, c), acc)], tiles=tiles,
                  interpret=interpret, flops=flops, exps=heads * exps, args=(k, rk, v, g, beta))
@@ -379,17 +379,17 @@ def _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret):
 
 def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool, interpret: bool,
             tiles: GpuTiles):
-    lay = _Layout(q, v, h0.shape[0], tiles)
-    opts = _hardware(opts, interpret)
+    lay = Layout(q, v, h0.shape[0], tiles)
+    opts = on_hardware(opts, interpret)
     acc = opts.state_dtype
-    rq, rk = _norm_rows(q, opts), _norm_rows(k, opts)
+    rq, rk = norm_rows(q, opts), norm_rows(k, opts)
     q, k, v, h0 = lay.pad_keys(q), lay.pad_keys(k), lay.pad_values(v), lay.pad_state(h0)
     u, w, tinv = _prepare(lay, k, rk, v, g, beta, None, opts, tiles, interpret)
 
     c, obv, sbv, kp = lay.c, lay.obv, lay.sbv, lay.kp
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     heads, f, exps = _costs(lay)
-    vn, states, final = _call(
+    vn, states, final = launch(
         functools.partial(_state_kernel, num_chunks=lay.nc, opts=opts, bk=lay.sbk), grid=lay.seq_grid,
         in_specs=[lay.flag_spec()] * 3 + [lay.seq_spec(c, kp, key=True), lay.seq_spec(1, c, key=True),
                                           lay.seq_spec(c, kp, v_blocked=False), lay.seq_spec(c, sbv),
@@ -400,7 +400,7 @@ def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save
         tiles=tiles, interpret=interpret, flops=heads * f["state"], exps=heads * lay.snvb * exps,
         args=(*flags, k, rk, w, u, g, h0))
 
-    o = _call(functools.partial(_output_kernel, opts=opts, bk=lay.bk), grid=lay.block_grid,
+    o = launch(functools.partial(_output_kernel, opts=opts, bk=lay.bk), grid=lay.block_grid,
               in_specs=[lay.block_spec(c, kp, key=True), lay.block_spec(c, kp, key=True),
                         lay.block_spec(1, c, key=True), lay.block_spec(1, c, key=True),
                         lay.block_spec(1, c, v_blocked=False), lay.block_spec(kp, obv), lay.block_spec(c, obv)],
@@ -420,13 +420,13 @@ def _dv_local_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, do_ref, u_ref, w_ref, 
     """P^T dO (the part of dVn that needs no dS) and Vn = U - W S."""
     head = (0, 0, 0, 0)
     p = _output_mix(q_ref, k_ref, rq_ref, rk_ref, _decays(g_ref, head, opts), opts, bk)
-    dvl_ref[head] = chunk_math.mm_tn(p, _raw(do_ref[head], opts), matmul_dtype=opts.matmul_dtype)
+    dvl_ref[head] = chunk_math.mm_tn(p, as_operand(do_ref[head], opts), matmul_dtype=opts.matmul_dtype)
 
     def ws_block(kb, ws):
-        w = w_ref[_cols(head, kb, bk)]
-        return ws + chunk_math.mm(w, states_ref[head + (_ds(kb, bk), slice(None))], matmul_dtype=opts.matmul_dtype)
+        w = w_ref[block_cols(head, kb, bk)]
+        return ws + chunk_math.mm(w, states_ref[head + (block_ds(kb, bk), slice(None))], matmul_dtype=opts.matmul_dtype)
 
-    vn_ref[head] = u_ref[head] - _blocks(w_ref.shape[-1] // bk, ws_block, jnp.zeros(vn_ref.shape[-2:],
+    vn_ref[head] = u_ref[head] - loop_blocks(w_ref.shape[-1] // bk, ws_block, jnp.zeros(vn_ref.shape[-2:],
                                                                                      opts.state_dtype))
 
 
@@ -445,7 +445,7 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w
     nkb = k_ref.shape[-1] // bk
 
     def rows(idx, kb):
-        return idx + (_ds(kb, bk), slice(None))
+        return idx + (block_ds(kb, bk), slice(None))
 
     def chunk(step, dstate_t):
         c = num_chunks - 1 - step
@@ -458,7 +458,7 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w
         rk = jnp.transpose(rk_ref[key])
         dec = _decays(g_ref, head, opts)
         # the l2norm scales multiply the [C, BV] factors, not the key blocks
-        k_ds_t = sum(chunk_math.dot(s, _raw(k_ref[_cols(key, kb, bk)], opts), ((1,), (1,)), opts.matmul_dtype)
+        k_ds_t = sum(chunk_math.dot(s, as_operand(k_ref[block_cols(key, kb, bk)], opts), ((1,), (1,)), opts.matmul_dtype)
                      for kb, s in enumerate(dstate_t))
         dvn = dvl_ref[head] + (rk * dec.ek) * jnp.transpose(k_ds_t)
         dvn_ref[head] = dvn
@@ -469,9 +469,9 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w
         eg_row = jnp.exp(jax.lax.cumsum(g_ref[head].astype(opts.decay_dtype), axis=1)).astype(acc)
         eq_do_t = jnp.transpose(jnp.transpose(rq_ref[key] * opts.scale * eg_row) * do_ref[head].astype(acc))
         dstate_in_t = tuple(
-            chunk_math.dot(eq_do_t, _raw(q_ref[_cols(key, kb, bk)], opts), ((1,), (0,)), opts.matmul_dtype)
+            chunk_math.dot(eq_do_t, as_operand(q_ref[block_cols(key, kb, bk)], opts), ((1,), (0,)), opts.matmul_dtype)
             + dec.gamma * s
-            - chunk_math.mm(dvn_t, w_ref[_cols(head, kb, bk)], matmul_dtype=opts.matmul_dtype)
+            - chunk_math.mm(dvn_t, w_ref[block_cols(head, kb, bk)], matmul_dtype=opts.matmul_dtype)
             for kb, s in enumerate(dstate_t))
 
         @pl.when(reset)
@@ -503,28 +503,28 @@ def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u
     nkb, nvb = q_ref.shape[-1] // bk, v_ref.shape[-1] // bv
 
     def value_block(vb, sums):
-        cols = _cols(head, vb, bv)
+        cols = block_cols(head, vb, bv)
         dv, part = chunk_math.value_grads(do_ref[cols].astype(acc), dvn_ref[cols], vn_ref[cols], u_ref[cols],
                                           v_ref[cols].astype(acc), tinv, beta, matmul_dtype=opts.matmul_dtype)
         dv_ref[cols] = dv.astype(dv_ref.dtype)
         return chunk_math.add_sums(sums, part)
 
     zeros_cc, zeros_c1 = jnp.zeros((c, c), acc), jnp.zeros((c, 1), acc)
-    vsums = _blocks(nvb, value_block, chunk_math.ValueSums(dp=zeros_cc, dbv_u=zeros_cc, v_dbv=zeros_c1))
+    vsums = loop_blocks(nvb, value_block, chunk_math.ValueSums(dp=zeros_cc, dbv_u=zeros_cc, v_dbv=zeros_c1))
     dp_ref[head] = vsums.dp
 
     def key_block(kb, carry):
         ksums, dgamma = carry
 
         def state_block(vb, sums):
-            cols, block = _cols(head, vb, bv), head + (_ds(kb, bk), _ds(vb, bv))
+            cols, block = block_cols(head, vb, bv), head + (block_ds(kb, bk), block_ds(vb, bv))
             return chunk_math.add_sums(sums, chunk_math.state_sums(
                 states_ref[block], dstates_ref[block], do_ref[cols].astype(acc), dvn_ref[cols], vn_ref[cols],
                 matmul_dtype=opts.matmul_dtype))
 
         zeros_ck = jnp.zeros((c, bk), acc)
-        ssums = _blocks(nvb, state_block, chunk_math.StateSums(zeros_ck, zeros_ck, zeros_ck, jnp.zeros((1, 1), acc)))
-        cols = _cols(head, kb, bk)
+        ssums = loop_blocks(nvb, state_block, chunk_math.StateSums(zeros_ck, zeros_ck, zeros_ck, jnp.zeros((1, 1), acc)))
+        cols = block_cols(head, kb, bk)
         dq, dk, part = chunk_math.key_grads(
             _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts), w_ref[cols], ssums,
             tinv, beta, dec, scale=opts.scale, matmul_dtype=opts.matmul_dtype)
@@ -533,7 +533,7 @@ def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u
         return chunk_math.add_sums(ksums, part), dgamma + ssums.dgamma
 
     # dA's two [C, C] terms are carried as one sum: one tile fewer in registers
-    ksums, dgamma = _blocks(nkb, key_block, (chunk_math.KeySums(vsums.dbv_u, zeros_c1, zeros_c1, zeros_c1),
+    ksums, dgamma = loop_blocks(nkb, key_block, (chunk_math.KeySums(vsums.dbv_u, zeros_c1, zeros_c1, zeros_c1),
                                              jnp.zeros((1, 1), acc)))
     terms = chunk_math.gate_terms(dec, beta, vsums._replace(dbv_u=zeros_cc), ksums, dgamma, scale=opts.scale)
     da_ref[head] = terms.da
@@ -566,7 +566,7 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
         rk = chunk_math.row_to_col(rk_ref[key])
 
         def key_block(kb):
-            cols = _cols(head, kb, bk)
+            cols = block_cols(head, kb, bk)
             q, k = _keys(q_ref, key, kb, bk, rq, opts), _keys(k_ref, key, kb, bk, rk, opts)
             dq, dk = chunk_math.key_products_bwd(q, k, gg.dqk, gg.dkk, matmul_dtype=opts.matmul_dtype)
             dq_ref[cols] = dqv_ref[cols] + dq
@@ -577,21 +577,21 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
         dkk_k = (gg.dkk + jnp.transpose(gg.dkk)) * rk_row
 
         def key_block(kb):
-            cols = _cols(head, kb, bk)
-            q, k = _raw(q_ref[_cols(key, kb, bk)], opts), _raw(k_ref[_cols(key, kb, bk)], opts)
+            cols = block_cols(head, kb, bk)
+            q, k = as_operand(q_ref[block_cols(key, kb, bk)], opts), as_operand(k_ref[block_cols(key, kb, bk)], opts)
             dq_ref[cols] = dqv_ref[cols] + _dot(dqk_k, k, ((1,), (0,)), opts)
             dk_ref[cols] = (dkv_ref[cols] + _dot(dqk_q_t, q, ((1,), (0,)), opts)
                             + _dot(dkk_k, k, ((1,), (0,)), opts))
 
-    _each_block(nkb, key_block)
+    each_block(nkb, key_block)
 
 
 def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions, interpret: bool,
              tiles: GpuTiles):
-    lay = _Layout(q, v, dfinal.shape[0], tiles)
-    opts = _hardware(opts, interpret)
+    lay = Layout(q, v, dfinal.shape[0], tiles)
+    opts = on_hardware(opts, interpret)
     acc = opts.state_dtype
-    rq, rk = _norm_rows(q, opts), _norm_rows(k, opts)
+    rq, rk = norm_rows(q, opts), norm_rows(k, opts)
     q, k = lay.pad_keys(q), lay.pad_keys(k)
     v, do = lay.pad_values(v), lay.pad_values(do)
     states, dfinal = lay.pad_state(states.astype(acc)), lay.pad_state(dfinal)
@@ -604,14 +604,14 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     mm = pallas_common.matmul_flops
     cv, ck, cc = (jax.ShapeDtypeStruct(shape + dims, acc) for dims in ((c, vp), (c, kp), (c, c)))
     keys = [lay.block_spec(c, kp, key=True)] * 2 + [lay.block_spec(1, c, key=True)] * 2
-    dvl, vn = _call(functools.partial(_dv_local_kernel, opts=opts, bk=bk), grid=lay.block_grid,
+    dvl, vn = launch(functools.partial(_dv_local_kernel, opts=opts, bk=bk), grid=lay.block_grid,
                     in_specs=keys + [lay.block_spec(1, c, v_blocked=False), lay.block_spec(c, obv),
                                      lay.block_spec(c, obv), lay.block_spec(c, kp, v_blocked=False),
                                      lay.block_spec(kp, obv)],
                     out_specs=[lay.block_spec(c, obv)] * 2, out_shape=[cv, cv], tiles=tiles, interpret=interpret,
                     flops=heads * (mm(c, c, vp) + mm(c, kp, vp) + lay.nob * f["key_products"] // 2),
                     exps=heads * lay.nob * exps, args=(q, k, rq, rk, g, do, u, w, states))
-    dvn, dstates, dh0 = _call(
+    dvn, dstates, dh0 = launch(
         functools.partial(_dstate_kernel, num_chunks=lay.nc, opts=opts, bk=lay.sbk), grid=lay.seq_grid,
         in_specs=[lay.flag_spec()] * 3 + [lay.seq_spec(c, kp, key=True)] * 2 + [lay.seq_spec(1, c, key=True)] * 2
         + [lay.seq_spec(c, kp, v_blocked=False), lay.seq_spec(1, c, v_blocked=False), lay.seq_spec(c, sbv),
@@ -624,7 +624,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     keys = [lay.head_spec(c, kp, key=True)] * 2 + [lay.head_spec(1, c, key=True)] * 2
     rows = [lay.head_spec(1, c)] * 2
     row_shape = jax.ShapeDtypeStruct(g.shape, acc)
-    dqv, dkv, dv, da, dp, dbeta_part, dgcum = _call(
+    dqv, dkv, dv, da, dp, dbeta_part, dgcum = launch(
         functools.partial(_grads_kernel, opts=opts, bk=bk, bv=bv), grid=lay.head_grid,
         in_specs=keys + [lay.head_spec(c, vp)] + rows
         + [lay.head_spec(c, c), lay.head_spec(c, vp), lay.head_spec(c, kp), lay.head_spec(c, vp),
@@ -634,7 +634,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
         tiles=tiles, interpret=interpret, flops=heads * (3 * mm(c, c, vp) + 3 * mm(c, vp, kp) + 2 * mm(c, c, kp)),
         exps=heads * exps, args=(q, k, rq, rk, v, g, beta, tinv, u, w, vn, states, dstates, do, dvn),
         num_warps=tiles.grads_num_warps)
-    dq, dk, dg, dbeta = _call(
+    dq, dk, dg, dbeta = launch(
         functools.partial(_gate_grads_kernel, opts=opts, bk=bk), grid=lay.head_grid,
         in_specs=keys + rows + [lay.head_spec(c, c)] * 2 + rows + [lay.head_spec(c, kp)] * 2,
         out_specs=[lay.head_spec(c, kp)] * 2 + rows,

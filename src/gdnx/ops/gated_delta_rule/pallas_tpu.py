@@ -12,13 +12,21 @@ the chunk's sequence index.
 Every block keeps its last two dims whole ((C, K), (C, V), (1, C), (K, V),
 (C, C)), so any head dim and any chunk size satisfy the (8, 128) rule.
 
+The same kernels run KDA (per-channel gates, `per_channel=True`): the gate
+blocks are [C, K] per value head and each value head runs kda_math's
+chunk algebra (its pairwise products per value head, so no QK^T, KK^T
+shared by the key head's group).
+
 VMEM budget per grid step (`vmem_bytes`), head tile of HT key heads with G
 value heads each, inputs of b bytes, float32 state, double-buffered blocks:
     2 HT [2 C K b + G (2 C V b + 16 C + 8 K V)]   q, k, v, o, gates, h0, final
   + 4 HT G K V                                     state scratch
   + 8 HT G (K V + C C)                             residual blocks, when saved
   + 4 (8 C^2 + 4 C max(K, V))                      live temporaries
-Qwen3-Next (K=V=128, G=2, C=64, bf16) with HT=1: 1.45 MB. The kernel asks
+  + per-channel gates: 2 HT G C K b_g             the [C, K] gate blocks
+                     + 4 (2 log2(C) + 3) C K          the decay factors
+Qwen3-Next (K=V=128, G=2, C=64, bf16) with HT=1: 1.45 MB; Kimi Linear's
+KDA (K=V=128, G=1, C=64, float32 gates) 1.75 MB. The kernel asks
 for an explicit scoped VMEM limit of twice the budget, at least 16 MiB (the
 usual default) and at most 64 MiB; a head tile whose budget passes 32 MiB is
 refused with an error that says so.
@@ -26,6 +34,7 @@ refused with an error that says so.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 
-from gdnx.ops.gated_delta_rule import chunk_math, pallas_common
+from gdnx.ops.gated_delta_rule import chunk_math, kda_math, pallas_common
 from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags
 from gdnx.ops.gated_delta_rule.tiles import TpuTiles
@@ -44,17 +53,20 @@ MAX_VMEM_LIMIT = 64 * 2**20
 MAX_VMEM_BUDGET = 32 * 2**20
 
 
-def vmem_bytes(head_tile, grp, c, k_dim, v_dim, in_bytes, save_residuals):
+def vmem_bytes(head_tile, grp, c, k_dim, v_dim, in_bytes, save_residuals, per_channel=False):
     per_tile = 2 * head_tile * (2 * c * k_dim * in_bytes
                                 + grp * (2 * c * v_dim * in_bytes + 4 * c * 4 + 2 * k_dim * v_dim * 4))
     scratch = head_tile * grp * k_dim * v_dim * 4
     residuals = 2 * head_tile * grp * (k_dim * v_dim * 4 + c * c * 4) if save_residuals else 0
     temporaries = (8 * c * c + 4 * c * max(k_dim, v_dim)) * 4
+    if per_channel:
+        per_tile += 2 * head_tile * grp * c * k_dim * 4
+        temporaries += (2 * kda_math.num_levels(c) + 3) * c * k_dim * 4
     return per_tile + scratch + residuals + temporaries
 
 
 def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref, *rest,
-                rows, head_tile, grp, opts, save_residuals):
+                rows, head_tile, grp, opts, save_residuals, per_channel):
     *residual_refs, state_ref = rest
     state_dtype = opts.state_dtype
     idx = pl.program_id(2) * rows + pl.program_id(0)
@@ -65,12 +77,18 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
     for i in range(head_tile):
         q, k = opts.keys(q_ref[0, 0, i]), opts.keys(k_ref[0, 0, i])
-        qk, kk = chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)
+        if not per_channel:
+            qk, kk = chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)
         for j in range(grp):
             state = state_ref[i, j]
-            o, new_state, tinv = chunk_math.value_head_forward(
-                q, k, v_ref[0, 0, i, j].astype(state_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk, state,
-                inverse=chunk_math.unit_lower_inverse_loop, **opts.algebra())
+            v, g, beta = v_ref[0, 0, i, j].astype(state_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j]
+            if per_channel:
+                o, new_state, tinv = kda_math.value_head_forward(
+                    q, k, v, g, beta, state, inverse=chunk_math.unit_lower_inverse_loop, bits=kda_math.looped_bits,
+                    **opts.algebra())
+            else:
+                o, new_state, tinv = chunk_math.value_head_forward(
+                    q, k, v, g, beta, qk, kk, state, inverse=chunk_math.unit_lower_inverse_loop, **opts.algebra())
             o_ref[0, 0, i, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs
@@ -85,7 +103,7 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
 def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, states_ref, do_ref,
                 dfinal_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dstate_ref, *,
-                rows, num_chunks, head_tile, grp, opts):
+                rows, num_chunks, head_tile, grp, opts, per_channel):
     state_dtype = opts.state_dtype
     step = pl.program_id(2)
     idx = (num_chunks - 1 - step) * rows + pl.program_id(0)
@@ -100,21 +118,30 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
     for i in range(head_tile):
         q, k = opts.keys(q_ref[0, 0, i]), opts.keys(k_ref[0, 0, i])
-        qk, kk = chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)
+        if not per_channel:
+            qk, kk = chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)
         dq = dk = dqk = dkk = 0.0
         for j in range(grp):
-            vg = chunk_math.value_head_backward(
-                q, k, v_ref[0, 0, i, j].astype(state_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j], qk, kk,
-                tinv_ref[0, 0, i, j].astype(state_dtype), states_ref[0, 0, i, j].astype(state_dtype),
-                do_ref[0, 0, i, j].astype(state_dtype), dstate_ref[i, j], **opts.algebra())
+            v, g, beta = v_ref[0, 0, i, j].astype(state_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j]
+            tinv, state = tinv_ref[0, 0, i, j].astype(state_dtype), states_ref[0, 0, i, j].astype(state_dtype)
+            do = do_ref[0, 0, i, j].astype(state_dtype)
+            if per_channel:
+                vg = kda_math.value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_ref[i, j],
+                                                  bits=kda_math.looped_bits, **opts.algebra())
+            else:
+                vg = chunk_math.value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_ref[i, j],
+                                                    **opts.algebra())
+                dqk, dkk = dqk + vg.dqk, dkk + vg.dkk
             dv_ref[0, 0, i, j] = vg.dv.astype(dv_ref.dtype)
             dg_ref[0, 0, i, j] = vg.dg.astype(dg_ref.dtype)
             db_ref[0, 0, i, j] = vg.dbeta.astype(db_ref.dtype)
             dstate_ref[i, j] = vg.dstate_in
-            dq, dk, dqk, dkk = dq + vg.dq, dk + vg.dk, dqk + vg.dqk, dkk + vg.dkk
-        dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk, matmul_dtype=opts.matmul_dtype)
-        dq_ref[0, 0, i] = (dq + dq_k).astype(dq_ref.dtype)
-        dk_ref[0, 0, i] = (dk + dk_k).astype(dk_ref.dtype)
+            dq, dk = dq + vg.dq, dk + vg.dk
+        if not per_channel:
+            dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk, matmul_dtype=opts.matmul_dtype)
+            dq, dk = dq + dq_k, dk + dk_k
+        dq_ref[0, 0, i] = dq.astype(dq_ref.dtype)
+        dk_ref[0, 0, i] = dk.astype(dk_ref.dtype)
 
     @pl.when(reset_ref[idx] != 0)
     def _():
@@ -126,7 +153,7 @@ class _Specs:
     """Block specs over the chunk layout for a grid (row, head tile, step);
     chunk = step forward, or num_chunks - 1 - step in reverse."""
 
-    def __init__(self, q, v, rows, head_tile, reverse):
+    def __init__(self, q, v, rows, head_tile, reverse, per_channel):
         nc, _, _, c, k_dim = q.shape
         grp, v_dim = v.shape[3], v.shape[5]
         ht = head_tile
@@ -145,19 +172,26 @@ class _Specs:
 
         self.keys = pl.BlockSpec((1, 1, ht, c, k_dim), per_key_head)
         self.values = pl.BlockSpec((1, 1, ht, grp, c, v_dim), per_chunk)
-        self.gates = pl.BlockSpec((1, 1, ht, grp, 1, c), per_chunk)
+        self.rows = pl.BlockSpec((1, 1, ht, grp, 1, c), per_chunk)
+        self.gates = pl.BlockSpec((1, 1, ht, grp, c, k_dim), per_chunk) if per_channel else self.rows
         self.sequence_state = pl.BlockSpec((1, ht, grp, k_dim, v_dim), per_sequence)
         self.chunk_state = pl.BlockSpec((1, 1, ht, grp, k_dim, v_dim), per_chunk)
         self.inverse = pl.BlockSpec((1, 1, ht, grp, c, c), per_chunk)
 
 
-def _cost(grid, head_tile, grp, c, k_dim, v_dim, parts, key_parts, arrays):
+def _cost(grid, head_tile, grp, c, k_dim, v_dim, parts, key_parts, arrays, per_channel):
     """Estimate over the grid: per step, the key head parts once per key head
     of the tile and the value head parts once per value head."""
-    f = pallas_common.chunk_flops(c, k_dim, v_dim)
     steps = grid[0] * grid[1] * grid[2] * head_tile
+    if per_channel:
+        f = pallas_common.kda_chunk_flops(c, k_dim, v_dim)
+        exps = pallas_common.kda_transcendentals(c, k_dim)
+        parts = ("decays", "pairs_bwd" if "grads" in parts else "pairs") + tuple(parts)
+    else:
+        f = pallas_common.chunk_flops(c, k_dim, v_dim)
+        exps = pallas_common.transcendentals(c)
     flops = steps * (sum(f[p] for p in key_parts) + grp * sum(f[p] for p in parts))
-    return pallas_common.cost(flops, steps * grp * pallas_common.transcendentals(c), arrays)
+    return pallas_common.cost(flops, steps * grp * exps, arrays)
 
 
 def _call(kernel, *, grid, in_specs, out_specs, out_shape, scratch, budget, head_tile, interpret, cost,
@@ -195,12 +229,13 @@ def _check_tile(hk, head_tile):
         raise ValueError(f"head_tile={head_tile} must divide the key heads HK={hk}")
 
 
-def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret: bool, tiles: TpuTiles):
+def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret: bool, tiles: TpuTiles,
+            per_channel: bool = False):
     head_tile = tiles.head_tile
     nc, rows, hk, c, k_dim = q.shape
     grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
-    sp = _Specs(q, v, rows, head_tile, reverse=False)
+    sp = _Specs(q, v, rows, head_tile, reverse=False, per_channel=per_channel)
     out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)]
     out_specs = [sp.values, sp.sequence_state]
     if save_residuals:
@@ -208,37 +243,39 @@ def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret: boo
                       jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), opts.state_dtype)]
         out_specs += [sp.chunk_state, sp.inverse]
     kernel = functools.partial(_fwd_kernel, rows=rows, head_tile=head_tile, grp=grp, opts=opts,
-                               save_residuals=save_residuals)
+                               save_residuals=save_residuals, per_channel=per_channel)
     grid = (rows, hk // head_tile, nc)
     cost = _cost(grid, head_tile, grp, c, k_dim, v_dim, ("prepare", "state", "output"), ("key_products",),
-                 (q, k, v, g, beta, h0, *out_shape))
-    return _call(kernel, grid=grid, in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state],
+                 (q, k, v, g, beta, h0, *out_shape), per_channel)
+    return _call(kernel, grid=grid, in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.sequence_state],
                  out_specs=out_specs, out_shape=out_shape,
                  scratch=[pltpu.VMEM((head_tile, grp, k_dim, v_dim), opts.state_dtype)],
-                 budget=vmem_bytes(head_tile, grp, c, k_dim, v_dim, q.dtype.itemsize, save_residuals),
+                 budget=vmem_bytes(head_tile, grp, c, k_dim, v_dim, q.dtype.itemsize, save_residuals, per_channel),
                  head_tile=head_tile, interpret=interpret, cost=cost, flags=flags, args=(q, k, v, g, beta, h0))
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret: bool, tiles: TpuTiles):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret: bool, tiles: TpuTiles,
+             per_channel: bool = False):
     head_tile = tiles.head_tile
     nc, rows, hk, c, k_dim = q.shape
     grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
-    sp = _Specs(q, v, rows, head_tile, reverse=True)
+    sp = _Specs(q, v, rows, head_tile, reverse=True, per_channel=per_channel)
     state_dtype = opts.state_dtype
     out_shape = [jax.ShapeDtypeStruct(q.shape, state_dtype), jax.ShapeDtypeStruct(k.shape, state_dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
                  jax.ShapeDtypeStruct(beta.shape, beta.dtype), jax.ShapeDtypeStruct(dfinal.shape, state_dtype)]
-    out_specs = [sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.sequence_state]
-    kernel = functools.partial(_bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, opts=opts)
+    out_specs = [sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.sequence_state]
+    kernel = functools.partial(_bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, opts=opts,
+                               per_channel=per_channel)
     # Inputs, residuals and cotangents in, gradients out: about twice the forward's blocks.
-    budget = 2 * vmem_bytes(head_tile, grp, c, k_dim, v_dim, max(q.dtype.itemsize, 4), True)
+    budget = 2 * vmem_bytes(head_tile, grp, c, k_dim, v_dim, max(q.dtype.itemsize, 4), True, per_channel)
     grid = (rows, hk // head_tile, nc)
     cost = _cost(grid, head_tile, grp, c, k_dim, v_dim, ("prepare", "state_bwd", "grads"),
                  ("key_products", "key_grads"),
-                 (q, k, v, g, beta, tinv, states, do, dfinal, *out_shape))
+                 (q, k, v, g, beta, tinv, states, do, dfinal, *out_shape), per_channel)
     return _call(kernel, grid=grid,
-                 in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.gates, sp.inverse, sp.chunk_state, sp.values,
+                 in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.inverse, sp.chunk_state, sp.values,
                            sp.sequence_state],
                  out_specs=out_specs, out_shape=out_shape,
                  scratch=[pltpu.VMEM((head_tile, grp, k_dim, v_dim), state_dtype)],
@@ -248,3 +285,5 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpr
 
 BACKEND = Backend("pallas_tpu", platform="tpu", forward=forward, backward=backward, tiles=TpuTiles,
                   check_shapes=functools.partial(pallas_common.check_dims, "pallas_tpu"), fold_batch=True)
+KDA_BACKEND = dataclasses.replace(BACKEND, forward=functools.partial(forward, per_channel=True),
+                                  backward=functools.partial(backward, per_channel=True))
