@@ -74,7 +74,12 @@ class TestPallasGpu(KernelContract):
 
 
 class TestKdaPallasGpu(TestKdaPallasTpu):
+    """The TPU class's cases but the plain one (its algebra is the same
+    kda_math; these cover the GPU kernels' padding, K blocks and phases)."""
     implementation = "pallas_gpu"
+    cases = by_name(KDA_KERNEL_CASES, "kda_k64_v128_packed_l2", "kda_k128_v64_bf16_l2", "kda_bursts_c64",
+                    "kda_channels_c16")
+    recompute_cases = by_name(KDA_KERNEL_CASES, "kda_k64_v128_packed_l2")
     tiles = TestPallasGpu.tiles
 
 

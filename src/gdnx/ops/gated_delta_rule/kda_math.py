@@ -85,13 +85,15 @@ def _segment_sums(mask, g, split: bool):
 
 class Decays(NamedTuple):
     """One value head's decay factors in a chunk (or a block of its key
-    channels), every one in [0, 1]; the per-bit factors of the pairwise
-    products are formed from g where they are used (`level_factors`)."""
+    channels), every one in [0, 1]. The per-bit factors of the pairwise
+    products (`level_factors`) are formed once here for XLA (`levels`),
+    and where they are used in a kernel (one bit's live at a time)."""
 
     g: jax.Array       # [C, K] the gates, decay dtype
     eg: jax.Array      # [C, K] exp(G), G_i = sum_{l <= i} g_l
     ek: jax.Array      # [C, K] exp(G_last - G), the sum over l > i
     gamma: jax.Array   # [1, K] exp(G_last)
+    levels: tuple = ()  # per bit: (ein, eout), when formed up front
 
 
 def prefix_decays(g, *, state_dtype, decay_dtype, split_segments: bool = False):
@@ -100,21 +102,28 @@ def prefix_decays(g, *, state_dtype, decay_dtype, split_segments: bool = False):
     return jnp.exp(_segment_sums(j <= r, g.astype(decay_dtype), split_segments)).astype(state_dtype)
 
 
-def decays(g, *, state_dtype, decay_dtype, split_segments: bool = False) -> Decays:
+def decays(g, *, state_dtype, decay_dtype, split_segments: bool = False, levels: bool = False) -> Decays:
     """Decay factors of g [C, K], or of any block of its key channels
-    (`split_segments`: see `_segment_sums`)."""
+    (`split_segments`: see `_segment_sums`; `levels`: form every bit's
+    factors now, for the pairwise products to share)."""
     g = g.astype(decay_dtype)
     r, j = iotas(g.shape[0])   # [i, l]: the output row i sums the gates l of its segment
-    return Decays(g=g, eg=prefix_decays(g, state_dtype=state_dtype, decay_dtype=decay_dtype,
-                                        split_segments=split_segments),
-                  ek=jnp.exp(_segment_sums(j > r, g, split_segments)).astype(state_dtype),
-                  gamma=jnp.exp(jnp.sum(g, axis=0, keepdims=True)).astype(state_dtype))
+    dec = Decays(g=g, eg=prefix_decays(g, state_dtype=state_dtype, decay_dtype=decay_dtype,
+                                       split_segments=split_segments),
+                 ek=jnp.exp(_segment_sums(j > r, g, split_segments)).astype(state_dtype),
+                 gamma=jnp.exp(jnp.sum(g, axis=0, keepdims=True)).astype(state_dtype))
+    if levels:
+        dec = dec._replace(levels=tuple(level_factors(dec, bit, split_segments=split_segments)
+                                        for bit in range(num_levels(g.shape[0]))))
+    return dec
 
 
 def level_factors(dec: Decays, bit, *, split_segments: bool = False):
     """(ein, eout) [C, K] of one bit (a Python int or a loop index): exp of
     the sum from the start of i's block of 2^bit tokens to i, and of the sum
     after j to the end of j's block."""
+    if dec.levels:
+        return dec.levels[bit]
     r, j = iotas(dec.g.shape[0])
     same = (r >> bit) == (j >> bit)
     acc = dec.eg.dtype
@@ -207,7 +216,9 @@ def chunk_terms(q, k, v, g, beta, *, scale, decay_dtype, tinv=None, inverse=unit
     inverse. `inverse` is one of chunk_math's and `bits` one of this
     module's loops over bits (the kernels take the loops)."""
     acc = q.dtype
-    dec = decays(g, state_dtype=acc, decay_dtype=decay_dtype, split_segments=split_segments)
+    # unrolled (XLA): every bit's factors formed once, shared by the pairwise products
+    dec = decays(g, state_dtype=acc, decay_dtype=decay_dtype, split_segments=split_segments,
+                 levels=bits is unrolled_bits)
     beta = row_to_col(beta.astype(acc))
     pairs = [(q, k, False)] + ([(k, k, True)] if tinv is None else [])
     p, *akk = pair_products(pairs, dec, matmul_dtype=matmul_dtype, split_segments=split_segments, bits=bits)

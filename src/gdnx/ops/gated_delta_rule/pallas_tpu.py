@@ -23,13 +23,13 @@ value heads each, inputs of b bytes, float32 state, double-buffered blocks:
   + 4 HT G K V                                     state scratch
   + 8 HT G (K V + C C)                             residual blocks, when saved
   + 4 (8 C^2 + 4 C max(K, V))                      live temporaries
-  + per-channel gates: 2 HT G C K b_g             the [C, K] gate blocks
-                     + 4 (2 log2(C) + 3) C K          the decay factors
-Qwen3-Next (K=V=128, G=2, C=64, bf16) with HT=1: 1.45 MB; Kimi Linear's
-KDA (K=V=128, G=1, C=64, float32 gates) 1.75 MB. The kernel asks
-for an explicit scoped VMEM limit of twice the budget, at least 16 MiB (the
-usual default) and at most 64 MiB; a head tile whose budget passes 32 MiB is
-refused with an error that says so.
+  + 8 HT G C K                                     per-channel gates: the float32 [C, K] blocks
+  + 4 (2 log2(C) + 3) C K                          and their decay factors
+Qwen3-Next (K=V=128, G=2, C=64, bf16) with HT=1: 1.45 MB; Kimi Linear's KDA
+(K=V=128, G=1, C=64, float32 gates): 1.44 MB; both with residuals. The
+kernel asks for an explicit scoped VMEM limit of twice the budget, at least
+16 MiB (the usual default) and at most 64 MiB; a head tile whose budget
+passes 32 MiB is refused with an error that says so.
 """
 
 from __future__ import annotations
