@@ -99,7 +99,8 @@ def by_name(cases, *names):
     return [table[n] for n in names]
 
 
-# KDA: the cases above that the per-channel gate changes, plus its own gates
+# KDA: the cases above that the per-channel gate changes (its hard gates at every chunk size:
+# test_kda.test_any_gate_at_every_chunk_size)
 KDA_CASES = [
     Case("kda_gva2_T63_c16", t=63, chunk=16, per_channel=True),
     Case("kda_gva4_T64_c32_l2", hk=2, hv=8, t=64, chunk=32, h0=False, l2norm=True, per_channel=True),
@@ -107,8 +108,6 @@ KDA_CASES = [
     Case("kda_K64_V128_T100_c64", t=100, dk=64, dv=128, b=1, chunk=64, per_channel=True),
     Case("kda_packed_c32", b=1, t=130, chunk=32, cu_seqlens=(0, 5, 5, 70, 130), per_channel=True),
     Case("kda_edges_c16", t=80, chunk=16, gates="edges", per_channel=True),
-    Case("kda_strong_c64", b=1, t=128, chunk=64, gates="strong", per_channel=True),
-    Case("kda_channels_c64", b=1, t=128, chunk=64, gates="channels", per_channel=True),
     Case("kda_bursts_c128", b=1, t=200, chunk=128, gates="bursts", per_channel=True, l2norm=True),
     Case("kda_bf16_c64", t=100, chunk=64, dtype="bfloat16", l2norm=True, per_channel=True),
     Case("kda_beta2_c32_l2", t=96, chunk=32, l2norm=True, beta_max=2.0, per_channel=True),
