@@ -2,6 +2,10 @@
 
     python benchmarks/ops_gpu.py [--batch 4] [--length 4096] [--out FILE]
     python benchmarks/ops_gpu.py --batch 1 --length 32768     # the published anchors' shape
+    python benchmarks/ops_gpu.py --op kda                      # KDA at Kimi Linear's shape
+
+--op kda runs chunk_kda (per-channel gates, log U(0.7, 1)) at Kimi Linear's
+shape (HK=HV=32, K=V=128) the same way, against fla's chunk_kda.
 
 Qwen3-Next's GDN shape: HK=16, HV=32, K=V=128, bfloat16 inputs, float32
 state, use_qk_l2norm. For each implementation prints the
@@ -29,20 +33,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdnx.measure import compiled_peak_bytes, median_ms, relative_error as rel
-from gdnx.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from gdnx.ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
 from gdnx.ops.gated_delta_rule.pallas_common import op_flops
 
 
-def analytic_tflop(b, t, hk, hv, d, chunk=64):
+def analytic_tflop(b, t, hk, hv, d, chunk=64, per_channel=False):
     """(forward, backward) TFLOP of the chunk algebra at this shape."""
-    fwd, bwd = op_flops(b, t, hk, hv, d, d, chunk)
+    fwd, bwd = op_flops(b, t, hk, hv, d, d, chunk, per_channel=per_channel)
     return fwd / 1e12, bwd / 1e12
 
 
 def time_fla(args, hk, hv, repeats):
-    """(forward ms, fwd+bwd ms) of fla's chunk_gated_delta_rule, CUDA events, medians."""
+    """(forward ms, fwd+bwd ms) of fla's chunk_gated_delta_rule (chunk_kda for
+    a per-channel gate), CUDA events, medians."""
     import torch
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    if args[3].ndim == 4:
+        from fla.ops.kda import chunk_kda as fla_chunk
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
     def to_torch(x):
         return torch.from_dlpack(x).clone()
@@ -77,10 +85,11 @@ def time_fla(args, hk, hv, repeats):
     return f_ms, median(fwd_bwd)
 
 
-def make_inputs(b, t, hk, hv, d, seed=0):
+def make_inputs(b, t, hk, hv, d, seed=0, per_channel=False):
     rng = np.random.default_rng(seed)
+    gate = (b, t, hv, d) if per_channel else (b, t, hv)
     xs = (rng.standard_normal((b, t, hk, d)), rng.standard_normal((b, t, hk, d)), rng.standard_normal((b, t, hv, d)),
-          np.log(rng.uniform(0.7, 1.0, (b, t, hv))), rng.uniform(0, 1, (b, t, hv)))
+          np.log(rng.uniform(0.7, 1.0, gate)), rng.uniform(0, 1, (b, t, hv)))
     return tuple(jnp.asarray(x, jnp.bfloat16) for x in xs[:3]) + (jnp.asarray(xs[3], jnp.float32),
                                                                   jnp.asarray(xs[4], jnp.bfloat16))
 
@@ -100,35 +109,37 @@ def main():
     p.add_argument("--check-length", type=int, default=512)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default=None)
+    p.add_argument("--op", choices=("gdn", "kda"), default="gdn")
     a = p.parse_args()
-    b, t, hk, hv, d = a.batch, a.length, 16, 32, 128
+    kda = a.op == "kda"
+    b, t, hk, hv, d = a.batch, a.length, 32 if kda else 16, 32, 128
+    chunk_op, recurrent_op = (chunk_kda, recurrent_kda) if kda else (chunk_gated_delta_rule, recurrent_gated_delta_rule)
     dev = jax.devices()[0]
-    lines = [f"# gated delta rule on {dev.device_kind}: B={b} T={t} HK={hk} HV={hv} K=V={d} bf16, chunk 64, "
-             f"l2norm; {datetime.date.today()}, jax {jax.__version__}",
+    lines = [f"# {'KDA' if kda else 'gated delta rule'} on {dev.device_kind}: B={b} T={t} HK={hk} HV={hv} K=V={d} "
+             f"bf16, chunk 64, l2norm; {datetime.date.today()}, jax {jax.__version__}",
              "| implementation | rel err o | rel err state | forward ms | fwd+bwd ms | fwd+bwd peak GiB | "
              "fwd TFLOP/s | bwd TFLOP/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    tf_fwd, tf_bwd = analytic_tflop(b, t, hk, hv, d)
+    tf_fwd, tf_bwd = analytic_tflop(b, t, hk, hv, d, per_channel=kda)
 
     def rates(f_ms, fb_ms):
         return f"{tf_fwd / (f_ms / 1e3):.1f} | {tf_bwd / (max(fb_ms - f_ms, 1e-9) / 1e3):.1f}"
     print("\n".join(lines), flush=True)
-    args = make_inputs(b, t, hk, hv, d)
+    args = make_inputs(b, t, hk, hv, d, per_channel=kda)
     short = tuple(x[:1, :a.check_length] for x in args)
     with jax.enable_x64(True):  # the float64 reference only: the kernels run as a model runs them
-        ref_o, ref_s = recurrent_gated_delta_rule(*(x.astype(jnp.float64) for x in short), use_qk_l2norm=True,
-                                                  output_final_state=True, state_dtype="float64",
-                                                  decay_dtype="float64")
+        ref_o, ref_s = recurrent_op(*(x.astype(jnp.float64) for x in short), use_qk_l2norm=True,
+                                    output_final_state=True, state_dtype="float64", decay_dtype="float64")
         ref_o, ref_s = np.asarray(ref_o), np.asarray(ref_s)
     rows = {}
     for name, kw in VARIANTS.items():
         try:
-            op = jax.jit(lambda *xs, kw=kw: chunk_gated_delta_rule(*xs, use_qk_l2norm=True, output_final_state=True, **kw))
+            op = jax.jit(lambda *xs, kw=kw: chunk_op(*xs, use_qk_l2norm=True, output_final_state=True, **kw))
             o, s = op(*short)
             err_o, err_s = rel(o, ref_o), rel(s, ref_s)
 
             def loss(*xs, kw=kw):
-                o, s = chunk_gated_delta_rule(*xs, use_qk_l2norm=True, output_final_state=True, **kw)
+                o, s = chunk_op(*xs, use_qk_l2norm=True, output_final_state=True, **kw)
                 return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s ** 2)
 
             grad = jax.jit(jax.grad(loss, argnums=range(5)))

@@ -144,15 +144,15 @@ def test_compiles_for_tpu_v4(program):
     assert jax.jit(fn).lower(*args).compile().memory_analysis() is not None
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
-def test_tpu_cost_analysis_sees_the_kernels(grad):
+@pytest.mark.parametrize("name", ["forward", "grad", "kda_forward", "kda_grad"])
+def test_tpu_cost_analysis_sees_the_kernels(name):
     """XLA's cost analysis of the compiled program counts the kernels' declared
-    FLOPs: within 10% of the analytic count of the chunk algebra."""
+    FLOPs: within 10% of the analytic count of the chunk algebra (GDN's, KDA's)."""
     from gdnx.ops.gated_delta_rule.pallas_common import op_flops
 
-    p = next(x for x in PROGRAMS if x.name == ("grad" if grad else "forward"))
+    p = next(x for x in PROGRAMS + KDA_PROGRAMS if x.name == name)
     fn, args = build(p, "tpu_v5e")
     flops = jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
-    fwd, bwd = op_flops(p.b, p.t, p.hk, p.hv, p.dim, p.dim)
-    expected = fwd + bwd if grad else fwd  # with grad, the forward kernel runs as well
+    fwd, bwd = op_flops(p.b, p.t, p.hk, p.hv, p.dim, p.dim, per_channel=p.per_channel)
+    expected = fwd + bwd if p.grad else fwd  # with grad, the forward kernel runs as well
     assert abs(flops - expected) <= 0.1 * expected, (flops, expected)

@@ -60,11 +60,18 @@ def kda_chunk_flops(c: int, dk: int, dv: int) -> dict[str, int]:
     return f
 
 
-def op_flops(b: int, t: int, hk: int, hv: int, dk: int, dv: int, chunk: int = 64) -> tuple[int, int]:
+def op_flops(b: int, t: int, hk: int, hv: int, dk: int, dv: int, chunk: int = 64,
+             per_channel: bool = False) -> tuple[int, int]:
     """(forward, backward) analytic FLOPs of the op on [B, T] tokens with HK
-    key and HV value heads: `chunk_flops` over every chunk and head."""
-    f = chunk_flops(chunk, dk, dv)
+    key and HV value heads: `chunk_flops` (KDA: `kda_chunk_flops`) over
+    every chunk and head."""
     chunks, grp = b * (-(-t // chunk)) * hk, hv // hk
+    if per_channel:
+        f = kda_chunk_flops(chunk, dk, dv)
+        fwd = chunks * grp * (f["decays"] + f["pairs"] + f["prepare"] + f["state"] + f["output"])
+        bwd = chunks * grp * (f["decays"] + f["pairs_bwd"] + f["prepare"] + f["state_bwd"] + f["grads"])
+        return fwd, bwd
+    f = chunk_flops(chunk, dk, dv)
     fwd = chunks * (f["key_products"] + grp * (f["prepare"] + f["state"] + f["output"]))
     bwd = chunks * (f["key_products"] + f["key_grads"] + grp * (f["prepare"] + f["state_bwd"] + f["grads"]))
     return fwd, bwd
