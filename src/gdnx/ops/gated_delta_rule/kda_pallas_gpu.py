@@ -7,22 +7,25 @@ per key channel, so the chunk-parallel kernels walk K in blocks of BK
 columns and form each block's decay factors themselves; what is summed over
 K (the pairwise products, dA) is carried as [C, C].
 
-    forward   prepare  (chunk, row, value head)            per K block: decays, KK^T and QK^T with
-                                                            them, q exp(G), k exp(G_last - G); then
-                                                            (I + A)^-1, U, W
-              state    (row, value head, V block)          sequential: Vn, chunk states
-              output   (chunk, row, value head x V block)  O = (q exp(G)) S + P Vn
-    backward  prepare  again, with the saved inverse
-              dv_local (chunk, row, value head x V block)  P^T dO, Vn
-              dstate   (row, value head, V block)          reverse sequential: dS, dVn
-              grads    (chunk, row, value head)            dv, dbeta; per K block dq, dk, dg
+    forward   prepare    (chunk, row, value head)            per K block: decays, KK^T and QK^T
+                                                              with them, q exp(G), k exp(G_last - G);
+                                                              then (I + A)^-1, U, W
+              state      (row, value head, V block)          sequential: Vn, chunk states
+              output     (chunk, row, value head x V block)  O = (q exp(G)) S + P Vn
+    backward  prepare    again, with the saved inverse
+              dv_local   (chunk, row, value head x V block)  P^T dO, Vn
+              dstate     (row, value head, V block)          reverse sequential: dS, dVn
+              grad_sums  (chunk, row, value head)            dv, dbeta; per K block dx; dA, dP [C, C]
+              key_grads  (chunk, row, value head)            per K block dq, dk, dg
 
 The prepare kernel writes scale q exp(G), k exp(G_last - G) [C, K] and P
 [C, C] for the later phases, so that only it forms the pairwise products
 in the forward. The sequential kernels carry the [K, BV] state as K/BK
-blocks. The gradient kernel runs at the tiles' num_warps, not GDN's
-grads_num_warps (at 8 warps it spills least). dq and dk come out per value
-head and are summed over each key head's group outside the kernels.
+blocks. The gradients take two kernels, the sums over V and K first, so
+that neither holds the other's tiles (one kernel spilled up to 2.8 KB per
+thread); both run at the tiles' num_warps, not GDN's grads_num_warps (at 8
+warps they spill least). dq and dk come out per value head and are summed
+over each key head's group outside the kernels.
 Registers and spills per kernel and target: docs/benchmarks.md.
 """
 
@@ -280,17 +283,40 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, qeg_ref, kek_ref, w_ref, g_ref,
     jax.lax.fori_loop(0, num_chunks, chunk, tuple(jnp.zeros((bk, bv), acc) for _ in range(nkb)))
 
 
-def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, vn_ref, states_ref,
-                  dstates_ref, do_ref, dvn_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, *, opts, bk, bv):
-    """dv and dbeta, then dq, dk, dg per K block (kda_math.value_head_backward
-    with its sums over V and K taken block by block)."""
+def _state_sums(states_ref, dstates_ref, do_ref, vn_ref, dvn_ref, head, kb, *, bk, bv, nvb, full, opts):
+    """Sums over V blocks for K block kb: dW = -dVn S^T (when dvn_ref), and
+    when full dqs = dO S^T (of q exp(G) / scale), dks = Vn dS'^T (of
+    k exp(G_last - G)) and dgamma = sum_V S dS' (a [BK, 1] column)."""
+    acc, mmd = opts.state_dtype, opts.matmul_dtype
+    c = vn_ref.shape[-2]
+
+    def v_block(vb, sums):
+        cols, blk = block_cols(head, vb, bv), head + (block_ds(kb, bk), block_ds(vb, bv))
+        s = states_ref[blk]
+        if not full:
+            return (sums[0] - mm_nt(dvn_ref[cols], s, matmul_dtype=mmd),)
+        ds = dstates_ref[blk]
+        return (sums[0] + mm_nt(as_operand(do_ref[cols], opts), s, matmul_dtype=mmd),
+                sums[1] + mm_nt(vn_ref[cols], ds, matmul_dtype=mmd),
+                sums[2] + jnp.sum(s * ds, axis=1, keepdims=True))
+
+    zeros_ck = jnp.zeros((c, bk), acc)
+    init = (zeros_ck, zeros_ck, jnp.zeros((bk, 1), acc)) if full else (zeros_ck,)
+    return loop_blocks(nvb, v_block, init)
+
+
+def _grad_sums_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, vn_ref, states_ref, do_ref, dvn_ref,
+                      dv_ref, db_ref, dx_ref, da_ref, dp_ref, *, opts, bk, bv):
+    """What needs the sums over V and K: dv, dbeta, dx (of beta exp(G) k, per
+    K block) and the [C, C] cotangents of A and P (beta dA, scale dP) for
+    `_key_grads_kernel` (kda_math.value_head_backward, block by block)."""
     acc, mmd = opts.state_dtype, opts.matmul_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    rq, rk = row_to_col(rq_ref[key]), row_to_col(rk_ref[key])
+    rk = row_to_col(rk_ref[key])
     beta = row_to_col(b_ref[head].astype(acc))
     tinv = tinv_ref[head]
-    c = q_ref.shape[-2]
-    nkb = q_ref.shape[-1] // bk
+    c = k_ref.shape[-2]
+    nvb = v_ref.shape[-1] // bv
 
     def value_block(vb, carry):
         dbv_u, dp, v_dbv = carry
@@ -302,59 +328,52 @@ def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u
                 v_dbv + jnp.sum(v_ref[cols].astype(acc) * dbv, axis=1, keepdims=True))
 
     zeros_cc, zeros_c1 = jnp.zeros((c, c), acc), jnp.zeros((c, 1), acc)
-    dbv_u, dp, v_dbv = loop_blocks(v_ref.shape[-1] // bv, value_block, (zeros_cc, zeros_cc, zeros_c1))
-
-    def state_sums(kb, full: bool):
-        """Sums over V blocks for K block kb: dW = -dVn S^T, and when full
-        dqs = scale dO S^T (of q exp(G)), dks = Vn dS'^T (of k exp(G_last - G))
-        and dgamma = sum_V S dS' (a [BK, 1] column)."""
-        def v_block(vb, sums):
-            cols, blk = block_cols(head, vb, bv), head + (block_ds(kb, bk), block_ds(vb, bv))
-            s = states_ref[blk]
-            out = [sums[0] - mm_nt(dvn_ref[cols], s, matmul_dtype=mmd)]
-            if full:
-                ds = dstates_ref[blk]
-                out += [sums[1] + mm_nt(as_operand(do_ref[cols], opts), s, matmul_dtype=mmd),
-                        sums[2] + mm_nt(vn_ref[cols], ds, matmul_dtype=mmd),
-                        sums[3] + jnp.sum(s * ds, axis=1, keepdims=True)]
-            return tuple(out)
-
-        zeros_ck = jnp.zeros((c, bk), acc)
-        init = (zeros_ck, zeros_ck, zeros_ck, jnp.zeros((bk, 1), acc)) if full else (zeros_ck,)
-        return loop_blocks(v_ref.shape[-1] // bv, v_block, init)
-
-    def dx_of(dw):
-        """of beta exp(G) k, through W = T X."""
-        return mm_tn(tinv, dw, matmul_dtype=mmd)
+    dbv_u, dp, v_dbv = loop_blocks(nvb, value_block, (zeros_cc, zeros_cc, zeros_c1))
 
     def key_sums(kb, carry):
         dx_w, egkdx, mkk = carry
         k = _key_block(k_ref, key, kb, bk, rk, opts)
         dec = kda_math.decays(g_ref[block_cols(head, kb, bk)], **_decay_kw(opts))
-        dx = dx_of(state_sums(kb, full=False)[0])
+        dw, = _state_sums(states_ref, None, do_ref, vn_ref, dvn_ref, head, kb, bk=bk, bv=bv, nvb=nvb, full=False,
+                          opts=opts)
+        dx = mm_tn(tinv, dw, matmul_dtype=mmd)                      # through W = T X
+        dx_ref[block_cols(head, kb, bk)] = dx
         return (dx_w + mm_nt(dx, w_ref[block_cols(head, kb, bk)], matmul_dtype=mmd),
                 egkdx + jnp.sum(dec.eg * k * dx, axis=1, keepdims=True),
                 mkk + kda_math.pair_products([(k, k, True)], dec, **_pair_kw(opts))[0])
 
-    dx_w, egkdx, mkk = loop_blocks(nkb, key_sums, (zeros_cc, zeros_c1, zeros_cc))
+    dx_w, egkdx, mkk = loop_blocks(k_ref.shape[-1] // bk, key_sums, (zeros_cc, zeros_c1, zeros_cc))
     r, j = iotas(c)
     # the inverse is not differentiated through: dA = -(T^T dU) U^T - (T^T dW) W^T
     da = jnp.where(r > j, -(dbv_u + dx_w), 0)
-    dp = jnp.where(r >= j, dp, 0)
     db_ref[head] = col_to_row(v_dbv + egkdx + jnp.sum(da * mkk, axis=1, keepdims=True)).astype(db_ref.dtype)
+    da_ref[head] = da
+    dp_ref[head] = jnp.where(r >= j, dp, 0)
+
+
+def _key_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, vn_ref, states_ref, dstates_ref, do_ref, dx_ref,
+                      da_ref, dp_ref, dq_ref, dk_ref, dg_ref, *, opts, bk, bv):
+    """dq, dk, dg per K block (kda_math.key_grads), given the sums."""
+    acc = opts.state_dtype
+    key, head = (0, 0, 0), (0, 0, 0, 0)
+    rq, rk = row_to_col(rq_ref[key]), row_to_col(rk_ref[key])
+    beta = row_to_col(b_ref[head].astype(acc))
+    nvb = vn_ref.shape[-1] // bv
+    da, dp = da_ref[head], dp_ref[head]
 
     def key_block(kb):
-        q, k = _key_block(q_ref, key, kb, bk, rq, opts), _key_block(k_ref, key, kb, bk, rk, opts)
-        dec = kda_math.decays(g_ref[block_cols(head, kb, bk)], **_decay_kw(opts))
-        dw, dqs, dks, dgamma = state_sums(kb, full=True)
-        dq, dk, dg = kda_math.key_grads(q, k, dec, beta, opts.scale * dqs, dks, dx_of(dw), col_to_row(dgamma), dp, da,
-                                        scale=opts.scale, **_pair_kw(opts))
         cols = block_cols(head, kb, bk)
+        q, k = _key_block(q_ref, key, kb, bk, rq, opts), _key_block(k_ref, key, kb, bk, rk, opts)
+        dec = kda_math.decays(g_ref[cols], **_decay_kw(opts))
+        dqs, dks, dgamma = _state_sums(states_ref, dstates_ref, do_ref, vn_ref, None, head, kb, bk=bk, bv=bv,
+                                       nvb=nvb, full=True, opts=opts)
+        dq, dk, dg = kda_math.key_grads(q, k, dec, beta, opts.scale * dqs, dks, dx_ref[cols], col_to_row(dgamma), dp,
+                                        da, scale=opts.scale, **_pair_kw(opts))
         dq_ref[cols] = dq
         dk_ref[cols] = dk
         dg_ref[cols] = dg.astype(dg_ref.dtype)
 
-    each_block(nkb, key_block)
+    each_block(q_ref.shape[-1] // bk, key_block)
 
 
 def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions, interpret: bool,
@@ -389,17 +408,24 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
 
     hs = lay.head_spec
     key = [hs(c, kp, key=True)] * 2 + [hs(1, c, key=True)] * 2
-    ck = jax.ShapeDtypeStruct(shape + (c, kp), acc)
-    dq, dk, dv, dg, dbeta = launch(
-        functools.partial(_grads_kernel, opts=opts, bk=lay.bk, bv=lay.bv), grid=lay.head_grid,
-        in_specs=key + [hs(c, vp), hs(c, kp), hs(1, c), hs(c, c), hs(c, vp), hs(c, kp), hs(c, vp), hs(kp, vp),
-                        hs(kp, vp), hs(c, vp), hs(c, vp)],
-        out_specs=[hs(c, kp)] * 2 + [hs(c, vp), hs(c, kp), hs(1, c)],
-        out_shape=[ck, ck, jax.ShapeDtypeStruct(shape + (c, vp), v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
-                   jax.ShapeDtypeStruct(beta.shape, beta.dtype)],
-        tiles=tiles, interpret=interpret, flops=heads * (f["decays"] + f["pairs_bwd"] + f["grads"]),
-        exps=heads * exps, args=(q, k, rq, rk, v, g, beta, tinv, u, w, vn, states, dstates, do, dvn),
-        num_warps=tiles.num_warps)
+    ck, cc = (jax.ShapeDtypeStruct(shape + dims, acc) for dims in ((c, kp), (c, c)))
+    dv, dbeta, dx, da, dp = launch(
+        functools.partial(_grad_sums_kernel, opts=opts, bk=lay.bk, bv=lay.bv), grid=lay.head_grid,
+        in_specs=key[1::2] + [hs(c, vp), hs(c, kp), hs(1, c), hs(c, c), hs(c, vp), hs(c, kp), hs(c, vp), hs(kp, vp),
+                              hs(c, vp), hs(c, vp)],
+        out_specs=[hs(c, vp), hs(1, c), hs(c, kp), hs(c, c), hs(c, c)],
+        out_shape=[jax.ShapeDtypeStruct(shape + (c, vp), v.dtype), jax.ShapeDtypeStruct(beta.shape, beta.dtype), ck,
+                   cc, cc],
+        tiles=tiles, interpret=interpret, flops=heads * (f["decays"] + f["grads"] // 2),
+        exps=heads * exps, args=(k, rk, v, g, beta, tinv, u, w, vn, states, do, dvn))
+    dq, dk, dg = launch(
+        functools.partial(_key_grads_kernel, opts=opts, bk=lay.bk, bv=lay.bv), grid=lay.head_grid,
+        in_specs=key + [hs(c, kp), hs(1, c), hs(c, vp), hs(kp, vp), hs(kp, vp), hs(c, vp), hs(c, kp), hs(c, c),
+                        hs(c, c)],
+        out_specs=[hs(c, kp)] * 3,
+        out_shape=[ck, ck, jax.ShapeDtypeStruct(g.shape, g.dtype)],
+        tiles=tiles, interpret=interpret, flops=heads * (f["decays"] + f["pairs_bwd"] + f["grads"] // 2),
+        exps=heads * exps, args=(q, k, rq, rk, g, beta, vn, states, dstates, do, dx, da, dp))
     k_dim, v_dim = lay.k_dim, lay.v_dim
     return (dq.sum(3)[..., :k_dim], dk.sum(3)[..., :k_dim], dv[..., :v_dim], dg[..., :k_dim], dbeta,
             dh0[..., :k_dim, :v_dim])
