@@ -52,14 +52,14 @@ def test_float64_algebra_is_exact():
 
 def test_hand_written_vjp_matches_autodiff():
     """The custom VJP against plain autodiff of the very same forward."""
-    from gdnx.ops.gated_delta_rule import chunked, kda_xla
+    from gdnx.ops.gated_delta_rule import chunked, xla
 
     case = Case("vjp", b=1, t=90, chunk=32, cu_seqlens=(0, 30, 30, 90), per_channel=True)
     q, k, v, g, beta, h0 = (x.astype(jnp.float64) for x in make_inputs(case))
     cu = jnp.asarray(case.cu_seqlens, jnp.int32)
 
     def loss(hand_written, *xs):
-        o, f = chunked.run(kda_xla.BACKEND, *xs, cu_seqlens=cu, chunk_size=32, scale=0.3, state_dtype=jnp.float64,
+        o, f = chunked.run(xla.KDA_BACKEND, *xs, cu_seqlens=cu, chunk_size=32, scale=0.3, state_dtype=jnp.float64,
                            decay_dtype=jnp.float64, use_qk_l2norm=False, hand_written_vjp=hand_written)
         return jnp.sum(jnp.sin(o)) + jnp.sum(f * f)
 

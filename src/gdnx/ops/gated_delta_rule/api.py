@@ -31,7 +31,7 @@ from gdnx.ops.gated_delta_rule.options import (
     Implementation,
     ResidualPolicy,
 )
-from gdnx.ops.gated_delta_rule import chunked, kda_pallas_gpu, kda_xla, pallas_common, pallas_gpu, pallas_tpu, reference, xla
+from gdnx.ops.gated_delta_rule import chunked, kda_pallas_gpu, pallas_common, pallas_gpu, pallas_tpu, reference, xla
 from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles, choose_tiles
 
@@ -40,7 +40,7 @@ IMPLEMENTATIONS: dict[str, Backend] = {
     b.name: b for b in (xla.BACKEND, pallas_tpu.BACKEND, pallas_gpu.BACKEND, reference.BACKEND)}
 # KDA's table (per-channel gates): the same names, KDA's chunk algebra behind them
 KDA_IMPLEMENTATIONS: dict[str, Backend] = {
-    b.name: b for b in (kda_xla.BACKEND, pallas_tpu.KDA_BACKEND, kda_pallas_gpu.KDA_BACKEND, reference.BACKEND)}
+    b.name: b for b in (xla.KDA_BACKEND, pallas_tpu.KDA_BACKEND, kda_pallas_gpu.KDA_BACKEND, reference.BACKEND)}
 
 
 def default_chunk_implementation(platform: str | None = None, *, per_channel: bool = False) -> str:
@@ -201,6 +201,26 @@ def resolve_options(options: DeltaRuleOptions | None, **given: Any) -> DeltaRule
     return options
 
 
+def chunk_options(options: DeltaRuleOptions | None, output_chunk_states: bool, **given: Any) -> DeltaRuleOptions:
+    """A chunked op's settings (`resolve_options`), its chunk size and
+    output_chunk_states checked."""
+    opts = resolve_options(options, **given)
+    if opts.chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {opts.chunk_size!r}")
+    if not isinstance(output_chunk_states, bool):
+        raise TypeError(f"output_chunk_states: expected a bool, got {type(output_chunk_states).__name__}")
+    return opts
+
+
+def recurrent_options(implementation: Implementation | None, state_dtype: DTypeLike, decay_dtype: DTypeLike,
+                      output_token_states: bool) -> DeltaRuleOptions:
+    """A recurrent op's settings, output_token_states checked."""
+    if not isinstance(output_token_states, bool):
+        raise TypeError(f"output_token_states: expected a bool, got {type(output_token_states).__name__}")
+    return DeltaRuleOptions(implementation=implementation or "reference", state_dtype=state_dtype,
+                            decay_dtype=decay_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("backend", "use_qk_l2norm", "scale", "state_dtype", "decay_dtype",
                                              "chunk_size", "interpret", "tiles", "residuals", "matmul_dtype",
                                              "history", "lower_bound"))
@@ -292,13 +312,9 @@ def chunk_gated_delta_rule(
       (o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] in state_dtype
       or None), and the chunk states (state_dtype) when output_chunk_states.
     """
-    opts = resolve_options(options, implementation=implementation, chunk_size=chunk_size, state_dtype=state_dtype,
-                           decay_dtype=decay_dtype, residuals=residuals, matmul_dtype=matmul_dtype,
-                           interpret=interpret)
-    if opts.chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {opts.chunk_size!r}")
-    if not isinstance(output_chunk_states, bool):
-        raise TypeError(f"output_chunk_states: expected a bool, got {type(output_chunk_states).__name__}")
+    opts = chunk_options(options, output_chunk_states, implementation=implementation, chunk_size=chunk_size,
+                         state_dtype=state_dtype, decay_dtype=decay_dtype, residuals=residuals,
+                         matmul_dtype=matmul_dtype, interpret=interpret)
     return call(CHUNK_IMPLEMENTATIONS, "chunk_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                 use_qk_l2norm=use_qk_l2norm, tiles=tiles, history="chunks" if output_chunk_states else None)
@@ -319,10 +335,7 @@ def recurrent_gated_delta_rule(
     cu_seqlens): what speculative decoding selects from after verifying
     draft tokens.
     """
-    opts = DeltaRuleOptions(implementation=implementation or "reference", state_dtype=state_dtype,
-                            decay_dtype=decay_dtype)
-    if not isinstance(output_token_states, bool):
-        raise TypeError(f"output_token_states: expected a bool, got {type(output_token_states).__name__}")
+    opts = recurrent_options(implementation, state_dtype, decay_dtype, output_token_states)
     return call(RECURRENT_IMPLEMENTATIONS, "recurrent_gated_delta_rule", opts, q, k, v, g, beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                 use_qk_l2norm=use_qk_l2norm, tiles=None, history="tokens" if output_token_states else None)

@@ -18,18 +18,17 @@ from __future__ import annotations
 import jax
 from jax.typing import DTypeLike
 
-from gdnx.ops.gated_delta_rule.api import call, resolve_options
+from gdnx.ops.gated_delta_rule.api import call, chunk_options, recurrent_options
 from gdnx.ops.gated_delta_rule.gates import check_gate
-from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles
 from gdnx.ops.gated_delta_rule.options import (
-    CHUNK_SIZES,
-    DEFAULTS,
     CHUNK_IMPLEMENTATIONS,
+    DEFAULTS,
     RECURRENT_IMPLEMENTATIONS,
     DeltaRuleOptions,
     Implementation,
     ResidualPolicy,
 )
+from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles
 
 
 def _gate(g, A_log, dt_bias, lower_bound):
@@ -74,13 +73,9 @@ def chunk_kda(
       interpret, tiles: as chunk_gated_delta_rule's, for the Pallas
         implementations.
     """
-    opts = resolve_options(options, implementation=implementation, chunk_size=chunk_size, state_dtype=state_dtype,
-                           decay_dtype=decay_dtype, residuals=residuals, matmul_dtype=matmul_dtype,
-                           interpret=interpret)
-    if opts.chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {opts.chunk_size!r}")
-    if not isinstance(output_chunk_states, bool):
-        raise TypeError(f"output_chunk_states: expected a bool, got {type(output_chunk_states).__name__}")
+    opts = chunk_options(options, output_chunk_states, implementation=implementation, chunk_size=chunk_size,
+                         state_dtype=state_dtype, decay_dtype=decay_dtype, residuals=residuals,
+                         matmul_dtype=matmul_dtype, interpret=interpret)
     return call(CHUNK_IMPLEMENTATIONS, "chunk_kda", opts, q, k, v, g, beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                 use_qk_l2norm=use_qk_l2norm, tiles=tiles, history="chunks" if output_chunk_states else None,
@@ -102,10 +97,7 @@ def recurrent_kda(
     also return the state after every token [B, T, HV, K, V] (no
     cu_seqlens).
     """
-    opts = DeltaRuleOptions(implementation=implementation or "reference", state_dtype=state_dtype,
-                            decay_dtype=decay_dtype)
-    if not isinstance(output_token_states, bool):
-        raise TypeError(f"output_token_states: expected a bool, got {type(output_token_states).__name__}")
+    opts = recurrent_options(implementation, state_dtype, decay_dtype, output_token_states)
     return call(RECURRENT_IMPLEMENTATIONS, "recurrent_kda", opts, q, k, v, g, beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                 use_qk_l2norm=use_qk_l2norm, tiles=None, history="tokens" if output_token_states else None,

@@ -14,7 +14,10 @@ per token and value head, saves the substitution). Everything else (gates,
 QK^T, KK^T, U, W, Vn) is recomputed with a few batched matmuls.
 
 It runs behind the custom VJP of `chunked` that every chunked
-implementation shares (residual policies, l2norm, packed sequences).
+implementation shares (residual policies, l2norm, packed sequences). KDA
+(`KDA_BACKEND`) walks the same scans with kda_math's per-value-head
+algebra: its gate blocks are [C, K] per value head, so QK^T and KK^T are
+no longer shared by a key head's group.
 Residual bytes per token beyond the inputs, float32 state:
     save:      HV * (K * V / C + C) * 4   (HV=32, K=V=128, C=64: 40 KiB)
     recompute: 0
@@ -22,12 +25,13 @@ Residual bytes per token beyond the inputs, float32 state:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from gdnx.ops.gated_delta_rule import chunk_math, chunked
+from gdnx.ops.gated_delta_rule import chunk_math, chunked, kda_math
 from gdnx.ops.gated_delta_rule.backend import Backend
 from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions, select
 from gdnx.ops.gated_delta_rule.options import DEFAULTS
@@ -44,22 +48,62 @@ def _values(fn, in_axes):
     return jax.vmap(jax.vmap(jax.vmap(fn, in_axes=in_axes)))
 
 
-def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool):
+def _head_forward(opts: ChunkOptions, per_channel: bool):
+    """fn(q, k, v, g, beta, state) -> (o, new state, tinv) of a chunk, over rows,
+    key heads and value heads: GDN's algebra, or KDA's (per-channel gates,
+    no products shared by a key head's group)."""
+    if per_channel:
+        return _values(functools.partial(kda_math.value_head_forward, **opts.algebra()), (None, None, 0, 0, 0, 0))
+    key_products = functools.partial(chunk_math.key_products, matmul_dtype=opts.matmul_dtype)
+    fwd = _values(functools.partial(chunk_math.value_head_forward, **opts.algebra()),
+                  (None, None, 0, 0, 0, None, None, 0))
+
+    def run(qa, ka, v, g, beta, state):
+        qk, kk = _keys(key_products)(qa, ka)
+        return fwd(qa, ka, v, g, beta, qk, kk, state)
+
+    return run
+
+
+def _head_backward(opts: ChunkOptions, per_channel: bool):
+    """fn(q, k, v, g, beta, tinv, state, do, dstate_out) -> (dq, dk, dv, dg,
+    dbeta, dstate_in) of a chunk, dq and dk summed over each key head's group."""
+    if per_channel:
+        bwd = _values(functools.partial(kda_math.value_head_backward, **opts.algebra()),
+                      (None, None, 0, 0, 0, 0, 0, 0, 0))
+
+        def run_kda(*args):
+            vg = bwd(*args)
+            return vg.dq.sum(2), vg.dk.sum(2), vg.dv, vg.dg, vg.dbeta, vg.dstate_in
+
+        return run_kda
+    key_products = functools.partial(chunk_math.key_products, matmul_dtype=opts.matmul_dtype)
+    key_products_bwd = functools.partial(chunk_math.key_products_bwd, matmul_dtype=opts.matmul_dtype)
+    bwd = _values(functools.partial(chunk_math.value_head_backward, **opts.algebra()),
+                  (None, None, 0, 0, 0, None, None, 0, 0, 0, 0))
+
+    def run(qa, ka, v, g, beta, tinv, state, do, dstate_out):
+        qk, kk = _keys(key_products)(qa, ka)
+        vg = bwd(qa, ka, v, g, beta, qk, kk, tinv, state, do, dstate_out)
+        dq_k, dk_k = _keys(key_products_bwd)(qa, ka, vg.dqk.sum(2), vg.dkk.sum(2))
+        return vg.dq.sum(2) + dq_k, vg.dk.sum(2) + dk_k, vg.dv, vg.dg, vg.dbeta, vg.dstate_in
+
+    return run
+
+
+def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool,
+            per_channel: bool = False):
     """Forward over chunk blocks: (o, final), plus the incoming state of every
     chunk and the chunk inverses when `save_residuals`."""
     reset, seq, last = flags.reset != 0, flags.seq, flags.last != 0
     acc = opts.state_dtype
-    key_products = functools.partial(chunk_math.key_products, matmul_dtype=opts.matmul_dtype)
-    fwd = functools.partial(chunk_math.value_head_forward, **opts.algebra())
+    head_forward = _head_forward(opts, per_channel)
 
     def body(carry, xs):
         state, final = carry
         qc, kc, vc, gc, bc, rs, sq, ls = xs
-        qa, ka = opts.keys(qc), opts.keys(kc)
-        qk, kk = _keys(key_products)(qa, ka)
         state = select(rs, h0[sq], state)
-        o, new_state, tinv = _values(fwd, (None, None, 0, 0, 0, None, None, 0))(
-            qa, ka, vc.astype(acc), gc, bc, qk, kk, state)
+        o, new_state, tinv = head_forward(opts.keys(qc), opts.keys(kc), vc.astype(acc), gc, bc, state)
         final = final.at[sq].set(select(ls, new_state, final[sq]))
         return (new_state, final), (o.astype(q.dtype),) + ((state, tinv) if save_residuals else ())
 
@@ -68,28 +112,23 @@ def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save
     return (ys[0], final) + tuple(ys[1:])
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions,
+             per_channel: bool = False):
     """Reverse scan carrying dS; each chunk's input gradients in the same step."""
     reset, seq, last = flags.reset != 0, flags.seq, flags.last != 0
     acc = opts.state_dtype
     dfinal = dfinal.astype(acc)
-    key_products = functools.partial(chunk_math.key_products, matmul_dtype=opts.matmul_dtype)
-    key_products_bwd = functools.partial(chunk_math.key_products_bwd, matmul_dtype=opts.matmul_dtype)
-    bwd = functools.partial(chunk_math.value_head_backward, **opts.algebra())
+    head_backward = _head_backward(opts, per_channel)
 
     def body(carry, xs):
         dstate, dh0 = carry
         qc, kc, vc, gc, bc, tc, state, do_c, rs, sq, ls = xs
-        qa, ka = opts.keys(qc), opts.keys(kc)
-        qk, kk = _keys(key_products)(qa, ka)
         dstate_out = dstate + select(ls, dfinal[sq], jnp.zeros_like(dstate))
-        vg = _values(bwd, (None, None, 0, 0, 0, None, None, 0, 0, 0, 0))(
-            qa, ka, vc.astype(acc), gc, bc, qk, kk, tc, state, do_c.astype(acc), dstate_out)
-        dq_k, dk_k = _keys(key_products_bwd)(qa, ka, vg.dqk.sum(2), vg.dkk.sum(2))
-        dx = (vg.dq.sum(2) + dq_k, vg.dk.sum(2) + dk_k, vg.dv, vg.dg, vg.dbeta)
-        dh0 = dh0.at[sq].add(select(rs, vg.dstate_in, jnp.zeros_like(vg.dstate_in)))
-        dstate = select(rs, jnp.zeros_like(vg.dstate_in), vg.dstate_in)
-        return (dstate, dh0), dx
+        *dx, dstate_in = head_backward(opts.keys(qc), opts.keys(kc), vc.astype(acc), gc, bc, tc, state,
+                                       do_c.astype(acc), dstate_out)
+        dh0 = dh0.at[sq].add(select(rs, dstate_in, jnp.zeros_like(dstate_in)))
+        dstate = select(rs, jnp.zeros_like(dstate_in), dstate_in)
+        return (dstate, dh0), tuple(dx)
 
     init = (jnp.zeros_like(states[0]), jnp.zeros_like(dfinal))
     xs = (q, k, v, g, beta, tinv, states, do, reset, seq, last)
@@ -98,6 +137,9 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
 
 
 BACKEND = Backend("xla", forward=forward, backward=backward)
+# KDA (per-channel gates, g blocks [C, K]): the same scans over kda_math
+KDA_BACKEND = dataclasses.replace(BACKEND, forward=functools.partial(forward, per_channel=True),
+                                  backward=functools.partial(backward, per_channel=True))
 
 
 def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
