@@ -16,8 +16,17 @@ _BASE = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attentio
              layer_types=["linear_attention", "full_attention"] * 2)
 _QWEN_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+# Kimi Linear: KDA (2 heads), latent attention (4 heads, K != V, no query
+# bottleneck or one of rank 12), group-limited sigmoid routing
+_KIMI = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, intermediate_size=48,
+             moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, linear_num_heads=2,
+             linear_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2, pad_token_id=None,
+             bos_token_id=None, eos_token_id=None)
 # kind -> (config class, model class, fields): GVA groups 2 (Qwen3-Next, OLMo
-# Hybrid), 3 (Qwen3.5 dense) and 4 (Qwen3.5 MoE); OLMo with beta in [0, 2]
+# Hybrid), 3 (Qwen3.5 dense) and 4 (Qwen3.5 MoE); OLMo with beta in [0, 2];
+# Kimi Linear with its first layer dense and 2 of 4 groups of experts, or
+# every layer routed over one group behind a low-rank query
 KINDS = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
                    dict(head_dim=16, linear_num_value_heads=4, intermediate_size=48, num_experts=0,
@@ -33,17 +42,25 @@ KINDS = {
                     dict(linear_num_value_heads=4, intermediate_size=48, linear_allow_neg_eigval=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, pad_token_id=None,
                          eos_token_id=None)),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                    dict(_KIMI, q_lora_rank=None, n_group=4, topk_group=2,
+                         mlp_layer_types=["dense", "sparse", "sparse", "sparse"])),
+    "kimi_linear_q_lora": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                           dict(_KIMI, q_lora_rank=12, n_shared_experts=2, mlp_layer_types=["sparse"] * 4)),
 }
+# the kinds whose configs take _BASE's fields
+_BASED = ("qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 
 
 def tiny_hf_config(kind: str, **kw):
     config_cls, _, fields = KINDS[kind]
-    return getattr(transformers, config_cls)(**{**_BASE, **fields, **kw})
+    return getattr(transformers, config_cls)(**{**(_BASE if kind in _BASED else {}), **fields, **kw})
 
 
 def random_hf_model(kind: str, seed: int = 0, scale: float = 1.0, **kw):
     """HF's own init, plus noise on the parameters it initialises to
-    constants (norm weights, dt_bias), so a swapped or skipped one shows."""
+    constants (norm weights, dt_bias, routers' correction biases), so a
+    swapped or skipped one shows."""
     torch.manual_seed(seed)
     model = getattr(transformers, KINDS[kind][1])(tiny_hf_config(kind, **kw)).eval()
     with torch.no_grad():
@@ -52,6 +69,9 @@ def random_hf_model(kind: str, seed: int = 0, scale: float = 1.0, **kw):
                 p.add_(0.2 * torch.randn_like(p))
             elif scale != 1.0:
                 p.mul_(scale)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
     return model
 
 

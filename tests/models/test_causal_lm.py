@@ -34,6 +34,10 @@ FAMILIES = {
     "olmo_hybrid": dict(family="olmo_hybrid", num_experts=0, head_dim=8, partial_rotary_factor=1.0,
                         linear_allow_neg_eigval=True),
     "olmo_hybrid_nope": dict(family="olmo_hybrid", num_experts=0, head_dim=8, rope_theta=None),
+    # KDA (2 heads), latent attention, the grouped sigmoid router (1 of 2 groups)
+    "kimi_linear": dict(family="kimi_linear", rope_theta=None, linear_num_value_heads=2, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_group=2, topk_group=1,
+                        routed_scaling_factor=2.0),
 }
 
 
@@ -154,12 +158,12 @@ def test_bundled_family_configs_build_the_published_sizes(name):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas_tpu"])
-@pytest.mark.parametrize("family", ["qwen3_next_moe", "olmo_hybrid"])
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "olmo_hybrid", "kimi_linear"])
 def test_packed_documents_match_each_document_alone(implementation, family):
     """Three documents (7, 20 and 13 tokens) packed in one row after others:
     each one's logits equal those of the document alone (float32, relative
-    1e-5), through GDN, attention and MoE layers, with the XLA path and the
-    Pallas TPU kernel (interpret mode)."""
+    1e-5), through GDN or KDA, attention (latent attention) and MoE layers,
+    with the XLA path and the Pallas TPU kernel (interpret mode)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the kernel on CPU warns that it interprets
         model = _model(**FAMILIES[family], gdn_implementation=implementation)
@@ -196,7 +200,7 @@ SCANNED = dict(num_hidden_layers=7, layer_types=["linear_attention", "linear_att
                + ["linear_attention"], mlp_only_layers=[0, 3, 6])
 
 
-@pytest.mark.parametrize("family", ["qwen3_next_moe", "olmo_hybrid"])
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "olmo_hybrid", "kimi_linear"])
 def test_scanned_layers_equal_the_unrolled_stack(family):
     """The scanned model starts from the unrolled model's parameters (bit for
     bit, stacked), and gives its logits, load-balancing loss, gradients and
@@ -274,12 +278,13 @@ def test_the_parameter_count_is_the_built_models(name, overrides):
     assert parameter_count(cfg) == sum(x.size for x in jax.tree.leaves(built))
 
 
-def test_padded_rows_and_state_histories_for_serving():
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_padded_rows_and_state_histories_for_serving(family):
     """A cache with a length per row: right-padded rows (lengths) give each
     row's logits and next states as the row alone, and history_every keeps
-    the GDN states after every block, equal to a prefill stopped there
+    the GDN (KDA) states after every block, equal to a prefill stopped there
     (float32, 1e-5: the same algebra in other shapes)."""
-    model = _model(num_experts=0)
+    model = _model(**{**FAMILIES.get(family, {}), "num_experts": 0})
     toks = _tokens(2, 32, seed=4)
     lengths = jnp.asarray([13, 32], jnp.int32)
     padded = nnx.jit(lambda m, t, c, n: m.hidden_states(t, c, lengths=n, history_every=16))

@@ -19,7 +19,7 @@ from gdnx.models import CausalLM
 from gdnx.parallel import shardings
 from tests.parallel.helpers import mesh
 
-KINDS = ("qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
+KINDS = ("qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
 MESHES = {"fsdp8": dict(data=1, fsdp=8), "fsdp4_tensor2": dict(data=1, fsdp=4, tensor=2)}
 
 

@@ -13,7 +13,10 @@ from gdnx.stacking import STACKED, layer_ndim
 from gdnx.training.step import make_optimizer
 from tests.parallel.helpers import mesh
 
-KINDS = [("qwen3_next", 4), ("qwen3_5", 0), ("qwen3_5", 4), ("olmo_hybrid", 0)]
+KINDS = [("qwen3_next", 4), ("qwen3_5", 0), ("qwen3_5", 4), ("olmo_hybrid", 0), ("kimi_linear", 4)]
+# what a family needs beyond the tiny model's fields
+FAMILY_FIELDS = {"kimi_linear": ["model.rope_theta=null", "model.linear_value_head_dim=64", "model.kv_lora_rank=16", "model.q_lora_rank=8",
+                                 "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=16"]}
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
@@ -23,7 +26,8 @@ def test_every_matrix_has_its_axes_from_the_table(family, experts, scan):
     layer finds its own entry in the table (a renamed projection would not,
     and is refused below), and the optimizer's moments place like it."""
     over = [f"model.family={family}", f"model.num_experts={experts}", "model.num_hidden_layers=8",
-            "model.layer_types=null", "model.full_attention_interval=4", f"model.scan_layers={str(scan).lower()}"]
+            "model.layer_types=null", "model.full_attention_interval=4", f"model.scan_layers={str(scan).lower()}",
+            *FAMILY_FIELDS.get(family, [])]
     if experts:
         over += ["model.num_experts_per_tok=2", "model.moe_intermediate_size=32",
                  "model.shared_expert_intermediate_size=32"]

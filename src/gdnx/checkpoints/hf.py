@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 
 from gdnx.files import atomic_write, atomic_write_text, read_json_object
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
-from gdnx.checkpoints.hf_names import Experts, Index, locate
+from gdnx.checkpoints.hf_names import ALIASES, Experts, Index, locate
 from gdnx.config.schema import ModelConfig
 from gdnx.stacking import layer_paths
 
@@ -61,7 +61,9 @@ class _Reader:
     """Slices of tensors by name across the directory's safetensors files,
     read as numpy on the host."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, aliases: tuple[tuple[str, str], ...] = ()):
+        """aliases: (part of a name, what the files may have in its place)."""
+        self.aliases = aliases
         index = directory / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -86,10 +88,19 @@ class _Reader:
         self.weight_map = weight_map
         self.used: set[str] = set()
 
+    def _resolve(self, key: str) -> str:
+        """The name the files hold `key` under (itself, else an alias's)."""
+        if key not in self.weight_map:
+            for part, alias in self.aliases:
+                if part in key and key.replace(part, alias) in self.weight_map:
+                    return key.replace(part, alias)
+        return key
+
     def has(self, key: str) -> bool:
-        return key in self.weight_map
+        return self._resolve(key) in self.weight_map
 
     def _slice(self, key: str) -> Any:
+        key = self._resolve(key)
         if key not in self.weight_map:
             raise KeyError(key)
         try:
@@ -102,6 +113,7 @@ class _Reader:
         floating point (an integer, boolean or NaN tensor is not one to cast
         and use)."""
         view = self._slice(key)
+        key = self._resolve(key)
         stored = view.get_dtype()  # as in the file: F32, BF16, I64, BOOL, ...
         if not stored.startswith(("F", "BF")):
             name = _STORED_INTEGERS.get(stored, stored.lower())
@@ -114,6 +126,7 @@ class _Reader:
         """The tensor, or the part `index` selects; refused when it holds
         NaN or an infinity."""
         view = self._slice(key)
+        key = self._resolve(key)
         try:
             value = view[index if index is not None else tuple(slice(None) for _ in view.get_shape())]
         except SafetensorError as e:
@@ -124,9 +137,9 @@ class _Reader:
 
 
 def _expert_keys(reader: _Reader, where: Experts, num_experts: int) -> list[str]:
-    prefix, part = where
-    if reader.has(f"{prefix}.0.{part}_proj.weight"):
-        return [f"{prefix}.{e}.{part}_proj.weight" for e in range(num_experts)]
+    prefix, part, name = where
+    if reader.has(f"{prefix}.0.{name}.weight"):
+        return [f"{prefix}.{e}.{name}.weight" for e in range(num_experts)]
     return [f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"]
 
 
@@ -137,7 +150,7 @@ def _experts_shape(reader: _Reader, where: Experts, num_experts: int) -> tuple[t
     shapes = [reader.shape(k) for k in keys]
     if len(keys) > 1:  # per expert: [out, in] each
         if len(set(shapes)) != 1 or len(shapes[0]) != 2:
-            raise ValueError(f"{where.prefix}.*.{where.part}_proj.weight: experts of shapes {sorted(set(shapes))}, "
+            raise ValueError(f"{where.prefix}.*.{where.name}.weight: experts of shapes {sorted(set(shapes))}, "
                              "expected one [out, in] shape")
         out, inp = shapes[0]
         return (len(keys), inp, out), f"{len(keys)} x {shapes[0]}"
@@ -249,7 +262,7 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
     In a multi-process run each process reads its devices' parts."""
     directory = Path(path)
     prefix = "model.language_model." if _hf_config(directory).get("model_type") in VISION_LANGUAGE else "model."
-    reader = _Reader(directory)
+    reader = _Reader(directory, ALIASES.get(cfg.family, ()))
     missing = []
     flat = nnx.to_flat_state(params)
     for p, var in flat:
@@ -315,7 +328,7 @@ def hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
             value = whole[i] if stacked else whole
             if isinstance(where, Experts):
                 for e in range(value.shape[0]):
-                    yield f"{where.prefix}.{e}.{where.part}_proj.weight", np.ascontiguousarray(value[e].T)
+                    yield f"{where.prefix}.{e}.{where.name}.weight", np.ascontiguousarray(value[e].T)
             else:
                 for key, tensor in zip(where.keys, where.to_hf(value)):
                     yield key, np.ascontiguousarray(tensor)

@@ -1,6 +1,8 @@
 """Hugging Face config.json <-> gdnx ModelConfig, for every family gdnx
 builds. A config.json's model_type picks the family; a vision-language
-checkpoint (qwen3_5, qwen3_5_moe) gives its text_config."""
+checkpoint (qwen3_5, qwen3_5_moe) gives its text_config. Kimi Linear's
+config.json spells several fields its own way (KIMI_NAMES) and may hold
+its KDA layers' sizes and pattern in linear_attn_config."""
 
 from __future__ import annotations
 
@@ -51,12 +53,32 @@ TRANSFORMERS_DEFAULTS: dict[str, dict] = {
                     "linear_allow_neg_eigval": True, "rope_parameters": {"rope_type": "default",
                                                                          "rope_theta": 10000.0}},
 }
+# Kimi Linear: transformers' defaults under gdnx's field names
+TRANSFORMERS_DEFAULTS["kimi_linear"] = {
+    "vocab_size": 163840, "hidden_size": 2304, "num_hidden_layers": 27, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02, "num_attention_heads": 32,
+    "attention_bias": False, "max_position_embeddings": 1048576, "intermediate_size": 9216,
+    "moe_intermediate_size": 1024, "num_experts": 256, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446, "n_shared_experts": 1, "kv_lora_rank": 512,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "linear_num_heads": 32, "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "first_k_dense_replace": 1,
+    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839}
+# Kimi Linear's config.json names (transformers' attribute_map) for gdnx's field names
+KIMI_NAMES = {"max_position_embeddings": "model_max_length", "norm_topk_prob": "moe_renormalize",
+              "n_group": "num_expert_group", "num_experts_per_tok": "num_experts_per_token",
+              "n_shared_experts": "num_shared_experts"}
+_KIMI_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings",
+                "hidden_act", "initializer_range", "num_attention_heads", "attention_bias", "max_position_embeddings",
+                "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+                "n_group", "topk_group", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "bos_token_id", "eos_token_id", "pad_token_id")
 # model_type -> (family, the FIELDS entry); the vision-language ones carry a text_config
 MODEL_TYPES = {
     "qwen3_next": ("qwen3_next", "qwen3_next"),
     "qwen3_5": ("qwen3_5", "qwen3_5"), "qwen3_5_text": ("qwen3_5", "qwen3_5"),
     "qwen3_5_moe": ("qwen3_5", "qwen3_5_moe"), "qwen3_5_moe_text": ("qwen3_5", "qwen3_5_moe"),
     "olmo_hybrid": ("olmo_hybrid", "olmo_hybrid"),
+    "kimi_linear": ("kimi_linear", "kimi_linear"),
 }
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
 # Qwen3.5's multimodal RoPE sections: with text-only positions (the same
@@ -92,6 +114,54 @@ def language_model_config(hf: dict) -> dict:
     return {**text, "model_type": hf["model_type"] + "_text"}
 
 
+def _kimi(hf: dict) -> dict:
+    """ModelConfig fields of a Kimi Linear config.json, read as transformers
+    reads it (a name transformers maps, else gdnx's; then its default)."""
+    defaults = TRANSFORMERS_DEFAULTS["kimi_linear"]
+
+    def get(name: str):
+        for key in (KIMI_NAMES.get(name), name, {"num_experts": "num_local_experts"}.get(name)):
+            if key is not None and key in hf:
+                return hf[key]
+        return defaults[name]
+
+    linear = hf.get("linear_attn_config") or {}
+    if not isinstance(linear, dict):
+        raise ValueError("config.json: linear_attn_config: expected an object")
+    heads = linear.get("num_heads", get("linear_num_heads"))
+    n = get("num_hidden_layers")
+    layer_types = hf.get("layer_types")
+    if layer_types is None and "full_attn_layers" in linear and "kda_layers" in linear:
+        # 1-indexed layer numbers
+        layer_types = [None] * n
+        for kind, key in (("full_attention", "full_attn_layers"), ("linear_attention", "kda_layers")):
+            for i in linear[key]:
+                if not (isinstance(i, int) and 1 <= i <= n):
+                    raise ValueError(f"config.json: linear_attn_config.{key}: layer numbers count from 1 to "
+                                     f"num_hidden_layers={n}, got {i!r}")
+                layer_types[i - 1] = kind
+        if None in layer_types:
+            raise ValueError(f"config.json: linear_attn_config: layer {layer_types.index(None) + 1} is in neither "
+                             "full_attn_layers nor kda_layers")
+    elif layer_types is None:
+        layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    mlp_types = hf.get("mlp_layer_types")
+    if mlp_types is None:
+        dense = hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
+        mlp_types = ["dense" if i < dense else "sparse" for i in range(n)]
+    if not isinstance(mlp_types, list) or not set(mlp_types) <= {"dense", "sparse"}:
+        raise ValueError(f"config.json: mlp_layer_types: expected a list of 'dense' and 'sparse', got {mlp_types!r}")
+    fields = {k: get(k) for k in _KIMI_FIELDS}
+    dim = linear.get("head_dim", get("linear_head_dim"))
+    fields.update(
+        layer_types=layer_types, mlp_only_layers=[i for i, t in enumerate(mlp_types) if t == "dense"],
+        linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=dim, linear_value_head_dim=dim,
+        linear_conv_kernel_dim=linear.get("short_conv_kernel_size", get("linear_conv_kernel_dim")),
+        shared_expert_intermediate_size=get("moe_intermediate_size") * get("n_shared_experts"),
+        num_key_value_heads=get("num_attention_heads"), rope_theta=None, router_aux_loss_coef=0.0)
+    return fields
+
+
 def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig:
     """ModelConfig from a config.json dict; overrides are ModelConfig fields."""
     model_type = hf.get("model_type", "qwen3_next")
@@ -99,6 +169,8 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
         raise ValueError(f"config.json: model_type {model_type!r} is not a GDN hybrid gdnx builds "
                          f"(supported: {', '.join(MODEL_TYPES)})")
     family, kind = MODEL_TYPES[model_type]
+    if family == "kimi_linear":
+        return _validated({"family": family, **_kimi(hf), **(overrides or {})})
     # a field config.json leaves out is transformers' default (an explicit null stays null)
     given = language_model_config(hf)
     defaults = dict(TRANSFORMERS_DEFAULTS[kind])
@@ -114,6 +186,10 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
     elif kind == "qwen3_5":
         fields["num_experts"] = 0
     fields.update(overrides or {})
+    return _validated(fields)
+
+
+def _validated(fields: dict) -> ModelConfig:
     try:
         return ModelConfig.model_validate(fields)
     except pydantic.ValidationError as e:
@@ -126,8 +202,29 @@ def _refuse(cfg: ModelConfig, kind: str, checks: dict[str, object]) -> None:
             raise ValueError(f"model.{field}: a {kind} checkpoint stores only {value!r}, got {getattr(cfg, field)!r}")
 
 
+def _kimi_config(cfg: ModelConfig) -> dict:
+    moe = cfg.num_experts > 0
+    if moe and cfg.shared_expert_intermediate_size % cfg.moe_intermediate_size:
+        raise ValueError(f"model.shared_expert_intermediate_size: a kimi_linear checkpoint stores shared experts of "
+                         f"moe_intermediate_size={cfg.moe_intermediate_size} each, got "
+                         f"{cfg.shared_expert_intermediate_size}")
+    _refuse(cfg, "kimi_linear", {"decoder_sparse_step": 1, "num_key_value_heads": cfg.num_attention_heads})
+    out: dict[str, object] = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear"}
+    for field in _KIMI_FIELDS:
+        out[KIMI_NAMES.get(field, field)] = getattr(cfg, field)
+    out["num_shared_experts"] = cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size
+    out["num_key_value_heads"] = cfg.num_attention_heads
+    out["layer_types"] = list(cfg.resolved_layer_types)
+    out["mlp_layer_types"] = ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_hidden_layers)]
+    out.update(linear_num_heads=cfg.linear_num_key_heads, linear_head_dim=cfg.linear_key_head_dim,
+               linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, dtype=cfg.param_dtype)
+    return out
+
+
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """A config.json dict of the family's text model that transformers reads."""
+    if cfg.family == "kimi_linear":
+        return _kimi_config(cfg)
     moe = cfg.num_experts > 0
     if cfg.family == "qwen3_next":
         kind, arch = "qwen3_next", "Qwen3NextForCausalLM"

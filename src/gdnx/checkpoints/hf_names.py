@@ -7,7 +7,12 @@ Qwen3-Next's checkpoints store exactly that, Qwen3.5's store in_proj_qkv
 ([all q | all k | all v]) and in_proj_z, in_proj_b, in_proj_a, OLMo
 Hybrid's q/k/v/g_proj and b/a_proj. OLMo Hybrid's checkpoints also keep
 the conv weight in three parts (q/k/v_conv1d) and name two norms as OLMo
-does (attention_layer_norm, feedforward_layer_norm). Every conversion is a reshape,
+does (attention_layer_norm, feedforward_layer_norm). Kimi Linear's keep
+KDA's q, k, v projections and convs in three parts, its A_log as
+[1, 1, H, 1], its MLPs (dense and MoE) under block_sparse_moe (the
+published checkpoints' dense layers under mlp, which the reader takes as
+an alias: ALIASES), its shared expert as shared_experts and its routed
+experts as w1 / w3 / w2 (gate, up, down). Every conversion is a reshape,
 transpose, split or concatenation, so a load and a save give back the same
 bits. The conversions to a parameter take numpy arrays (a load reads
 slices on the host) or jax values (a shape check under eval_shape), and
@@ -49,10 +54,17 @@ def _xp(*xs: Any) -> Any:
 
 
 class Experts(NamedTuple):
-    """A routed-experts parameter [E, ...]: per expert ({prefix}.{e}.{part}_proj.weight)
+    """A routed-experts parameter [E, ...]: per expert ({prefix}.{e}.{name}.weight)
     in published checkpoints, or fused ({prefix}.gate_up_proj, {prefix}.down_proj)."""
     prefix: str
     part: str  # gate, up or down
+    name: str  # the per-expert tensor's module: {part}_proj, or Kimi's w1, w3, w2
+
+
+# Kimi Linear's per-expert module names
+_KIMI_EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}
+# per family: (a part of a tensor name, what a checkpoint may have in its place)
+ALIASES: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": ((".block_sparse_moe.", ".mlp."),)}
 
 
 def _t(x: Any) -> Any:
@@ -143,6 +155,25 @@ def _gdn(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
     return _per_key_head([p + n + ".weight" for n in names], [[hv], [hv]], hk)
 
 
+def _kda(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
+    """A KimiDeltaAttention parameter (`name` its attribute) under self_attn."""
+    p = prefix + "self_attn."
+    d = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    if name == "in_proj_qkv":
+        return _per_key_head([p + f"{x}_proj.weight" for x in "qkv"], [[d], [d], [d]], cfg.linear_num_key_heads)
+    if name == "conv_weight":
+        return Tensors(tuple(p + f"{x}_conv1d.weight" for x in "qkv"),
+                       lambda q, k, v: _xp(q, k, v).concatenate([q, k, v], axis=0)[:, 0],
+                       lambda w: tuple(x[:, None] for x in _xp(w).split(w, [d, 2 * d], axis=0)))
+    if name == "A_log":
+        return Tensors((p + "A_log",), lambda w: w.reshape(-1), lambda a: (a.reshape(1, 1, -1, 1),))
+    if name == "dt_bias":
+        return _same(p + name)
+    if name == "norm_weight":
+        return _same(p + "o_norm.weight")
+    return _transposed(p + {"out_proj": "o_proj"}.get(name, name) + ".weight")
+
+
 # OLMo Hybrid's names for the norms before a layer's mixer and its MLP (or,
 # in its post-norm attention layers, after the mixer)
 _OLMO_NORMS = {"input_layernorm": "attention_layer_norm", "post_attention_layernorm": "feedforward_layer_norm"}
@@ -164,11 +195,21 @@ def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.") -> Tensors | E
         if cfg.family == "olmo_hybrid":
             block = _OLMO_NORMS.get(block, block)
         return _same(layer + block + ".weight")
+    linear = cfg.resolved_layer_types[int(i)] == "linear_attention"
+    if block == "mixer" and linear and cfg.linear_kind == "kda":
+        return _kda(cfg, tail[0], layer)
     if block == "mixer" and tail[0] in ("conv_weight", "dt_bias", "A_log", "norm_weight", "in_proj_qkvz",
                                         "in_proj_ba", "out_proj"):
         return _gdn(cfg, tail[0], layer)
+    kimi = cfg.family == "kimi_linear"
+    mlp = "block_sparse_moe." if kimi else "mlp."
     if tail[0].startswith("experts_"):
-        return Experts(layer + "mlp.experts", tail[0].removeprefix("experts_"))
-    module = layer + ("self_attn." if block == "mixer" else "mlp.") + ".".join(tail[:-1])
+        part = tail[0].removeprefix("experts_")
+        return Experts(layer + mlp + "experts", part, _KIMI_EXPERTS[part] if kimi else f"{part}_proj")
+    if block == "mlp" and tail == ["e_score_correction_bias"]:
+        return _same(layer + mlp + "gate.e_score_correction_bias")
+    if kimi and tail[0] == "shared_expert":
+        tail = ["shared_experts", *tail[1:]]
+    module = layer + ("self_attn." if block == "mixer" else mlp) + ".".join(tail[:-1])
     leaf = tail[-1]
     return _transposed(module + ".weight") if leaf == "kernel" else _same(module + "." + leaf)

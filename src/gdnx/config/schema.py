@@ -26,8 +26,9 @@ from gdnx.ops.gated_delta_rule.options import (
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 # qwen3_next: Qwen3-Next; qwen3_5: Qwen3.5, dense (num_experts 0) or MoE;
-# olmo_hybrid: OLMo Hybrid (docs/model.md has what differs between them)
-Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid"]
+# olmo_hybrid: OLMo Hybrid; kimi_linear: Kimi Linear (KDA and latent
+# attention). docs/model.md has what differs between them.
+Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"]
 FAMILIES: tuple[str, ...] = get_args(Family)
 # depth from which scan_layers: null scans the stack
 SCAN_MIN_LAYERS = 8
@@ -87,7 +88,22 @@ class ModelConfig(_Strict):
     partial_rotary_factor: float = Field(0.25, gt=0.0, le=1.0)
     max_position_embeddings: PositiveInt = 262144
 
-    # Gated DeltaNet
+    # Multi-head latent attention (kimi_linear's full_attention layers): keys
+    # and values from a compressed latent of kv_lora_rank features plus a
+    # rope part of qk_rope_head_dim shared by every head; the query through a
+    # q_lora_rank bottleneck, or none (null)
+    kv_lora_rank: PositiveInt = 512
+    q_lora_rank: PositiveInt | None = None
+    qk_nope_head_dim: PositiveInt = 128
+    qk_rope_head_dim: PositiveInt = 64
+    v_head_dim: PositiveInt = 128
+    # calls with a cache and few queries (decode, verify; a prefill while it
+    # costs fewer FLOPs) attend over the cached latents with kv_b_proj folded
+    # into the query and output (DeepSeek's); false always expands keys and
+    # values from the latents
+    mla_absorb: bool = True
+
+    # Gated DeltaNet, or KDA (kimi_linear; key and value heads alike)
     linear_num_key_heads: PositiveInt = 16
     linear_num_value_heads: PositiveInt = 32
     linear_key_head_dim: PositiveInt = 128
@@ -102,6 +118,13 @@ class ModelConfig(_Strict):
     moe_intermediate_size: PositiveInt = 512
     shared_expert_intermediate_size: PositiveInt = 512
     norm_topk_prob: bool = True
+    # kimi_linear's router: sigmoid scores with a per-expert correction bias
+    # for the choice, top-k within the topk_group best of n_group groups of
+    # experts, the weights (renormalised with norm_topk_prob) times
+    # routed_scaling_factor; its shared expert has no gate
+    n_group: PositiveInt = 1
+    topk_group: PositiveInt = 1
+    routed_scaling_factor: PositiveFloat = 1.0
     decoder_sparse_step: PositiveInt = 1
     mlp_only_layers: list[int] = Field(default_factory=list)
     router_aux_loss_coef: float = Field(0.001, ge=0.0)
@@ -175,6 +198,27 @@ class ModelConfig(_Strict):
         if moe and self.num_experts_per_tok > self.num_experts:
             errors.append(("num_experts_per_tok", f"must be <= num_experts={self.num_experts}, "
                            f"got {self.num_experts_per_tok}"))
+        per_group = self.num_experts // self.n_group
+        if moe and self.num_experts % self.n_group:
+            errors.append(("n_group", f"must divide num_experts={self.num_experts}, got {self.n_group}"))
+        elif moe and self.topk_group > self.n_group:
+            errors.append(("topk_group", f"must be <= n_group={self.n_group}, got {self.topk_group}"))
+        elif moe and self.topk_group < self.n_group and per_group < 2:
+            errors.append(("n_group", f"groups are scored by their best two experts; {self.n_group} groups of "
+                           f"{self.num_experts} experts hold {per_group}"))
+        elif moe and self.num_experts_per_tok > self.topk_group * per_group:
+            errors.append(("num_experts_per_tok", f"must be <= the {self.topk_group * per_group} experts of "
+                           f"topk_group={self.topk_group} groups, got {self.num_experts_per_tok}"))
+        if self.family == "kimi_linear" and self.rope_theta is not None:
+            errors.append(("rope_theta", f"kimi_linear's latent attention has no rotary embedding; set it to null, "
+                           f"got {self.rope_theta}"))
+        if self.family == "kimi_linear" and "linear_attention" in used and (
+                self.linear_num_value_heads != self.linear_num_key_heads
+                or self.linear_value_head_dim != self.linear_key_head_dim):
+            errors.append(("linear_num_value_heads", "kimi_linear's KDA layers have as many value heads as key heads "
+                           "and value heads as wide as key heads; got "
+                           f"{self.linear_num_key_heads} x {self.linear_key_head_dim} keys, "
+                           f"{self.linear_num_value_heads} x {self.linear_value_head_dim} values"))
         if self.family == "olmo_hybrid" and moe:
             errors.append(("num_experts", f"olmo_hybrid has dense MLPs only; set it to 0, got {self.num_experts}"))
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
@@ -186,6 +230,27 @@ class ModelConfig(_Strict):
         if errors:
             raise ValueError("; ".join(f"{field}: {msg}" for field, msg in errors))
         return self
+
+    @property
+    def linear_kind(self) -> Literal["gdn", "kda"]:
+        """The delta rule of the linear_attention layers: GDN's per-head
+        gate, or KDA's per-channel one (kimi_linear)."""
+        return "kda" if self.family == "kimi_linear" else "gdn"
+
+    @property
+    def attention_kind(self) -> Literal["gated", "normed", "latent"]:
+        """The full_attention layers: gated (Qwen), normed (OLMo Hybrid) or
+        multi-head latent attention (kimi_linear)."""
+        if self.family == "kimi_linear":
+            return "latent"
+        return "normed" if self.family == "olmo_hybrid" else "gated"
+
+    @property
+    def router_kind(self) -> Literal["softmax", "sigmoid"]:
+        """The MoE router: softmax over experts with a gated shared expert
+        (Qwen), or sigmoid scores, grouped choice and an ungated shared
+        expert (kimi_linear)."""
+        return "sigmoid" if self.family == "kimi_linear" else "softmax"
 
     @property
     def resolved_layer_types(self) -> tuple[str, ...]:
@@ -262,14 +327,17 @@ class DataConfig(_Strict):
 
 
 # the projections a LoRA adapter can target (train.lora.targets), by name:
-# the GDN projections, attention's, the MLP's (dense, and a MoE's shared
-# expert), and the routed experts
-LoraTarget = Literal["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                     "up_proj", "down_proj", "experts"]
+# the GDN projections (in_proj_qkvz, in_proj_ba, out_proj), KDA's
+# (in_proj_qkv, its gates' f_a/f_b/g_a/g_b_proj, b_proj, out_proj),
+# attention's (q/k/v/o_proj; latent attention's q_proj or q_a/q_b_proj,
+# kv_a_proj_with_mqa, kv_b_proj, o_proj), the MLP's (dense, and a MoE's
+# shared expert), and the routed experts
+LoraTarget = Literal["in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj",
+                     "b_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                     "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj", "experts"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoraTarget)
 # every projection but the routed experts (whose adapters multiply by the experts' count)
-_DEFAULT_LORA_TARGETS: tuple[LoraTarget, ...] = ("in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "k_proj",
-                                                 "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_DEFAULT_LORA_TARGETS: tuple[LoraTarget, ...] = tuple(t for t in get_args(LoraTarget) if t != "experts")
 
 
 class LoraConfig(_Strict):

@@ -6,7 +6,6 @@ or none, no gate. Both share the attention and its cache."""
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -25,10 +24,16 @@ class KVCache(NamedTuple):
     k: jax.Array
     v: jax.Array
 
+    @property
+    def capacity(self) -> int:
+        """Tokens the cache holds."""
+        return self.k.shape[-3]
+
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                      segments: jax.Array | None = None) -> jax.Array:
-    """Softmax attention of q [B, T, H, D] over k, v [B, S, Hkv, D] where a
+    """Softmax attention of q [B, T, H, D] over k [B, S, Hkv, D] and v
+    [B, S, Hkv, Dv] (scaled by D^-1/2) where a
     key is visible when its position is <= the query's (positions [T] or
     [B, T] (each row at its own offset), and [S];
     cache slots not yet written carry positions past every query) and, with
@@ -52,8 +57,23 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     scores = jnp.where(visible, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bgrts,bsgd->btgrd", probs, v, preferred_element_type=jnp.float32)
-    return jnp.reshape(out, (b, t, h, d), out_sharding=out_sharding(("batch", "length", "heads", None),
-                                                                   (b, t, h, d))).astype(q.dtype)
+    dv = v.shape[-1]
+    return jnp.reshape(out, (b, t, h, dv), out_sharding=out_sharding(("batch", "length", "heads", None),
+                                                                     (b, t, h, dv))).astype(q.dtype)
+
+
+def write_cache(buf: jax.Array, x: jax.Array, start: jax.Array | int, axes: tuple[str | None, ...]) -> jax.Array:
+    """buf [B, S, ...] with x [B, T, ...] written at [start, start + T) of
+    each row: start a scalar, or [B] (each row's own); axes: buf's logical
+    axes, kept on a mesh (the length stays whole: writes land at any
+    offset)."""
+    zero = jnp.zeros((), jnp.int32)  # indices of one dtype, whatever jax_enable_x64 says
+    start = jnp.asarray(start, jnp.int32)
+    rest = (zero,) * (buf.ndim - 2)
+    if start.ndim == 0:
+        return jax.lax.dynamic_update_slice(constrain(buf, axes), constrain(x.astype(buf.dtype), axes),
+                                            (zero, start, *rest))
+    return jax.vmap(lambda b, x, s: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (s, *rest)))(buf, x, start)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache: KVCache | None,
@@ -68,18 +88,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache
         # key and value (causal_attention; the mask hides the later ones):
         # simple, and full attention is one layer in four.
         return causal_attention(q, k, v, positions, positions, segments), None
-    zero = jnp.zeros((), jnp.int32)  # indices of one dtype, whatever jax_enable_x64 says
-    start = jnp.asarray(start, jnp.int32)
     # on a mesh the cache keeps its length whole (writes land at any offset)
-    place = functools.partial(constrain, axes=("batch", None, "kv_heads", None))
-    if start.ndim == 0:
-        def write(buf, x):
-            return jax.lax.dynamic_update_slice(place(buf), place(x.astype(buf.dtype)), (zero, start, zero, zero))
-    else:
-        def write(buf, x):
-            return jax.vmap(lambda b, x, s: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (s, zero, zero)))(
-                buf, x, start)
-    cache = KVCache(write(cache.k, k), write(cache.v, v))
+    axes = ("batch", None, "kv_heads", None)
+    cache = KVCache(write_cache(cache.k, k, start, axes), write_cache(cache.v, v, start, axes))
     slots = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
     return causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots), cache
 

@@ -26,7 +26,8 @@ from jax.typing import DTypeLike
 
 from gdnx.layers.documents import document_starts
 from gdnx.layers.linear import linear
-from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, recurrent_gated_delta_rule
+from gdnx.ops import (causal_conv1d, chunk_gated_delta_rule, chunk_kda, gated_rmsnorm, recurrent_gated_delta_rule,
+                      recurrent_kda)
 from gdnx.ops.causal_conv1d import cross_document_terms
 from gdnx.ops.gated_delta_rule.options import DeltaRuleOptions
 from gdnx.parallel.context import context_causal_conv1d, context_cross_document_terms, context_gated_delta_rule
@@ -68,7 +69,147 @@ def conv_windows(inputs: jax.Array, ends: jax.Array, hist: int) -> jax.Array:
     return jnp.swapaxes(rows, -1, -2)
 
 
-class GatedDeltaNet(nnx.Module):
+def _per_token(mask: jax.Array, g: jax.Array) -> jax.Array:
+    """A [B, T] mask shaped to broadcast against a gate [B, T, HV] or [B, T, HV, K]."""
+    return mask.reshape(mask.shape + (1,) * (g.ndim - 2))
+
+
+class DeltaRuleMixer(nnx.Module):
+    """What the delta-rule mixers share: the states, the causal conv over
+    q, k, v and the delta rule on channels grouped per key head, on one
+    device or a mesh, with the serving paths (padded rows, state
+    histories). A subclass sets hk, hv, dk, dv, width, conv_dim, op, and
+    conv_weight [conv_dim, width] in Hugging Face's [q | k | v] order."""
+
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+    width: int
+    conv_dim: int
+    op: DeltaRuleOptions
+    conv_weight: nnx.Param
+
+    def zero_state(self, batch: int, dtype: DTypeLike) -> GDNState:
+        return GDNState(jnp.zeros((batch, self.conv_dim, self.width - 1), dtype),
+                        jnp.zeros((batch, self.hv, self.dk, self.dv), self.op.state_dtype))
+
+    def _group_channels(self, a, axis: int):
+        """Conv channels along `axis` from Hugging Face's [q | k | v] order to
+        [HK, dk + dk + G dv] (per key head: its q, its k, its value heads'
+        v), so that a key head's channels stay together on a tensor shard."""
+        a = jnp.moveaxis(a, axis, -1)
+        kd, lead = self.hk * self.dk, a.shape[:-1]
+        parts = (a[..., :kd].reshape(*lead, self.hk, self.dk), a[..., kd:2 * kd].reshape(*lead, self.hk, self.dk),
+                 a[..., 2 * kd:].reshape(*lead, self.hk, -1))
+        return jnp.moveaxis(jnp.concatenate(parts, axis=-1), (-2, -1), (axis, axis + 1))
+
+    def _ungroup_channels(self, a, axis: int):
+        a = jnp.moveaxis(a, (axis, axis + 1), (-2, -1))
+        lead = a.shape[:-2]
+        parts = (a[..., :self.dk], a[..., self.dk:2 * self.dk], a[..., 2 * self.dk:])
+        return jnp.moveaxis(jnp.concatenate([x.reshape(*lead, -1) for x in parts], axis=-1), -1, axis)
+
+    def _core(self, mixed, conv_weight, g, beta, conv_state, state, context_axis, starts=None, lengths=None,
+              history_every=None):
+        """conv + delta rule on one shard: mixed [B, T, HK, dk + dk + G dv]
+        (this shard's key heads), conv_weight [HK, ., W], g [B, T, HV] (GDN)
+        or [B, T, HV, K] (KDA) and beta [B, T, HV], states grouped likewise or None, starts [B, T] (packed
+        documents' first tokens) or None. The sequence is split over
+        `context_axis` when one is given. lengths [B]: the tokens of each row
+        past it are padding (g and beta already 0 there), and the conv state
+        is the window before it. history_every: also return the states
+        after every that many tokens (GDNHistory, grouped channels)."""
+        b, t, hk, width = mixed.shape
+        flat, w = mixed.reshape(b, t, hk * width), conv_weight.reshape(hk * width, self.width)
+        conv0 = None if conv_state is None else conv_state.reshape(b, hk * width, self.width - 1)
+        keep = state is not None
+        # packed documents: the activation waits until the window terms from
+        # before each document's start are taken out
+        activation = "silu" if starts is None else None
+        if context_axis:
+            y, conv1 = context_causal_conv1d(flat, w, axis=context_axis, initial_state=conv0, output_final_state=keep,
+                                             activation=activation)
+        else:
+            y, conv1 = causal_conv1d(flat, w, initial_state=conv0, output_final_state=keep, activation=activation)
+        if starts is not None:
+            terms = (context_cross_document_terms(flat, w, starts, axis=context_axis) if context_axis
+                     else cross_document_terms(flat, w, starts))
+            y = jax.nn.silu(y - terms)
+        y = y.reshape(b, t, hk, width)
+        q, k = y[..., :self.dk], y[..., self.dk:2 * self.dk]
+        v = y[..., 2 * self.dk:].reshape(b, t, -1, self.dv)
+        common = dict(initial_state=state, output_final_state=keep, use_qk_l2norm=True)
+        # GDN's gate [B, T, HV] or KDA's per channel [B, T, HV, K]
+        chunk, recurrent = (chunk_kda, recurrent_kda) if g.ndim == 4 else (chunk_gated_delta_rule,
+                                                                            recurrent_gated_delta_rule)
+        history = None
+        if keep and (t == 1 or history_every == 1):
+            o, rec, *tokens = recurrent(q, k, v, g, beta, **common, **self.op.recurrent_kwargs(),
+                                        output_token_states=history_every == 1)
+            history = tokens[0] if tokens else None
+        elif context_axis:
+            o, rec = context_gated_delta_rule(q, k, v, g, beta, axis=context_axis, **common,
+                                              **self.op.chunk_kwargs())
+        else:
+            o, rec, *chunks = chunk(q, k, v, g, beta, **common, options=self.op,
+                                    output_chunk_states=history_every is not None)
+            if chunks:  # every history_every-th chunk end (a multiple of the chunk size)
+                step = history_every // self.op.chunk_size
+                history = chunks[0][:, step - 1:(t // history_every) * step:step]
+        if conv1 is not None and (lengths is not None or history is not None):
+            # conv states from the inputs: before each row's first padding token, and at every snapshot
+            hist = self.width - 1
+            seen = jnp.concatenate([jnp.swapaxes(conv0, 1, 2) if conv0 is not None
+                                    else jnp.zeros((b, hist, hk * width), flat.dtype), flat], axis=1)
+            if lengths is not None:
+                conv1 = conv_windows(seen, lengths[:, None], hist)[:, 0].astype(conv1.dtype)
+            if history is not None:
+                ends = jnp.arange(1, history.shape[1] + 1, dtype=jnp.int32) * history_every
+                windows = conv_windows(seen, jnp.broadcast_to(ends, (b, ends.shape[0])), hist)
+                history = GDNHistory(windows.reshape(b, -1, hk, width, hist).astype(conv1.dtype), history)
+        return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec, history
+
+    def _run(self, mixed: jax.Array, g: jax.Array, beta: jax.Array, state: GDNState | None,
+             segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None):
+        """The conv and the delta rule from the projections: mixed
+        [B, T, HK, dk + dk + G dv] (q, k, v grouped per key head), g and
+        beta as _core takes them; the arguments after them as __call__'s.
+        Returns (o [B, T, HV, V], conv state, recurrent state, history)."""
+        t = mixed.shape[1]
+        starts = None
+        if segments is not None:
+            starts = document_starts(segments)
+            g = jnp.where(_per_token(starts, g), RESET_GATE, g)
+        core = self._core
+        if lengths is not None or history_every is not None:
+            if state is None:
+                raise ValueError("lengths, history_every: apply to a call with a state (generation)")
+            if current_mesh() is not None:
+                raise ValueError("lengths, history_every: padded rows and state histories run on one device")
+            if history_every is not None and history_every != 1 and (t % history_every
+                                                                       or history_every % self.op.chunk_size):
+                raise ValueError(f"history_every: expected 1 or a multiple of the chunk size "
+                                 f"{self.op.chunk_size} that divides T={t}, got {history_every}")
+            if lengths is not None:
+                real = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]
+                g, beta = jnp.where(_per_token(real, g), g, 0.0), jnp.where(real[..., None], beta, 0.0)
+            core = functools.partial(self._core, lengths=lengths, history_every=history_every)
+        conv_state = None if state is None else self._group_channels(state.conv, 1)
+        o, conv_state, rec, history = run_gdn_core(
+            core, mixed, self._group_channels(self.conv_weight[...], 0), g, beta, conv_state,
+            None if state is None else state.recurrent, starts, num_key_heads=self.hk, kernel_size=self.width)
+        return o, conv_state, rec, history
+
+    def _new_state(self, state: GDNState, conv_state, rec, history) -> GDNState:
+        assert conv_state is not None and rec is not None  # a state in, a state out
+        if history is not None:
+            history = GDNHistory(self._ungroup_channels(history.conv, 2).astype(state.conv.dtype),
+                                 history.recurrent)
+        return GDNState(self._ungroup_channels(conv_state, 1).astype(state.conv.dtype), rec, history)
+
+
+class GatedDeltaNet(DeltaRuleMixer):
     """Gated DeltaNet mixer: projections, causal conv, the gated delta rule
     (settings in `op`), gated RMSNorm, output projection."""
 
@@ -101,83 +242,6 @@ class GatedDeltaNet(nnx.Module):
         self.norm_weight = nnx.Param(jnp.ones((self.dv,), param_dtype))
         self.out_proj = linear(self.hv * self.dv, h, dtype, param_dtype, std, rngs)
 
-    def zero_state(self, batch: int, dtype: DTypeLike) -> GDNState:
-        return GDNState(jnp.zeros((batch, self.conv_dim, self.width - 1), dtype),
-                        jnp.zeros((batch, self.hv, self.dk, self.dv), self.op.state_dtype))
-
-    def _group_channels(self, a, axis: int):
-        """Conv channels along `axis` from Hugging Face's [q | k | v] order to
-        [HK, dk + dk + G dv] (per key head: its q, its k, its value heads'
-        v), so that a key head's channels stay together on a tensor shard."""
-        a = jnp.moveaxis(a, axis, -1)
-        kd, lead = self.hk * self.dk, a.shape[:-1]
-        parts = (a[..., :kd].reshape(*lead, self.hk, self.dk), a[..., kd:2 * kd].reshape(*lead, self.hk, self.dk),
-                 a[..., 2 * kd:].reshape(*lead, self.hk, -1))
-        return jnp.moveaxis(jnp.concatenate(parts, axis=-1), (-2, -1), (axis, axis + 1))
-
-    def _ungroup_channels(self, a, axis: int):
-        a = jnp.moveaxis(a, (axis, axis + 1), (-2, -1))
-        lead = a.shape[:-2]
-        parts = (a[..., :self.dk], a[..., self.dk:2 * self.dk], a[..., 2 * self.dk:])
-        return jnp.moveaxis(jnp.concatenate([x.reshape(*lead, -1) for x in parts], axis=-1), -1, axis)
-
-    def _core(self, mixed, conv_weight, g, beta, conv_state, state, context_axis, starts=None, lengths=None,
-              history_every=None):
-        """conv + delta rule on one shard: mixed [B, T, HK, dk + dk + G dv]
-        (this shard's key heads), conv_weight [HK, ., W], g and beta
-        [B, T, HV], states grouped likewise or None, starts [B, T] (packed
-        documents' first tokens) or None. The sequence is split over
-        `context_axis` when one is given. lengths [B]: the tokens of each row
-        past it are padding (g and beta already 0 there), and the conv state
-        is the window before it. history_every: also return the states
-        after every that many tokens (GDNHistory, grouped channels)."""
-        b, t, hk, width = mixed.shape
-        flat, w = mixed.reshape(b, t, hk * width), conv_weight.reshape(hk * width, self.width)
-        conv0 = None if conv_state is None else conv_state.reshape(b, hk * width, self.width - 1)
-        keep = state is not None
-        # packed documents: the activation waits until the window terms from
-        # before each document's start are taken out
-        activation = "silu" if starts is None else None
-        if context_axis:
-            y, conv1 = context_causal_conv1d(flat, w, axis=context_axis, initial_state=conv0, output_final_state=keep,
-                                             activation=activation)
-        else:
-            y, conv1 = causal_conv1d(flat, w, initial_state=conv0, output_final_state=keep, activation=activation)
-        if starts is not None:
-            terms = (context_cross_document_terms(flat, w, starts, axis=context_axis) if context_axis
-                     else cross_document_terms(flat, w, starts))
-            y = jax.nn.silu(y - terms)
-        y = y.reshape(b, t, hk, width)
-        q, k = y[..., :self.dk], y[..., self.dk:2 * self.dk]
-        v = y[..., 2 * self.dk:].reshape(b, t, -1, self.dv)
-        common = dict(initial_state=state, output_final_state=keep, use_qk_l2norm=True)
-        history = None
-        if keep and (t == 1 or history_every == 1):
-            o, rec, *tokens = recurrent_gated_delta_rule(q, k, v, g, beta, **common, **self.op.recurrent_kwargs(),
-                                                          output_token_states=history_every == 1)
-            history = tokens[0] if tokens else None
-        elif context_axis:
-            o, rec = context_gated_delta_rule(q, k, v, g, beta, axis=context_axis, **common,
-                                              **self.op.chunk_kwargs())
-        else:
-            o, rec, *chunks = chunk_gated_delta_rule(q, k, v, g, beta, **common, options=self.op,
-                                                     output_chunk_states=history_every is not None)
-            if chunks:  # every history_every-th chunk end (a multiple of the chunk size)
-                step = history_every // self.op.chunk_size
-                history = chunks[0][:, step - 1:(t // history_every) * step:step]
-        if conv1 is not None and (lengths is not None or history is not None):
-            # conv states from the inputs: before each row's first padding token, and at every snapshot
-            hist = self.width - 1
-            seen = jnp.concatenate([jnp.swapaxes(conv0, 1, 2) if conv0 is not None
-                                    else jnp.zeros((b, hist, hk * width), flat.dtype), flat], axis=1)
-            if lengths is not None:
-                conv1 = conv_windows(seen, lengths[:, None], hist)[:, 0].astype(conv1.dtype)
-            if history is not None:
-                ends = jnp.arange(1, history.shape[1] + 1, dtype=jnp.int32) * history_every
-                windows = conv_windows(seen, jnp.broadcast_to(ends, (b, ends.shape[0])), hist)
-                history = GDNHistory(windows.reshape(b, -1, hk, width, hist).astype(conv1.dtype), history)
-        return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec, history
-
     def __call__(self, x: jax.Array, state: GDNState | None = None, segments: jax.Array | None = None,
                  lengths: jax.Array | None = None, history_every: int | None = None,
                  ) -> tuple[jax.Array, GDNState | None]:
@@ -208,36 +272,11 @@ class GatedDeltaNet(nnx.Module):
         a = jnp.reshape(ba[..., grp:], (b, t, self.hv), out_sharding=gate_sharding)
         beta = self.beta_scale * jax.nn.sigmoid(bb)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
-        starts = None
-        if segments is not None:
-            starts = document_starts(segments)
-            g = jnp.where(starts[..., None], RESET_GATE, g)
-        core = self._core
-        if lengths is not None or history_every is not None:
-            if state is None:
-                raise ValueError("lengths, history_every: apply to a call with a state (generation)")
-            if current_mesh() is not None:
-                raise ValueError("lengths, history_every: padded rows and state histories run on one device")
-            if history_every is not None and history_every != 1 and (t % history_every
-                                                                       or history_every % self.op.chunk_size):
-                raise ValueError(f"history_every: expected 1 or a multiple of the chunk size "
-                                 f"{self.op.chunk_size} that divides T={t}, got {history_every}")
-            if lengths is not None:
-                real = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]
-                g, beta = jnp.where(real[..., None], g, 0.0), jnp.where(real[..., None], beta, 0.0)
-            core = functools.partial(self._core, lengths=lengths, history_every=history_every)
-        conv_state = None if state is None else self._group_channels(state.conv, 1)
-        o, conv_state, rec, history = run_gdn_core(
-            core, mixed, self._group_channels(self.conv_weight[...], 0), g, beta, conv_state,
-            None if state is None else state.recurrent, starts, num_key_heads=self.hk, kernel_size=self.width)
+        o, conv_state, rec, history = self._run(mixed, g, beta, state, segments, lengths, history_every)
         o = gated_rmsnorm(o, z, self.norm_weight[...], eps=self.eps)
         o = jnp.reshape(o, (b, t, self.hv * self.dv), out_sharding=out_sharding(
             ("batch", "length", "value_heads"), (b, t, self.hv * self.dv), units=units))
         y = self.out_proj(o, out_sharding=out_sharding(HIDDEN, (b, t, x.shape[-1])))
         if state is None:
             return y, None
-        assert conv_state is not None and rec is not None  # a state in, a state out
-        if history is not None:
-            history = GDNHistory(self._ungroup_channels(history.conv, 2).astype(state.conv.dtype),
-                                 history.recurrent)
-        return y, GDNState(self._ungroup_channels(conv_state, 1).astype(state.conv.dtype), rec, history)
+        return y, self._new_state(state, conv_state, rec, history)

@@ -129,3 +129,9 @@ class Linear(nnx.Linear):
         if self.lora is None:
             return y
         return y + self.lora(x, out_sharding).astype(y.dtype)
+
+    def weight(self) -> jax.Array:
+        """The kernel [in, out] with the adapter merged in (no dropout): for
+        a caller that multiplies by the weight itself."""
+        w = self.kernel[...]
+        return w if self.lora is None else self.lora.merged(w)

@@ -1,14 +1,20 @@
-"""Sparse MoE with a sigmoid-gated shared expert (Qwen3-Next, Qwen3.5).
+"""Sparse MoE: routed SwiGLU experts plus a shared expert.
 
-Routing: softmax over experts in float32, top-k, optionally renormalised
-(norm_topk_prob). Experts run as grouped matmuls (jax.lax.ragged_dot) over
+Two routers. softmax (Qwen3-Next, Qwen3.5): softmax over experts in
+float32, top-k, optionally renormalised (norm_topk_prob); the shared expert
+is scaled by a sigmoid gate. sigmoid (Kimi Linear, DeepSeek-V3's): sigmoid
+scores in float32; the choice adds a per-expert correction bias and keeps
+to the topk_group best of n_group groups (a group scored by its best two
+experts); the chosen experts' scores (renormalised with norm_topk_prob)
+times routed_scaling_factor weight them; the shared expert is ungated.
+The correction bias takes no gradient (it only moves the choice). Experts run as grouped matmuls (jax.lax.ragged_dot) over
 the token copies sorted by expert, so the work is tokens * k, not tokens *
 num_experts. The layer also returns what the load-balancing loss needs.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,28 +53,58 @@ class SparseMoE(nnx.Module):
     """Top-k routed SwiGLU experts plus a gated shared expert."""
 
     def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, expert_size: int, shared_expert_size: int,
-                 norm_topk_prob: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+                 norm_topk_prob: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
+                 router: Literal["softmax", "sigmoid"] = "softmax", n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0):
         h, i, e, std = hidden_size, expert_size, num_experts, init_std
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
+        self.router, self.n_group, self.topk_group = router, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
         self.dtype = dtype
         self.gate = linear(h, e, dtype, param_dtype, std, rngs)
+        self.e_score_correction_bias = (nnx.Param(jnp.zeros((e,), jnp.float32)) if router == "sigmoid" else None)
         init = nnx.initializers.normal(std)
         self.experts_gate = nnx.Param(init(rngs.params(), (e, h, i), param_dtype))
         self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), param_dtype))
         self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
         self.shared_expert = MLP(h, shared_expert_size, dtype=dtype, param_dtype=param_dtype,
                                  init_std=std, rngs=rngs)
-        self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs)
+        self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs) if router == "softmax" else None
+
+    def _route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(the k weights [B, T, k], the k experts [B, T, k], each expert's
+        probability [B, T, E] for the balancing loss)."""
+        if self.router == "softmax":
+            probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+            top_p, top_i = jax.lax.top_k(probs, self.top_k)
+            if self.norm_topk_prob:
+                top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+            return top_p, top_i, probs
+        assert self.e_score_correction_bias is not None  # built with the sigmoid router
+        # in float32 whatever the model's dtype (as the checkpoints' routers are kept)
+        scores = jax.nn.sigmoid(jnp.einsum("...h,he->...e", x.astype(jnp.float32),
+                                           self.gate.weight().astype(jnp.float32)))
+        choice = scores + jax.lax.stop_gradient(self.e_score_correction_bias[...])
+        if self.topk_group < self.n_group:
+            grouped = choice.reshape(*choice.shape[:-1], self.n_group, -1)
+            group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)              # [B, T, n_group]
+            _, kept = jax.lax.top_k(group_scores, self.topk_group)
+            keep = jnp.any(kept[..., None] == jnp.arange(self.n_group), axis=-2)     # [B, T, n_group]
+            choice = jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+        _, top_i = jax.lax.top_k(choice, self.top_k)
+        top_p = jnp.take_along_axis(scores, top_i, axis=-1)
+        if self.norm_topk_prob:
+            top_p = top_p / (jnp.sum(top_p, axis=-1, keepdims=True) + 1e-20)
+        return top_p * self.routed_scaling_factor, top_i, scores / jnp.sum(scores, axis=-1, keepdims=True)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
         """x [B, T, hidden] -> (y, RouterStats)."""
-        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
-        top_p, top_i = jax.lax.top_k(probs, self.top_k)
-        if self.norm_topk_prob:
-            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        top_p, top_i, probs = self._route(x)
         routed, counts = run_experts(self._routed, x, top_p, top_i,
                                      *(self._weights(name) for name in EXPERT_WEIGHTS))
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
         tokens = jnp.asarray(x.shape[0] * x.shape[1], jnp.float32)
         return routed + shared, RouterStats(counts, jnp.sum(probs, axis=(0, 1)), tokens)
 

@@ -1,5 +1,6 @@
 """What generation carries between calls: attention keys and values per
-full-attention layer, conv and recurrent state per GDN layer, and how many
+full-attention layer (latents and the shared rope key part for latent
+attention), conv and recurrent state per GDN or KDA layer, and how many
 tokens are already in it."""
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import jax
 import jax.numpy as jnp
 
 from gdnx.layers.attention import KVCache
+from gdnx.layers.latent_attention import LatentCache
 
 
 class Cache(NamedTuple):
-    # KVCache or GDNState, one per layer; a scanned model's: one per position
+    # KVCache, LatentCache or GDNState, one per layer; a scanned model's: one per position
     # in its cycle (stacked over the repeats, leading dim), then one per
     # layer after the last full cycle
     layers: tuple
@@ -21,8 +23,8 @@ class Cache(NamedTuple):
 
     @property
     def max_length(self) -> int:
-        kv = [c for c in self.layers if isinstance(c, KVCache)]
-        return kv[0].k.shape[-3] if kv else -1
+        kv = [c for c in self.layers if isinstance(c, KVCache | LatentCache)]
+        return kv[0].capacity if kv else -1
 
     @classmethod
     def init(cls, model: Any, batch: int, max_length: int, per_row: bool = False) -> "Cache":
@@ -32,6 +34,9 @@ class Cache(NamedTuple):
         cfg, dtype = model.config, jnp.dtype(model.config.dtype)
 
         def empty(layer, lead: tuple[int, ...] = ()):
+            if layer.layer_type == "full_attention" and cfg.attention_kind == "latent":
+                return LatentCache(jnp.zeros((*lead, batch, max_length, cfg.kv_lora_rank), dtype),
+                                   jnp.zeros((*lead, batch, max_length, cfg.qk_rope_head_dim), dtype))
             if layer.layer_type == "full_attention":
                 shape = (*lead, batch, max_length, cfg.num_key_value_heads, cfg.head_dim)
                 return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

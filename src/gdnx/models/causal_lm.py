@@ -33,7 +33,9 @@ from jax.typing import DTypeLike
 from gdnx.config.schema import ModelConfig
 from gdnx.layers.attention import GatedAttention, KVCache, NormedAttention, Rope
 from gdnx.layers.documents import document_positions
-from gdnx.layers.gated_deltanet import GatedDeltaNet, GDNState
+from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, GDNState
+from gdnx.layers.kimi_delta_attention import KimiDeltaAttention
+from gdnx.layers.latent_attention import LatentAttention, LatentCache
 from gdnx.layers.linear import linear
 from gdnx.layers.lora import AdapterSpec, fold_dropout
 from gdnx.layers.mlp import MLP
@@ -61,12 +63,17 @@ class HiddenOutput(NamedTuple):
 
 
 def _norm(cfg: ModelConfig) -> type[RMSNorm]:
-    """The family's RMSNorm: scaled by w (OLMo Hybrid) or by 1 + w (Qwen)."""
-    return RMSNorm if cfg.family == "olmo_hybrid" else ZeroCenteredRMSNorm
+    """The family's RMSNorm: scaled by w (OLMo Hybrid, Kimi Linear) or by
+    1 + w (Qwen)."""
+    return RMSNorm if cfg.family in ("olmo_hybrid", "kimi_linear") else ZeroCenteredRMSNorm
 
 
 # OLMo Hybrid's gated norm on the GDN output has a fixed eps
 OLMO_GATED_NORM_EPS = 1e-5
+# latent attention's norms (on the query and key/value latents) have a fixed eps
+LATENT_NORM_EPS = 1e-6
+Mixer = GatedDeltaNet | KimiDeltaAttention | GatedAttention | NormedAttention | LatentAttention
+LayerCache = KVCache | LatentCache | GDNState
 
 
 class DecoderLayer(nnx.Module):
@@ -87,14 +94,25 @@ class DecoderLayer(nnx.Module):
         else:
             self.input_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
             self.post_attention_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mixer: GatedDeltaNet | GatedAttention | NormedAttention
-        if self.layer_type == "linear_attention":
+        self.mixer: Mixer
+        if self.layer_type == "linear_attention" and cfg.linear_kind == "kda":
+            self.mixer = KimiDeltaAttention(
+                h, num_heads=cfg.linear_num_key_heads, head_dim=cfg.linear_key_head_dim,
+                conv_kernel_size=cfg.linear_conv_kernel_dim, op=delta_rule_options(cfg), norm_eps=cfg.rms_norm_eps,
+                **kw)
+        elif self.layer_type == "linear_attention":
             self.mixer = GatedDeltaNet(
                 h, num_key_heads=cfg.linear_num_key_heads, num_value_heads=cfg.linear_num_value_heads,
                 key_head_dim=cfg.linear_key_head_dim, value_head_dim=cfg.linear_value_head_dim,
                 conv_kernel_size=cfg.linear_conv_kernel_dim, op=delta_rule_options(cfg),
                 norm_eps=OLMO_GATED_NORM_EPS if olmo else cfg.rms_norm_eps,
                 allow_neg_eigval=cfg.linear_allow_neg_eigval, **kw)
+        elif cfg.attention_kind == "latent":
+            self.mixer = LatentAttention(
+                h, num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias, norm_eps=LATENT_NORM_EPS,
+                absorb=cfg.mla_absorb, **kw)
         else:
             attention = NormedAttention if olmo else GatedAttention
             self.mixer = attention(h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
@@ -104,16 +122,21 @@ class DecoderLayer(nnx.Module):
             self.mlp = SparseMoE(h, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
                                  expert_size=cfg.moe_intermediate_size,
                                  shared_expert_size=cfg.shared_expert_intermediate_size,
-                                 norm_topk_prob=cfg.norm_topk_prob, **kw)
+                                 norm_topk_prob=cfg.norm_topk_prob, router=cfg.router_kind, n_group=cfg.n_group,
+                                 topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor, **kw)
         else:
             self.mlp = MLP(h, cfg.intermediate_size, **kw)
 
-    def _mix(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | GDNState | None,
+    def _mix(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: LayerCache | None,
              start: jax.Array, segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None,
-             ) -> tuple[jax.Array, KVCache | GDNState | None]:
-        if isinstance(self.mixer, GatedDeltaNet):
-            assert cache is None or isinstance(cache, GDNState)  # the model builds one per layer type
+             ) -> tuple[jax.Array, LayerCache | None]:
+        # the model builds each layer's cache entry for its mixer
+        if isinstance(self.mixer, DeltaRuleMixer):
+            assert cache is None or isinstance(cache, GDNState)
             return self.mixer(x, cache, segments, lengths, history_every)
+        if isinstance(self.mixer, LatentAttention):
+            assert cache is None or isinstance(cache, LatentCache)
+            return self.mixer(x, rope, positions, cache, start, segments)
         assert cache is None or isinstance(cache, KVCache)
         return self.mixer(x, rope, positions, cache, start, segments)
 
@@ -122,10 +145,10 @@ class DecoderLayer(nnx.Module):
             return self.mlp(x)
         return self.mlp(x), None
 
-    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | GDNState | None,
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: LayerCache | None,
                  start: jax.Array, segments: jax.Array | None = None, lengths: jax.Array | None = None,
                  history_every: int | None = None,
-                 ) -> tuple[jax.Array, KVCache | GDNState | None, RouterStats | None]:
+                 ) -> tuple[jax.Array, LayerCache | None, RouterStats | None]:
         mix = (rope, positions, cache, start, segments, lengths, history_every)
         if self.post_norm:
             h, new_cache = self._mix(x, *mix)
@@ -136,6 +159,14 @@ class DecoderLayer(nnx.Module):
         x = constrain(x + h, HIDDEN)
         h, stats = self._feed_forward(self.post_attention_layernorm(x))
         return constrain(x + h, HIDDEN), new_cache, stats
+
+
+def _rotary_dim(cfg: ModelConfig) -> int:
+    """The features RoPE turns: latent attention's shared key part, or the
+    partial_rotary_factor share of a head."""
+    if cfg.attention_kind == "latent":
+        return cfg.qk_rope_head_dim
+    return rotary_dim(cfg.head_dim, cfg.partial_rotary_factor)
 
 
 def delta_rule_options(cfg: ModelConfig, platform: str | None = None) -> DeltaRuleOptions:
@@ -297,8 +328,8 @@ class CausalLM(nnx.Module):
             raise ValueError(f"segments: expected the shape of tokens {tuple(tokens.shape)}, "
                              f"got {tuple(segments.shape)}")
         rope = None if cfg.rope_theta is None else rope_tables(
-            positions.reshape(-1, t) if segments is None else document_positions(segments),
-            rotary_dim(cfg.head_dim, cfg.partial_rotary_factor), cfg.rope_theta)
+            positions.reshape(-1, t) if segments is None else document_positions(segments), _rotary_dim(cfg),
+            cfg.rope_theta)
         x = self._embed(constrain(tokens, ("batch", "length")))
         run = _run_layer
         if cfg.remat_policy != "none" and cache is None:  # remat is for training; decoding keeps nothing

@@ -22,7 +22,7 @@ from gdnx.parallel.rules import axis_size, current_mesh, is_explicit, spec
 # logical axes of the core's operands (layout in layers/gated_deltanet.py); every
 # operand's spec follows from MIXED's: the same batch, length and head entries
 MIXED = ("batch", "length", "key_heads", None)             # [B, T, HK, dk + dk + G dv]
-GATE = ("batch", "length", "value_heads")                   # g, beta [B, T, HV]
+GATE = ("batch", "length", "value_heads")                   # g (GDN), beta [B, T, HV]; KDA's g [B, T, HV, K]
 OUT = ("batch", "length", "value_heads", None)              # [B, T, HV, V]
 
 
@@ -31,7 +31,7 @@ def run_gdn_core(core: Callable, mixed: jax.Array, conv_weight: jax.Array, g: ja
                  num_key_heads: int, kernel_size: int) -> tuple[jax.Array, jax.Array | None, jax.Array | None, Any]:
     """core(mixed, conv_weight, g, beta, conv_state, state, context_axis,
     starts) -> (o, conv_state, state, history), run on each shard of the ambient mesh
-    (directly when there is none). conv_weight [HK, ., W], conv_state
+    (directly when there is none). g: GDN's [B, T, HV] or KDA's [B, T, HV, K]. conv_weight [HK, ., W], conv_state
     [B, HK, ., W - 1] and state [B, HV, K, V] may be None (in and out);
     starts [B, T] (packed documents' first tokens) may be None."""
     mesh = current_mesh()
@@ -43,7 +43,7 @@ def run_gdn_core(core: Callable, mixed: jax.Array, conv_weight: jax.Array, g: ja
     # value heads split with their key heads: the same entry serves both
     gate, out, states = P(rows, context, heads), P(rows, context, heads, None), P(rows, heads, None, None)
     args: tuple = (mixed, conv_weight, g, beta, conv_state, state, starts)
-    specs = (P(rows, context, heads, None), P(heads, None, None), gate, gate,
+    specs = (P(rows, context, heads, None), P(heads, None, None), gate if g.ndim == 3 else out, gate,
              None if conv_state is None else states, None if state is None else states,
              None if starts is None else P(rows, context))
     if is_explicit(mesh):

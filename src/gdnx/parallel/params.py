@@ -27,6 +27,12 @@ _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("lm_head", "kernel"): ("embed", "vocab"),
     ("in_proj_qkvz", "kernel"): ("embed", "key_heads"),
     ("in_proj_ba", "kernel"): ("embed", "key_heads"),
+    ("in_proj_qkv", "kernel"): ("embed", "key_heads"),       # KDA: [q_i | k_i | v_i] per head
+    ("f_a_proj", "kernel"): ("embed", None),                 # KDA's low-rank gates: the rank stays whole
+    ("f_b_proj", "kernel"): (None, "key_heads"),
+    ("g_a_proj", "kernel"): ("embed", None),
+    ("g_b_proj", "kernel"): (None, "key_heads"),
+    ("b_proj", "kernel"): ("embed", "key_heads"),
     ("mixer", "A_log"): ("value_heads",),
     ("mixer", "dt_bias"): ("value_heads",),
     ("out_proj", "kernel"): ("value_heads", "embed"),
@@ -37,6 +43,10 @@ _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("v_proj", "kernel"): ("embed", "kv_heads"),
     ("v_proj", "bias"): ("kv_heads",),
     ("o_proj", "kernel"): ("heads", "embed"),
+    ("q_a_proj", "kernel"): ("embed", None),                 # latent attention: the latents stay whole
+    ("q_b_proj", "kernel"): (None, "heads"),
+    ("kv_a_proj_with_mqa", "kernel"): ("embed", None),
+    ("kv_b_proj", "kernel"): (None, "heads"),
     ("gate_proj", "kernel"): ("embed", "mlp"),
     ("up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),

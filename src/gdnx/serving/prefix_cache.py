@@ -26,7 +26,8 @@ Key = bytes
 @dataclasses.dataclass
 class Block:
     tokens: tuple[int, ...]
-    # per cache entry of the model: (conv, recurrent) of a GDN layer, (k, v) of an attention layer
+    # per cache entry of the model: (conv, recurrent) of a GDN or KDA layer, (k, v) or (latent, rope)
+    # of an attention layer
     layers: list[tuple[np.ndarray, np.ndarray]]
 
     @property

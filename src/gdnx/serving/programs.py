@@ -97,7 +97,9 @@ class PrefillOut(NamedTuple):
     tokens: jax.Array                 # int32 [P]
     logprobs: TokenLogprobs
     logits: jax.Array | None          # float32 [P, V]
-    snapshot: tuple | None            # per cache entry: (conv, recurrent) [.., P, NB, ...] or (k, v) [.., P, L, ...]
+    # per cache entry: (conv, recurrent) [.., P, NB, ...], or an attention cache's two parts ((k, v) or
+    # (latent, rope)) [.., P, L, ...]
+    snapshot: tuple | None
 
 
 def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, starts: jax.Array, lengths: jax.Array,
@@ -132,7 +134,7 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
             def window(x):  # the length axis follows the rows' (after a scanned cycle's repeats)
                 return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, tokens.shape[1], axis=axis),
                                 in_axes=(axis, 0), out_axes=axis)(x, starts)
-            return window(entry.k), window(entry.v)
+            return tuple(window(x) for x in entry)
         snapshot = _map_entries(snap, static, new.layers)
 
     def put(axis, entry, fresh_entry):
@@ -149,8 +151,9 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
 
 def restore(slots: Slots, row: jax.Array, layers: tuple, *, static: Static) -> Slots:
     """Write a prefix-cache hit's states into slot `row`: per cache entry
-    (conv, recurrent) of a GDN layer, (k, v) [capacity, ...] of an
-    attention layer (the hit's tokens first), each without the row axis."""
+    (conv, recurrent) of a GDN or KDA layer, the two parts ((k, v) or
+    (latent, rope)) [capacity, ...] of an attention layer (the hit's tokens
+    first), each without the row axis."""
     def put(axis, entry, parts):
         arrays = [x.at[(slice(None),) * axis + (row,)].set(y.astype(x.dtype)) for x, y in zip(entry[:2], parts)]
         return entry._replace(**dict(zip(entry._fields[:2], arrays)))

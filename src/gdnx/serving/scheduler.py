@@ -33,7 +33,8 @@ class Layout:
     max_prefill_batch: int
     batch_invariant: bool
     row_axes: tuple[int, ...]      # per cache entry: the axis of its rows
-    is_state: tuple[bool, ...]     # per cache entry: a GDN (conv, recurrent) state, else attention (k, v)
+    # per cache entry: a GDN or KDA (conv, recurrent) state, else attention's (k, v) or (latent, rope)
+    is_state: tuple[bool, ...]
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -194,14 +195,15 @@ class Scheduler:
             a, b = blocks[-1].layers[i]
             if lay.is_state[i]:
                 layers.append((a, b))
-            else:  # keys and values of every hit block, at their positions
-                shape = list(a.shape)
-                shape[axis] = lay.capacity
-                k, v = np.zeros(shape, a.dtype), np.zeros(shape, b.dtype)
+            else:  # the attention cache's two parts of every hit block, at their positions
                 index = (slice(None),) * axis + (slice(0, start),)
-                k[index] = np.concatenate([blk.layers[i][0] for blk in blocks], axis=axis)
-                v[index] = np.concatenate([blk.layers[i][1] for blk in blocks], axis=axis)
-                layers.append((k, v))
+                def whole(j: int, part: np.ndarray) -> np.ndarray:
+                    shape = list(part.shape)
+                    shape[axis] = lay.capacity
+                    out = np.zeros(shape, part.dtype)
+                    out[index] = np.concatenate([blk.layers[i][j] for blk in blocks], axis=axis)
+                    return out
+                layers.append((whole(0, a), whole(1, b)))
         req.progress = req.cached = start
         return tuple(layers)
 

@@ -1,0 +1,144 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2's; Kimi Linear's full
+attention layers).
+
+Keys and values come from one compressed latent per token: kv_a_proj_with_mqa
+gives kv_lora_rank latent features (RMS-normed, kv_a_layernorm) and a
+qk_rope_head_dim key part shared by every head (rotated by RoPE when the
+model has one); kv_b_proj expands the latent into each head's key part
+(qk_nope_head_dim) and value (v_head_dim). The query is q_proj, or a
+q_lora_rank bottleneck (q_a_proj, q_a_layernorm, q_b_proj). Scores are
+scaled by (qk_nope_head_dim + qk_rope_head_dim)^-1/2.
+
+The generation cache holds the latent and the shared key part per token
+(LatentCache), not the expanded keys and values. A call with a cache can
+attend in the latent space instead (`absorb`, DeepSeek's trick): the query's
+key part is multiplied into the latent space by kv_b_proj's key block, the
+scores and the weighted sum run over the cached latents directly, and the
+value block maps the result out, so no token's keys and values are
+expanded. Per query and cached token that costs 2 rank + rope FLOP units
+against nope + rope + v for expanded keys, plus rank (nope + v) per cached
+token to expand them: the latent order wins below
+rank (nope + v) / (2 rank - nope - v) queries (170 at Kimi Linear's sizes),
+which decode and verify always are, and it is taken there. Without a cache
+(training, scoring) keys and values are expanded.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from gdnx.layers.attention import Rope, causal_attention, write_cache
+from gdnx.layers.linear import linear
+from gdnx.layers.norms import RMSNorm
+from gdnx.layers.rope import apply_rope
+from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
+
+# the latent's and the shared key part's logical axes: one "head", kept whole
+_LATENT = ("batch", None, None)
+
+
+class LatentCache(NamedTuple):
+    """Per token: the normed latent [B, max_len, kv_lora_rank] and the
+    shared (rotated) key part [B, max_len, qk_rope_head_dim]."""
+    latent: jax.Array
+    rope: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the cache holds."""
+        return self.latent.shape[-2]
+
+
+class LatentAttention(nnx.Module):
+    """Multi-head latent attention with an optional low-rank query."""
+
+    def __init__(self, hidden_size: int, *, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, bias: bool, norm_eps: float,
+                 absorb: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+        self.num_heads, self.rank = num_heads, kv_lora_rank
+        self.dn, self.dr, self.dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.absorb = absorb
+        h, std, dq = hidden_size, init_std, qk_nope_head_dim + qk_rope_head_dim
+        self.q_proj = None if q_lora_rank is not None else linear(h, num_heads * dq, dtype, param_dtype, std, rngs)
+        self.q_a_proj = None if q_lora_rank is None else linear(h, q_lora_rank, dtype, param_dtype, std, rngs,
+                                                                bias=bias)
+        self.q_a_layernorm = None if q_lora_rank is None else RMSNorm(q_lora_rank, eps=norm_eps,
+                                                                      param_dtype=param_dtype)
+        self.q_b_proj = None if q_lora_rank is None else linear(q_lora_rank, num_heads * dq, dtype, param_dtype,
+                                                                std, rngs)
+        self.kv_a_proj_with_mqa = linear(h, kv_lora_rank + qk_rope_head_dim, dtype, param_dtype, std, rngs,
+                                         bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=norm_eps, param_dtype=param_dtype)
+        self.kv_b_proj = linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), dtype, param_dtype, std,
+                                rngs)
+        self.o_proj = linear(num_heads * v_head_dim, h, dtype, param_dtype, std, rngs, bias=bias)
+
+    def _query(self, x: jax.Array) -> jax.Array:
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        b, t, _ = x.shape
+        return constrain(q.reshape(b, t, self.num_heads, self.dn + self.dr), ("batch", "length", "heads", None))
+
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: LatentCache | None = None,
+                 start: jax.Array | int = 0, segments: jax.Array | None = None,
+                 ) -> tuple[jax.Array, LatentCache | None]:
+        """As GatedAttention.__call__: x [B, T, hidden], rope for each
+        token's position (None: no rotary embedding), positions [T] or
+        [B, T], the cache written at [start, start + T)."""
+        b, t, _ = x.shape
+        q = self._query(x)
+        q_nope, q_rope = q[..., :self.dn], q[..., self.dn:]
+        compressed = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(compressed[..., :self.rank])
+        k_rope = compressed[..., self.rank:]
+        if rope is not None:
+            q_rope = apply_rope(q_rope, *rope)
+            k_rope = apply_rope(k_rope[:, :, None], *rope)[:, :, 0]
+        if cache is not None:
+            cache = LatentCache(write_cache(cache.latent, latent, start, _LATENT),
+                                write_cache(cache.rope, k_rope, start, _LATENT))
+            latent, k_rope = cache.latent.astype(x.dtype), cache.rope.astype(x.dtype)
+            k_pos = jnp.arange(cache.capacity, dtype=positions.dtype)
+        else:
+            k_pos = positions
+        r, dn, dv = self.rank, self.dn, self.dv
+        if cache is not None and self.absorb and t * (2 * r - dn - dv) < r * (dn + dv):
+            out = self._absorbed(q_nope, q_rope, latent, k_rope, positions, k_pos)
+        else:
+            s = latent.shape[1]
+            kv = self.kv_b_proj(latent).reshape(b, s, self.num_heads, self.dn + self.dv)
+            heads = ("batch", None, "heads", None)  # keys whole along the length, as attend keeps them
+            kv = constrain(kv, heads)
+            shared = constrain(jnp.broadcast_to(k_rope[:, :, None], (b, s, self.num_heads, self.dr)), heads)
+            k = jnp.concatenate([kv[..., :self.dn], shared], axis=-1)
+            out = causal_attention(jnp.concatenate([q_nope, q_rope], axis=-1), k, kv[..., self.dn:], positions,
+                                   k_pos, segments)
+        out = out.reshape(b, t, self.num_heads * self.dv)
+        return self.o_proj(out, out_sharding=out_sharding(HIDDEN, x.shape)), cache
+
+    def _absorbed(self, q_nope, q_rope, latent, k_rope, q_pos, k_pos):
+        """Attention in the latent space: q_nope [B, T, H, dn] into it by
+        kv_b_proj's key block, scores against the latents [B, S, rank] plus
+        the rope parts', the probabilities' sum of latents out by its value
+        block. Returns [B, T, H, dv]."""
+        w = self.kv_b_proj.weight().astype(q_nope.dtype).reshape(self.rank, self.num_heads, self.dn + self.dv)
+        f32 = jnp.float32
+        q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, w[..., :self.dn], preferred_element_type=f32)
+        scores = (jnp.einsum("bthr,bsr->bhts", q_latent.astype(latent.dtype), latent, preferred_element_type=f32)
+                  + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope, preferred_element_type=f32))
+        scores = scores * (self.dn + self.dr) ** -0.5
+        visible = k_pos[None, :] <= q_pos[..., :, None]  # [T, S], or [B, T, S] for positions per row
+        scores = jnp.where(visible if visible.ndim == 2 else visible[:, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
+        out_latent = jnp.einsum("bhts,bsr->bthr", probs, latent, preferred_element_type=f32)
+        out = jnp.einsum("bthr,rhd->bthd", out_latent.astype(latent.dtype), w[..., self.dn:],
+                         preferred_element_type=f32)
+        return constrain(out.astype(q_nope.dtype), ("batch", "length", "heads", None))
