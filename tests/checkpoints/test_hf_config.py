@@ -37,3 +37,60 @@ def test_olmo_hybrid_head_dim_comes_from_config_json():
     assert model_config_from_hf(hf).head_dim == 16  # hidden / heads when the file has none
     cfg = model_config_from_hf({**hf, "head_dim": 24})
     assert cfg.head_dim == 24 and hf_config_from_model(cfg)["head_dim"] == 24  # and written back
+
+
+def test_kimi_linear_defaults_are_transformers_defaults():
+    """gdnx's table of Kimi Linear's defaults is transformers' (by its
+    attribute names), and a config.json of nothing but model_type reads
+    as transformers reads it: the layer pattern, the dense first layer,
+    the KDA sizes, one shared expert."""
+    theirs = transformers.KimiLinearConfig()
+    for field, value in TRANSFORMERS_DEFAULTS["kimi_linear"].items():
+        if field != "first_k_dense_replace":  # read from kwargs only, into mlp_layer_types
+            assert getattr(theirs, field) == value, field
+    ours = model_config_from_hf({"model_type": "kimi_linear"})
+    assert list(ours.resolved_layer_types) == list(theirs.layer_types)
+    assert [("dense" if i in ours.mlp_only_layers else "sparse") for i in range(27)] == theirs.mlp_layer_types
+    assert (ours.linear_num_key_heads, ours.linear_key_head_dim) == (theirs.linear_num_heads, theirs.linear_head_dim)
+    assert ours.shared_expert_intermediate_size == theirs.moe_intermediate_size * theirs.n_shared_experts
+    assert ours.rope_theta is None and ours.router_aux_loss_coef == 0.0
+
+
+def test_kimi_linear_reads_a_published_config_json():
+    """The published checkpoint's spelling: linear_attn_config (1-indexed
+    layers, heads, conv), first_k_dense_replace, the attribute_map names;
+    written back under transformers' names, which read the same."""
+    hf = {"model_type": "kimi_linear", "num_hidden_layers": 6, "first_k_dense_replace": 2, "num_experts": 8,
+          "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 16, "num_expert_group": 4,
+          "topk_group": 2, "moe_renormalize": False, "model_max_length": 4096, "q_lora_rank": 24,
+          "linear_attn_config": {"full_attn_layers": [3, 6], "kda_layers": [1, 2, 4, 5], "num_heads": 4,
+                                 "head_dim": 16, "short_conv_kernel_size": 3}}
+    cfg = model_config_from_hf(hf)
+    theirs = transformers.KimiLinearConfig(**{k: v for k, v in hf.items() if k != "model_type"})
+    assert list(cfg.resolved_layer_types) == theirs.layer_types == ["linear_attention", "linear_attention",
+                                                                    "full_attention"] * 2
+    assert cfg.mlp_only_layers == [0, 1] and theirs.mlp_layer_types[:3] == ["dense", "dense", "sparse"]
+    assert (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, 2, False)
+    assert (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_conv_kernel_dim) == (4, 16, 3)
+    assert (cfg.max_position_embeddings, cfg.q_lora_rank, cfg.shared_expert_intermediate_size) == (4096, 24, 32)
+    back = hf_config_from_model(cfg)
+    assert model_config_from_hf(back) == cfg
+    reread = transformers.KimiLinearConfig(**{k: v for k, v in back.items() if k not in ("model_type", "architectures",
+                                                                                          "dtype")})
+    assert (reread.layer_types, reread.mlp_layer_types, reread.n_group, reread.num_experts_per_tok) == (
+        theirs.layer_types, theirs.mlp_layer_types, 4, 2)
+
+
+@pytest.mark.parametrize("hf,match", [
+    ({"linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1]}, "num_hidden_layers": 3},
+     r"config.json: linear_attn_config: layer 3 is in neither full_attn_layers nor kda_layers"),
+    ({"linear_attn_config": {"full_attn_layers": [0], "kda_layers": [1]}, "num_hidden_layers": 1},
+     r"linear_attn_config.full_attn_layers: layer numbers count from 1 to num_hidden_layers=1, got 0"),
+    ({"mlp_layer_types": ["dense", "moe"], "num_hidden_layers": 2}, r"mlp_layer_types: expected a list of"),
+    ({"num_expert_group": 3}, r"model.n_group: must divide num_experts=256, got 3"),
+    ({"layer_types": ["linear_attention", "sliding_attention"], "num_hidden_layers": 2},
+     r"model.layer_types"),
+])
+def test_kimi_linear_bad_config_json_is_one_line(hf, match):
+    with pytest.raises(ValueError, match=match):
+        model_config_from_hf({"model_type": "kimi_linear", **hf})

@@ -5,6 +5,10 @@ TINY_HYBRID = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_atte
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=48,
                    num_experts=0, gdn_chunk_size=16)
+# TINY_HYBRID's fields as Kimi Linear takes them: KDA (2 heads), latent
+# attention (no RoPE), the grouped sigmoid router once MoE is added
+KIMI = dict(family="kimi_linear", rope_theta=None, linear_num_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=12, n_group=2, topk_group=1, routed_scaling_factor=2.0)
 # its MLPs as a mixture of experts (with a shared expert)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 

@@ -14,7 +14,7 @@ from gdnx.measure import relative_error
 from gdnx.models import Cache, CausalLM
 from gdnx.models.causal_lm import parameter_count
 from gdnx.stacking import layer_paths
-from tests.helpers.configs import MOE, TINY_HYBRID
+from tests.helpers.configs import KIMI, MOE, TINY_HYBRID
 
 TINY = {**TINY_HYBRID, **MOE}
 
@@ -35,9 +35,7 @@ FAMILIES = {
                         linear_allow_neg_eigval=True),
     "olmo_hybrid_nope": dict(family="olmo_hybrid", num_experts=0, head_dim=8, rope_theta=None),
     # KDA (2 heads), latent attention, the grouped sigmoid router (1 of 2 groups)
-    "kimi_linear": dict(family="kimi_linear", rope_theta=None, linear_num_value_heads=2, kv_lora_rank=16,
-                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_group=2, topk_group=1,
-                        routed_scaling_factor=2.0),
+    "kimi_linear": KIMI,
 }
 
 

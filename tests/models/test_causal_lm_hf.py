@@ -114,8 +114,8 @@ def test_vision_language_checkpoint_loads_its_language_model(tmp_path, caplog, m
 
 
 def test_unsupported_model_type_is_one_line(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "kimi_linear"}')
-    with pytest.raises(ValueError, match=r"model_type 'kimi_linear' is not a GDN hybrid gdnx builds \(supported: "):
+    (tmp_path / "config.json").write_text('{"model_type": "glm5_next"}')
+    with pytest.raises(ValueError, match=r"model_type 'glm5_next' is not a GDN hybrid gdnx builds \(supported: "):
         CausalLM.from_pretrained(tmp_path)
 
 
@@ -129,3 +129,10 @@ def test_olmo_hybrid_with_its_own_head_dim(tmp_path):
     assert model.config.head_dim == 12
     toks = tokens(2, 33)
     assert relative_error(model(jnp.asarray(toks, jnp.int32)), hf_logits(hf, toks)) <= TOL
+
+
+def test_a_latent_rank_that_does_not_fit_the_tensors_names_the_field(tmp_path):
+    random_hf_model("kimi_linear").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa.weight: the file's shape \(24, 32\) does not fit .*"
+                                         r"its shape follows model.kv_lora_rank, model.qk_rope_head_dim"):
+        CausalLM.from_pretrained(tmp_path, kv_lora_rank=8)

@@ -16,7 +16,7 @@ from gdnx.config import ModelConfig
 from gdnx.generate import generate
 from gdnx.models import CausalLM
 from gdnx.serving import Engine, NgramDrafter, SamplingParams
-from tests.helpers.configs import MOE, TINY_HYBRID
+from tests.helpers.configs import KIMI, MOE, TINY_HYBRID
 
 # one worker runs this module: its module fixtures (the plain path's tokens, compiled per prompt) run once
 pytestmark = pytest.mark.xdist_group("engine")
@@ -262,12 +262,17 @@ def test_a_hit_whose_rest_would_overflow_the_cache_is_recomputed(model, prompts)
     assert got.tokens == np.asarray(generate(model, jnp.asarray([long]), 8))[0].tolist()
 
 
-def test_scanned_layers_with_prefix_cache_speculation_and_invariance(prompts):
+@pytest.mark.parametrize("layout", ["scanned", "kimi_linear"])
+def test_scanned_layers_with_prefix_cache_speculation_and_invariance(prompts, layout):
     """A scanned stack (2 repeats of a GDN + attention cycle: the cache
-    entries hold the repeats first): cached prefixes, drafts and the
+    entries hold the repeats first), and Kimi Linear's (KDA states, latent
+    attention's latents; MoE): cached prefixes, drafts and the
     batch-invariant mode give the plain tokens, and a hit the miss's bits."""
-    model = CausalLM(ModelConfig(**TINY, scan_layers=True), seed=1)
-    assert model.config.scanned
+    if layout == "scanned":
+        model = CausalLM(ModelConfig(**TINY, scan_layers=True), seed=1)
+        assert model.config.scanned
+    else:
+        model = CausalLM(ModelConfig(**{**TINY, **MOE, **KIMI}), seed=1)
     some = prompts[1:5]
     plain = [np.asarray(generate(model, jnp.asarray([p]), 8))[0].tolist() for p in some]
     engine = _engine(model, prefix_cache_bytes=1 << 24, speculative=_Oracle(some, plain), batch_invariant=True,

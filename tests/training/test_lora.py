@@ -32,7 +32,7 @@ def bases(tmp_path_factory):
     splits the GDN input projection in two modules, OLMo Hybrid in four,
     Qwen3-Next keeps it whole), with a chat tokenizer, and SFT examples."""
     root = tmp_path_factory.mktemp("lora")
-    for kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"):
+    for kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear_q_lora"):
         random_hf_model(kind).save_pretrained(root / kind)
         write_chat_tokenizer(root / kind)
     (root / "sft.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _copy_examples(120,
@@ -106,7 +106,9 @@ def test_merged_export_generates_what_gdnx_generates(bases, qwen3_5_run):
 
 # the modules PEFT adapts for the GDN input projection, per family
 _SPLIT = {"qwen3_5": ("in_proj_qkv", "in_proj_z"), "olmo_hybrid": ("q_proj", "k_proj", "v_proj", "g_proj"),
-          "qwen3_next": ("in_proj_qkvz",)}
+          "qwen3_next": ("in_proj_qkvz",), "kimi_linear_q_lora": ("q_proj", "k_proj", "v_proj")}
+# where the family's projections live (Kimi Linear's KDA and latent attention under self_attn)
+_MIXER = {"kimi_linear_q_lora": "self_attn"}
 
 
 @pytest.mark.parametrize("kind", _SPLIT)
@@ -121,7 +123,8 @@ def test_peft_on_the_base_gives_the_merged_logits(bases, qwen3_5_run, tmp_path, 
         export_run(run, merged_dir, "merge_lora")
     export_run(run, tmp_path / "adapter", "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert all(f"linear_attn.{m}" in config["target_modules"].replace("\\", "") for m in _SPLIT[kind])
+    assert all(f"{_MIXER.get(kind, 'linear_attn')}.{m}" in config["target_modules"].replace("\\", "")
+               for m in _SPLIT[kind])
     base = transformers.AutoModelForCausalLM.from_pretrained(bases / kind).eval()
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()

@@ -175,6 +175,17 @@ def _read_experts(reader: _Reader, where: Experts, num_experts: int, index: Inde
     return reader.get(keys[0], (experts, outputs, inputs)).transpose(0, 2, 1)
 
 
+# the config fields a latent-attention tensor's shape follows, named when a file's shape does not fit
+_SHAPED_BY = {
+    "kv_a_proj_with_mqa": ("kv_lora_rank", "qk_rope_head_dim"),
+    "kv_a_layernorm": ("kv_lora_rank",),
+    "kv_b_proj": ("kv_lora_rank", "num_attention_heads", "qk_nope_head_dim", "v_head_dim"),
+    "q_a_proj": ("q_lora_rank",),
+    "q_a_layernorm": ("q_lora_rank",),
+    "q_b_proj": ("q_lora_rank", "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim"),
+}
+
+
 def _check_shape(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, directory: Path,
                  shape: tuple[int, ...]) -> None:
     """Refuse a parameter whose tensors are missing (KeyError) or would not
@@ -193,8 +204,10 @@ def _check_shape(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, di
             found = ()
         stored, keys, note = " and ".join(str(x) for x in shapes), ", ".join(where.keys), ""
     if found != shape:
+        fields = next((f for part, f in _SHAPED_BY.items() if f".{part}." in keys), None)
         raise ValueError(f"{directory}: {keys}: the file's shape {stored}{note} does not fit this config, which "
-                         f"needs {shape} in gdnx's layout (a matrix's [in, out]; the file stores [out, in])")
+                         f"needs {shape} in gdnx's layout (a matrix's [in, out]; the file stores [out, in])"
+                         + (f"; its shape follows model.{', model.'.join(fields)}" if fields else ""))
 
 
 def _read(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, index: Index) -> np.ndarray:

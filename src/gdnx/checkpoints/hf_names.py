@@ -65,6 +65,11 @@ class Experts(NamedTuple):
 _KIMI_EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}
 # per family: (a part of a tensor name, what a checkpoint may have in its place)
 ALIASES: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": ((".block_sparse_moe.", ".mlp."),)}
+# per family: (a part of a tensor name as files hold it, the same in the module
+# names of transformers' model in memory, which is what a PEFT adapter names)
+MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": (
+    (".block_sparse_moe.", ".mlp."), (".self_attn.f_a_proj", ".self_attn.forget_gate.f_a_proj"),
+    (".self_attn.f_b_proj", ".self_attn.forget_gate.f_b_proj"))}
 
 
 def _t(x: Any) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from gdnx.checkpoints.hf_names import Experts, locate
+from gdnx.checkpoints.hf_names import MODULE_NAMES, Experts, locate
 from gdnx.config.schema import LoraConfig, ModelConfig
 from gdnx.files import atomic_write, atomic_write_text
 from gdnx.layers.lora import adapted_weight
@@ -53,6 +53,8 @@ def peft_tensors(cfg: ModelConfig, adapters: dict[tuple, np.ndarray], prefix: st
             a_i, b_i = (a[i], b[i]) if stacked else (a, b)
             for key, rows in zip(where.keys, where.to_hf(b_i)):
                 module = key.removesuffix(".weight")
+                for stored, in_memory in MODULE_NAMES.get(cfg.family, ()):
+                    module = module.replace(stored, in_memory)
                 out[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a_i.T)
                 out[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(rows)
                 modules.append(module)
