@@ -94,3 +94,31 @@ def test_kimi_linear_reads_a_published_config_json():
 def test_kimi_linear_bad_config_json_is_one_line(hf, match):
     with pytest.raises(ValueError, match=match):
         model_config_from_hf({"model_type": "kimi_linear", **hf})
+
+
+def test_ling_defaults_and_fields_read_as_transformers_reads_them():
+    """Ling 3 (bailing_hybrid): the defaults table is transformers', a bare
+    config.json gives its layer groups, dense first layers, RoPE base and
+    bounded KDA gate; the unbounded gate, SwiGLU limits and a layer pattern
+    read back as written."""
+    theirs = transformers.BailingHybridConfig()
+    renamed = {"swiglu_limits": None, "swiglu_limits_shared": None}  # transformers fills them with zeros
+    for field, value in TRANSFORMERS_DEFAULTS["bailing_hybrid"].items():
+        if field not in ("first_k_dense_replace", "head_dim", *renamed):
+            assert getattr(theirs, field) == value, field
+    ours = model_config_from_hf({"model_type": "bailing_hybrid"})
+    assert list(ours.resolved_layer_types) == list(theirs.layer_types)
+    assert [("dense" if i in ours.mlp_only_layers else "sparse") for i in range(42)] == theirs.mlp_layer_types
+    assert (ours.linear_num_key_heads, ours.linear_key_head_dim) == (theirs.linear_num_heads, theirs.linear_head_dim)
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"] and ours.linear_gate_lower_bound == -5.0
+    hf = {"model_type": "bailing_hybrid", "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 16,
+          "kda_safe_gate": False, "expert_swiglu_limit_list": [0, 7, 7], "layer_group_size": 3,
+          "first_k_dense_replace": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    cfg = model_config_from_hf(hf)
+    assert cfg.linear_gate_lower_bound is None and cfg.swiglu_limits == [0, 7, 7] and cfg.rope_theta == 1e6
+    assert cfg.resolved_layer_types == ("linear_attention", "linear_attention", "full_attention")
+    back = hf_config_from_model(cfg)
+    assert model_config_from_hf(back) == cfg and back["num_nextn_predict_layers"] == 0
+    with pytest.raises(ValueError, match="model.linear_num_key_heads: bailing_hybrid's KDA layers have its 4 "
+                                         "attention heads"):
+        model_config_from_hf(hf, {"linear_num_key_heads": 2, "linear_num_value_heads": 2})

@@ -9,6 +9,11 @@ TINY_HYBRID = dict(vocab_size=61, hidden_size=32, num_hidden_layers=4, full_atte
 # attention (no RoPE), the grouped sigmoid router once MoE is added
 KIMI = dict(family="kimi_linear", rope_theta=None, linear_num_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=8, v_head_dim=12, n_group=2, topk_group=1, routed_scaling_factor=2.0)
+# and as Ling 3 takes them: KDA with the bounded gate, latent attention with
+# RoPE (on adjacent pairs), a head gate and a low-rank query, bounded SwiGLUs
+LING = dict(KIMI, family="bailing_hybrid", rope_theta=10000.0, linear_gate_lower_bound=-5.0, q_lora_rank=12,
+            linear_num_key_heads=4, linear_num_value_heads=4,
+            swiglu_limits=[0.0, 0.5, 0.0, 0.7], swiglu_limits_shared=[0.0, 0.3, 0.0, 0.0])
 # its MLPs as a mixture of experts (with a shared expert)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 

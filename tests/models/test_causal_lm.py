@@ -14,7 +14,7 @@ from gdnx.measure import relative_error
 from gdnx.models import Cache, CausalLM
 from gdnx.models.causal_lm import parameter_count
 from gdnx.stacking import layer_paths
-from tests.helpers.configs import KIMI, MOE, TINY_HYBRID
+from tests.helpers.configs import KIMI, LING, MOE, TINY_HYBRID
 
 TINY = {**TINY_HYBRID, **MOE}
 
@@ -36,6 +36,7 @@ FAMILIES = {
     "olmo_hybrid_nope": dict(family="olmo_hybrid", num_experts=0, head_dim=8, rope_theta=None),
     # KDA (2 heads), latent attention, the grouped sigmoid router (1 of 2 groups)
     "kimi_linear": KIMI,
+    "bailing_hybrid": LING,
 }
 
 
@@ -143,6 +144,8 @@ PUBLISHED = {
     "qwen3.5-27b": (26_895_998_464, 27, 0.01),
     "qwen3.5-397b-a17b": (396_346_350_336, 397, 0.01),
     "olmo-hybrid-7b": (7_430_870_688, 7, 0.07),
+    # Kimi Linear's "48B" counts its language model at 49.12B (transformers agrees: test_causal_lm_hf)
+    "kimi-linear-48b-a3b": (49_122_681_728, 48, 0.03),
 }
 
 

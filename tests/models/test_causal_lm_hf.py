@@ -14,10 +14,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors.numpy import load_file, save_file
 
+from gdnx.checkpoints.hf_config import hf_config_from_model
+from gdnx.config import load_config
 from gdnx.generate import generate
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
+from gdnx.models.causal_lm import parameter_count
 from tests.hf_models import KINDS, _BASE, hf_and_gdnx, hf_logits, random_hf_model, tokens
 
 TOL = 1e-4
@@ -136,3 +140,42 @@ def test_a_latent_rank_that_does_not_fit_the_tensors_names_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa.weight: the file's shape \(24, 32\) does not fit .*"
                                          r"its shape follows model.kv_lora_rank, model.qk_rope_head_dim"):
         CausalLM.from_pretrained(tmp_path, kv_lora_rank=8)
+
+
+def test_ling_multi_token_prediction_layers_are_skipped_once(tmp_path, caplog):
+    """A Ling 3 checkpoint stores its multi-token prediction layer after the
+    decoder's (model.layers.4.* here): loading skips it with one line, the
+    logits are the model's, and the export holds the loaded layers only."""
+    hf = random_hf_model("bailing_hybrid")
+    hf.save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    mtp = {k.replace("model.layers.0.", "model.layers.4."): v for k, v in tensors.items() if ".layers.0." in k}
+    mtp["model.layers.4.eh_proj.weight"] = np.zeros((32, 64), np.float32)
+    save_file({**tensors, **mtp}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="gdnx"):
+        model = CausalLM.from_pretrained(tmp_path / "hf")
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1 and f"skipped the multi-token prediction layers ({len(mtp)} tensors under " \
+        "model.layers.4.*)" in notes[0], notes
+    toks = tokens(2, 20)
+    assert relative_error(model(jnp.asarray(toks, jnp.int32)), hf_logits(hf, toks)) <= TOL
+    model.save_pretrained(tmp_path / "out")
+    assert not any(".layers.4." in k for k in load_file(tmp_path / "out" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name,arch", [("kimi-linear-48b-a3b", "KimiLinear"), ("ling-3.0-flash", "BailingHybrid")])
+def test_bundled_kda_family_configs_count_transformers_parameters(name, arch):
+    """The bundled Kimi-Linear-48B-A3B and Ling-3.0-Flash configs, exported to
+    config.json and built by transformers on the meta device (no memory):
+    gdnx's parameter count equals transformers' parameters plus the routers'
+    correction biases (buffers there, parameters without gradient here)."""
+    cfg = load_config(name).model
+    hf = hf_config_from_model(cfg)
+    config = getattr(transformers, f"{arch}Config")(**{k: v for k, v in hf.items()
+                                                      if k not in ("architectures", "model_type", "dtype")})
+    with torch.device("meta"):
+        theirs = getattr(transformers, f"{arch}ForCausalLM")(config)
+    count = sum(p.numel() for p in theirs.parameters())
+    count += sum(b.numel() for n, b in theirs.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert parameter_count(cfg) == count
+    assert list(theirs.config.layer_types) == list(cfg.resolved_layer_types)

@@ -103,12 +103,18 @@ def test_sharded_loss_and_grads_match_one_device(implementation, mode, name, b):
 # three value heads stay on its tensor shard), OLMo Hybrid (q/k norms across
 # the heads of a tensor-sharded projection, post-norm attention, beta in [0,
 # 2]), Kimi Linear (KDA heads over tensor and its per-channel gates over
-# context, latent attention's heads over tensor, the grouped sigmoid router)
+# context, latent attention's heads over tensor, the grouped sigmoid
+# router), Ling 3 (RoPE on the latent attention's rope part, the head gate)
 FAMILIES = {
     "kimi_linear": ["model.family=kimi_linear", "model.rope_theta=null", "model.linear_num_value_heads=4",
                     "model.num_key_value_heads=4", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
                     "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.n_group=2", "model.topk_group=1",
                     "model.routed_scaling_factor=2.0"],
+    # Ling 3: latent attention with RoPE under context, its head gate and KDA's bounded gate over tensor
+    "bailing_hybrid": ["model.family=bailing_hybrid", "model.rope_theta=10000.0", "model.linear_num_value_heads=4",
+                       "model.num_key_value_heads=4", "model.kv_lora_rank=16", "model.q_lora_rank=8",
+                       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
+                       "model.linear_gate_lower_bound=-5.0", "model.swiglu_limits=[0, 0.5, 0.7]"],
     "qwen3_5_gva3": ["model.family=qwen3_5", "model.linear_num_value_heads=12"],
     "olmo_hybrid": ["model.family=olmo_hybrid", "model.num_experts=0", "model.linear_allow_neg_eigval=true",
                     "model.partial_rotary_factor=1.0"],

@@ -6,9 +6,9 @@ Experts are read in the published per-expert layout
 (mlp.experts.{e}.gate_proj.weight ...) or in the fused one transformers 5
 keeps in memory (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]),
 and written per expert, which every transformers version reads. The
-multi-token prediction head (mtp.*) and a vision-language checkpoint's
-vision tower are not part of the language model: loading skips them and
-says so in one line.
+multi-token prediction head (mtp.*; Ling 3's: the layers after
+num_hidden_layers) and a vision-language checkpoint's vision tower are not
+part of the language model: loading skips them and says so in one line.
 """
 
 from __future__ import annotations
@@ -241,7 +241,22 @@ def _part_reader(reader: _Reader, cfg: ModelConfig, prefix: str, path: tuple, sh
     return part
 
 
-def _note_skipped(directory: Path, keys: list[str]) -> None:
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _mtp_layer(cfg: ModelConfig, key: str) -> bool:
+    """Whether `key` belongs to a Ling 3 checkpoint's multi-token prediction
+    layers, which it stores as the layers after the decoder's."""
+    m = _LAYER.match(key)
+    return cfg.family == "bailing_hybrid" and m is not None and int(m.group(1)) >= cfg.num_hidden_layers
+
+
+def _note_skipped(directory: Path, keys: list[str], cfg: ModelConfig) -> None:
+    mtp_layers = sorted({int(m.group(1)) for k in keys if _mtp_layer(cfg, k) and (m := _LAYER.match(k))})
+    if mtp_layers:
+        count = sum(_mtp_layer(cfg, k) for k in keys)
+        log.warning(f"{directory}: skipped the multi-token prediction layers ({count} tensors under model.layers."
+                    f"{', '.join(map(str, mtp_layers))}.*); gdnx builds the language model")
     for start, what in (("model.visual.", "the vision tower"), ("mtp.", "the multi-token prediction head")):
         count = sum(k.startswith(start) for k in keys)
         if count:
@@ -290,10 +305,10 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
         raise ValueError(f"{directory}: missing weights: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     unused = [k for k in reader.weight_map if k not in reader.used]
-    unexpected = [k for k in unused if not SKIPPED.search(k)]
+    unexpected = [k for k in unused if not SKIPPED.search(k) and not _mtp_layer(cfg, k)]
     if unexpected:
         raise ValueError(f"{directory}: weights this model has no place for: {', '.join(sorted(unexpected)[:8])}")
-    _note_skipped(directory, unused)
+    _note_skipped(directory, unused, cfg)
     if placement is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         places = [device] * len(flat)

@@ -1,8 +1,10 @@
 """Hugging Face config.json <-> gdnx ModelConfig, for every family gdnx
 builds. A config.json's model_type picks the family; a vision-language
-checkpoint (qwen3_5, qwen3_5_moe) gives its text_config. Kimi Linear's
-config.json spells several fields its own way (KIMI_NAMES) and may hold
-its KDA layers' sizes and pattern in linear_attn_config."""
+checkpoint (qwen3_5, qwen3_5_moe) gives its text_config. Kimi Linear's and
+Ling 3's config.json spell several fields their own way (KIMI_NAMES);
+Kimi's may hold its KDA layers' sizes and pattern in linear_attn_config,
+Ling's KDA layers take the attention heads and head_dim, and its pattern
+follows layer_group_size."""
 
 from __future__ import annotations
 
@@ -63,10 +65,22 @@ TRANSFORMERS_DEFAULTS["kimi_linear"] = {
     "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
     "linear_num_heads": 32, "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "first_k_dense_replace": 1,
     "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839}
-# Kimi Linear's config.json names (transformers' attribute_map) for gdnx's field names
+# Ling 3 (Ling-3.0-Flash): transformers' defaults under gdnx's field names
+TRANSFORMERS_DEFAULTS["bailing_hybrid"] = {
+    "vocab_size": 157184, "hidden_size": 2560, "num_hidden_layers": 42, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02, "num_attention_heads": 32,
+    "attention_bias": False, "max_position_embeddings": 262144, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 512, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "kv_lora_rank": 512,
+    "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "head_dim": 128,
+    "short_conv_kernel_size": 4, "first_k_dense_replace": 2, "layer_group_size": 6, "rope_theta": 6_000_000.0,
+    "kda_safe_gate": True, "kda_lower_bound": -5.0, "num_mtp_layers": 1, "swiglu_limits": None,
+    "swiglu_limits_shared": None, "bos_token_id": None, "eos_token_id": 156895, "pad_token_id": 156892}
+# Kimi Linear's and Ling 3's config.json names (transformers' attribute_map) for gdnx's field names
 KIMI_NAMES = {"max_position_embeddings": "model_max_length", "norm_topk_prob": "moe_renormalize",
               "n_group": "num_expert_group", "num_experts_per_tok": "num_experts_per_token",
-              "n_shared_experts": "num_shared_experts"}
+              "n_shared_experts": "num_shared_experts", "num_mtp_layers": "num_nextn_predict_layers",
+              "swiglu_limits": "expert_swiglu_limit_list", "swiglu_limits_shared": "share_expert_swiglu_limit_list"}
 _KIMI_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings",
                 "hidden_act", "initializer_range", "num_attention_heads", "attention_bias", "max_position_embeddings",
                 "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
@@ -79,6 +93,7 @@ MODEL_TYPES = {
     "qwen3_5_moe": ("qwen3_5", "qwen3_5_moe"), "qwen3_5_moe_text": ("qwen3_5", "qwen3_5_moe"),
     "olmo_hybrid": ("olmo_hybrid", "olmo_hybrid"),
     "kimi_linear": ("kimi_linear", "kimi_linear"),
+    "bailing_hybrid": ("bailing_hybrid", "bailing_hybrid"),
 }
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
 # Qwen3.5's multimodal RoPE sections: with text-only positions (the same
@@ -114,10 +129,12 @@ def language_model_config(hf: dict) -> dict:
     return {**text, "model_type": hf["model_type"] + "_text"}
 
 
-def _kimi(hf: dict) -> dict:
-    """ModelConfig fields of a Kimi Linear config.json, read as transformers
-    reads it (a name transformers maps, else gdnx's; then its default)."""
-    defaults = TRANSFORMERS_DEFAULTS["kimi_linear"]
+def _kda_family(hf: dict, family: str) -> dict:
+    """ModelConfig fields of a Kimi Linear or Ling 3 config.json, read as
+    transformers reads it (a name transformers maps, else gdnx's; then its
+    default)."""
+    defaults = TRANSFORMERS_DEFAULTS[family]
+    kimi = family == "kimi_linear"
 
     def get(name: str):
         for key in (KIMI_NAMES.get(name), name, {"num_experts": "num_local_experts"}.get(name)):
@@ -125,11 +142,10 @@ def _kimi(hf: dict) -> dict:
                 return hf[key]
         return defaults[name]
 
-    linear = hf.get("linear_attn_config") or {}
+    n = get("num_hidden_layers")
+    linear = hf.get("linear_attn_config") or {} if kimi else {}
     if not isinstance(linear, dict):
         raise ValueError("config.json: linear_attn_config: expected an object")
-    heads = linear.get("num_heads", get("linear_num_heads"))
-    n = get("num_hidden_layers")
     layer_types = hf.get("layer_types")
     if layer_types is None and "full_attn_layers" in linear and "kda_layers" in linear:
         # 1-indexed layer numbers
@@ -143,8 +159,11 @@ def _kimi(hf: dict) -> dict:
         if None in layer_types:
             raise ValueError(f"config.json: linear_attn_config: layer {layer_types.index(None) + 1} is in neither "
                              "full_attn_layers nor kda_layers")
-    elif layer_types is None:
+    elif layer_types is None and kimi:
         layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    elif layer_types is None:  # the last layer of each group is latent attention
+        group = get("layer_group_size")
+        layer_types = ["full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(n)]
     mlp_types = hf.get("mlp_layer_types")
     if mlp_types is None:
         dense = hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
@@ -152,13 +171,23 @@ def _kimi(hf: dict) -> dict:
     if not isinstance(mlp_types, list) or not set(mlp_types) <= {"dense", "sparse"}:
         raise ValueError(f"config.json: mlp_layer_types: expected a list of 'dense' and 'sparse', got {mlp_types!r}")
     fields = {k: get(k) for k in _KIMI_FIELDS}
-    dim = linear.get("head_dim", get("linear_head_dim"))
-    fields.update(
-        layer_types=layer_types, mlp_only_layers=[i for i, t in enumerate(mlp_types) if t == "dense"],
-        linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=dim, linear_value_head_dim=dim,
-        linear_conv_kernel_dim=linear.get("short_conv_kernel_size", get("linear_conv_kernel_dim")),
-        shared_expert_intermediate_size=get("moe_intermediate_size") * get("n_shared_experts"),
-        num_key_value_heads=get("num_attention_heads"), rope_theta=None, router_aux_loss_coef=0.0)
+    fields.update(layer_types=layer_types, mlp_only_layers=[i for i, t in enumerate(mlp_types) if t == "dense"],
+                  shared_expert_intermediate_size=get("moe_intermediate_size") * get("n_shared_experts"),
+                  num_key_value_heads=get("num_attention_heads"), router_aux_loss_coef=0.0)
+    if kimi:
+        heads, dim = linear.get("num_heads", get("linear_num_heads")), linear.get("head_dim", get("linear_head_dim"))
+        conv = linear.get("short_conv_kernel_size", get("linear_conv_kernel_dim"))
+        fields["rope_theta"] = None
+    else:  # KDA's heads are the attention heads, of head_dim each
+        heads, dim, conv = get("num_attention_heads"), get("head_dim"), get("short_conv_kernel_size")
+        rope = hf.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"config.json: rope_type {rope['rope_type']!r} is not supported (only 'default')")
+        fields["rope_theta"] = rope.get("rope_theta", get("rope_theta"))
+        fields["linear_gate_lower_bound"] = get("kda_lower_bound") if get("kda_safe_gate") else None
+        fields.update(swiglu_limits=get("swiglu_limits"), swiglu_limits_shared=get("swiglu_limits_shared"))
+    fields.update(linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=dim,
+                  linear_value_head_dim=dim, linear_conv_kernel_dim=conv)
     return fields
 
 
@@ -169,8 +198,8 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
         raise ValueError(f"config.json: model_type {model_type!r} is not a GDN hybrid gdnx builds "
                          f"(supported: {', '.join(MODEL_TYPES)})")
     family, kind = MODEL_TYPES[model_type]
-    if family == "kimi_linear":
-        return _validated({"family": family, **_kimi(hf), **(overrides or {})})
+    if family in ("kimi_linear", "bailing_hybrid"):
+        return _validated({"family": family, **_kda_family(hf, family), **(overrides or {})})
     # a field config.json leaves out is transformers' default (an explicit null stays null)
     given = language_model_config(hf)
     defaults = dict(TRANSFORMERS_DEFAULTS[kind])
@@ -202,29 +231,41 @@ def _refuse(cfg: ModelConfig, kind: str, checks: dict[str, object]) -> None:
             raise ValueError(f"model.{field}: a {kind} checkpoint stores only {value!r}, got {getattr(cfg, field)!r}")
 
 
-def _kimi_config(cfg: ModelConfig) -> dict:
-    moe = cfg.num_experts > 0
-    if moe and cfg.shared_expert_intermediate_size % cfg.moe_intermediate_size:
-        raise ValueError(f"model.shared_expert_intermediate_size: a kimi_linear checkpoint stores shared experts of "
+def _kda_family_config(cfg: ModelConfig) -> dict:
+    kimi = cfg.family == "kimi_linear"
+    if cfg.num_experts and cfg.shared_expert_intermediate_size % cfg.moe_intermediate_size:
+        raise ValueError(f"model.shared_expert_intermediate_size: a {cfg.family} checkpoint stores shared experts of "
                          f"moe_intermediate_size={cfg.moe_intermediate_size} each, got "
                          f"{cfg.shared_expert_intermediate_size}")
-    _refuse(cfg, "kimi_linear", {"decoder_sparse_step": 1, "num_key_value_heads": cfg.num_attention_heads})
-    out: dict[str, object] = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear"}
+    _refuse(cfg, cfg.family, {"decoder_sparse_step": 1, "num_key_value_heads": cfg.num_attention_heads})
+    if not kimi:  # Ling's KDA heads are its attention heads
+        _refuse(cfg, cfg.family, {"linear_num_key_heads": cfg.num_attention_heads})
+    arch = "KimiLinearForCausalLM" if kimi else "BailingHybridForCausalLM"
+    out: dict[str, object] = {"architectures": [arch], "model_type": cfg.family}
     for field in _KIMI_FIELDS:
         out[KIMI_NAMES.get(field, field)] = getattr(cfg, field)
     out["num_shared_experts"] = cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size
     out["num_key_value_heads"] = cfg.num_attention_heads
     out["layer_types"] = list(cfg.resolved_layer_types)
     out["mlp_layer_types"] = ["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_hidden_layers)]
-    out.update(linear_num_heads=cfg.linear_num_key_heads, linear_head_dim=cfg.linear_key_head_dim,
-               linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, dtype=cfg.param_dtype)
+    if kimi:
+        out.update(linear_num_heads=cfg.linear_num_key_heads, linear_head_dim=cfg.linear_key_head_dim,
+                   linear_conv_kernel_dim=cfg.linear_conv_kernel_dim)
+    else:
+        out.update(head_dim=cfg.linear_key_head_dim, short_conv_kernel_size=cfg.linear_conv_kernel_dim,
+                   rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                   kda_safe_gate=cfg.linear_gate_lower_bound is not None,
+                   kda_lower_bound=cfg.linear_gate_lower_bound if cfg.linear_gate_lower_bound is not None else -5.0,
+                   num_nextn_predict_layers=0,  # the multi-token prediction layers are not loaded
+                   expert_swiglu_limit_list=cfg.swiglu_limits, share_expert_swiglu_limit_list=cfg.swiglu_limits_shared)
+    out["dtype"] = cfg.param_dtype
     return out
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """A config.json dict of the family's text model that transformers reads."""
-    if cfg.family == "kimi_linear":
-        return _kimi_config(cfg)
+    if cfg.family in ("kimi_linear", "bailing_hybrid"):
+        return _kda_family_config(cfg)
     moe = cfg.num_experts > 0
     if cfg.family == "qwen3_next":
         kind, arch = "qwen3_next", "Qwen3NextForCausalLM"

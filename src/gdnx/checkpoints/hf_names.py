@@ -12,7 +12,9 @@ KDA's q, k, v projections and convs in three parts, its A_log as
 [1, 1, H, 1], its MLPs (dense and MoE) under block_sparse_moe (the
 published checkpoints' dense layers under mlp, which the reader takes as
 an alias: ALIASES), its shared expert as shared_experts and its routed
-experts as w1 / w3 / w2 (gate, up, down). Every conversion is a reshape,
+experts as w1 / w3 / w2 (gate, up, down). Ling 3's name the embeddings
+word_embeddings, the mixers attention (their output projections dense),
+the correction bias expert_bias, and keep A_log as [H]. Every conversion is a reshape,
 transpose, split or concatenation, so a load and a save give back the same
 bits. The conversions to a parameter take numpy arrays (a load reads
 slices on the host) or jax values (a shape check under eval_shape), and
@@ -67,9 +69,12 @@ _KIMI_EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}
 ALIASES: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": ((".block_sparse_moe.", ".mlp."),)}
 # per family: (a part of a tensor name as files hold it, the same in the module
 # names of transformers' model in memory, which is what a PEFT adapter names)
-MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": (
-    (".block_sparse_moe.", ".mlp."), (".self_attn.f_a_proj", ".self_attn.forget_gate.f_a_proj"),
-    (".self_attn.f_b_proj", ".self_attn.forget_gate.f_b_proj"))}
+MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "kimi_linear": ((".block_sparse_moe.", ".mlp."), (".self_attn.f_a_proj", ".self_attn.forget_gate.f_a_proj"),
+                    (".self_attn.f_b_proj", ".self_attn.forget_gate.f_b_proj")),
+    "bailing_hybrid": ((".attention.f_proj", ".self_attn.forget_gate.f_proj"), (".attention.dense", ".self_attn.o_proj"),
+                       (".attention.", ".self_attn.")),
+}
 
 
 def _t(x: Any) -> Any:
@@ -161,8 +166,10 @@ def _gdn(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
 
 
 def _kda(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
-    """A KimiDeltaAttention parameter (`name` its attribute) under self_attn."""
-    p = prefix + "self_attn."
+    """A KimiDeltaAttention parameter (`name` its attribute) under self_attn
+    (Kimi) or attention (Ling, whose A_log is [H] and o_proj is dense)."""
+    ling = cfg.family == "bailing_hybrid"
+    p = prefix + ("attention." if ling else "self_attn.")
     d = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     if name == "in_proj_qkv":
         return _per_key_head([p + f"{x}_proj.weight" for x in "qkv"], [[d], [d], [d]], cfg.linear_num_key_heads)
@@ -170,13 +177,15 @@ def _kda(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
         return Tensors(tuple(p + f"{x}_conv1d.weight" for x in "qkv"),
                        lambda q, k, v: _xp(q, k, v).concatenate([q, k, v], axis=0)[:, 0],
                        lambda w: tuple(x[:, None] for x in _xp(w).split(w, [d, 2 * d], axis=0)))
+    if name == "A_log" and ling:
+        return _same(p + "A_log")
     if name == "A_log":
         return Tensors((p + "A_log",), lambda w: w.reshape(-1), lambda a: (a.reshape(1, 1, -1, 1),))
     if name == "dt_bias":
         return _same(p + name)
     if name == "norm_weight":
         return _same(p + "o_norm.weight")
-    return _transposed(p + {"out_proj": "o_proj"}.get(name, name) + ".weight")
+    return _transposed(p + {"out_proj": "dense" if ling else "o_proj"}.get(name, name) + ".weight")
 
 
 # OLMo Hybrid's names for the norms before a layer's mixer and its MLP (or,
@@ -188,8 +197,9 @@ def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.") -> Tensors | E
     """The Hugging Face tensors of the gdnx parameter at `path` (an nnx state
     path); `prefix` is where the language model's tensors live
     (model.language_model. in a vision-language checkpoint)."""
+    ling = cfg.family == "bailing_hybrid"
     if path == ("embed_tokens", "embedding"):
-        return _same(prefix + "embed_tokens.weight")
+        return _same(prefix + ("word_embeddings" if ling else "embed_tokens") + ".weight")
     if path == ("lm_head", "kernel"):
         return _transposed("lm_head.weight")
     if path == ("norm", "weight"):
@@ -212,9 +222,12 @@ def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.") -> Tensors | E
         part = tail[0].removeprefix("experts_")
         return Experts(layer + mlp + "experts", part, _KIMI_EXPERTS[part] if kimi else f"{part}_proj")
     if block == "mlp" and tail == ["e_score_correction_bias"]:
-        return _same(layer + mlp + "gate.e_score_correction_bias")
-    if kimi and tail[0] == "shared_expert":
+        return _same(layer + mlp + ("gate.expert_bias" if ling else "gate.e_score_correction_bias"))
+    if (kimi or ling) and tail[0] == "shared_expert":
         tail = ["shared_experts", *tail[1:]]
-    module = layer + ("self_attn." if block == "mixer" else mlp) + ".".join(tail[:-1])
+    if ling and block == "mixer" and tail[0] == "o_proj":
+        tail = ["dense", *tail[1:]]
+    mixer = "attention." if ling else "self_attn."
+    module = layer + (mixer if block == "mixer" else mlp) + ".".join(tail[:-1])
     leaf = tail[-1]
     return _transposed(module + ".weight") if leaf == "kernel" else _same(module + "." + leaf)

@@ -27,8 +27,12 @@ from gdnx.ops.gated_delta_rule.options import (
 LAYER_TYPES = ("linear_attention", "full_attention")
 # qwen3_next: Qwen3-Next; qwen3_5: Qwen3.5, dense (num_experts 0) or MoE;
 # olmo_hybrid: OLMo Hybrid; kimi_linear: Kimi Linear (KDA and latent
-# attention). docs/model.md has what differs between them.
-Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear"]
+# attention); bailing_hybrid: Ling 3 (KDA with the bounded gate, latent
+# attention with RoPE and a head gate). docs/model.md has what differs
+# between them.
+Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "bailing_hybrid"]
+# the families whose linear-attention layers are KDA and whose full attention is latent attention
+KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")
 FAMILIES: tuple[str, ...] = get_args(Family)
 # depth from which scan_layers: null scans the stack
 SCAN_MIN_LAYERS = 8
@@ -88,7 +92,7 @@ class ModelConfig(_Strict):
     partial_rotary_factor: float = Field(0.25, gt=0.0, le=1.0)
     max_position_embeddings: PositiveInt = 262144
 
-    # Multi-head latent attention (kimi_linear's full_attention layers): keys
+    # Multi-head latent attention (the KDA families' full_attention layers): keys
     # and values from a compressed latent of kv_lora_rank features plus a
     # rope part of qk_rope_head_dim shared by every head; the query through a
     # q_lora_rank bottleneck, or none (null)
@@ -103,13 +107,16 @@ class ModelConfig(_Strict):
     # values from the latents
     mla_absorb: bool = True
 
-    # Gated DeltaNet, or KDA (kimi_linear; key and value heads alike)
+    # Gated DeltaNet, or KDA (KDA_FAMILIES; key and value heads alike)
     linear_num_key_heads: PositiveInt = 16
     linear_num_value_heads: PositiveInt = 32
     linear_key_head_dim: PositiveInt = 128
     linear_value_head_dim: PositiveInt = 128
     linear_conv_kernel_dim: int = Field(4, ge=2)
     linear_allow_neg_eigval: bool = False  # beta = 2 sigmoid(b), in [0, 2]: negative transition eigenvalues
+    # KDA's gate: null, Kimi's -exp(A_log) softplus(f + dt_bias); a negative
+    # bound, Ling's lower_bound * sigmoid(exp(A_log) (f + dt_bias))
+    linear_gate_lower_bound: float | None = Field(None, lt=0.0)
 
     # MLP: dense SwiGLU, or sparse MoE with a shared expert (num_experts > 0)
     intermediate_size: PositiveInt = 5120
@@ -118,13 +125,18 @@ class ModelConfig(_Strict):
     moe_intermediate_size: PositiveInt = 512
     shared_expert_intermediate_size: PositiveInt = 512
     norm_topk_prob: bool = True
-    # kimi_linear's router: sigmoid scores with a per-expert correction bias
+    # the KDA families' router: sigmoid scores with a per-expert correction bias
     # for the choice, top-k within the topk_group best of n_group groups of
     # experts, the weights (renormalised with norm_topk_prob) times
     # routed_scaling_factor; its shared expert has no gate
     n_group: PositiveInt = 1
     topk_group: PositiveInt = 1
     routed_scaling_factor: PositiveFloat = 1.0
+    # bailing_hybrid: per layer, a bound on the SwiGLU of the routed experts
+    # (swiglu_limits) and of the shared expert (swiglu_limits_shared): silu(gate)
+    # capped at it, up clipped to [-it, it]; 0 or null: unbounded
+    swiglu_limits: list[Annotated[float, Field(ge=0.0)]] | None = None
+    swiglu_limits_shared: list[Annotated[float, Field(ge=0.0)]] | None = None
     decoder_sparse_step: PositiveInt = 1
     mlp_only_layers: list[int] = Field(default_factory=list)
     router_aux_loss_coef: float = Field(0.001, ge=0.0)
@@ -212,10 +224,27 @@ class ModelConfig(_Strict):
         if self.family == "kimi_linear" and self.rope_theta is not None:
             errors.append(("rope_theta", f"kimi_linear's latent attention has no rotary embedding; set it to null, "
                            f"got {self.rope_theta}"))
-        if self.family == "kimi_linear" and "linear_attention" in used and (
+        if self.family == "bailing_hybrid" and self.rope_theta is None:
+            errors.append(("rope_theta", "bailing_hybrid's latent attention rotates its rope part; set a base "
+                           "(its checkpoints' 6000000.0)"))
+        if self.family != "bailing_hybrid" and (self.swiglu_limits or self.swiglu_limits_shared):
+            errors.append(("swiglu_limits", f"bounds the SwiGLU of bailing_hybrid only, not {self.family}"))
+        for name in ("swiglu_limits", "swiglu_limits_shared"):
+            limits = getattr(self, name)
+            if limits is not None and len(limits) != self.num_hidden_layers:
+                errors.append((name, f"expected {self.num_hidden_layers} entries (num_hidden_layers), "
+                               f"got {len(limits)}"))
+        if self.family == "bailing_hybrid" and "linear_attention" in used and (
+                self.linear_num_key_heads != self.num_attention_heads):
+            errors.append(("linear_num_key_heads", f"bailing_hybrid's KDA layers have its {self.num_attention_heads} "
+                           f"attention heads (num_attention_heads), got {self.linear_num_key_heads}"))
+        if self.linear_gate_lower_bound is not None and self.family not in KDA_FAMILIES:
+            errors.append(("linear_gate_lower_bound", f"bounds KDA's gate ({', '.join(KDA_FAMILIES)}), not "
+                           f"{self.family}'s"))
+        if self.family in KDA_FAMILIES and "linear_attention" in used and (
                 self.linear_num_value_heads != self.linear_num_key_heads
                 or self.linear_value_head_dim != self.linear_key_head_dim):
-            errors.append(("linear_num_value_heads", "kimi_linear's KDA layers have as many value heads as key heads "
+            errors.append(("linear_num_value_heads", "KDA layers have as many value heads as key heads "
                            "and value heads as wide as key heads; got "
                            f"{self.linear_num_key_heads} x {self.linear_key_head_dim} keys, "
                            f"{self.linear_num_value_heads} x {self.linear_value_head_dim} values"))
@@ -234,14 +263,14 @@ class ModelConfig(_Strict):
     @property
     def linear_kind(self) -> Literal["gdn", "kda"]:
         """The delta rule of the linear_attention layers: GDN's per-head
-        gate, or KDA's per-channel one (kimi_linear)."""
-        return "kda" if self.family == "kimi_linear" else "gdn"
+        gate, or KDA's per-channel one (KDA_FAMILIES)."""
+        return "kda" if self.family in KDA_FAMILIES else "gdn"
 
     @property
     def attention_kind(self) -> Literal["gated", "normed", "latent"]:
         """The full_attention layers: gated (Qwen), normed (OLMo Hybrid) or
-        multi-head latent attention (kimi_linear)."""
-        if self.family == "kimi_linear":
+        multi-head latent attention (KDA_FAMILIES)."""
+        if self.family in KDA_FAMILIES:
             return "latent"
         return "normed" if self.family == "olmo_hybrid" else "gated"
 
@@ -249,8 +278,8 @@ class ModelConfig(_Strict):
     def router_kind(self) -> Literal["softmax", "sigmoid"]:
         """The MoE router: softmax over experts with a gated shared expert
         (Qwen), or sigmoid scores, grouped choice and an ungated shared
-        expert (kimi_linear)."""
-        return "sigmoid" if self.family == "kimi_linear" else "softmax"
+        expert (KDA_FAMILIES)."""
+        return "sigmoid" if self.family in KDA_FAMILIES else "softmax"
 
     @property
     def resolved_layer_types(self) -> tuple[str, ...]:

@@ -10,7 +10,9 @@ beta = sigmoid(b_proj(x)), the delta rule (chunk_kda) with l2-normalised q
 and k, an RMSNorm gated by sigmoid of a low-rank projection (g_a_proj,
 g_b_proj), and out_proj. Every head has its own keys and values (no
 grouping). The conv, the states and the serving paths are the GDN layer's
-(DeltaRuleMixer).
+(DeltaRuleMixer). Ling 3's form (`low_rank_gates` false) projects the
+forget and output gates in one step (f_proj, g_proj), and bounds the
+decay: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)).
 """
 
 from __future__ import annotations
@@ -22,10 +24,19 @@ from jax.typing import DTypeLike
 
 from gdnx.layers.gated_deltanet import DeltaRuleMixer, GDNState
 from gdnx.layers.linear import linear
+from gdnx.layers.lora import Linear
 from gdnx.ops import gated_rmsnorm, kda_gate
 from gdnx.ops.gated_delta_rule.options import DeltaRuleOptions
 from gdnx.parallel.gdn import GATE, OUT
 from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
+
+
+def _project(x: jax.Array, direct: Linear | None, low: Linear | None, high: Linear | None) -> jax.Array:
+    """A gate's projection: direct, or through the bottleneck (low, then high)."""
+    if direct is not None:
+        return direct(x)
+    assert low is not None and high is not None  # one form or the other, as built
+    return high(low(x))
 
 
 class KimiDeltaAttention(DeltaRuleMixer):
@@ -33,7 +44,8 @@ class KimiDeltaAttention(DeltaRuleMixer):
     rule (settings in `op`), sigmoid-gated RMSNorm, output projection."""
 
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, conv_kernel_size: int, norm_eps: float,
-                 op: DeltaRuleOptions, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+                 op: DeltaRuleOptions, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
+                 low_rank_gates: bool = True, lower_bound: float | None = None):
         self.hk = self.hv = num_heads
         self.dk = self.dv = head_dim
         self.width = conv_kernel_size
@@ -45,8 +57,11 @@ class KimiDeltaAttention(DeltaRuleMixer):
         bound = self.width ** -0.5  # PyTorch's depthwise Conv1d default (fan_in = kernel size)
         self.conv_weight = nnx.Param(jax.random.uniform(rngs.params(), (self.conv_dim, self.width), param_dtype,
                                                         -bound, bound))
-        self.f_a_proj = linear(h, d, dtype, param_dtype, std, rngs)
-        self.f_b_proj = linear(d, num_heads * d, dtype, param_dtype, std, rngs)
+        self.lower_bound = lower_bound
+        # the gates' projections: through a head_dim bottleneck (Kimi) or direct (Ling)
+        self.f_a_proj = linear(h, d, dtype, param_dtype, std, rngs) if low_rank_gates else None
+        self.f_b_proj = linear(d, num_heads * d, dtype, param_dtype, std, rngs) if low_rank_gates else None
+        self.f_proj = None if low_rank_gates else linear(h, num_heads * d, dtype, param_dtype, std, rngs)
         # float32 whatever param_dtype is, started as the GDN layer's decays
         # are (near 1: see gdnx.layers.gated_deltanet)
         dt = jnp.exp(jax.random.uniform(rngs.params(), (num_heads * d,), jnp.float32, jnp.log(1e-4),
@@ -54,8 +69,9 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)))
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (num_heads,), jnp.float32, 0.01, 16.0)))
         self.b_proj = linear(h, num_heads, dtype, param_dtype, std, rngs)
-        self.g_a_proj = linear(h, d, dtype, param_dtype, std, rngs)
-        self.g_b_proj = linear(d, num_heads * d, dtype, param_dtype, std, rngs)
+        self.g_a_proj = linear(h, d, dtype, param_dtype, std, rngs) if low_rank_gates else None
+        self.g_b_proj = linear(d, num_heads * d, dtype, param_dtype, std, rngs) if low_rank_gates else None
+        self.g_proj = None if low_rank_gates else linear(h, num_heads * d, dtype, param_dtype, std, rngs)
         self.norm_weight = nnx.Param(jnp.ones((d,), param_dtype))
         self.out_proj = linear(num_heads * d, h, dtype, param_dtype, std, rngs)
 
@@ -69,11 +85,11 @@ class KimiDeltaAttention(DeltaRuleMixer):
         heads = out_sharding(OUT, (b, t, h, d), units=units)
         mixed = constrain(self.in_proj_qkv(x).reshape(b, t, h, 3 * d), ("batch", "length", "key_heads", None),
                           units=units)
-        f = jnp.reshape(self.f_b_proj(self.f_a_proj(x)), (b, t, h, d), out_sharding=heads)
-        g = kda_gate(f, self.A_log[...], self.dt_bias[...])
+        f = jnp.reshape(_project(x, self.f_proj, self.f_a_proj, self.f_b_proj), (b, t, h, d), out_sharding=heads)
+        g = kda_gate(f, self.A_log[...], self.dt_bias[...], lower_bound=self.lower_bound)
         beta = constrain(jax.nn.sigmoid(self.b_proj(x)), GATE, units=units)
         o, conv_state, rec, history = self._run(mixed, g, beta, state, segments, lengths, history_every)
-        gate = jnp.reshape(self.g_b_proj(self.g_a_proj(x)), (b, t, h, d), out_sharding=heads)
+        gate = jnp.reshape(_project(x, self.g_proj, self.g_a_proj, self.g_b_proj), (b, t, h, d), out_sharding=heads)
         o = gated_rmsnorm(o, gate, self.norm_weight[...], eps=self.eps, gate="sigmoid")
         o = jnp.reshape(o, (b, t, h * d), out_sharding=out_sharding(("batch", "length", "value_heads"), (b, t, h * d),
                                                                     units=units))

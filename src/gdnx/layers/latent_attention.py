@@ -35,7 +35,7 @@ from jax.typing import DTypeLike
 from gdnx.layers.attention import Rope, causal_attention, write_cache
 from gdnx.layers.linear import linear
 from gdnx.layers.norms import RMSNorm
-from gdnx.layers.rope import apply_rope
+from gdnx.layers.rope import apply_rope_interleaved
 from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
 
 # the latent's and the shared key part's logical axes: one "head", kept whole
@@ -59,7 +59,8 @@ class LatentAttention(nnx.Module):
 
     def __init__(self, hidden_size: int, *, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, bias: bool, norm_eps: float,
-                 absorb: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+                 absorb: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
+                 head_gate: bool = False):
         self.num_heads, self.rank = num_heads, kv_lora_rank
         self.dn, self.dr, self.dv = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.absorb = absorb
@@ -77,6 +78,7 @@ class LatentAttention(nnx.Module):
         self.kv_b_proj = linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), dtype, param_dtype, std,
                                 rngs)
         self.o_proj = linear(num_heads * v_head_dim, h, dtype, param_dtype, std, rngs, bias=bias)
+        self.g_proj = linear(h, num_heads, dtype, param_dtype, std, rngs) if head_gate else None
 
     def _query(self, x: jax.Array) -> jax.Array:
         if self.q_proj is not None:
@@ -91,7 +93,8 @@ class LatentAttention(nnx.Module):
                  start: jax.Array | int = 0, segments: jax.Array | None = None,
                  ) -> tuple[jax.Array, LatentCache | None]:
         """As GatedAttention.__call__: x [B, T, hidden], rope for each
-        token's position (None: no rotary embedding), positions [T] or
+        token's position (None: no rotary embedding; else turning adjacent
+        pairs of the rope parts), positions [T] or
         [B, T], the cache written at [start, start + T)."""
         b, t, _ = x.shape
         q = self._query(x)
@@ -100,8 +103,8 @@ class LatentAttention(nnx.Module):
         latent = self.kv_a_layernorm(compressed[..., :self.rank])
         k_rope = compressed[..., self.rank:]
         if rope is not None:
-            q_rope = apply_rope(q_rope, *rope)
-            k_rope = apply_rope(k_rope[:, :, None], *rope)[:, :, 0]
+            q_rope = apply_rope_interleaved(q_rope, *rope)
+            k_rope = apply_rope_interleaved(k_rope[:, :, None], *rope)[:, :, 0]
         if cache is not None:
             cache = LatentCache(write_cache(cache.latent, latent, start, _LATENT),
                                 write_cache(cache.rope, k_rope, start, _LATENT))
@@ -121,6 +124,8 @@ class LatentAttention(nnx.Module):
             k = jnp.concatenate([kv[..., :self.dn], shared], axis=-1)
             out = causal_attention(jnp.concatenate([q_nope, q_rope], axis=-1), k, kv[..., self.dn:], positions,
                                    k_pos, segments)
+        if self.g_proj is not None:
+            out = out * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(out.dtype)[..., None]
         out = out.reshape(b, t, self.num_heads * self.dv)
         return self.o_proj(out, out_sharding=out_sharding(HIDDEN, x.shape)), cache
 

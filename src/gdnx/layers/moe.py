@@ -23,7 +23,7 @@ from jax.typing import DTypeLike
 
 from gdnx.layers.linear import linear
 from gdnx.layers.lora import LoRA
-from gdnx.layers.mlp import MLP
+from gdnx.layers.mlp import MLP, swiglu
 from gdnx.parallel.moe import run_experts
 
 
@@ -55,11 +55,14 @@ class SparseMoE(nnx.Module):
     def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, expert_size: int, shared_expert_size: int,
                  norm_topk_prob: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
                  router: Literal["softmax", "sigmoid"] = "softmax", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0):
+                 routed_scaling_factor: float = 1.0, limit: float | None = None, shared_limit: float | None = None):
+        """limit, shared_limit: bounds on the routed experts' and the shared
+        expert's SwiGLU (gdnx.layers.mlp.swiglu); None: unbounded."""
         h, i, e, std = hidden_size, expert_size, num_experts, init_std
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.router, self.n_group, self.topk_group = router, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.limit = limit
         self.dtype = dtype
         self.gate = linear(h, e, dtype, param_dtype, std, rngs)
         self.e_score_correction_bias = (nnx.Param(jnp.zeros((e,), jnp.float32)) if router == "sigmoid" else None)
@@ -68,7 +71,7 @@ class SparseMoE(nnx.Module):
         self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), param_dtype))
         self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
         self.shared_expert = MLP(h, shared_expert_size, dtype=dtype, param_dtype=param_dtype,
-                                 init_std=std, rngs=rngs)
+                                 init_std=std, rngs=rngs, limit=shared_limit)
         self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs) if router == "softmax" else None
 
     def _route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -126,7 +129,7 @@ class SparseMoE(nnx.Module):
         sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)
         xs = x[rows]
         wd = lambda w: w.astype(x.dtype)  # noqa: E731
-        act = jax.nn.silu(jax.lax.ragged_dot(xs, wd(w_gate), sizes)) * jax.lax.ragged_dot(xs, wd(w_up), sizes)
+        act = swiglu(jax.lax.ragged_dot(xs, wd(w_gate), sizes), jax.lax.ragged_dot(xs, wd(w_up), sizes), self.limit)
         ys = jax.lax.ragged_dot(act, wd(w_down), sizes)
         ys = ys * top_p.reshape(-1)[order][:, None].astype(ys.dtype)
         routed = jnp.zeros_like(x).at[rows].add(ys)

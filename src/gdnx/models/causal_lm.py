@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdnx.config.schema import ModelConfig
+from gdnx.config.schema import KDA_FAMILIES, ModelConfig
 from gdnx.layers.attention import GatedAttention, KVCache, NormedAttention, Rope
 from gdnx.layers.documents import document_positions
 from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, GDNState
@@ -63,9 +63,9 @@ class HiddenOutput(NamedTuple):
 
 
 def _norm(cfg: ModelConfig) -> type[RMSNorm]:
-    """The family's RMSNorm: scaled by w (OLMo Hybrid, Kimi Linear) or by
-    1 + w (Qwen)."""
-    return RMSNorm if cfg.family in ("olmo_hybrid", "kimi_linear") else ZeroCenteredRMSNorm
+    """The family's RMSNorm: scaled by w (OLMo Hybrid, Kimi Linear, Ling 3)
+    or by 1 + w (Qwen)."""
+    return RMSNorm if cfg.family in ("olmo_hybrid", *KDA_FAMILIES) else ZeroCenteredRMSNorm
 
 
 # OLMo Hybrid's gated norm on the GDN output has a fixed eps
@@ -82,7 +82,7 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, index: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.layer_type = cfg.resolved_layer_types[index]
-        olmo = cfg.family == "olmo_hybrid"
+        olmo, ling = cfg.family == "olmo_hybrid", cfg.family == "bailing_hybrid"
         # the model reads the config; each layer gets the sizes it uses
         h = cfg.hidden_size
         kw: dict[str, Any] = dict(init_std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -99,7 +99,7 @@ class DecoderLayer(nnx.Module):
             self.mixer = KimiDeltaAttention(
                 h, num_heads=cfg.linear_num_key_heads, head_dim=cfg.linear_key_head_dim,
                 conv_kernel_size=cfg.linear_conv_kernel_dim, op=delta_rule_options(cfg), norm_eps=cfg.rms_norm_eps,
-                **kw)
+                low_rank_gates=not ling, lower_bound=cfg.linear_gate_lower_bound, **kw)
         elif self.layer_type == "linear_attention":
             self.mixer = GatedDeltaNet(
                 h, num_key_heads=cfg.linear_num_key_heads, num_value_heads=cfg.linear_num_value_heads,
@@ -112,7 +112,7 @@ class DecoderLayer(nnx.Module):
                 h, num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                 qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
                 v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias, norm_eps=LATENT_NORM_EPS,
-                absorb=cfg.mla_absorb, **kw)
+                absorb=cfg.mla_absorb, head_gate=ling, **kw)
         else:
             attention = NormedAttention if olmo else GatedAttention
             self.mixer = attention(h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
@@ -123,7 +123,9 @@ class DecoderLayer(nnx.Module):
                                  expert_size=cfg.moe_intermediate_size,
                                  shared_expert_size=cfg.shared_expert_intermediate_size,
                                  norm_topk_prob=cfg.norm_topk_prob, router=cfg.router_kind, n_group=cfg.n_group,
-                                 topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor, **kw)
+                                 topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+                                 limit=_limit(cfg.swiglu_limits, index), shared_limit=_limit(cfg.swiglu_limits_shared,
+                                                                                            index), **kw)
         else:
             self.mlp = MLP(h, cfg.intermediate_size, **kw)
 
@@ -159,6 +161,11 @@ class DecoderLayer(nnx.Module):
         x = constrain(x + h, HIDDEN)
         h, stats = self._feed_forward(self.post_attention_layernorm(x))
         return constrain(x + h, HIDDEN), new_cache, stats
+
+
+def _limit(limits: list[float] | None, index: int) -> float | None:
+    """Layer `index`'s SwiGLU bound from a per-layer list (0 or none: unbounded)."""
+    return limits[index] or None if limits else None
 
 
 def _rotary_dim(cfg: ModelConfig) -> int:

@@ -33,6 +33,10 @@ _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("g_a_proj", "kernel"): ("embed", None),
     ("g_b_proj", "kernel"): (None, "key_heads"),
     ("b_proj", "kernel"): ("embed", "key_heads"),
+    ("f_proj", "kernel"): ("embed", "key_heads"),             # Ling's KDA gates, direct
+    # Ling's output gates: KDA's [hidden, H * K] and latent attention's [hidden, H], its KDA heads being
+    # its attention heads (ModelConfig checks)
+    ("g_proj", "kernel"): ("embed", "heads"),
     ("mixer", "A_log"): ("value_heads",),
     ("mixer", "dt_bias"): ("value_heads",),
     ("out_proj", "kernel"): ("value_heads", "embed"),
