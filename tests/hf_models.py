@@ -61,6 +61,14 @@ KINDS = {
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                             swiglu_limits=[0, 0.5, 0, 0.7], swiglu_limits_shared=[0, 0.3, 0, 0], pad_token_id=None,
                             bos_token_id=None, eos_token_id=None)),
+    # Lara 4 Mini: the period-5 pattern (GDN, sliding, GDN, full, sliding), GVA
+    # groups of 2, a window of 6 tokens, every layer routed, tied embeddings
+    "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM",
+                  dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=5, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=8, linear_value_head_dim=16, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2, sliding_window=6,
+                       pad_token_id=None, bos_token_id=None, eos_token_id=None)),
 }
 # the kinds whose configs take _BASE's fields
 _BASED = ("qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")

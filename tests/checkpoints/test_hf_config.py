@@ -8,9 +8,10 @@ import transformers
 from gdnx.checkpoints.hf_config import TRANSFORMERS_DEFAULTS, hf_config_from_model, model_config_from_hf
 
 CLASSES = {"qwen3_next": transformers.Qwen3NextConfig, "qwen3_5": transformers.Qwen3_5TextConfig,
-           "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig, "olmo_hybrid": transformers.OlmoHybridConfig}
+           "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig, "olmo_hybrid": transformers.OlmoHybridConfig,
+           "lara_mini": transformers.LaraMiniConfig}
 MODEL_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text",
-              "olmo_hybrid": "olmo_hybrid"}
+              "olmo_hybrid": "olmo_hybrid", "lara_mini": "lara_mini"}
 
 
 @pytest.mark.parametrize("kind", list(CLASSES))

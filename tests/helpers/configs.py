@@ -14,6 +14,11 @@ KIMI = dict(family="kimi_linear", rope_theta=None, linear_num_value_heads=2, kv_
 LING = dict(KIMI, family="bailing_hybrid", rope_theta=10000.0, linear_gate_lower_bound=-5.0, q_lora_rank=12,
             linear_num_key_heads=4, linear_num_value_heads=4,
             swiglu_limits=[0.0, 0.5, 0.0, 0.7], swiglu_limits_shared=[0.0, 0.3, 0.0, 0.0])
+# and as Lara 4 Mini takes them: GDN, a sliding window of 5 tokens with RoPE,
+# GDN, full attention without RoPE (q/k normed per head, no gate)
+LARA = dict(family="lara_mini", layer_types=["linear_attention", "sliding_attention", "linear_attention",
+                                             "full_attention"], sliding_window=5, partial_rotary_factor=1.0,
+            rope_theta=10000.0)
 # its MLPs as a mixture of experts (with a shared expert)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 

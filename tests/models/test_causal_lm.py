@@ -14,7 +14,7 @@ from gdnx.measure import relative_error
 from gdnx.models import Cache, CausalLM
 from gdnx.models.causal_lm import parameter_count
 from gdnx.stacking import layer_paths
-from tests.helpers.configs import KIMI, LING, MOE, TINY_HYBRID
+from tests.helpers.configs import KIMI, LARA, LING, MOE, TINY_HYBRID
 
 TINY = {**TINY_HYBRID, **MOE}
 
@@ -37,6 +37,7 @@ FAMILIES = {
     # KDA (2 heads), latent attention, the grouped sigmoid router (1 of 2 groups)
     "kimi_linear": KIMI,
     "bailing_hybrid": LING,
+    "lara_mini": LARA,
 }
 
 
@@ -279,12 +280,13 @@ def test_the_parameter_count_is_the_built_models(name, overrides):
     assert parameter_count(cfg) == sum(x.size for x in jax.tree.leaves(built))
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "lara_mini"])
 def test_padded_rows_and_state_histories_for_serving(family):
     """A cache with a length per row: right-padded rows (lengths) give each
-    row's logits and next states as the row alone, and history_every keeps
-    the GDN (KDA) states after every block, equal to a prefill stopped there
-    (float32, 1e-5: the same algebra in other shapes)."""
+    row's logits and next states as the row alone (a sliding window's ring
+    too), and history_every keeps the GDN (KDA) states after every block,
+    equal to a prefill stopped there (float32, 1e-5: the same algebra in
+    other shapes)."""
     model = _model(**{**FAMILIES.get(family, {}), "num_experts": 0})
     toks = _tokens(2, 32, seed=4)
     lengths = jnp.asarray([13, 32], jnp.int32)
@@ -302,6 +304,8 @@ def test_padded_rows_and_state_histories_for_serving(family):
             if hasattr(mine, "recurrent"):
                 assert relative_error(mine.recurrent[row], theirs.recurrent[0]) < 1e-5
                 assert relative_error(mine.conv[row], theirs.conv[0]) < 1e-6
+            if hasattr(mine, "ring"):  # a sliding window's ring: the row's last real keys, not its padding
+                assert relative_error(mine.k[row], theirs.k[0]) < 1e-5
     # the history: after tokens 16 and 32 of the full row
     for j, end in enumerate((16, 32)):
         for mine, theirs in zip(out.cache.layers, alone[1, end].cache.layers):

@@ -163,12 +163,14 @@ def test_ling_multi_token_prediction_layers_are_skipped_once(tmp_path, caplog):
     assert not any(".layers.4." in k for k in load_file(tmp_path / "out" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("name,arch", [("kimi-linear-48b-a3b", "KimiLinear"), ("ling-3.0-flash", "BailingHybrid")])
-def test_bundled_kda_family_configs_count_transformers_parameters(name, arch):
-    """The bundled Kimi-Linear-48B-A3B and Ling-3.0-Flash configs, exported to
-    config.json and built by transformers on the meta device (no memory):
-    gdnx's parameter count equals transformers' parameters plus the routers'
-    correction biases (buffers there, parameters without gradient here)."""
+@pytest.mark.parametrize("name,arch", [("kimi-linear-48b-a3b", "KimiLinear"), ("ling-3.0-flash", "BailingHybrid"),
+                                       ("lara-4-mini", "LaraMini")])
+def test_bundled_configs_count_transformers_parameters(name, arch):
+    """The bundled Kimi-Linear-48B-A3B, Ling-3.0-Flash and Lara 4 Mini
+    configs, exported to config.json and built by transformers on the meta
+    device (no memory): gdnx's parameter count equals transformers'
+    parameters plus the routers' correction biases (buffers there,
+    parameters without gradient here), and the layer pattern is theirs."""
     cfg = load_config(name).model
     hf = hf_config_from_model(cfg)
     config = getattr(transformers, f"{arch}Config")(**{k: v for k, v in hf.items()

@@ -110,6 +110,9 @@ FAMILIES = {
                     "model.num_key_value_heads=4", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
                     "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.n_group=2", "model.topk_group=1",
                     "model.routed_scaling_factor=2.0"],
+    # Lara 4 Mini: a sliding window of 8 (of 32 tokens) under context, q/k normed per head
+    "lara_mini": ["model.family=lara_mini", "model.sliding_window=8", "model.partial_rotary_factor=1.0",
+                  "model.layer_types=[linear_attention, sliding_attention, full_attention]", "model.mlp_only_layers=[]"],
     # Ling 3: latent attention with RoPE under context, its head gate and KDA's bounded gate over tensor
     "bailing_hybrid": ["model.family=bailing_hybrid", "model.rope_theta=10000.0", "model.linear_num_value_heads=4",
                        "model.num_key_value_heads=4", "model.kv_lora_rank=16", "model.q_lora_rank=8",

@@ -14,11 +14,12 @@ from gdnx.training.step import make_optimizer
 from tests.parallel.helpers import mesh
 
 KINDS = [("qwen3_next", 4), ("qwen3_5", 0), ("qwen3_5", 4), ("olmo_hybrid", 0), ("kimi_linear", 4),
-         ("bailing_hybrid", 4)]
+         ("bailing_hybrid", 4), ("lara_mini", 4)]
 # what a family needs beyond the tiny model's fields
 _LATENT = ["model.linear_value_head_dim=64", "model.kv_lora_rank=16", "model.q_lora_rank=8", "model.qk_nope_head_dim=8",
            "model.qk_rope_head_dim=8", "model.v_head_dim=16"]
-FAMILY_FIELDS = {"kimi_linear": ["model.rope_theta=null", *_LATENT], "bailing_hybrid": _LATENT}
+FAMILY_FIELDS = {"kimi_linear": ["model.rope_theta=null", *_LATENT], "bailing_hybrid": _LATENT,
+                 "lara_mini": ["model.sliding_window=16", "model.partial_rotary_factor=1.0"]}
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])

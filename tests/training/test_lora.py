@@ -32,7 +32,8 @@ def bases(tmp_path_factory):
     splits the GDN input projection in two modules, OLMo Hybrid in four,
     Qwen3-Next keeps it whole), with a chat tokenizer, and SFT examples."""
     root = tmp_path_factory.mktemp("lora")
-    for kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear_q_lora", "bailing_hybrid"):
+    for kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear_q_lora", "bailing_hybrid",
+                 "lara_mini"):
         random_hf_model(kind).save_pretrained(root / kind)
         write_chat_tokenizer(root / kind)
     (root / "sft.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _copy_examples(120,
@@ -107,7 +108,9 @@ def test_merged_export_generates_what_gdnx_generates(bases, qwen3_5_run):
 # the modules PEFT adapts for the GDN input projection, per family
 _SPLIT = {"qwen3_5": ("in_proj_qkv", "in_proj_z"), "olmo_hybrid": ("q_proj", "k_proj", "v_proj", "g_proj"),
           "qwen3_next": ("in_proj_qkvz",), "kimi_linear_q_lora": ("q_proj", "k_proj", "v_proj"),
-          "bailing_hybrid": ("q_proj", "k_proj", "v_proj")}
+          "bailing_hybrid": ("q_proj", "k_proj", "v_proj"),
+          # Lara 4 Mini's files fuse one in_proj; transformers splits it in memory as Qwen3.5's
+          "lara_mini": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
 # where the family's projections live (Kimi Linear's and Ling's KDA and latent attention under self_attn)
 _MIXER = {"kimi_linear_q_lora": "self_attn", "bailing_hybrid": "self_attn"}
 

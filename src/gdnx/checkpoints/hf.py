@@ -137,7 +137,7 @@ class _Reader:
 
 
 def _expert_keys(reader: _Reader, where: Experts, num_experts: int) -> list[str]:
-    prefix, part, name = where
+    prefix, part, name, _ = where
     if reader.has(f"{prefix}.0.{name}.weight"):
         return [f"{prefix}.{e}.{name}.weight" for e in range(num_experts)]
     return [f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"]
@@ -345,21 +345,42 @@ def _host(x: jax.Array) -> np.ndarray:
 
 def hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
     """The model's parameters under Hugging Face names and layouts (its
-    family's text model), one host array at a time. A parameter sharded over
+    family's text model), one host array at a time (a tensor several
+    parameters share once all of them are in). A parameter sharded over
     several processes is gathered: every process iterates this alike."""
     cfg = _config_of(model)
+    pending: dict[str, list[tuple[int, np.ndarray]]] = {}  # shared tensors: (offset, rows) so far
+
+    def piece(key: str, offset: int, rows: np.ndarray, pieces: int, axis: int = 0) -> Iterator[tuple[str, np.ndarray]]:
+        parts = pending.setdefault(key, [])
+        parts.append((offset, rows))
+        if len(parts) == pieces:
+            del pending[key]
+            yield key, np.ascontiguousarray(np.concatenate([r for _, r in sorted(parts, key=lambda p: p[0])],
+                                                           axis=axis))
+
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         whole = _host(var[...])
         paths, stacked = layer_paths(cfg, p)
         for i, q in enumerate(paths):
             where = locate(cfg, q)
             value = whole[i] if stacked else whole
-            if isinstance(where, Experts):
+            if isinstance(where, Experts) and where.fused:  # gate_up [E, 2I, H], down [E, H, I]
+                if where.part == "down":
+                    yield f"{where.prefix}.down_proj", np.ascontiguousarray(value.transpose(0, 2, 1))
+                else:
+                    yield from piece(f"{where.prefix}.gate_up_proj", int(where.part == "up"),
+                                     value.transpose(0, 2, 1), 2, axis=1)
+            elif isinstance(where, Experts):
                 for e in range(value.shape[0]):
                     yield f"{where.prefix}.{e}.{where.name}.weight", np.ascontiguousarray(value[e].T)
+            elif where.pieces > 1:
+                (key,), (rows,) = where.keys, where.to_hf(value)
+                yield from piece(key, where.offset, rows, where.pieces)
             else:
                 for key, tensor in zip(where.keys, where.to_hf(value)):
                     yield key, np.ascontiguousarray(tensor)
+    assert not pending, f"tensors missing a part: {sorted(pending)}"  # every shared tensor's parameters are built
 
 
 def hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:

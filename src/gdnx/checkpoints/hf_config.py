@@ -26,6 +26,7 @@ FIELDS = {
     "qwen3_5": (*_COMMON, "head_dim", "intermediate_size"),
     "qwen3_5_moe": (*_COMMON, "head_dim", *_MOE),
     "olmo_hybrid": (*_COMMON, "head_dim", "intermediate_size", "linear_allow_neg_eigval"),
+    "lara_mini": (*_COMMON, "head_dim", *_MOE, "norm_topk_prob", "sliding_window"),
 }
 # What transformers (5.24) takes for a field config.json leaves out: its config
 # class's default, per family; gdnx reads a missing field as it does.
@@ -55,6 +56,16 @@ TRANSFORMERS_DEFAULTS: dict[str, dict] = {
                     "linear_allow_neg_eigval": True, "rope_parameters": {"rope_type": "default",
                                                                          "rope_theta": 10000.0}},
 }
+TRANSFORMERS_DEFAULTS["lara_mini"] = {
+    "vocab_size": 151936, "hidden_size": 1024, "num_hidden_layers": 34, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "hidden_act": "silu", "initializer_range": 0.02, "num_attention_heads": 16,
+    "num_key_value_heads": 4, "attention_bias": False, "max_position_embeddings": 131072, "linear_num_key_heads": 8,
+    "linear_num_value_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "head_dim": 128, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "router_aux_loss_coef": 0.001, "num_experts": 128, "num_experts_per_tok": 4, "norm_topk_prob": True,
+    "sliding_window": 512, "eos_token_id": 151643, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+# Lara 4 Mini's layer pattern when config.json gives none: period 5
+LARA_PATTERN = ("linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention")
 # Kimi Linear: transformers' defaults under gdnx's field names
 TRANSFORMERS_DEFAULTS["kimi_linear"] = {
     "vocab_size": 163840, "hidden_size": 2304, "num_hidden_layers": 27, "rms_norm_eps": 1e-5,
@@ -94,6 +105,7 @@ MODEL_TYPES = {
     "olmo_hybrid": ("olmo_hybrid", "olmo_hybrid"),
     "kimi_linear": ("kimi_linear", "kimi_linear"),
     "bailing_hybrid": ("bailing_hybrid", "bailing_hybrid"),
+    "lara_mini": ("lara_mini", "lara_mini"),
 }
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
 # Qwen3.5's multimodal RoPE sections: with text-only positions (the same
@@ -113,7 +125,7 @@ def _rope_fields(hf: dict, family: str) -> dict:
         value = rope.get(key, hf.get(key))
         if value is not None:
             fields[key] = value
-    if family == "olmo_hybrid":
+    if family in ("olmo_hybrid", "lara_mini"):
         fields["partial_rotary_factor"] = 1.0
     return fields
 
@@ -214,6 +226,8 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
         fields["num_experts"] = 0
     elif kind == "qwen3_5":
         fields["num_experts"] = 0
+    if family == "lara_mini" and given.get("layer_types") is None:
+        fields["layer_types"] = [LARA_PATTERN[i % len(LARA_PATTERN)] for i in range(hf["num_hidden_layers"])]
     fields.update(overrides or {})
     return _validated(fields)
 
@@ -271,13 +285,19 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         kind, arch = "qwen3_next", "Qwen3NextForCausalLM"
     elif cfg.family == "qwen3_5":
         kind, arch = ("qwen3_5_moe", "Qwen3_5MoeForCausalLM") if moe else ("qwen3_5", "Qwen3_5ForCausalLM")
+    elif cfg.family == "lara_mini":
+        kind, arch = "lara_mini", "LaraMiniForCausalLM"
     else:
         kind, arch = "olmo_hybrid", "OlmoHybridForCausalLM"
     if cfg.family != "olmo_hybrid":
         _refuse(cfg, kind, {"linear_allow_neg_eigval": False})
     if kind == "qwen3_5_moe":  # every layer routed, top-k probabilities renormalised
         _refuse(cfg, kind, {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []})
-    if cfg.family == "olmo_hybrid":
+    if kind == "lara_mini":  # every layer routed
+        if not moe:
+            raise ValueError("model.num_experts: a lara_mini checkpoint routes every layer's MLP; got 0")
+        _refuse(cfg, kind, {"decoder_sparse_step": 1, "mlp_only_layers": []})
+    if cfg.family in ("olmo_hybrid", "lara_mini"):
         _refuse(cfg, kind, {"partial_rotary_factor": 1.0})
     model_type = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(kind, kind)
     out: dict[str, object] = {"architectures": [arch], "model_type": model_type}
@@ -287,7 +307,7 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
         out["rope_parameters"] = None
     else:
         rope: dict[str, object] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        if cfg.family != "olmo_hybrid":
+        if cfg.family not in ("olmo_hybrid", "lara_mini"):
             rope["partial_rotary_factor"] = out["partial_rotary_factor"] = cfg.partial_rotary_factor
         out["rope_parameters"] = rope
     out["dtype"] = cfg.param_dtype

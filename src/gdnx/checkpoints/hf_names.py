@@ -43,11 +43,15 @@ ReadSlice = Callable[[str, Index], np.ndarray]
 class Tensors(NamedTuple):
     """One gdnx parameter as Hugging Face tensors: their names and the two
     conversions; `read` gives any slice of the parameter from slices of the
-    tensors (None: the parameter is small and read whole)."""
+    tensors (None: the parameter is small and read whole). A tensor several
+    parameters share (Lara 4 Mini's in_proj) takes `pieces` parameters' rows:
+    to_hf gives this parameter's, which start at row `offset`."""
     keys: tuple[str, ...]
     to_param: Callable[..., Any]  # the tensors, in keys' order -> the parameter
     to_hf: Callable[[Any], tuple[Any, ...]]  # the parameter -> the tensors
     read: Callable[[ReadSlice, Index], np.ndarray] | None = None
+    pieces: int = 1
+    offset: int = 0
 
 
 def _xp(*xs: Any) -> Any:
@@ -57,10 +61,12 @@ def _xp(*xs: Any) -> Any:
 
 class Experts(NamedTuple):
     """A routed-experts parameter [E, ...]: per expert ({prefix}.{e}.{name}.weight)
-    in published checkpoints, or fused ({prefix}.gate_up_proj, {prefix}.down_proj)."""
+    in published checkpoints, or fused ({prefix}.gate_up_proj, {prefix}.down_proj),
+    which is how `fused` families (Lara 4 Mini) are written."""
     prefix: str
     part: str  # gate, up or down
     name: str  # the per-expert tensor's module: {part}_proj, or Kimi's w1, w3, w2
+    fused: bool = False
 
 
 # Kimi Linear's per-expert module names
@@ -72,8 +78,8 @@ ALIASES: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": ((".block_spar
 MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "kimi_linear": ((".block_sparse_moe.", ".mlp."), (".self_attn.f_a_proj", ".self_attn.forget_gate.f_a_proj"),
                     (".self_attn.f_b_proj", ".self_attn.forget_gate.f_b_proj")),
-    "bailing_hybrid": ((".attention.f_proj", ".self_attn.forget_gate.f_proj"), (".attention.dense", ".self_attn.o_proj"),
-                       (".attention.", ".self_attn.")),
+    "bailing_hybrid": ((".attention.f_proj", ".self_attn.forget_gate.f_proj"),
+                       (".attention.dense", ".self_attn.o_proj"), (".attention.", ".self_attn.")),
 }
 
 
@@ -93,19 +99,22 @@ def _conv(key: str) -> Tensors:
     return Tensors((key,), lambda w: w[:, 0], lambda p: (p[:, None],))
 
 
-def _per_key_head(keys: Sequence[str], rows: Sequence[Sequence[int]], num_key_heads: int) -> Tensors:
+def _per_key_head(keys: Sequence[str], rows: Sequence[Sequence[int]], num_key_heads: int, *, offset: int = 0,
+                  pieces: int = 1) -> Tensors:
     """A fused kernel [hidden, HK * W] whose columns are, per key head, its
     slice of each part in turn; the parts are the row blocks `rows[j]` of
-    the tensor keys[j] ([out, hidden], out in head order)."""
+    the tensor keys[j] ([out, hidden], out in head order), from row `offset`
+    of a tensor that `pieces` parameters share (one key then)."""
     hk = num_key_heads
     width = sum(map(sum, rows)) // hk  # a key head's columns
 
-    def assemble(tensors: Sequence[Any], heads: int) -> Any:
+    def assemble(tensors: Sequence[Any], heads: int, first_row: int = 0) -> Any:
         """The kernel's columns of `heads` consecutive key heads from the
-        tensors' rows of those heads (each part's rows `size * heads / hk`)."""
+        tensors' rows of those heads (each part's rows `size * heads / hk`),
+        which start at row first_row."""
         parts = []
         for w, sizes in zip(tensors, rows):
-            start = 0
+            start = first_row
             for size in sizes:
                 stop = start + size * heads // hk
                 parts.append(w[start:stop].T.reshape(w.shape[1], heads, -1))
@@ -118,7 +127,7 @@ def _per_key_head(keys: Sequence[str], rows: Sequence[Sequence[int]], num_key_he
         first, last = columns.start // width, math.ceil(columns.stop / width)
         tensors = []
         for key, sizes in zip(keys, rows):
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            offsets = [offset + sum(sizes[:i]) for i in range(len(sizes))]
             tensors.append(np.concatenate([
                 get(key, (slice(o + first * size // hk, o + last * size // hk), inputs))
                 for o, size in zip(offsets, sizes)], axis=0))
@@ -133,7 +142,7 @@ def _per_key_head(keys: Sequence[str], rows: Sequence[Sequence[int]], num_key_he
         parts = iter(p.reshape(kernel.shape[0], -1).T for p in xp.split(grouped, offsets, axis=-1))
         return tuple(xp.concatenate([next(parts) for _ in sizes], axis=0) for sizes in rows)
 
-    return Tensors(tuple(keys), lambda *tensors: assemble(tensors, hk), to_hf, read)
+    return Tensors(tuple(keys), lambda *tensors: assemble(tensors, hk, offset), to_hf, read, pieces, offset)
 
 
 def _gdn(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
@@ -151,12 +160,18 @@ def _gdn(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
         return _conv(p + "conv1d.weight")
     if name in ("dt_bias", "A_log"):
         return _same(p + name)
+    lara = cfg.family == "lara_mini"
     if name == "norm_weight":
-        return _same(p + ("o_norm.weight" if olmo else "norm.weight"))
+        norms = {"olmo_hybrid": "o_norm.weight", "lara_mini": "out_norm.weight"}
+        return _same(p + norms.get(cfg.family, "norm.weight"))
     if name == "out_proj":
         return _transposed(p + ("o_proj.weight" if olmo else "out_proj.weight"))
     if cfg.family == "qwen3_next":
         return _transposed(p + name + ".weight")
+    if lara:  # one in_proj, rows [q | k | v | z | b | a]
+        if name == "in_proj_qkvz":
+            return _per_key_head([p + "in_proj.weight"], [[kd, kd, vd, vd]], hk, pieces=2)
+        return _per_key_head([p + "in_proj.weight"], [[hv, hv]], hk, offset=2 * kd + 2 * vd, pieces=2)
     if name == "in_proj_qkvz" and olmo:
         return _per_key_head([p + f"{x}_proj.weight" for x in "qkvg"], [[kd], [kd], [vd], [vd]], hk)
     if name == "in_proj_qkvz":
@@ -193,10 +208,14 @@ def _kda(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
 _OLMO_NORMS = {"input_layernorm": "attention_layer_norm", "post_attention_layernorm": "feedforward_layer_norm"}
 
 
-def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.") -> Tensors | Experts:
+def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.", in_memory: bool = False) -> Tensors | Experts:
     """The Hugging Face tensors of the gdnx parameter at `path` (an nnx state
     path); `prefix` is where the language model's tensors live
-    (model.language_model. in a vision-language checkpoint)."""
+    (model.language_model. in a vision-language checkpoint). in_memory: as
+    transformers' model in memory names them where that differs from the
+    files by more than a rename (Lara 4 Mini's GDN layers: Qwen3.5's)."""
+    if in_memory and cfg.family == "lara_mini":
+        cfg = cfg.model_copy(update={"family": "qwen3_5"})
     ling = cfg.family == "bailing_hybrid"
     if path == ("embed_tokens", "embedding"):
         return _same(prefix + ("word_embeddings" if ling else "embed_tokens") + ".weight")
@@ -220,7 +239,8 @@ def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.") -> Tensors | E
     mlp = "block_sparse_moe." if kimi else "mlp."
     if tail[0].startswith("experts_"):
         part = tail[0].removeprefix("experts_")
-        return Experts(layer + mlp + "experts", part, _KIMI_EXPERTS[part] if kimi else f"{part}_proj")
+        return Experts(layer + mlp + "experts", part, _KIMI_EXPERTS[part] if kimi else f"{part}_proj",
+                       fused=cfg.family == "lara_mini")
     if block == "mlp" and tail == ["e_score_correction_bias"]:
         return _same(layer + mlp + ("gate.expert_bias" if ling else "gate.e_score_correction_bias"))
     if (kimi or ling) and tail[0] == "shared_expert":

@@ -46,7 +46,7 @@ def peft_tensors(cfg: ModelConfig, adapters: dict[tuple, np.ndarray], prefix: st
         b = adapters[(*path[:-1], "lora_b")]
         paths, stacked = layer_paths(cfg, adapted_weight(path))
         for i, q in enumerate(paths):
-            where = locate(cfg, q, prefix)
+            where = locate(cfg, q, prefix, in_memory=True)
             if isinstance(where, Experts):
                 raise ValueError("--adapter: the run's adapters include the routed experts, which transformers "
                                  "holds as parameters, not modules PEFT adapts; export with --merge-lora")

@@ -24,13 +24,14 @@ from gdnx.ops.gated_delta_rule.options import (
     ResidualPolicy,
 )
 
-LAYER_TYPES = ("linear_attention", "full_attention")
+LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention")
 # qwen3_next: Qwen3-Next; qwen3_5: Qwen3.5, dense (num_experts 0) or MoE;
 # olmo_hybrid: OLMo Hybrid; kimi_linear: Kimi Linear (KDA and latent
 # attention); bailing_hybrid: Ling 3 (KDA with the bounded gate, latent
-# attention with RoPE and a head gate). docs/model.md has what differs
+# attention with RoPE and a head gate); lara_mini: Lara 4 Mini (GDN,
+# sliding-window and full attention). docs/model.md has what differs
 # between them.
-Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "bailing_hybrid"]
+Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lara_mini"]
 # the families whose linear-attention layers are KDA and whose full attention is latent attention
 KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")
 FAMILIES: tuple[str, ...] = get_args(Family)
@@ -81,7 +82,10 @@ class ModelConfig(_Strict):
     initializer_range: PositiveFloat = 0.02
     # layer pattern: explicit layer_types, or every full_attention_interval-th layer is full attention
     full_attention_interval: PositiveInt = 4
-    layer_types: list[Literal["linear_attention", "full_attention"]] | None = None
+    layer_types: list[Literal["linear_attention", "full_attention", "sliding_attention"]] | None = None
+    # sliding_attention layers (lara_mini): each token sees itself and the
+    # sliding_window - 1 tokens before it
+    sliding_window: PositiveInt | None = None
 
     # gated full attention
     num_attention_heads: PositiveInt = 16
@@ -200,7 +204,7 @@ class ModelConfig(_Strict):
         if "linear_attention" in used and self.linear_num_value_heads % self.linear_num_key_heads:
             errors.append(("linear_num_value_heads", f"must be a multiple of linear_num_key_heads="
                            f"{self.linear_num_key_heads}, got {self.linear_num_value_heads}"))
-        if "full_attention" in used and self.num_attention_heads % self.num_key_value_heads:
+        if {"full_attention", "sliding_attention"} & used and self.num_attention_heads % self.num_key_value_heads:
             errors.append(("num_attention_heads", f"must be a multiple of num_key_value_heads="
                            f"{self.num_key_value_heads}, got {self.num_attention_heads}"))
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
@@ -224,6 +228,13 @@ class ModelConfig(_Strict):
         if self.family == "kimi_linear" and self.rope_theta is not None:
             errors.append(("rope_theta", f"kimi_linear's latent attention has no rotary embedding; set it to null, "
                            f"got {self.rope_theta}"))
+        if "sliding_attention" in used and self.family != "lara_mini":
+            errors.append(("layer_types", f"sliding_attention layers are lara_mini's, not {self.family}'s"))
+        if "sliding_attention" in used and self.sliding_window is None:
+            errors.append(("sliding_window", "sliding_attention layers need a window (tokens each one sees)"))
+        if self.family == "lara_mini" and self.rope_theta is None:
+            errors.append(("rope_theta", "lara_mini's sliding-window layers rotate q and k; set a base (its "
+                           "checkpoints' 10000.0)"))
         if self.family == "bailing_hybrid" and self.rope_theta is None:
             errors.append(("rope_theta", "bailing_hybrid's latent attention rotates its rope part; set a base "
                            "(its checkpoints' 6000000.0)"))
@@ -267,12 +278,18 @@ class ModelConfig(_Strict):
         return "kda" if self.family in KDA_FAMILIES else "gdn"
 
     @property
-    def attention_kind(self) -> Literal["gated", "normed", "latent"]:
-        """The full_attention layers: gated (Qwen), normed (OLMo Hybrid) or
-        multi-head latent attention (KDA_FAMILIES)."""
+    def attention_kind(self) -> Literal["gated", "normed", "latent", "head_normed"]:
+        """The full_attention layers: gated (Qwen), normed (OLMo Hybrid),
+        multi-head latent attention (KDA_FAMILIES) or q/k normed per head
+        with no gate (lara_mini, whose sliding_attention layers are too)."""
         if self.family in KDA_FAMILIES:
             return "latent"
-        return "normed" if self.family == "olmo_hybrid" else "gated"
+        return {"olmo_hybrid": "normed", "lara_mini": "head_normed"}.get(self.family, "gated")  # type: ignore[return-value]
+
+    @property
+    def shared_expert_gated(self) -> bool:
+        """Whether a MoE's shared expert is scaled by a sigmoid gate (Qwen's)."""
+        return self.family in ("qwen3_next", "qwen3_5")
 
     @property
     def router_kind(self) -> Literal["softmax", "sigmoid"]:

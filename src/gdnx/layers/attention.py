@@ -1,8 +1,12 @@
-"""Full attention with grouped key/value heads, in two forms:
+"""Softmax attention with grouped key/value heads, in three forms:
 `GatedAttention` (Qwen3-Next, Qwen3.5): q_proj doubled for a sigmoid output
 gate, zero-centred RMSNorm on q and k per head, partial RoPE;
 `NormedAttention` (OLMo Hybrid): RMSNorm on q and k across all heads, RoPE
-or none, no gate. Both share the attention and its cache."""
+or none, no gate; `HeadNormedAttention` (Lara 4 Mini): RMSNorm on q and k
+per head, no gate, RoPE or none, and optionally a sliding window. They share
+the attention and its caches: KVCache, every position at its own slot, or
+for a sliding window RingCache, the last `ring` positions at slot
+position % ring, so its memory stays fixed however long the context."""
 
 from __future__ import annotations
 
@@ -31,13 +35,14 @@ class KVCache(NamedTuple):
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-                     segments: jax.Array | None = None) -> jax.Array:
+                     segments: jax.Array | None = None, window: int | None = None) -> jax.Array:
     """Softmax attention of q [B, T, H, D] over k [B, S, Hkv, D] and v
     [B, S, Hkv, Dv] (scaled by D^-1/2) where a
     key is visible when its position is <= the query's (positions [T] or
-    [B, T] (each row at its own offset), and [S];
-    cache slots not yet written carry positions past every query) and, with
-    segments [B, T] (S = T: packed documents), in the query's document."""
+    [B, T] (each row at its own offset), and [S] or [B, S];
+    cache slots not yet written carry positions past every query), with a
+    window, more than query - window, and, with segments [B, T] (S = T:
+    packed documents), in the query's document."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
     # on a mesh: tensor goes to the kv-head groups when it divides them, else
@@ -48,7 +53,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     kv_axes = ("batch", None, "kv_heads" if kv_spec[2] else None, None)
     k, v = constrain(k, kv_axes), constrain(v, kv_axes)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
-    visible = k_pos[None, :] <= q_pos[..., :, None]  # [T, S], or [B, T, S] for positions per row
+    # [T, S], or [B, T, S] for positions per row
+    visible = k_pos[..., None, :] <= q_pos[..., :, None]
+    if window is not None:
+        visible = visible & (k_pos[..., None, :] > q_pos[..., :, None] - window)
     if segments is not None:
         same = constrain(segments, ("batch", "length"))[:, :, None] == constrain(segments, ("batch", None))[:, None]
         visible = visible & same
@@ -93,6 +101,63 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache
     cache = KVCache(write_cache(cache.k, k, start, axes), write_cache(cache.v, v, start, axes))
     slots = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
     return causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots), cache
+
+
+# a ring slot that holds no position yet: later than any query, so never visible
+EMPTY_SLOT = 2 ** 30
+
+
+class RingCache(NamedTuple):
+    """A sliding-window layer's keys and values [B, ring, Hkv, D]: position p
+    at slot p % ring, the last `ring` positions seen (ring >= the window,
+    plus the speculative tokens a verify pass may take back); fresh: the
+    call's own keys and values [B, T, Hkv, D] when the caller asked for them
+    (what a prefix cache keeps per block), else None."""
+    k: jax.Array
+    v: jax.Array
+    fresh: tuple[jax.Array, jax.Array] | None = None
+
+    @property
+    def ring(self) -> int:
+        return self.k.shape[-3]
+
+
+def ring_positions(length: jax.Array, ring: int) -> jax.Array:
+    """The position each slot holds once `length` tokens (a scalar or [B])
+    went through a ring of `ring` slots: [ring] or [B, ring]; EMPTY_SLOT
+    where none has yet."""
+    last = jnp.asarray(length, jnp.int32)[..., None] - 1
+    pos = last - jnp.mod(last - jnp.arange(ring, dtype=jnp.int32), ring)
+    return jnp.where(pos < 0, EMPTY_SLOT, pos)
+
+
+def attend_window(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache: RingCache | None,
+                  start: jax.Array | int, window: int, segments: jax.Array | None = None,
+                  lengths: jax.Array | None = None, keep_fresh: bool = False,
+                  ) -> tuple[jax.Array, RingCache | None]:
+    """As `attend`, each query seeing the `window` positions up to its own,
+    with a RingCache: the queries see the ring's positions (before this
+    call) and the call's keys; then the call's last real keys (before
+    lengths [B], when given) are written at their slots. keep_fresh: the new
+    cache carries the call's keys and values (RingCache.fresh)."""
+    if cache is None:
+        return causal_attention(q, k, v, positions, positions, segments, window), None
+    b, t = k.shape[:2]
+    ring = cache.ring
+    start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
+    old = ring_positions(start, ring)                                          # [B, ring]
+    own = jnp.broadcast_to(positions.reshape(-1, t), (b, t))
+    keys = jnp.concatenate([cache.k.astype(q.dtype), k], axis=1)
+    values = jnp.concatenate([cache.v.astype(q.dtype), v], axis=1)
+    out = causal_attention(q, keys, values, positions, jnp.concatenate([old, own], axis=1), None, window)
+    real = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
+    index = jnp.arange(t, dtype=jnp.int32)
+    written = (index[None] < real[:, None]) & (index[None] >= real[:, None] - ring)
+    slots = jnp.where(written, jnp.mod(start[:, None] + index[None], ring), ring)  # ring: dropped
+
+    def write(buf, x):
+        return jax.vmap(lambda r, s, y: r.at[s].set(y.astype(r.dtype), mode="drop"))(buf, slots, x)
+    return out, RingCache(write(cache.k, k), write(cache.v, v), (k, v) if keep_fresh else None)
 
 
 Rope = tuple[jax.Array, jax.Array] | None  # (cos, sin) [B or 1, T, rotary_dim], or None: no rotary embedding
@@ -158,4 +223,44 @@ class NormedAttention(nnx.Module):
         k = _rope(self.k_norm(self.k_proj(x)).reshape(b, t, self.num_kv_heads, d), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
         out, cache = attend(q, k, v, positions, cache, start, segments)
+        return self.o_proj(out.reshape(b, t, self.num_heads * d), out_sharding=out_sharding(HIDDEN, x.shape)), cache
+
+
+class HeadNormedAttention(nnx.Module):
+    """Softmax attention with grouped key/value heads, RMSNorm on q and on k
+    per head, no gate, RoPE or none (per call), and a sliding window or
+    none."""
+
+    def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 norm_eps: float, window: int | None, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike,
+                 rngs: nnx.Rngs):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window = window
+        h, d, std = hidden_size, head_dim, init_std
+        self.q_proj = linear(h, self.num_heads * d, dtype, param_dtype, std, rngs, bias=bias)
+        self.k_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
+        self.v_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
+        self.o_proj = linear(self.num_heads * d, h, dtype, param_dtype, std, rngs, bias=bias)
+        self.q_norm = RMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
+
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | RingCache | None = None,
+                 start: jax.Array | int = 0, segments: jax.Array | None = None, lengths: jax.Array | None = None,
+                 keep_fresh: bool = False) -> tuple[jax.Array, KVCache | RingCache | None]:
+        """As GatedAttention.__call__; a windowed layer takes a RingCache, and
+        lengths and keep_fresh as attend_window does."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        q = _rope(self.q_norm(constrain(self.q_proj(x).reshape(b, t, self.num_heads, d),
+                                        ("batch", "length", "heads", None))), rope)
+        k = _rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), rope)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
+        if self.window is None:
+            assert cache is None or isinstance(cache, KVCache)  # the model builds the cache per layer
+            out, new = attend(q, k, v, positions, cache, start, segments)
+            cache = new
+        else:
+            assert cache is None or isinstance(cache, RingCache)
+            out, ring = attend_window(q, k, v, positions, cache, start, self.window, segments, lengths, keep_fresh)
+            cache = ring
         return self.o_proj(out.reshape(b, t, self.num_heads * d), out_sharding=out_sharding(HIDDEN, x.shape)), cache

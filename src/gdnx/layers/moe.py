@@ -1,12 +1,13 @@
 """Sparse MoE: routed SwiGLU experts plus a shared expert.
 
-Two routers. softmax (Qwen3-Next, Qwen3.5): softmax over experts in
-float32, top-k, optionally renormalised (norm_topk_prob); the shared expert
-is scaled by a sigmoid gate. sigmoid (Kimi Linear, DeepSeek-V3's): sigmoid
-scores in float32; the choice adds a per-expert correction bias and keeps
-to the topk_group best of n_group groups (a group scored by its best two
-experts); the chosen experts' scores (renormalised with norm_topk_prob)
-times routed_scaling_factor weight them; the shared expert is ungated.
+Two routers. softmax (Qwen3-Next, Qwen3.5, Lara 4 Mini): softmax over
+experts in float32, top-k, optionally renormalised (norm_topk_prob).
+sigmoid (Kimi Linear, Ling 3; DeepSeek-V3's): sigmoid scores in float32;
+the choice adds a per-expert correction bias and keeps to the topk_group
+best of n_group groups (a group scored by its best two experts); the chosen
+experts' scores (renormalised with norm_topk_prob) times
+routed_scaling_factor weight them. The shared expert is scaled by a sigmoid
+gate (Qwen's) or added whole.
 The correction bias takes no gradient (it only moves the choice). Experts run as grouped matmuls (jax.lax.ragged_dot) over
 the token copies sorted by expert, so the work is tokens * k, not tokens *
 num_experts. The layer also returns what the load-balancing loss needs.
@@ -55,9 +56,11 @@ class SparseMoE(nnx.Module):
     def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, expert_size: int, shared_expert_size: int,
                  norm_topk_prob: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
                  router: Literal["softmax", "sigmoid"] = "softmax", n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, limit: float | None = None, shared_limit: float | None = None):
+                 routed_scaling_factor: float = 1.0, limit: float | None = None, shared_limit: float | None = None,
+                 shared_gate: bool = True):
         """limit, shared_limit: bounds on the routed experts' and the shared
-        expert's SwiGLU (gdnx.layers.mlp.swiglu); None: unbounded."""
+        expert's SwiGLU (gdnx.layers.mlp.swiglu); None: unbounded.
+        shared_gate: the shared expert scaled by sigmoid(shared_expert_gate(x))."""
         h, i, e, std = hidden_size, expert_size, num_experts, init_std
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.router, self.n_group, self.topk_group = router, n_group, topk_group
@@ -72,7 +75,7 @@ class SparseMoE(nnx.Module):
         self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
         self.shared_expert = MLP(h, shared_expert_size, dtype=dtype, param_dtype=param_dtype,
                                  init_std=std, rngs=rngs, limit=shared_limit)
-        self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs) if router == "softmax" else None
+        self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs) if shared_gate else None
 
     def _route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(the k weights [B, T, k], the k experts [B, T, k], each expert's

@@ -10,12 +10,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gdnx.layers.attention import KVCache
+from gdnx.layers.attention import KVCache, RingCache
 from gdnx.layers.latent_attention import LatentCache
 
 
 class Cache(NamedTuple):
-    # KVCache, LatentCache or GDNState, one per layer; a scanned model's: one per position
+    # KVCache, RingCache, LatentCache or GDNState, one per layer; a scanned model's: one per position
     # in its cycle (stacked over the repeats, leading dim), then one per
     # layer after the last full cycle
     layers: tuple
@@ -27,10 +27,12 @@ class Cache(NamedTuple):
         return kv[0].capacity if kv else -1
 
     @classmethod
-    def init(cls, model: Any, batch: int, max_length: int, per_row: bool = False) -> "Cache":
+    def init(cls, model: Any, batch: int, max_length: int, per_row: bool = False, rollback: int = 0) -> "Cache":
         """An empty cache for `batch` rows and up to `max_length` tokens of
         `model` (a CausalLM: its config and its layers, unrolled or scanned);
-        per_row: each row keeps its own length (a serving engine's slots)."""
+        per_row: each row keeps its own length (a serving engine's slots);
+        rollback: the tokens a call may take back afterwards (a verify pass's
+        drafts), which a sliding window's ring keeps beyond the window."""
         cfg, dtype = model.config, jnp.dtype(model.config.dtype)
 
         def empty(layer, lead: tuple[int, ...] = ()):
@@ -40,6 +42,10 @@ class Cache(NamedTuple):
             if layer.layer_type == "full_attention":
                 shape = (*lead, batch, max_length, cfg.num_key_value_heads, cfg.head_dim)
                 return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            if layer.layer_type == "sliding_attention":
+                ring = min(max_length, cfg.sliding_window + rollback)
+                shape = (*lead, batch, ring, cfg.num_key_value_heads, cfg.head_dim)
+                return RingCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
             state = layer.mixer.zero_state(batch, dtype)
             return jax.tree.map(lambda z: jnp.zeros((*lead, *z.shape), z.dtype), state)
 
@@ -60,7 +66,7 @@ def row_axes(model: Any) -> tuple[int, ...]:
     return (0,) * len(model.layers)
 
 
-def cache_bytes(model: Any, length: int, batch: int = 1) -> int:
-    """Bytes of the cache Cache.init(model, batch, length) holds."""
+def cache_bytes(model: Any, length: int, batch: int = 1, rollback: int = 0) -> int:
+    """Bytes of the cache Cache.init(model, batch, length, rollback=rollback) holds."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
-        lambda: Cache.init(model, batch, length))))
+        lambda: Cache.init(model, batch, length, rollback=rollback))))

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdnx.config.schema import KDA_FAMILIES, ModelConfig
-from gdnx.layers.attention import GatedAttention, KVCache, NormedAttention, Rope
+from gdnx.layers.attention import GatedAttention, HeadNormedAttention, KVCache, NormedAttention, RingCache, Rope
 from gdnx.layers.documents import document_positions
 from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, GDNState
 from gdnx.layers.kimi_delta_attention import KimiDeltaAttention
@@ -63,17 +63,17 @@ class HiddenOutput(NamedTuple):
 
 
 def _norm(cfg: ModelConfig) -> type[RMSNorm]:
-    """The family's RMSNorm: scaled by w (OLMo Hybrid, Kimi Linear, Ling 3)
-    or by 1 + w (Qwen)."""
-    return RMSNorm if cfg.family in ("olmo_hybrid", *KDA_FAMILIES) else ZeroCenteredRMSNorm
+    """The family's RMSNorm: scaled by w (OLMo Hybrid, Kimi Linear, Ling 3,
+    Lara 4 Mini) or by 1 + w (Qwen)."""
+    return RMSNorm if cfg.family in ("olmo_hybrid", "lara_mini", *KDA_FAMILIES) else ZeroCenteredRMSNorm
 
 
 # OLMo Hybrid's gated norm on the GDN output has a fixed eps
 OLMO_GATED_NORM_EPS = 1e-5
 # latent attention's norms (on the query and key/value latents) have a fixed eps
 LATENT_NORM_EPS = 1e-6
-Mixer = GatedDeltaNet | KimiDeltaAttention | GatedAttention | NormedAttention | LatentAttention
-LayerCache = KVCache | LatentCache | GDNState
+Mixer = GatedDeltaNet | KimiDeltaAttention | GatedAttention | NormedAttention | HeadNormedAttention | LatentAttention
+LayerCache = KVCache | RingCache | LatentCache | GDNState
 
 
 class DecoderLayer(nnx.Module):
@@ -107,6 +107,11 @@ class DecoderLayer(nnx.Module):
                 conv_kernel_size=cfg.linear_conv_kernel_dim, op=delta_rule_options(cfg),
                 norm_eps=OLMO_GATED_NORM_EPS if olmo else cfg.rms_norm_eps,
                 allow_neg_eigval=cfg.linear_allow_neg_eigval, **kw)
+        elif cfg.attention_kind == "head_normed":
+            window = cfg.sliding_window if self.layer_type == "sliding_attention" else None
+            self.mixer = HeadNormedAttention(h, num_heads=cfg.num_attention_heads,
+                                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                             bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps, window=window, **kw)
         elif cfg.attention_kind == "latent":
             self.mixer = LatentAttention(
                 h, num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
@@ -125,7 +130,8 @@ class DecoderLayer(nnx.Module):
                                  norm_topk_prob=cfg.norm_topk_prob, router=cfg.router_kind, n_group=cfg.n_group,
                                  topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
                                  limit=_limit(cfg.swiglu_limits, index), shared_limit=_limit(cfg.swiglu_limits_shared,
-                                                                                            index), **kw)
+                                                                                            index),
+                                 shared_gate=cfg.shared_expert_gated, **kw)
         else:
             self.mlp = MLP(h, cfg.intermediate_size, **kw)
 
@@ -139,6 +145,12 @@ class DecoderLayer(nnx.Module):
         if isinstance(self.mixer, LatentAttention):
             assert cache is None or isinstance(cache, LatentCache)
             return self.mixer(x, rope, positions, cache, start, segments)
+        if isinstance(self.mixer, HeadNormedAttention):
+            assert cache is None or isinstance(cache, KVCache | RingCache)
+            # Lara 4 Mini's full-attention layers go without RoPE; a sliding window keeps its ring's
+            # real tokens (lengths) and, for a prefix cache (history_every), the call's keys
+            rope = rope if self.mixer.window is not None else None
+            return self.mixer(x, rope, positions, cache, start, segments, lengths, history_every is not None)
         assert cache is None or isinstance(cache, KVCache)
         return self.mixer(x, rope, positions, cache, start, segments)
 

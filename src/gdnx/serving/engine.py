@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from gdnx.errors import FieldError
+from gdnx.layers.attention import RingCache
 from gdnx.layers.gated_deltanet import GDNState
 from gdnx.models.cache import row_axes
 from gdnx.serving import programs
@@ -222,10 +223,14 @@ class Engine:
             static = programs.Static(graphdef, row_axes(model), *key)
             shared[key] = (static, programs.compile_programs(static))
         self._static, self._programs = shared[key]
-        self._slots = programs.empty_slots(model, max_slots, self.capacity)
+        # a sliding window's ring keeps the drafts a verify pass may take back beyond its window
+        self.rollback = draft
+        self._slots = programs.empty_slots(model, max_slots, self.capacity, self.rollback)
         is_state = tuple(isinstance(entry, GDNState) for entry in self._slots.cache.layers)
+        rings = tuple(entry.ring if isinstance(entry, RingCache) else None for entry in self._slots.cache.layers)
         self.scheduler = Scheduler(Layout(max_slots, block_size, self.buckets, self.capacity, max_prefill_batch,
-                                          batch_invariant, self._static.row_axes, is_state), prefix_cache_bytes)
+                                          batch_invariant, self._static.row_axes, is_state, rings),
+                                   prefix_cache_bytes)
         self._next_id = 0
         self._rng = np.random.default_rng(seed)
 
@@ -350,7 +355,7 @@ class Engine:
         are returned) and rebuild the slots' state, whose buffers the failed
         call may have consumed; waiting requests stay queued."""
         dropped = [r.id for r in self.scheduler.reset(error)]
-        self._slots = programs.empty_slots(self.model, self.max_slots, self.capacity)
+        self._slots = programs.empty_slots(self.model, self.max_slots, self.capacity, self.rollback)
         return dropped
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gdnx.layers.attention import RingCache
 from gdnx.layers.gated_deltanet import GDNState
 from gdnx.models.cache import Cache
 from gdnx.serving import sampling
@@ -82,13 +83,16 @@ def _map_entries(fn, static: Static, *entries):
 
 
 def _strip(entry):
-    return entry._replace(history=None) if isinstance(entry, GDNState) else entry
+    """The entry without what a call returned beside it (GDN states' history, a ring's fresh keys)."""
+    if isinstance(entry, GDNState):
+        return entry._replace(history=None)
+    return entry._replace(fresh=None) if isinstance(entry, RingCache) else entry
 
 
-def empty_slots(model: Any, max_slots: int, capacity: int) -> Slots:
+def empty_slots(model: Any, max_slots: int, capacity: int, rollback: int = 0) -> Slots:
     vocab = model.config.vocab_size
     zeros = SlotParams.rows([SamplingParams(temperature=0.0)] * max_slots, [0] * max_slots)
-    return Slots(Cache.init(model, max_slots, capacity, per_row=True), zeros,
+    return Slots(Cache.init(model, max_slots, capacity, per_row=True, rollback=rollback), zeros,
                  jnp.zeros((max_slots, vocab), jnp.int32), jnp.zeros((max_slots, vocab), bool),
                  jnp.zeros((max_slots,), jnp.int32), jnp.zeros((max_slots,), jnp.int32))
 
@@ -130,6 +134,9 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
             if isinstance(entry, GDNState):
                 assert entry.history is not None
                 return entry.history.conv, entry.history.recurrent
+            if isinstance(entry, RingCache):  # this call's own keys and values
+                assert entry.fresh is not None
+                return entry.fresh
             # this call's keys and values: [start, start + L) of each row
             def window(x):  # the length axis follows the rows' (after a scanned cycle's repeats)
                 return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, tokens.shape[1], axis=axis),
@@ -241,7 +248,7 @@ def verify(state: nnx.State, slots: Slots, active: jax.Array, drafts: jax.Array,
 
     def select(axis, entry):
         if not isinstance(entry, GDNState):
-            return entry
+            return _strip(entry)
         assert entry.history is not None
         pick = jax.vmap(lambda h, i: h[:, i] if axis else h[i], in_axes=(axis, 0), out_axes=axis)
         return GDNState(pick(entry.history.conv, a), pick(entry.history.recurrent, a))

@@ -35,6 +35,8 @@ class Layout:
     row_axes: tuple[int, ...]      # per cache entry: the axis of its rows
     # per cache entry: a GDN or KDA (conv, recurrent) state, else attention's (k, v) or (latent, rope)
     is_state: tuple[bool, ...]
+    # per cache entry: a sliding window's ring size (position p at slot p % ring), else None
+    rings: tuple[int | None, ...] = ()
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -195,13 +197,19 @@ class Scheduler:
             a, b = blocks[-1].layers[i]
             if lay.is_state[i]:
                 layers.append((a, b))
-            else:  # the attention cache's two parts of every hit block, at their positions
-                index = (slice(None),) * axis + (slice(0, start),)
+            else:  # the attention cache's two parts of every hit block, at their positions (slots of a ring)
+                ring = lay.rings[i] if lay.rings else None
+
                 def whole(j: int, part: np.ndarray) -> np.ndarray:
                     shape = list(part.shape)
-                    shape[axis] = lay.capacity
+                    shape[axis] = lay.capacity if ring is None else ring
                     out = np.zeros(shape, part.dtype)
-                    out[index] = np.concatenate([blk.layers[i][j] for blk in blocks], axis=axis)
+                    seen = np.concatenate([blk.layers[i][j] for blk in blocks], axis=axis)
+                    if ring is None:
+                        out[(slice(None),) * axis + (slice(0, start),)] = seen
+                    else:  # the last `ring` positions, position p at slot p % ring
+                        kept = np.arange(max(0, start - ring), start)
+                        out[(slice(None),) * axis + (kept % ring,)] = np.take(seen, kept, axis=axis)
                     return out
                 layers.append((whole(0, a), whole(1, b)))
         req.progress = req.cached = start
