@@ -147,8 +147,12 @@ def attend_window(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
     old = ring_positions(start, ring)                                          # [B, ring]
     own = jnp.broadcast_to(positions.reshape(-1, t), (b, t))
-    keys = jnp.concatenate([cache.k.astype(q.dtype), k], axis=1)
-    values = jnp.concatenate([cache.v.astype(q.dtype), v], axis=1)
+    # on a mesh the ring and the call's keys take one placement: the ring
+    # keeps its length whole (writes land at any slot)
+    axes = ("batch", None, "kv_heads", None)
+    k, v = constrain(k, axes), constrain(v, axes)
+    keys = jnp.concatenate([constrain(cache.k.astype(q.dtype), axes), k], axis=1)
+    values = jnp.concatenate([constrain(cache.v.astype(q.dtype), axes), v], axis=1)
     out = causal_attention(q, keys, values, positions, jnp.concatenate([old, own], axis=1), None, window)
     real = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
     index = jnp.arange(t, dtype=jnp.int32)
@@ -157,7 +161,8 @@ def attend_window(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
 
     def write(buf, x):
         return jax.vmap(lambda r, s, y: r.at[s].set(y.astype(r.dtype), mode="drop"))(buf, slots, x)
-    return out, RingCache(write(cache.k, k), write(cache.v, v), (k, v) if keep_fresh else None)
+    return out, RingCache(write(constrain(cache.k, axes), k), write(constrain(cache.v, axes), v),
+                          (k, v) if keep_fresh else None)
 
 
 Rope = tuple[jax.Array, jax.Array] | None  # (cos, sin) [B or 1, T, rotary_dim], or None: no rotary embedding
