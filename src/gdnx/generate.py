@@ -39,7 +39,7 @@ def prefill_bytes(model: CausalLM, prompt_length: int, cache_length: int, batch:
     the prompt and the cache [B, heads, T, S], or the layers' activations."""
     cfg = model.config
     attention = 2 * 4 * batch * cfg.num_attention_heads * prompt_length * cache_length
-    has_attention = "full_attention" in cfg.resolved_layer_types
+    has_attention = bool({"full_attention", "sliding_attention"} & set(cfg.resolved_layer_types))
     activations = 4 * 4 * batch * prompt_length * max(cfg.hidden_size, cfg.intermediate_size)
     return (attention if has_attention else 0) + activations
 

@@ -67,11 +67,13 @@ def model_flops(config: Config, params: Any) -> float:
     """Training FLOPs of one step from the architecture: 6 per matmul
     parameter a token uses (forward 2, backward 4; the routed experts'
     top-k share), causal attention's scores and weighted sum (12 per head
-    dim per key attended, half the row on average), and the GDN state work
-    per value head (chunked form: read-out, update and the W S product,
-    6 K V, plus the intra-chunk products, 2 C (K + V), times 3 for the
-    backward). Recomputation under remat is not counted (model FLOPs, as
-    MFU counts them). params: the model's parameters (arrays or shapes)."""
+    dim per key attended, half the row on average or what a sliding window
+    holds; latent attention's head dim is the mean of its score and value
+    widths), and the GDN state work per value head (chunked form: read-out,
+    update and the W S product, 6 K V, plus the intra-chunk products,
+    2 C (K + V), and for KDA the per-channel decays' masked products, 8 C K
+    per bit of the chunk position, times 3 for the backward). Recomputation
+    under remat is not counted (model FLOPs, as MFU counts them). params: the model's parameters (arrays or shapes)."""
     m = config.model
     tokens = config.train.batch_size * config.data.seq_len
     flat = [("/".join(map(str, path)), math.prod(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(params)
@@ -81,10 +83,19 @@ def model_flops(config: Config, params: Any) -> float:
                  and "conv_weight" not in name)
     if m.tie_word_embeddings:
         matmul += m.vocab_size * m.hidden_size  # the LM head is the embedding table
-    kinds = m.resolved_layer_types
-    attention = 12 * kinds.count("full_attention") * m.num_attention_heads * m.head_dim * config.data.seq_len / 2
+    kinds, seq = m.resolved_layer_types, config.data.seq_len
+    # keys a query attends on average: half the row, or within a sliding window
+    window = m.sliding_window or seq
+    seen = (min(window, seq) * (min(window, seq) + 1) / 2 + max(seq - window, 0) * window) / seq
+    head = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2 if m.attention_kind == "latent" \
+        else m.head_dim
+    attention = 12 * m.num_attention_heads * head * (kinds.count("full_attention") * seq / 2
+                                                      + kinds.count("sliding_attention") * seen)
     k, v, c = m.linear_key_head_dim, m.linear_value_head_dim, m.gdn_chunk_size
-    gdn = 3 * kinds.count("linear_attention") * m.linear_num_value_heads * (6 * k * v + 2 * c * (k + v))
+    per_head = 6 * k * v + 2 * c * (k + v)
+    if m.linear_kind == "kda":  # the per-channel decays: 8 C K per bit of the chunk position
+        per_head += 8 * max(1, (c - 1).bit_length()) * c * k
+    gdn = 3 * kinds.count("linear_attention") * m.linear_num_value_heads * per_head
     return float(tokens * (6 * matmul + attention + gdn))
 
 
