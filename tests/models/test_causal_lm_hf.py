@@ -136,9 +136,11 @@ def test_olmo_hybrid_with_its_own_head_dim(tmp_path):
 
 
 def test_a_latent_rank_that_does_not_fit_the_tensors_names_the_field(tmp_path):
+    """The first tensor whose shape follows the rank (parameters are checked
+    in name order: kv_a_layernorm before kv_a_proj_with_mqa) names it."""
     random_hf_model("kimi_linear").save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"kv_a_proj_with_mqa.weight: the file's shape \(24, 32\) does not fit .*"
-                                         r"its shape follows model.kv_lora_rank, model.qk_rope_head_dim"):
+    with pytest.raises(ValueError, match=r"kv_a_layernorm.weight: the file's shape \(16,\) does not fit .*"
+                                         r"needs \(8,\).*its shape follows model.kv_lora_rank$"):
         CausalLM.from_pretrained(tmp_path, kv_lora_rank=8)
 
 

@@ -342,13 +342,13 @@ def test_queue_limit_then_sigterm_lets_requests_in_flight_finish(checkpoint):
     """A client that gives up on a whole response frees its slot; then, with
     one slot and a queue of one, a third request is refused at once (503);
     SIGTERM then stops the listener while both requests finish."""
-    # requests of 1,000 tokens one per round trip: seconds each, so the second waits while the third comes
-    server = Server(checkpoint[0], "--max-slots", "1", "--max-queue", "1", "--max-length", "1024",
+    # requests of thousands of tokens one per round trip: seconds, so the second waits while the third comes
+    server = Server(checkpoint[0], "--max-slots", "1", "--max-queue", "1", "--max-length", "4096",
                     "--decode-steps", "1", "--grace", "60", "--batch-invariant", "--api-key", "flag-key",
                     env={"GDNX_API_KEY": ""})
     auth = {"Authorization": "Bearer flag-key"}
     try:
-        body = {"model": "tiny", "prompt": "w9 w10 w11", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+        body = {"model": "tiny", "prompt": "w9 w10 w11", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=1.0)
         deadline = time.monotonic() + 30
@@ -357,11 +357,13 @@ def test_queue_limit_then_sigterm_lets_requests_in_flight_finish(checkpoint):
             time.sleep(0.1)
         assert m["gdnx_requests_finished_total"] == 0
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        lengths = (3000, 10)  # the first holds the slot while the second waits and the third comes
         results: dict[int, list[str]] = {}
         first = [threading.Event(), threading.Event()]
 
         def stream(i: int) -> None:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth, timeout=120) as r:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "max_tokens": lengths[i]},
+                              headers=auth, timeout=120) as r:
                 assert r.status_code == 200
                 results[i] = []
                 for line in r.iter_lines():
@@ -388,7 +390,7 @@ def test_queue_limit_then_sigterm_lets_requests_in_flight_finish(checkpoint):
         for i in range(2):  # both ran to max_tokens, then the finish, usage and [DONE]
             chunks = [json.loads(x[6:]) for x in results[i][:-1]]
             assert results[i][-1] == "data: [DONE]"
-            assert chunks[-1]["usage"]["completion_tokens"] == 1000
+            assert chunks[-1]["usage"]["completion_tokens"] == lengths[i]
             assert chunks[-2]["choices"][0]["finish_reason"] == "length"
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{server.url}/health", timeout=5)
@@ -525,10 +527,10 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_done(checkpoint):
     stays open), new requests get 503; after --grace seconds a stream still
     running ends with an error event and [DONE]; exit 0, no traceback. (The
     engine flags are the queue-limit test's: its compiled programs serve.)"""
-    server = Server(checkpoint[0], "--max-slots", "1", "--max-queue", "1", "--max-length", "1024",
+    server = Server(checkpoint[0], "--max-slots", "1", "--max-queue", "1", "--max-length", "4096",
                     "--decode-steps", "1", "--grace", "1", "--batch-invariant", env={"GDNX_API_KEY": KEY})
-    try:  # 1,000 tokens one per round trip: seconds, longer than the grace period
-        body = {"model": "tiny", "prompt": "w9 w10", "max_tokens": 1000, "ignore_eos": True, "temperature": 0,
+    try:  # 4,000 tokens one per round trip: seconds, longer than the grace period
+        body = {"model": "tiny", "prompt": "w9 w10", "max_tokens": 4000, "ignore_eos": True, "temperature": 0,
                 "stream": True}
         lines: list[str] = []
         started = threading.Event()
