@@ -196,10 +196,11 @@ def unrolled_view(model: CausalLM) -> dict[tuple, jax.Array]:
     return out
 
 
-# 7 layers: two repeats of (GDN dense, GDN MoE, attention MoE), then one GDN
-# dense layer left over
-SCANNED = dict(num_hidden_layers=7, layer_types=["linear_attention", "linear_attention", "full_attention"] * 2
-               + ["linear_attention"], mlp_only_layers=[0, 3, 6])
+# 8 layers: a dense GDN layer first (the head), two repeats of (GDN MoE,
+# GDN MoE, attention MoE), then one GDN MoE layer left over (the tail)
+SCANNED = dict(num_hidden_layers=8, layer_types=["linear_attention"]
+               + ["linear_attention", "linear_attention", "full_attention"] * 2 + ["linear_attention"],
+               mlp_only_layers=[0])
 
 
 @pytest.mark.parametrize("family", ["qwen3_next_moe", "olmo_hybrid", "kimi_linear"])
@@ -213,7 +214,8 @@ def test_scanned_layers_equal_the_unrolled_stack(family):
         kw["mlp_only_layers"] = []
     unrolled, scanned = _model(**kw, scan_layers=False), _model(**kw, scan_layers=True)
     cfg = scanned.config
-    assert cfg.scanned and cfg.layer_cycle == 3 and len(scanned.tail) == 1 and not unrolled.config.scanned
+    assert cfg.scanned and not unrolled.config.scanned
+    assert (len(scanned.head), cfg.layer_cycle, cfg.cycle_repeats, len(scanned.tail)) == (1, 3, 2, 1)
     ref, got = unrolled_view(unrolled), unrolled_view(scanned)
     assert set(got) == set(ref)
     for path in ref:
@@ -253,14 +255,23 @@ def test_scanned_layers_equal_the_unrolled_stack(family):
 def test_layer_cycle_and_when_the_stack_is_scanned():
     cycle = lambda **kw: ModelConfig(**{**TINY, **kw}).layer_cycle  # noqa: E731
     assert cycle(num_hidden_layers=48, full_attention_interval=4) == 4
-    assert cycle(num_hidden_layers=6, full_attention_interval=4) == 4  # 4 + 2 left over
+    # 3 GDN layers as 3 repeats of one, the attention and 2 GDN layers after
+    # them unrolled: 4 layers in the program, against 6 (or 4 + 2 left over)
+    assert cycle(num_hidden_layers=6, full_attention_interval=4) == 1
     assert cycle(num_hidden_layers=8, full_attention_interval=4, decoder_sparse_step=2) == 4
-    assert cycle(num_hidden_layers=8, full_attention_interval=4, mlp_only_layers=[5]) == 8  # never repeats
+    # no block of kinds follows itself: one cycle of the whole depth
+    never = dict(num_hidden_layers=8, layer_types=[
+        "linear_attention", "full_attention", *["linear_attention"] * 3, "full_attention", "linear_attention",
+        "full_attention"], mlp_only_layers=[2, 4])
+    assert cycle(**never) == 8
+    # a dense first layer, then two repeats of 3 GDN + attention: a head of one
+    cfg = ModelConfig(**{**TINY, "num_hidden_layers": 9, "full_attention_interval": 4, "mlp_only_layers": [0]})
+    assert (cfg.layer_head, cfg.layer_cycle, cfg.cycle_repeats) == (1, 4, 2)
     scanned = lambda **kw: ModelConfig(**{**TINY, **kw}).scanned  # noqa: E731
     assert not scanned(num_hidden_layers=4) and scanned(num_hidden_layers=8)  # unset: by depth
     assert scanned(num_hidden_layers=4, scan_layers=True) and not scanned(num_hidden_layers=8, scan_layers=False)
-    assert not scanned(num_hidden_layers=8, mlp_only_layers=[5])  # unset, one cycle: nothing to gain
-    assert scanned(num_hidden_layers=8, mlp_only_layers=[5], scan_layers=True)  # a scan of one repeat
+    assert not scanned(**never)  # unset, one cycle: nothing to gain
+    assert scanned(**never, scan_layers=True)  # a scan of one repeat
 
 
 @pytest.mark.parametrize("name,overrides", [

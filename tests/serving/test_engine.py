@@ -265,8 +265,8 @@ def test_a_hit_whose_rest_would_overflow_the_cache_is_recomputed(model, prompts)
 
 @pytest.mark.parametrize("layout", ["scanned", "kimi_linear", "lara_mini"])
 def test_scanned_layers_with_prefix_cache_speculation_and_invariance(prompts, layout):
-    """A scanned stack (2 repeats of a GDN + attention cycle: the cache
-    entries hold the repeats first), Kimi Linear's (KDA states, latent
+    """A scanned stack (a head layer, 2 repeats of a GDN + attention cycle
+    whose cache entries hold the repeats first, a tail layer), Kimi Linear's (KDA states, latent
     attention's latents; MoE) and Lara 4 Mini's (a sliding window of 5
     tokens in a ring: hits restore it, rejected drafts wrap it): cached
     prefixes, drafts and the batch-invariant mode give the plain tokens, and
@@ -275,9 +275,11 @@ def test_scanned_layers_with_prefix_cache_speculation_and_invariance(prompts, la
     order, so there the logits agree to float32 rounding (1e-6 relative),
     and its batch invariance is checked bit for bit without the prefix
     cache (the batch in another order)."""
-    if layout == "scanned":
-        model = CausalLM(ModelConfig(**TINY, scan_layers=True), seed=1)
-        assert model.config.scanned
+    if layout == "scanned":  # a GDN layer (the head), 2 repeats of (GDN, attention), a GDN layer (the tail)
+        model = CausalLM(ModelConfig(**{**TINY, "num_hidden_layers": 6, "layer_types": [
+            "linear_attention", *["linear_attention", "full_attention"] * 2, "linear_attention"]}, scan_layers=True),
+            seed=1)
+        assert model.config.scanned and (len(model.head), len(model.cycle), len(model.tail)) == (1, 2, 1)
     else:
         model = CausalLM(ModelConfig(**{**TINY, **MOE, **(KIMI if layout == "kimi_linear" else LARA)}), seed=1)
     some = prompts[1:5]

@@ -8,6 +8,7 @@ and `DataConfig` drive `gdnx train`. Unknown keys are errors everywhere.
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -306,18 +307,28 @@ class ModelConfig(_Strict):
                      for i in range(self.num_hidden_layers))
 
     @property
+    def layer_kinds(self) -> tuple[tuple[str, bool], ...]:
+        """Per layer: its mixer and whether its MLP is a MoE."""
+        return tuple((t, self.is_moe_layer(i)) for i, t in enumerate(self.resolved_layer_types))
+
+    @property
+    def layer_head(self) -> int:
+        """Layers before the scanned cycle (a scanned model keeps them
+        unrolled, as `head`): e.g. the dense first layers of Kimi Linear."""
+        return _scan_layout(self.layer_kinds)[0]
+
+    @property
     def layer_cycle(self) -> int:
-        """The period of the stack: the fewest layers after which the layer
-        kinds (mixer and MLP) repeat; the whole depth if they never do."""
-        kinds = [(t, self.is_moe_layer(i)) for i, t in enumerate(self.resolved_layer_types)]
-        n = len(kinds)
-        return next(p for p in range(1, n + 1) if all(kinds[i] == kinds[i % p] for i in range(n)))
+        """The period of the stack after its head: the fewest layers after
+        which the layer kinds (mixer and MLP) repeat; the whole depth if they
+        never do."""
+        return _scan_layout(self.layer_kinds)[1]
 
     @property
     def cycle_repeats(self) -> int:
-        """Full cycles in the stack (a scanned model's leading parameter dim);
-        the layers after the last one are left over."""
-        return self.num_hidden_layers // self.layer_cycle
+        """Full cycles after the head (a scanned model's leading parameter
+        dim); the layers after the last one are left over (the tail)."""
+        return _scan_layout(self.layer_kinds)[2]
 
     @property
     def scanned(self) -> bool:
@@ -330,6 +341,26 @@ class ModelConfig(_Strict):
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _scan_layout(kinds: tuple[tuple[str, bool], ...]) -> tuple[int, int, int]:
+    """(head, cycle, repeats) for a stack of these layer kinds, the layout
+    whose program holds the fewest layers (head + one cycle + tail: what a
+    compile grows with), then the shorter cycle, then the shorter head. The
+    head is the layers before the cycle's first repeat, the tail those after
+    its last. (0, depth, 1) when no cycle repeats."""
+    n = len(kinds)
+    best, size = (0, n, 1), n
+    for cycle in range(1, n // 2 + 1):
+        for head in range(n - 2 * cycle + 1):
+            repeats = 1
+            while head + (repeats + 1) * cycle <= n and \
+                    kinds[head + repeats * cycle:head + (repeats + 1) * cycle] == kinds[head:head + cycle]:
+                repeats += 1
+            if repeats >= 2 and n - (repeats - 1) * cycle < size:
+                best, size = (head, cycle, repeats), n - (repeats - 1) * cycle
+    return best
 
 
 class DataConfig(_Strict):

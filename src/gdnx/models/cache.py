@@ -52,7 +52,8 @@ class Cache(NamedTuple):
         length = jnp.zeros((batch,) if per_row else (), jnp.int32)
         if not cfg.scanned:
             return cls(tuple(empty(layer) for layer in model.layers), length)
-        layers = [empty(layer, (cfg.cycle_repeats,)) for layer in model.cycle]
+        layers = [empty(layer) for layer in model.head]
+        layers += [empty(layer, (cfg.cycle_repeats,)) for layer in model.cycle]
         layers += [empty(layer) for layer in model.tail]
         return cls(tuple(layers), length)
 
@@ -62,7 +63,7 @@ def row_axes(model: Any) -> tuple[int, ...]:
     scanned cycle's entries, which hold the repeats first, as init lays
     them out)."""
     if model.config.scanned:
-        return (1,) * len(model.cycle) + (0,) * len(model.tail)
+        return (0,) * len(model.head) + (1,) * len(model.cycle) + (0,) * len(model.tail)
     return (0,) * len(model.layers)
 
 

@@ -14,7 +14,8 @@ checkpoints store the GDN projections (gdnx.checkpoints.hf_names).
 A deep stack runs scanned (ModelConfig.scan_layers): its repeating cycle
 of layers (Qwen3-Next: 3 GDN + 1 attention) under one lax.scan over
 parameters stacked per position in the cycle (`cycle`), so the compiled
-program does not grow with depth; layers after the last full cycle
+program does not grow with depth; the layers before the first cycle
+(`head`: Kimi Linear's dense first layer) and after the last full one
 (`tail`) run unrolled. gdnx.stacking owns the layout and maps it to
 per-layer names.
 """
@@ -252,12 +253,13 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"train.lora.targets: none of {sorted(adapters.targets)} is in this model")
         if config.scanned:
             # Built as the unrolled stack (the same initial values), then
-            # stacked per position in the cycle; the layers after the last
-            # full cycle stay unrolled (tail).
-            cycle = config.layer_cycle
-            full = config.cycle_repeats * cycle
-            self.cycle = nnx.List([_stack(layers[j:full:cycle]) for j in range(cycle)])
-            self.tail = nnx.List(layers[full:])
+            # stacked per position in the cycle; the layers before the first
+            # cycle (head) and after the last full one (tail) stay unrolled.
+            head, cycle = config.layer_head, config.layer_cycle
+            end = head + config.cycle_repeats * cycle
+            self.head = nnx.List(layers[:head])
+            self.cycle = nnx.List([_stack(layers[head + j:end:cycle]) for j in range(cycle)])
+            self.tail = nnx.List(layers[end:])
         else:
             self.layers = nnx.List(layers)
         self.norm = _norm(config)(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
@@ -374,14 +376,17 @@ class CausalLM(nnx.Module):
         return HiddenOutput(self.norm(x), new_cache, load_balancing_loss(stats, cfg.num_experts))
 
     def _cache_slots(self) -> int:
-        """Entries of a Cache: one per layer, or per cycle position and tail
-        layer when scanned."""
-        return len(self.cycle) + len(self.tail) if self.config.scanned else len(self.layers)
+        """Entries of a Cache: one per layer, or per head layer, cycle
+        position and tail layer when scanned."""
+        return len(self.head) + len(self.cycle) + len(self.tail) if self.config.scanned else len(self.layers)
 
     def _scan(self, through, x, caches):
-        """The cycle's layers under one scan over its repeats (each repeat's
-        parameters and cache sliced from the stacked ones), then the tail."""
-        cycle = len(self.cycle)
+        """The head's layers, the cycle's under one scan over its repeats
+        (each repeat's parameters and cache sliced from the stacked ones),
+        then the tail's."""
+        head, cycle = len(self.head), len(self.cycle)
+        x, new_head, head_stats = through(self.head, x, caches[:head])
+        caches = caches[head:]
         graphdef, stacked = nnx.split(self.cycle)
 
         def body(x, xs):
@@ -397,7 +402,7 @@ class CausalLM(nnx.Module):
         # the repeats' router statistics, pooled as the loss pools layers
         stats = [RouterStats(*(jnp.sum(f, axis=0) for f in s)) for s in cycle_stats]
         x, new_tail, tail_stats = through(self.tail, x, caches[cycle:])
-        return x, (*(new_cycle or [None] * cycle), *new_tail), stats + tail_stats
+        return x, (*new_head, *(new_cycle or [None] * cycle), *new_tail), head_stats + stats + tail_stats
 
 
 def parameter_count(cfg: ModelConfig) -> int:
