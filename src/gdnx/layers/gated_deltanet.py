@@ -32,7 +32,7 @@ from gdnx.ops.causal_conv1d import cross_document_terms
 from gdnx.ops.gated_delta_rule.options import DeltaRuleOptions
 from gdnx.parallel.context import context_causal_conv1d, context_cross_document_terms, context_gated_delta_rule
 from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
-from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
+from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding, spec
 
 
 # The gate at a document's first token in a packed row: exp(RESET_GATE) is 0
@@ -185,8 +185,9 @@ class DeltaRuleMixer(nnx.Module):
         if lengths is not None or history_every is not None:
             if state is None:
                 raise ValueError("lengths, history_every: apply to a call with a state (generation)")
-            if current_mesh() is not None:
-                raise ValueError("lengths, history_every: padded rows and state histories run on one device")
+            if current_mesh() is not None and spec(("length",), (t,))[0] is not None:
+                raise ValueError("lengths, history_every: padded rows and state histories do not run split over "
+                                 "the context axis")
             if history_every is not None and history_every != 1 and (t % history_every
                                                                        or history_every % self.op.chunk_size):
                 raise ValueError(f"history_every: expected 1 or a multiple of the chunk size "
@@ -194,12 +195,13 @@ class DeltaRuleMixer(nnx.Module):
             if lengths is not None:
                 real = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]
                 g, beta = jnp.where(_per_token(real, g), g, 0.0), jnp.where(real[..., None], beta, 0.0)
-            core = functools.partial(self._core, lengths=lengths, history_every=history_every)
+            core = functools.partial(self._core, history_every=history_every)
         conv_state = None if state is None else self._group_channels(state.conv, 1)
         o, conv_state, rec, history = run_gdn_core(
             core, mixed, self._group_channels(self.conv_weight[...], 0), g, beta, conv_state,
-            None if state is None else state.recurrent, starts, num_key_heads=self.hk, kernel_size=self.width)
-        return o, conv_state, rec, history
+            None if state is None else state.recurrent, starts, lengths, num_key_heads=self.hk,
+            kernel_size=self.width, history=history_every is not None)
+        return o, conv_state, rec, None if history is None else GDNHistory(*history)
 
     def _new_state(self, state: GDNState, conv_state, rec, history) -> GDNState:
         assert conv_state is not None and rec is not None  # a state in, a state out

@@ -10,8 +10,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gdnx.config.schema import ModelConfig
 from gdnx.layers.attention import KVCache, RingCache
+from gdnx.layers.gated_deltanet import GDNState
 from gdnx.layers.latent_attention import LatentCache
+from gdnx.parallel.params import head_units
+from gdnx.parallel.rules import constrain
 
 
 class Cache(NamedTuple):
@@ -71,3 +75,35 @@ def cache_bytes(model: Any, length: int, batch: int = 1, rollback: int = 0) -> i
     """Bytes of the cache Cache.init(model, batch, length, rollback=rollback) holds."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
         lambda: Cache.init(model, batch, length, rollback=rollback))))
+
+
+def place_cache(cache: Cache, cfg: ModelConfig, row_axes: tuple[int, ...]) -> Cache:
+    """The cache placed on the ambient mesh (nothing without one): rows over
+    the batch axes, each layer's state split with its heads as the layer's
+    computation splits them (a GDN or KDA layer's recurrent state by key
+    head, attention keys and values by key/value
+    head; latents, whose one head every query head reads, and conv
+    states kept whole); a
+    head count the axis does not divide stays whole. row_axes: per entry,
+    1 for a scanned cycle's entries (the repeats first)."""
+    units = head_units(cfg)
+
+    def place(x, axes):
+        return constrain(x, axes, units=units)
+
+    def one(entry, axis):
+        lead = ("layers",) * axis
+        if isinstance(entry, GDNState):
+            # the conv state's channels are stored in the checkpoint's [q | k | v] order, which a split over
+            # key heads would cut across: kept whole per row
+            return entry._replace(conv=place(entry.conv, (*lead, "batch", None, None)),
+                                  recurrent=place(entry.recurrent, (*lead, "batch", "value_heads", None, None)))
+        if isinstance(entry, KVCache | RingCache):
+            axes = (*lead, "batch", None, "kv_heads", None)
+            return entry._replace(k=place(entry.k, axes), v=place(entry.v, axes))
+        if isinstance(entry, LatentCache):
+            return LatentCache(place(entry.latent, (*lead, "batch", None, None)),
+                               place(entry.rope, (*lead, "batch", None, None)))
+        raise TypeError(f"a cache entry of type {type(entry).__name__}")
+    length = place(cache.length, ("batch",) * cache.length.ndim)
+    return Cache(tuple(one(e, a) for e, a in zip(cache.layers, row_axes, strict=True)), length)

@@ -27,31 +27,39 @@ OUT = ("batch", "length", "value_heads", None)              # [B, T, HV, V]
 
 
 def run_gdn_core(core: Callable, mixed: jax.Array, conv_weight: jax.Array, g: jax.Array, beta: jax.Array,
-                 conv_state: jax.Array | None, state: jax.Array | None, starts: jax.Array | None = None, *,
-                 num_key_heads: int, kernel_size: int) -> tuple[jax.Array, jax.Array | None, jax.Array | None, Any]:
+                 conv_state: jax.Array | None, state: jax.Array | None, starts: jax.Array | None = None,
+                 lengths: jax.Array | None = None, *, num_key_heads: int, kernel_size: int,
+                 history: bool = False) -> tuple[jax.Array, jax.Array | None, jax.Array | None, Any]:
     """core(mixed, conv_weight, g, beta, conv_state, state, context_axis,
-    starts) -> (o, conv_state, state, history), run on each shard of the ambient mesh
-    (directly when there is none). g: GDN's [B, T, HV] or KDA's [B, T, HV, K]. conv_weight [HK, ., W], conv_state
+    starts, lengths) -> (o, conv_state, state, history), run on each shard
+    of the ambient mesh (directly when there is none). g: GDN's [B, T, HV]
+    or KDA's [B, T, HV, K]. conv_weight [HK, ., W], conv_state
     [B, HK, ., W - 1] and state [B, HV, K, V] may be None (in and out);
-    starts [B, T] (packed documents' first tokens) may be None."""
+    starts [B, T] (packed documents' first tokens) and lengths [B] (each
+    row's real tokens) may be None. history: core returns a state history
+    (two arrays [B, N, heads, ...], returned as a tuple on a mesh), else
+    None."""
     mesh = current_mesh()
     if mesh is None:
-        return core(mixed, conv_weight, g, beta, conv_state, state, None, starts)
+        return core(mixed, conv_weight, g, beta, conv_state, state, None, starts, lengths)
     rows, context, heads, _ = spec(MIXED, mixed.shape, units={"key_heads": num_key_heads}, mesh=mesh)
     if context is not None and mixed.shape[1] // axis_size(context, mesh) < kernel_size - 1:
         context = None  # a shard must hold the next shard's conv halo
     # value heads split with their key heads: the same entry serves both
     gate, out, states = P(rows, context, heads), P(rows, context, heads, None), P(rows, heads, None, None)
-    args: tuple = (mixed, conv_weight, g, beta, conv_state, state, starts)
+    args: tuple = (mixed, conv_weight, g, beta, conv_state, state, starts, lengths)
     specs = (P(rows, context, heads, None), P(heads, None, None), gate if g.ndim == 3 else out, gate,
              None if conv_state is None else states, None if state is None else states,
-             None if starts is None else P(rows, context))
+             None if starts is None else P(rows, context), None if lengths is None else P(rows))
     if is_explicit(mesh):
         args = tuple(a if a is None else jax.sharding.reshard(a, s) for a, s in zip(args, specs, strict=True))
+    along = P(rows, None, heads, None, None)  # a history: per row, per snapshot, per head
 
     def local(*xs):
-        return core(*xs[:6], context, xs[6])[:3]
+        o, conv, rec, hist = core(*xs[:6], context, *xs[6:])
+        return (o, conv, rec, tuple(hist)) if history else (o, conv, rec)
 
-    # a state history is asked for only off a mesh (the layer checks)
-    return (*jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(out, specs[4], specs[5]),
-                           check_vma=False)(*args), None)
+    outs = jax.shard_map(local, mesh=mesh, in_specs=specs,
+                         out_specs=(out, specs[4], specs[5], *([(along, along)] if history else [])),
+                         check_vma=False)(*args)
+    return (*outs, None) if not history else tuple(outs)

@@ -27,6 +27,7 @@ bit-identical whatever shares the engine with it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
@@ -41,6 +42,8 @@ from gdnx.errors import FieldError
 from gdnx.layers.attention import RingCache
 from gdnx.layers.gated_deltanet import GDNState
 from gdnx.models.cache import row_axes
+from gdnx.parallel.params import shard
+from gdnx.parallel.rules import MESH_AXES
 from gdnx.serving import programs
 from gdnx.serving.drafter import Drafter
 from gdnx.serving.output import Output
@@ -141,7 +144,13 @@ def _buckets(block: int, limit: int) -> tuple[int, ...]:
 class Engine:
     """Generate for many requests at once with one model.
 
-    model: a gdnx CausalLM (any family; on one device).
+    model: a gdnx CausalLM (any family).
+    mesh: a jax.sharding.Mesh with gdnx's axes (gdnx.parallel.make_mesh):
+      the weights placed as training places them, each slot's state split
+      with its layer's heads over `tensor` and the slots over `data` and
+      `fsdp`, every program run on it (as an Auto mesh: XLA places what
+      the programs do not state; `context` must be 1). None: the model's
+      own placement.
     max_slots: requests decoded together (the decode batch).
     max_length: prompt + generated tokens per request (the cache per slot).
     prefix_cache_bytes: host memory for the prefix cache (0: off).
@@ -176,7 +185,7 @@ class Engine:
                  speculative: Drafter | None = None, block_size: int | None = None, decode_steps: int = 8,
                  max_prefill_batch: int | None = None, max_logprobs: int = 5, tokenizer: Detokenizer | None = None,
                  eos_token_ids: Sequence[int] | None = None, keep_logits: bool = False, batch_invariant: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, mesh: jax.sharding.Mesh | None = None):
         cfg = model.config
         chunk = cfg.gdn_chunk_size
         block_size = 4 * chunk if block_size is None else block_size
@@ -195,10 +204,22 @@ class Engine:
         if speculative is not None and not isinstance(speculative, Drafter):
             raise FieldError("speculative", "expected a Drafter (propose(tokens), num_tokens) or None, "
                              f"got {type(speculative).__name__}")
+        if mesh is not None and (not isinstance(mesh, jax.sharding.Mesh)
+                                 or not set(mesh.axis_names) <= set(MESH_AXES)):
+            raise FieldError("mesh", f"expected a jax.sharding.Mesh over axes among {MESH_AXES} "
+                             f"(gdnx.parallel.make_mesh), got {mesh!r}")
+        if mesh is not None:
+            if dict(mesh.shape).get("context", 1) > 1:
+                raise FieldError("mesh", "the engine splits heads and slots, not sequences: expected context=1, "
+                                 f"got context={dict(mesh.shape)['context']}")
+            # the programs' state layout is stated once (programs.place) and XLA places the rest: the
+            # same devices and axes as an Auto mesh, whichever mode the caller's mesh has
+            mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                                     axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
         if eos_token_ids is None:
             eos = cfg.eos_token_id
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        self.model = model
+        self.model, self.mesh = model, mesh
         self.max_slots, self.max_length = max_slots, max_length
         self.block_size, self.decode_steps = block_size, decode_steps
         self.max_prefill_batch, self.max_logprobs = max_prefill_batch, max_logprobs
@@ -216,16 +237,18 @@ class Engine:
         self.capacity = self.padded_length + draft + 1
         self.stats = EngineStats()
         graphdef, self._state = nnx.split(model)
+        if mesh is not None:
+            self._state = shard(self._state, cfg, mesh)
         # engines on one model with the same settings share compiled programs
         shared = _PROGRAMS.setdefault(model, {})
         key = (self.eos_token_ids, max_logprobs, keep_logits)
         if key not in shared:
-            static = programs.Static(graphdef, row_axes(model), *key)
+            static = programs.Static(graphdef, cfg, row_axes(model), *key)
             shared[key] = (static, programs.compile_programs(static))
         self._static, self._programs = shared[key]
         # a sliding window's ring keeps the drafts a verify pass may take back beyond its window
         self.rollback = draft
-        self._slots = programs.empty_slots(model, max_slots, self.capacity, self.rollback)
+        self._slots = self._empty_slots()
         is_state = tuple(isinstance(entry, GDNState) for entry in self._slots.cache.layers)
         rings = tuple(entry.ring if isinstance(entry, RingCache) else None for entry in self._slots.cache.layers)
         self.scheduler = Scheduler(Layout(max_slots, block_size, self.buckets, self.capacity, max_prefill_batch,
@@ -355,7 +378,7 @@ class Engine:
         are returned) and rebuild the slots' state, whose buffers the failed
         call may have consumed; waiting requests stay queued."""
         dropped = [r.id for r in self.scheduler.reset(error)]
-        self._slots = programs.empty_slots(self.model, self.max_slots, self.capacity, self.rollback)
+        self._slots = self._empty_slots()
         return dropped
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -404,9 +427,22 @@ class Engine:
 
     # ---- running the programs -------------------------------------------------------------------------------
 
+    def _on_mesh(self) -> contextlib.AbstractContextManager:
+        """The context the programs run in: the engine's mesh, if any."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def _empty_slots(self) -> programs.Slots:
+        def make():
+            return programs.empty_slots(self.model, self.max_slots, self.capacity, self.rollback)
+        if self.mesh is None:
+            return make()
+        with self._on_mesh():  # created in place, each array in its layout
+            return jax.jit(lambda: programs.place(self._static, make()))()
+
     def _restore(self, req: Request, layers: tuple) -> None:
         """Write a request's cached prefix into its slot."""
-        self._slots = self._programs.restore(self._slots, jnp.int32(req.held_slot), layers)
+        with self._on_mesh():
+            self._slots = self._programs.restore(self._slots, jnp.int32(req.held_slot), layers)
         self.stats.programs.add(("restore", ()))
         self.stats.cached_tokens += req.cached
 
@@ -430,8 +466,9 @@ class Engine:
         params = SlotParams.rows([r.params for r, _ in group] + [SamplingParams()] * (rows - len(group)),
                                  [r.seed for r, _ in group] + [0] * (rows - len(group)))
         history = self.block_size if self.prefix_cache is not None else None
-        self._slots, out = self._programs.prefill(self._state, self._slots, slots, tokens, starts, lengths, params,
-                                                  seen, history_every=history)
+        with self._on_mesh():
+            self._slots, out = self._programs.prefill(self._state, self._slots, slots, tokens, starts, lengths,
+                                                      params, seen, history_every=history)
         self.stats.programs.add(("prefill", (rows, length)))
         self.stats.prefill_calls += 1
         got = jax.device_get(out)
@@ -444,14 +481,16 @@ class Engine:
 
     def _run_decode(self, active: np.ndarray, rows: int):
         """The decode program over the first `rows` slots (recorded among the compiled programs)."""
-        self._slots, step = self._programs.decode(self._state, self._slots, active, steps=self.decode_steps,
-                                                  rows=rows)
+        with self._on_mesh():
+            self._slots, step = self._programs.decode(self._state, self._slots, active, steps=self.decode_steps,
+                                                      rows=rows)
         self.stats.programs.add(("decode", (rows, self.decode_steps)))
         return step
 
     def _run_verify(self, active: np.ndarray, drafts: np.ndarray, counts: np.ndarray):
         """The verify program over every slot (recorded among the compiled programs)."""
-        self._slots, out = self._programs.verify(self._state, self._slots, active, drafts, counts)
+        with self._on_mesh():
+            self._slots, out = self._programs.verify(self._state, self._slots, active, drafts, counts)
         self.stats.programs.add(("verify", drafts.shape))
         return out
 

@@ -16,6 +16,7 @@ state. Programs (each jitted once per shape; the slot state is donated):
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -24,7 +25,8 @@ from flax import nnx
 
 from gdnx.layers.attention import RingCache
 from gdnx.layers.gated_deltanet import GDNState
-from gdnx.models.cache import Cache
+from gdnx.models.cache import Cache, place_cache
+from gdnx.parallel.rules import constrain
 from gdnx.serving import sampling
 from gdnx.serving.params import SamplingParams
 from gdnx.serving.sampling import SlotParams, TokenLogprobs
@@ -42,6 +44,7 @@ class Slots(NamedTuple):
 class Static(NamedTuple):
     """What every program of one engine fixes (bound by `compile`, not hashed)."""
     graphdef: Any
+    config: Any                 # the model's ModelConfig
     row_axes: tuple[int, ...]   # per cache entry: the axis of its rows (1 in a scanned cycle's stack)
     eos_ids: tuple[int, ...]
     logprobs: int               # top-N computed per token
@@ -87,6 +90,17 @@ def _strip(entry):
     if isinstance(entry, GDNState):
         return entry._replace(history=None)
     return entry._replace(fresh=None) if isinstance(entry, RingCache) else entry
+
+
+def place(static: Static, slots: Slots) -> Slots:
+    """The slot state placed on the ambient mesh (nothing without one): the
+    cache as place_cache lays it out, the sampling state's rows over the
+    batch axes. Every program ends with it, so the state each program
+    donates to the next keeps one layout."""
+    def rows(x):
+        return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+    return Slots(place_cache(slots.cache, static.config, static.row_axes),
+                 *(jax.tree.map(rows, getattr(slots, f)) for f in Slots._fields[1:]))
 
 
 def empty_slots(model: Any, max_slots: int, capacity: int, rollback: int = 0) -> Slots:
@@ -272,5 +286,12 @@ def compile_programs(static: Static) -> Programs:
     """The programs of one engine, jitted with its settings bound (the slot
     state donated: every program updates it in place)."""
     def jit(fn, *static_names):
-        return jax.jit(functools.partial(fn, static=static), static_argnames=static_names, donate_argnames=("slots",))
+        bound = functools.partial(fn, static=static)
+
+        def placed(*args, **kwargs):
+            out = bound(*args, **kwargs)
+            return place(static, out) if isinstance(out, Slots) else (place(static, out[0]), out[1])
+        placed.__name__ = fn.__name__
+        placed.__signature__ = inspect.signature(bound)  # jit reads the argument names
+        return jax.jit(placed, static_argnames=static_names, donate_argnames=("slots",))
     return Programs(jit(prefill, "history_every"), jit(restore), jit(decode, "steps", "rows"), jit(verify))
