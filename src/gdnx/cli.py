@@ -62,7 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                                                           "seed + i unless it gives its own)")
     _engine_options(gen.add_argument_group("the engine (--prompts-file)"), "the longest line's need", 0)
     gen.add_argument("overrides", nargs="*", metavar="key=value",
-                     help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla")
+                     help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla; parallel.* "
+                          "places the model on a mesh of this host's devices as gdnx train does, e.g. "
+                          "parallel.tensor=4 (the batched engine: context=1)")
     _distributed_options(gen)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) on the batched engine",
                            description="Serve a gdnx run or a Hugging Face directory over HTTP: /v1/completions, "
@@ -88,7 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=int, default=30, metavar="SECONDS",
                        help="a client's time to send a whole request, and an idle connection's life (default 30)")
     serve.add_argument("overrides", nargs="*", metavar="key=value",
-                       help="model.gdn_* and model.dtype overrides, e.g. model.dtype=bfloat16")
+                       help="model.gdn_* and model.dtype overrides, e.g. model.dtype=bfloat16; parallel.* "
+                            "places the engine on a mesh of this host's devices, e.g. parallel.tensor=4 "
+                            "parallel.data=2 (context=1)")
     export = sub.add_parser("export", help="a training run's newest intact checkpoint as a Hugging Face directory",
                             description="Write the run's newest intact checkpoint as config.json and safetensors "
                                         "(sharded with an index above 4 GiB) in the family's Hugging Face layout, "

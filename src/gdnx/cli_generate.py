@@ -3,6 +3,7 @@ directory of any family gdnx builds, tokenize the prompt, stream the continuatio
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -65,9 +66,14 @@ def run_generate(args) -> None:
     if len(ids) + args.max_new_tokens > limit:
         raise ConfigError(f"--max-new-tokens: the prompt's {len(ids)} tokens + {args.max_new_tokens} exceed the "
                           f"model's {limit} positions (max_position_embeddings)")
+    mesh = found.mesh
+    if mesh is not None:  # the weights placed as training places them (a run's are still whole)
+        from gdnx.parallel.params import shard
+        nnx.update(model, shard(nnx.state(model), model.config, mesh))
     total = len(ids) + args.max_new_tokens
+    # per device: its share of the weights; the cache and the prompt's pass counted whole (an upper bound)
     cache, prefill = cache_bytes(model, total), prefill_bytes(model, len(ids), total)
-    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(nnx.state(model)))
     have = memory_capacity(jax.local_devices()[:1])
     if weights + cache + prefill > have:
         raise ConfigError(f"--max-new-tokens: {total} tokens need {(weights + cache + prefill) / 2 ** 30:,.1f} GiB "
@@ -91,8 +97,9 @@ def run_generate(args) -> None:
             sys.stdout.flush()
             shown = text
 
-    generate(model, jnp.asarray([ids], jnp.int32), args.max_new_tokens, temperature=args.temperature,
-             top_p=args.top_p, seed=args.seed, on_token=stream)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        generate(model, jnp.asarray([ids], jnp.int32), args.max_new_tokens, temperature=args.temperature,
+                 top_p=args.top_p, seed=args.seed, on_token=stream)
     if shows:
         sys.stdout.write("\n")
 

@@ -21,7 +21,7 @@ from gdnx.errors import FieldError
 # the command-line flag of each engine field (a refusal names the flag)
 ENGINE_FLAGS = {"max_slots": "--max-slots", "max_length": "--max-length", "prefix_cache_bytes": "--prefix-cache-mb",
                 "speculative": "--speculative", "batch_invariant": "--batch-invariant",
-                "decode_steps": "--decode-steps", "max_logprobs": "--max-logprobs"}
+                "decode_steps": "--decode-steps", "max_logprobs": "--max-logprobs", "mesh": "parallel"}
 
 MEMORY_HINT = ("shorten the prompt or --max-new-tokens, or load the weights in bfloat16 "
                "(model.param_dtype=bfloat16 model.dtype=bfloat16)")
@@ -48,11 +48,12 @@ class IdTokenizer:
 
 def model_overrides(overrides: list[str], command: str) -> dict:
     """The model.* overrides a loaded checkpoint may take (its gdn_* fields,
-    dtype and param_dtype); anything else is refused naming the key."""
+    dtype and param_dtype); anything else but parallel.* is refused naming
+    the key."""
     data = apply_overrides({}, overrides)
-    extra = set(data) - {"model"}
+    extra = set(data) - {"model", "parallel"}
     if extra:
-        raise ConfigError(f"{sorted(extra)[0]}: {command} takes model.* overrides only")
+        raise ConfigError(f"{sorted(extra)[0]}: {command} takes model.* and parallel.* overrides only")
     model = data.get("model", {})
     for key in model:
         if not key.startswith("gdn_") and key not in _OVERRIDABLE:
@@ -61,14 +62,40 @@ def model_overrides(overrides: list[str], command: str) -> dict:
     return model
 
 
+def parallel_mesh(overrides: list[str]) -> Any:
+    """The device mesh the parallel.* overrides ask for (gdnx train's
+    section, docs/sharding.md), or None when there are none: the model then
+    runs on one device. Refusals name the field."""
+    from pydantic import ValidationError
+
+    from gdnx.config.schema import ParallelConfig
+    from gdnx.parallel import make_mesh
+
+    fields = apply_overrides({}, overrides).get("parallel")
+    if not fields:
+        return None
+    try:
+        cfg = ParallelConfig(**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ConfigError(f"parallel{'.' + where if where else ''}: {err['msg']}") from None
+    try:
+        return make_mesh(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 @dataclasses.dataclass
 class Loaded:
     """A model to generate with: its tokenizer, the directory holding the
-    tokenizer's files (chat template) if any, and what was loaded."""
+    tokenizer's files (chat template) if any, what was loaded, and the mesh
+    its weights are placed on (None: one device)."""
     model: Any
     tokenizer: Any
     description: str
     tokenizer_dir: Path | None
+    mesh: Any = None
 
     @property
     def max_positions(self) -> int:
@@ -87,6 +114,7 @@ def load(path: Path, overrides: list[str], command: str) -> Loaded:
     if not path.is_dir():
         raise ConfigError(f"--checkpoint: no such directory {path}")
     model_fields = model_overrides(overrides, command)
+    mesh = parallel_mesh(overrides)
     try:
         if is_run(path):
             try:
@@ -101,12 +129,13 @@ def load(path: Path, overrides: list[str], command: str) -> Loaded:
             else:  # the tokenizer the run's text was tokenized with (raw bytes when none)
                 found = run_tokenizer(run.config)
                 tok = make_tokenizer(None if found is None else str(found))
-            return Loaded(run.model, tok, f"step {run.step} of {path}", None if found is None else found.parent)
+            return Loaded(run.model, tok, f"step {run.step} of {path}", None if found is None else found.parent,
+                          mesh)
         if (path / "config.json").is_file():
-            model = CausalLM.from_pretrained(path, **model_fields)
+            model = CausalLM.from_pretrained(path, mesh=mesh, **model_fields)  # each device reads its part
             if not (path / "tokenizer.json").is_file():
                 raise ConfigError(f"--checkpoint: {path} has no tokenizer.json to encode the prompt with")
-            return Loaded(model, HFTokenizer(str(path / "tokenizer.json")), str(path), path)
+            return Loaded(model, HFTokenizer(str(path / "tokenizer.json")), str(path), path, mesh)
     except ConfigError:
         raise
     except (ValueError, OSError) as e:  # the library's refusal of a field, a file or a directory
@@ -168,7 +197,7 @@ def build_engine(loaded: Loaded, settings: EngineSettings, chat: Any = None) -> 
                       prefix_cache_bytes=settings.prefix_cache_bytes, decode_steps=settings.decode_steps,
                       speculative=NgramDrafter(settings.speculative) if settings.speculative else None,
                       batch_invariant=settings.batch_invariant, tokenizer=loaded.tokenizer,
-                      max_logprobs=settings.max_logprobs, eos_token_ids=eos_ids(loaded, chat))
+                      max_logprobs=settings.max_logprobs, eos_token_ids=eos_ids(loaded, chat), mesh=loaded.mesh)
     except FieldError as e:
         raise flag_error(e) from None
 

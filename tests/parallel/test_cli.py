@@ -1,0 +1,69 @@
+"""`gdnx generate` with parallel.* overrides: the model loaded onto a mesh
+of this host's 8 devices (each device reading its part of the files), the
+batched engine's results and the single prompt's stream equal to one
+device's; a mesh the engine cannot use is one line."""
+
+import json
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from gdnx.cli import main
+from gdnx.generate import generate
+from tests.hf_models import VOCAB, hf_and_gdnx
+from tests.test_cli import _error
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_next")
+    _, model = hf_and_gdnx(path, "qwen3_next", scale=5.0, gdn_chunk_size=16)
+    tok = Tokenizer(WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    return path, model
+
+
+def _words(ids):
+    return " ".join(f"w{i}" for i in ids)
+
+
+def test_generate_on_a_mesh_gives_the_one_device_tokens(checkpoint, tmp_path, capsys):
+    path, model = checkpoint
+    rng = np.random.default_rng(1)
+    shared = rng.integers(1, VOCAB, 70).tolist()  # more than one block (4 chunks of 16)
+    prompts = [shared + [3], rng.integers(1, VOCAB, 7).tolist(), shared + [9, 4]]
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("\n".join(json.dumps({"prompt": _words(p), "logprobs": 1}) for p in prompts) + "\n")
+    plain = [np.asarray(generate(model, jnp.asarray([p]), 6))[0].tolist() for p in prompts]
+    out = tmp_path / "results.jsonl"
+    assert main(["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--out", str(out),
+                 "--max-new-tokens", "6", "--max-slots", "2", "--prefix-cache-mb", "16", "--speculative", "2",
+                 "model.gdn_chunk_size=16", "parallel.data=2", "parallel.tensor=4"]) == 0
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [g["tokens"] for g in got] == plain
+    assert got[2]["cached_tokens"] == 64
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(path), "--prompt", _words(prompts[1]), "--max-new-tokens", "6",
+                 "--temperature", "0", "model.gdn_chunk_size=16", "parallel.tensor=2", "parallel.context=2"]) == 0
+    assert capsys.readouterr().out.split() == [f"w{t}" for t in plain[1]]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["parallel.context=2", "parallel.tensor=4"], "parallel: the engine splits heads and slots, not sequences"),
+    (["parallel.tensor=3"], "parallel: data x fsdp x tensor x context = 3, but there are 8 devices"),
+    (["parallel.tensor=0"], "parallel.tensor: "),
+    (["train.steps=3"], "train: generate takes model.\\* and parallel.\\* overrides only"),
+])
+def test_a_mesh_the_command_cannot_use_is_one_line(checkpoint, tmp_path, capsys, overrides, match):
+    path, _ = checkpoint
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
+    line = _error(capsys, ["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--out",
+                           str(tmp_path / "out.jsonl"), "--max-new-tokens", "2", "parallel.data=1", *overrides])
+    assert re.search(match, line), line
