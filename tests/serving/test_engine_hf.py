@@ -21,3 +21,30 @@ def test_ragged_prompts_match_transformers_greedy(tmp_path, kind, scanned):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
         np.testing.assert_array_equal(got.tokens, ref[0, len(prompt):].numpy())
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_prompt_logprobs_are_transformers_log_softmax(tmp_path, batch_invariant):
+    """prompt_logprobs: each prompt token's log-probability after the ones
+    before it and the top N, from the prefill's own pass (whole, or block by
+    block in batch-invariant mode: a block's last position scores the next
+    block's first token), equal to transformers' log_softmax within 1e-5
+    relative (float32); a prompt whose prefix is cached is still prefilled
+    whole, so every token gets its logprob."""
+    hf, model = hf_and_gdnx(tmp_path, "qwen3_next", scale=5.0, gdn_chunk_size=16)
+    prompts = [tokens(1, n, seed=n)[0].tolist() for n in (3, 20, 37)]
+    prompts.append(prompts[2][:32] + [5, 6])  # its first two blocks cached by the prompt before it
+    engine = Engine(model, max_slots=2, max_length=48, block_size=16, decode_steps=4, prefix_cache_bytes=1 << 24,
+                    batch_invariant=batch_invariant)
+    engine.generate(prompts[2:3], SamplingParams(max_tokens=1, temperature=0.0))  # fills the prefix cache
+    out = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3))
+    for prompt, got in zip(prompts, out):
+        assert got.cached_tokens == 0 and got.logprobs is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].double(), dim=-1).numpy()
+        want = ref[np.arange(len(prompt) - 1), prompt[1:]]
+        lp = np.asarray([x for x, _ in got.prompt_logprobs])
+        np.testing.assert_allclose(lp, want, rtol=1e-5, atol=1e-5)
+        for row, (_, top) in zip(ref, got.prompt_logprobs):
+            assert list(top) == np.argsort(-row)[:3].tolist()
+            np.testing.assert_allclose(list(top.values()), np.sort(row)[::-1][:3], rtol=1e-5, atol=1e-5)

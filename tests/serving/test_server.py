@@ -132,6 +132,34 @@ def test_completions_equal_transformers_greedy(server, checkpoint):
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (length, 8)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(server, checkpoint):
+    """lm-eval's local-completions request: token-id prompts in one batch,
+    echo, logprobs 1, max_tokens 1 (or 0: the prompt alone). Each prompt
+    token after the first gets transformers' log_softmax within 1e-5
+    relative (float32) and its top-1; the first gets null; the text and
+    tokens are the prompt's, then the generated one."""
+    hf = checkpoint[1]
+    prompts = [_prompt(5, 11), _prompt(6, 70)]  # within one prefill block of 64 and past it
+    for max_tokens in (1, 0):
+        r = _post(server, "/v1/completions", {"model": "tiny", "prompt": prompts, "max_tokens": max_tokens,
+                                              "echo": True, "logprobs": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        for ids, choice in zip(prompts, r.json()["choices"], strict=True):
+            lp = choice["logprobs"]
+            assert len(lp["token_logprobs"]) == len(ids) + max_tokens
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert choice["text"].startswith(_decode(checkpoint[0], ids))
+            assert "".join(lp["tokens"]) == choice["text"]
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].double(), dim=-1).numpy()
+            want = ref[np.arange(len(ids) - 1), ids[1:]]
+            np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], want, rtol=1e-5, atol=1e-5)
+            for row, top in zip(ref, lp["top_logprobs"][1:len(ids)]):
+                assert list(top.values()) == pytest.approx([row.max()], rel=1e-5, abs=1e-5)
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == 81 and usage["completion_tokens"] == 2 * max_tokens
+
+
 def test_chat_renders_the_checkpoints_template(server, checkpoint):
     messages = [{"role": "system", "content": _text(_prompt(2, 3))}, {"role": "user", "content": _text(_prompt(3, 5))}]
     chat = server.client().chat.completions.create(messages=messages, max_tokens=6, **GREEDY)
@@ -259,7 +287,10 @@ def _post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
     ("/v1/completions", {"model": "tiny", "prompt": "w9", "temp": 1}, 400, "temp", "unknown field"),
     ("/v1/completions", {"model": "tiny"}, 400, "prompt", "prompt: required"),
     ("/v1/completions", {"model": "tiny", "prompt": "w9", "max_tokens": "8"}, 400, "max_tokens", "max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "w9", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "echo": True, "stream": True}, 400, "echo",
+     "not with stream"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "max_tokens": 0}, 400, "max_tokens", "0 only with echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "w9", "best_of": 2}, 400, "best_of", "not supported"),
     ("/v1/completions", {"model": "tiny", "prompt": "w9", "logprobs": 21}, 400, "logprobs", "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": [5, 500]}, 400, "prompt", "token ids must be in"),
     ("/v1/completions", '{"model": "tiny", "prompt": ', 400, None, "not valid JSON"),

@@ -281,9 +281,10 @@ class Engine:
                              f"exceed the engine's max_length={self.max_length}")
         if params.top_k > vocab:
             raise FieldError("top_k", f"expected at most the vocabulary's {vocab} tokens (0: all), got {params.top_k}")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise FieldError("logprobs", f"expected at most the engine's max_logprobs={self.max_logprobs}, "
-                             f"got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.max_logprobs:
+                raise FieldError(name, f"expected at most the engine's max_logprobs={self.max_logprobs}, got {n}")
         if params.stop and self.tokenizer is None:
             raise FieldError("stop", "stop strings are matched on text; give the engine a tokenizer")
         if len(params.stop_token_ids) > MAX_STOP_IDS:
@@ -463,18 +464,30 @@ class Engine:
             seen[i, req.prompt] = True
             starts[i], lengths[i], slots[i] = start, n, req.held_slot
         lengths[len(group):] = 1
+        targets = None  # each position's next prompt token, for the requests that score their prompt
+        if any(req.params.prompt_logprobs is not None for req, _ in group):
+            targets = np.zeros((rows, length), np.int32)
+            for i, (req, start) in enumerate(group):
+                nxt = req.prompt[start + 1:start + 1 + length]
+                targets[i, :len(nxt)] = nxt
         params = SlotParams.rows([r.params for r, _ in group] + [SamplingParams()] * (rows - len(group)),
                                  [r.seed for r, _ in group] + [0] * (rows - len(group)))
         history = self.block_size if self.prefix_cache is not None else None
         with self._on_mesh():
             self._slots, out = self._programs.prefill(self._state, self._slots, slots, tokens, starts, lengths,
-                                                      params, seen, history_every=history)
+                                                      params, seen, targets, history_every=history)
         self.stats.programs.add(("prefill", (rows, length)))
         self.stats.prefill_calls += 1
         got = jax.device_get(out)
         if got.snapshot is not None:
             self.scheduler.store(group, got.snapshot, lengths)
-        for i, (req, _) in enumerate(group):
+        for i, (req, start) in enumerate(group):
+            wanted = req.params.prompt_logprobs
+            if wanted is not None and got.prompt is not None:  # positions whose next token is the prompt's
+                for j in range(min(int(lengths[i]), len(req.prompt) - 1 - start)):
+                    req.prompt_logprobs.append((float(got.prompt.chosen[i, j]), {
+                        int(t): float(v) for t, v in zip(got.prompt.top_ids[i, j, :wanted],
+                                                         got.prompt.top[i, j, :wanted])}))
             if self.scheduler.prefilled(req, int(lengths[i])):
                 self._emit(req, [int(got.tokens[i])], got.logprobs, i,
                            None if got.logits is None else got.logits[i][None], results)

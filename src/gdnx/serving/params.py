@@ -40,7 +40,10 @@ class SamplingParams:
     tokens (0: all), to the smallest set whose probability reaches top_p,
     and to the tokens whose probability is at least min_p times the top
     one's, and a token is drawn. logprobs (top-N per generated token) are
-    those of the adjusted logits before temperature.
+    those of the adjusted logits before temperature. prompt_logprobs (top-N
+    per prompt token after the first, from the prefill's own pass) are the
+    model's, unadjusted; a request that asks for them is prefilled whole,
+    without the prefix cache.
 
     seed: a request's draws depend only on it, its prompt and its own
     tokens, never on the other requests sharing the engine; None draws a
@@ -61,6 +64,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # lists are accepted and kept as tuples (the params stay hashable)
@@ -92,6 +96,8 @@ class SamplingParams:
             raise FieldError("ignore_eos", f"expected a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, 20)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, 20)
 
 
 FinishReason = Literal["stop", "length"]
@@ -104,8 +110,9 @@ class Completion:
     sequence, a stop token or string) or "length" (max_tokens, or the
     engine's max_length); text: the detokenized tokens, cut before a stop
     string (with a tokenizer); logprobs: per token, (its logprob, the top-N
-    as {id: logprob}) when asked; logits [n, vocab] float32 when the engine
-    keeps them (keep_logits)."""
+    as {id: logprob}) when asked; prompt_logprobs: the same for each prompt
+    token after the first (the model's own, unadjusted) when asked; logits
+    [n, vocab] float32 when the engine keeps them (keep_logits)."""
 
     tokens: list[int]
     finish_reason: FinishReason
@@ -114,3 +121,4 @@ class Completion:
     text: str | None = None
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     logits: np.ndarray | None = None
+    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None

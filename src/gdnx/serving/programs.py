@@ -118,11 +118,14 @@ class PrefillOut(NamedTuple):
     # per cache entry: (conv, recurrent) [.., P, NB, ...], or an attention cache's two parts ((k, v) or
     # (latent, rope)) [.., P, L, ...]
     snapshot: tuple | None
+    prompt: TokenLogprobs | None      # [P, L], [P, L, N]: each position's next prompt token and the top N
 
 
 def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, starts: jax.Array, lengths: jax.Array,
-            params: SlotParams, seen: jax.Array, *, static: Static,
+            params: SlotParams, seen: jax.Array, targets: jax.Array | None = None, *, static: Static,
             history_every: int | None) -> tuple[Slots, PrefillOut]:
+    """targets [P, L]: the prompt token after each position, when some row
+    asks for its prompt's logprobs (the model's own, from this pass)."""
     model = nnx.merge(static.graphdef, state)
     p = tokens.shape[0]
     fresh = starts == 0
@@ -167,7 +170,13 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
                   jax.tree.map(lambda x, y: _put(x, rows, y, 0), slots.params, params),
                   _put(slots.counts, rows, jax.nn.one_hot(tok, vocab, dtype=jnp.int32), 0),
                   _put(slots.seen, rows, seen, 0), _put(slots.generated, rows, zero + 1, 0), _put(slots.last, rows, tok, 0))
-    return slots, PrefillOut(tok, lp, logits if static.keep_logits else None, snapshot)
+    prompt = None
+    if targets is not None:
+        every = jax.nn.log_softmax(model.logits(out.hidden).astype(jnp.float32), axis=-1)   # [P, L, V]
+        top, ids = jax.lax.top_k(every, max(static.logprobs, 1))
+        chosen = jnp.take_along_axis(every, targets[..., None], axis=-1)[..., 0]
+        prompt = TokenLogprobs(chosen, ids.astype(jnp.int32)[..., :static.logprobs], top[..., :static.logprobs])
+    return slots, PrefillOut(tok, lp, logits if static.keep_logits else None, snapshot, prompt)
 
 
 def restore(slots: Slots, row: jax.Array, layers: tuple, *, static: Static) -> Slots:

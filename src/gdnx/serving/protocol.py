@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import pydantic
@@ -114,7 +115,7 @@ class ChatRequest(_Request):
 
 
 # fields of the protocol gdnx does not implement: refused rather than ignored
-_UNSUPPORTED = {"echo": False, "best_of": None, "suffix": None, "logit_bias": None, "tools": None,
+_UNSUPPORTED = {"best_of": None, "suffix": None, "logit_bias": None, "tools": None,
                 "response_format": None}
 
 
@@ -169,22 +170,26 @@ def envelope(rid: str, kind: str, model: str, choices: list[dict], extra: dict |
 Logprob = tuple[float, list[tuple[str, int, float]]]   # a token's logprob, its top-N as (text, id, logprob)
 
 
-def completion_logprobs(pieces: list[str], entries: list[Logprob], offset: int) -> dict:
+def completion_logprobs(pieces: list[str], entries: Sequence[Logprob | None], offset: int) -> dict:
     """The completions API's logprobs: each token's text, its logprob, the
     top-N as {text: logprob}, and where the token starts in the text. Its
     top-N is a mapping by text: a candidate whose text an earlier one took
-    is keyed "token_id:ID", so all N are there."""
+    is keyed "token_id:ID", so all N are there. An entry None (an echoed
+    prompt's first token, which nothing precedes) gives null for both."""
     offsets, at = [], offset
     for piece in pieces:
         offsets.append(at)
         at += len(piece)
-    tops = []
-    for _, top in entries:
+    tops: list[dict[str, float] | None] = []
+    for entry in entries:
+        if entry is None:
+            tops.append(None)
+            continue
         by_text: dict[str, float] = {}
-        for text, token, lp in top:
+        for text, token, lp in entry[1]:
             by_text[text if text not in by_text else f"token_id:{token}"] = lp
         tops.append(by_text)
-    return {"tokens": pieces, "token_logprobs": [lp for lp, _ in entries], "top_logprobs": tops,
+    return {"tokens": pieces, "token_logprobs": [None if e is None else e[0] for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
 
 

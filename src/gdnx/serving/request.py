@@ -64,6 +64,7 @@ class Request:
     cached: int = 0                  # prompt tokens restored from the prefix cache
     progress: int = 0                # prompt tokens prefilled (or restored) so far
     logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None         # why it FAILED
@@ -99,7 +100,8 @@ class Request:
             self.completion = Completion(list(self.tokens), reason, len(self.prompt), self.cached,
                                          self.output.final_text(),
                                          self.logprobs if self.params.logprobs is not None else None,
-                                         np.stack(self.logits) if self.logits else None)
+                                         np.stack(self.logits) if self.logits else None,
+                                         self.prompt_logprobs if self.params.prompt_logprobs is not None else None)
         if to is RequestStatus.FAILED:
             self.error = error
         if not to.holds_slot:

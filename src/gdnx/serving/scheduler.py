@@ -180,7 +180,7 @@ class Scheduler:
         """The arrays a request's slot gets from its cached prefix, or None
         (sets the request's progress and cached count)."""
         lay, cache = self.layout, self.prefix_cache
-        if cache is None:
+        if cache is None or req.params.prompt_logprobs is not None:  # every prompt token's logits are wanted
             return None
         # at least one prompt token is prefilled (its logits draw the first token)
         blocks = cache.match(req.prompt, (len(req.prompt) - 1) // lay.block_size)

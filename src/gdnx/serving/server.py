@@ -127,7 +127,7 @@ def create_app(served: Served) -> FastAPI:
         req, prompts = await _off_loop(prepare, _prepare_completion, served, raw)
         logprobs = req.logprobs
         return await _respond(served, request, req, prompts, logprobs, "prompt",
-                              _TextChoice(served.tokenizer, logprobs))
+                              _TextChoice(served.tokenizer, logprobs, prompts if req.echo else None, req.n))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -159,6 +159,11 @@ def _json(raw: bytes) -> Any:
 def _prepare_completion(served: Served, raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
     req: CompletionRequest = parse(CompletionRequest, _json(raw))
     _check_model(served, req.model)
+    if req.echo and req.stream:
+        raise RequestError("echo: not with stream (the prompt's log-probabilities come with the whole response)",
+                           "echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise RequestError("max_tokens: 0 only with echo (the prompt alone)", "max_tokens")
     return req, _prompts(served, req.prompt)
 
 
@@ -255,6 +260,9 @@ def _requests(served: Served, req: Any, prompts: list[list[int]], logprobs: int 
     for p, ids in enumerate(prompts):
         where = f"{field}[{p}]" if len(prompts) > 1 else field
         max_tokens = req.max_tokens
+        echo = isinstance(req, CompletionRequest) and req.echo
+        if echo and max_tokens == 0:  # the prompt alone: one token is drawn and left out of the response
+            max_tokens = 1
         if max_tokens is None:  # completions: 16; chat: up to the context
             max_tokens = max(1, room - len(ids))
             if isinstance(req, CompletionRequest):
@@ -262,6 +270,8 @@ def _requests(served: Served, req: Any, prompts: list[list[int]], logprobs: int 
         for i in range(req.n):
             try:
                 params = req.sampling(max_tokens, logprobs, i)
+                if echo and logprobs is not None:  # the prompt's own, from its prefill pass
+                    params = dataclasses.replace(params, prompt_logprobs=logprobs)
                 served.engine.check(ids, params)
             except FieldError as e:
                 err = field_error(FieldError(where, e.detail) if e.field == "prompt" else e)
@@ -307,6 +317,9 @@ async def _respond(served: Served, request: Request, req: Any, prompts: list[lis
         gone.cancel()
         for h, d in zip(handles, done):
             served.engine.release(h, d)
+    if isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0:
+        results = [dataclasses.replace(c, tokens=[], text="", logprobs=None if c.logprobs is None else [])
+                   for c in results]
     choices = [choice.whole(i, c) for i, c in enumerate(results)]
     return JSONResponse(envelope(rid, choice.kind, served.model_name, choices,
                                  {"usage": _usage(results, req.n)}))
@@ -455,13 +468,36 @@ class _Choice:
 class _TextChoice(_Choice):
     id_prefix, kind, chunk_kind = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, tokenizer: TextTokenizer, logprobs: int | None):
+    def __init__(self, tokenizer: TextTokenizer, logprobs: int | None, echoed: list[list[int]] | None = None,
+                 n: int = 1):
+        """echoed: the prompts whose text (and log-probabilities, with
+        logprobs) come before each choice's own; choice i is prompt i // n's."""
         super().__init__(tokenizer, logprobs)
         self._offsets: dict[int, int] = {}
+        self.echoed, self.n = echoed, n
 
     def whole(self, i: int, c: Completion) -> dict:
+        if self.echoed is not None:
+            return self._echoed(i, c, self.echoed[i // self.n])
         lp = None if c.logprobs is None else completion_logprobs(*self.pieces(c), 0)
         return {"index": i, "text": self.text(c), "logprobs": lp, "finish_reason": c.finish_reason}
+
+    def _echoed(self, i: int, c: Completion, prompt: list[int]) -> dict:
+        """The prompt's text, then the generated text as it reads after the
+        prompt (a tokenizer may space a token by its neighbours); with
+        logprobs, the prompt's tokens first (the first one null)."""
+        decode = self.tokenizer.decode
+        head, whole, alone = decode(prompt), decode(prompt + c.tokens), decode(c.tokens)
+        tail = whole[len(head):] if whole.startswith(head) else alone
+        text = head + tail[:len(tail) - (len(alone) - len(self.text(c)))]  # less what a stop string cut
+        lp = None
+        if c.logprobs is not None:
+            assert c.prompt_logprobs is not None
+            pieces, entries = _logprob_pieces(decode, prompt[:1], prompt[1:], c.prompt_logprobs)
+            before = completion_logprobs([decode(prompt[:1]), *pieces], [None, *entries], 0)
+            after = completion_logprobs(*_logprob_pieces(decode, prompt, c.tokens, c.logprobs), len(head))
+            lp = {key: before[key] + after[key] for key in before}
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
 
     def chunk(self, i: int, text: str, lp: tuple[list[str], list] | None, finish: str | None) -> dict:
         out = None
