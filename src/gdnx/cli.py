@@ -93,6 +93,28 @@ def _parser() -> argparse.ArgumentParser:
                        help="model.gdn_* and model.dtype overrides, e.g. model.dtype=bfloat16; parallel.* "
                             "places the engine on a mesh of this host's devices, e.g. parallel.tensor=4 "
                             "parallel.data=2 (context=1)")
+    ev = sub.add_parser("eval", help="evaluate with lm-evaluation-harness (its tasks, flags and output files)",
+                        description="Run lm-evaluation-harness tasks in process on a gdnx run or a Hugging Face "
+                                    "directory: scoring through the model on its mesh, generation through the "
+                                    "batched engine (docs/evaluation.md). Needs lm-eval (pip install lm-eval).")
+    ev.add_argument("--checkpoint", required=True,
+                    help="a gdnx train.out_dir (its latest checkpoint) or a Hugging Face directory")
+    ev.add_argument("--tasks", required=True, help="comma-separated task (or group) names, as lm-eval's --tasks")
+    ev.add_argument("--include-path", default=None, help="a directory of task YAMLs (and their data) to add")
+    ev.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
+    ev.add_argument("--limit", type=float, default=None,
+                    help="at most N examples per task (a fraction below 1: that share); for checks")
+    ev.add_argument("--batch-size", type=int, default=8, help="rows per scoring call, requests generated together "
+                                                              "(default 8)")
+    ev.add_argument("--output-path", default=None, help="a directory for the results JSON (and the samples)")
+    ev.add_argument("--log-samples", action="store_true", help="also write each sample's requests and responses "
+                                                               "(JSONL per task; needs --output-path)")
+    ev.add_argument("--apply-chat-template", action="store_true", help="render prompts with the checkpoint's "
+                                                                       "chat template")
+    ev.add_argument("--seed", type=int, default=0, help="the few-shot sampler's and generation's seed (default 0)")
+    ev.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="model.gdn_* and model.dtype overrides; parallel.* places the model on a mesh of this "
+                         "host's devices, e.g. parallel.tensor=4")
     export = sub.add_parser("export", help="a training run's newest intact checkpoint as a Hugging Face directory",
                             description="Write the run's newest intact checkpoint as config.json and safetensors "
                                         "(sharded with an index above 4 GiB) in the family's Hugging Face layout, "
@@ -281,6 +303,10 @@ def _dispatch(args) -> int:
         from gdnx.cli_serve import run_serve
 
         run_serve(args)
+    elif args.command == "eval":
+        from gdnx.cli_eval import run_eval
+
+        run_eval(args)
     elif args.command == "prepare":
         _prepare(args)
     elif args.command == "export":

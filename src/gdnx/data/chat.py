@@ -78,6 +78,7 @@ class ChatTemplate:
             raise ValueError(f"{directory}: no chat template (chat_template.jinja, or chat_template in "
                              "tokenizer_config.json) to render {\"messages\": ...} with; add one, or write the "
                              "examples as {\"prompt\": ..., \"completion\": ...}")
+        self.source = source
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[_Generation, jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson

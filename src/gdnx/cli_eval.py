@@ -1,0 +1,79 @@
+"""`gdnx eval`: lm-evaluation-harness tasks on a gdnx run or a Hugging
+Face directory, in process, with lm-eval's flag meanings and output files
+(the results JSON, per-task sample JSONL, the table)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from gdnx.config.loading import ConfigError
+from gdnx.loading import chat_template, load
+
+
+def run_eval(args) -> None:
+    try:
+        import lm_eval
+        from lm_eval.loggers import EvaluationTracker
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import handle_non_serializable, make_table
+    except ImportError:
+        raise ConfigError("gdnx eval needs lm-evaluation-harness: pip install lm-eval") from None
+    import jax
+
+    from gdnx.evaluation import GdnxLM
+
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size: expected a positive integer")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError("--num-fewshot: expected a non-negative integer")
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError("--limit: expected a positive number (N examples, or a share below 1)")
+    if args.log_samples and args.output_path is None:
+        raise ConfigError("--log-samples: writes the samples under --output-path; give one")
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        raise ConfigError(f"--include-path: no such directory {args.include_path}")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ConfigError("--tasks: expected one or more task names")
+    manager = TaskManager(include_path=args.include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks and not Path(t).is_file()]
+    if unknown:
+        raise ConfigError(f"--tasks: unknown task {unknown[0]!r} (`lm-eval ls tasks` lists them; "
+                          "--include-path adds a directory of task YAMLs)")
+    loaded = load(Path(args.checkpoint), list(args.overrides), "eval")
+    chat = chat_template(loaded, "eval") if args.apply_chat_template else None
+    if args.apply_chat_template and chat is None:
+        raise ConfigError("--apply-chat-template: this checkpoint has no chat template")
+    if loaded.mesh is not None:
+        from flax import nnx
+
+        from gdnx.parallel.params import shard
+        nnx.update(loaded.model, shard(nnx.state(loaded.model), loaded.model.config, loaded.mesh))
+    try:
+        lm = GdnxLM(loaded, batch_size=args.batch_size, chat=chat)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    writes = jax.process_index() == 0
+    tracker = EvaluationTracker(output_path=args.output_path) if args.output_path and writes else None
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, log_samples=args.log_samples,
+        evaluation_tracker=tracker, apply_chat_template=args.apply_chat_template, task_manager=manager,
+        random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
+        fewshot_random_seed=args.seed)
+    if results is None or not writes:
+        return
+    samples = results.pop("samples", None)
+    if tracker is not None:
+        json.dumps(results, default=handle_non_serializable)  # what the tracker writes must serialize
+        tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
+        if args.log_samples and samples is not None:
+            for task_name in results["configs"]:
+                tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    print(f"gdnx eval: {loaded.description}, limit: {args.limit}, num_fewshot: {args.num_fewshot}, "
+          f"batch_size: {args.batch_size}", file=sys.stderr)
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))

@@ -1,0 +1,197 @@
+"""lm-evaluation-harness in process: a gdnx model as an lm_eval language
+model, and the run `gdnx eval` makes (lm-eval's own tasks, flags and output
+files).
+
+Scoring (loglikelihood, loglikelihood_rolling) runs the model's forward pass
+over rows of requests, the longest first, each row right-padded to a
+power-of-two length (at least one prefill block) and `batch_size` rows per
+call, on the model's mesh when it has one: one compiled program per length
+bucket. A request's numbers follow lm-eval's `hf` backend: the context and
+continuation encoded together then split, the input cut to the model's
+last `max_length` positions, the log-probability of each continuation token
+summed, and greedy when each is the argmax. generate_until runs through the
+batched engine (stop strings, greedy or sampled)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+# the shortest scored row (shorter inputs are padded to it): few compiled shapes
+MIN_BUCKET = 64
+
+
+def _bucket(n: int, limit: int) -> int:
+    size = MIN_BUCKET
+    while size < n:
+        size *= 2
+    return min(size, max(limit, n))
+
+
+class GdnxLM(TemplateLM):
+    """A gdnx model (gdnx.loading.Loaded: the model, its tokenizer and mesh)
+    as lm-eval's language model. batch_size: rows per scoring call and
+    requests generated together. chat: the checkpoint's chat template
+    (gdnx.data.chat.ChatTemplate) for --apply-chat-template."""
+
+    def __init__(self, loaded: Any, batch_size: int = 8, chat: Any = None, progress: bool = True):
+        super().__init__()
+        self.loaded, self.model, self.mesh = loaded, loaded.model, loaded.mesh
+        self.batch_size, self.chat, self.progress = batch_size, chat, progress
+        tok = getattr(loaded.tokenizer, "tok", None)  # the tokenizers.Tokenizer of a tokenizer.json
+        if tok is None:
+            raise ValueError("--checkpoint: gdnx eval needs a checkpoint with a tokenizer.json (lm-eval's tasks "
+                             "are text)")
+        self._tok: Any = tok
+        self.max_length = int(self.model.config.max_position_embeddings)
+        self._eot = self._eos_id()
+        graphdef, state = nnx.split(self.model)
+
+        def score(state, tokens, targets):
+            """tokens, targets [B, T] -> each target's log-probability and whether it is the argmax."""
+            logits = nnx.merge(graphdef, state)(tokens).astype(jnp.float32)
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            chosen = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+            return chosen, jnp.argmax(logits, axis=-1) == targets
+        self._state, self._score = state, jax.jit(score)
+
+    # ---- what lm-eval asks of a model ----------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.loaded.description).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        return list(self._tok.encode(string, add_special_tokens=bool(add_special_tokens)).ids)
+
+    def tok_decode(self, tokens: Sequence[int]) -> str:
+        return self._tok.decode([int(t) for t in tokens])
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return None if self.chat is None else self.chat.source
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.chat is None:
+            raise ValueError("--apply-chat-template: this checkpoint has no chat template")
+        return self.chat.render(chat_history, add_generation_prompt)
+
+    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
+                              **kwargs: Any) -> list[tuple[float, bool]]:
+        # as lm-eval's hf backend: the input is the last max_length tokens before the last one
+        rows = []
+        for _, context, continuation in requests:
+            whole = (context + continuation)[-(self.max_length + 1):]
+            rows.append((whole[:-1], whole[1:], len(continuation)))
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
+        bar = self._bar(len(rows), "loglikelihood", disable_tqdm)
+        for at in range(0, len(order), self.batch_size):
+            group = order[at:at + self.batch_size]
+            length = _bucket(len(rows[group[0]][0]), self.max_length)
+            tokens = np.zeros((self.batch_size, length), np.int32)
+            targets = np.zeros((self.batch_size, length), np.int32)
+            for r, i in enumerate(group):
+                inp, tgt, _ = rows[i]
+                tokens[r, :len(inp)], targets[r, :len(tgt)] = inp, tgt
+            chosen, greedy = self._run(tokens, targets)
+            for r, i in enumerate(group):
+                n, cont = len(rows[i][0]), rows[i][2]
+                out[i] = (float(chosen[r, n - cont:n].astype(np.float64).sum()), bool(greedy[r, n - cont:n].all()))
+            bar.update(len(group))
+        bar.close()
+        return out
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        windows, owner = [], []
+        for k, req in enumerate(requests):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(req.args[0]), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owner.append(k)
+        totals = [0.0] * len(requests)
+        for k, (lp, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+            totals[k] += lp
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        from gdnx.loading import EngineSettings, build_engine
+        from gdnx.serving import SamplingParams
+
+        todo = []
+        for req in requests:
+            context, kwargs = req.args
+            kwargs = dict(kwargs)
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_gen = int(kwargs.pop("max_gen_toks", 256))
+            sample = bool(kwargs.pop("do_sample", False))
+            temperature = float(kwargs.pop("temperature", 1.0 if sample else 0.0)) if sample else 0.0
+            ids = self.tok_encode(context)[-(self.max_length - max_gen):]
+            todo.append((ids, SamplingParams(max_tokens=max_gen, temperature=temperature, stop=tuple(until),
+                                             seed=0)))
+        if not todo:
+            return []
+        need = max(len(ids) + p.max_tokens for ids, p in todo)
+        engine = build_engine(self.loaded, EngineSettings(max_slots=self.batch_size,
+                                                          max_length=min(need, self.max_length)))
+        results: dict[int, str] = {}
+        bar = self._bar(len(todo), "generate_until", disable_tqdm)
+        ids_of = [engine.add_request(ids, p) for ids, p in todo]
+        while engine.has_unfinished():
+            for event in engine.step():
+                if event.error is not None:
+                    raise RuntimeError(f"generate_until: {event.error}")
+                if event.completion is not None:
+                    c = event.completion
+                    results[event.request_id] = c.text if c.text is not None else self.tok_decode(c.tokens)
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids_of]
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+
+    def _run(self, tokens: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.mesh is None:
+            out = self._score(self._state, tokens, targets)
+        else:
+            with jax.set_mesh(self.mesh):
+                out = self._score(self._state, tokens, targets)
+        return tuple(np.asarray(x) for x in jax.device_get(out))  # type: ignore[return-value]
+
+    def _eos_id(self) -> int:
+        """The tokenizer's eos token (tokenizer_config.json), as lm-eval's hf
+        backend takes it; else the model config's."""
+        directory = self.loaded.tokenizer_dir
+        name = None
+        if directory is not None and (Path(directory) / "tokenizer_config.json").is_file():
+            name = json.loads((Path(directory) / "tokenizer_config.json").read_text()).get("eos_token")
+            name = name.get("content") if isinstance(name, dict) else name
+        found = self._tok.token_to_id(name) if isinstance(name, str) else None
+        if found is not None:
+            return int(found)
+        eos = self.model.config.eos_token_id
+        if eos is None:
+            raise ValueError("--checkpoint: no end-of-sequence token (tokenizer_config.json's eos_token or the "
+                             "config's eos_token_id); lm-eval conditions empty contexts on it")
+        return int(eos if isinstance(eos, int) else eos[0])
+
+    def _bar(self, total: int, what: str, disable: bool):
+        from tqdm import tqdm
+        return tqdm(total=total, desc=what, disable=disable or not self.progress or jax.process_index() != 0,
+                    file=sys.stderr)

@@ -1,0 +1,152 @@
+"""`gdnx eval`: lm-evaluation-harness tasks in process. On local task YAMLs
+(multiple choice, perplexity, generation; no network) the per-sample
+log-likelihoods equal lm-eval's own `hf` backend's on the same checkpoint
+within 1e-4 relative (float32, two implementations of one model), with the
+same greedy flags, accuracies and generated texts; lm-eval's output files
+are written; bad input is one line."""
+
+import json
+
+import numpy as np
+import pytest
+
+from gdnx.cli import main
+from tests.hf_models import random_hf_model, sentence, word, write_chat_tokenizer
+from tests.test_cli import _error
+
+lm_eval = pytest.importorskip("lm_eval")
+TASKS = "tiny_mc,tiny_ppl,tiny_gen"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files
+        yield _write(tmp_path_factory.mktemp("eval"))
+
+
+def _write(root):
+    """A tiny checkpoint with a word-level tokenizer, and three local tasks."""
+    path = root / "model"
+    random_hf_model("qwen3_5", scale=5.0).save_pretrained(path)
+    write_chat_tokenizer(path)
+    rng = np.random.default_rng(0)
+    tasks = root / "tasks"
+    tasks.mkdir()
+    with open(tasks / "mc.jsonl", "w") as f:
+        for _ in range(6):
+            choices = [sentence(rng, int(rng.integers(1, 4))) for _ in range(3)]
+            f.write(json.dumps({"question": sentence(rng, int(rng.integers(3, 40))), "choices": choices,
+                                "answer": int(rng.integers(0, 3))}) + "\n")
+    with open(tasks / "text.jsonl", "w") as f:
+        for n in (5, 30, 90):  # the last one longer than a scoring bucket's first size
+            f.write(json.dumps({"text": sentence(rng, n)}) + "\n")
+    with open(tasks / "gen.jsonl", "w") as f:
+        for _ in range(3):
+            f.write(json.dumps({"question": sentence(rng, 8), "answer": word(9)}) + "\n")
+    common = "test_split: test\ndataset_path: json\n"
+    (tasks / "tiny_mc.yaml").write_text(
+        f"task: tiny_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'mc.jsonl'}\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
+    (tasks / "tiny_ppl.yaml").write_text(
+        f"task: tiny_ppl\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'text.jsonl'}\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
+    (tasks / "tiny_gen.yaml").write_text(
+        f"task: tiny_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'gen.jsonl'}\n"
+        "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['w7']\n  max_gen_toks: 6\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    return path, tasks
+
+
+def _samples(out_dir, task) -> list[dict]:
+    files = sorted(out_dir.rglob(f"samples_{task}_*.jsonl"))
+    assert len(files) == 1, files
+    return [json.loads(x) for x in files[0].read_text().splitlines()]
+
+
+def _logprob(resp) -> float:
+    while isinstance(resp, (list, tuple)):
+        resp = resp[0]
+    return float(resp)
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    """lm-eval's own hf backend on the checkpoint (transformers, float32)."""
+    from lm_eval.tasks import TaskManager
+
+    path, tasks = setup
+    return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(path), "dtype": "float32",
+                                                           "device": "cpu"},
+                                   tasks=TASKS.split(","), batch_size=4, log_samples=True,
+                                   task_manager=TaskManager(include_path=str(tasks)))
+
+
+def _same_numbers(results: dict, samples: dict, ref: dict, tasks: list[str]) -> None:
+    """Per sample: log-likelihoods within 1e-4 relative, the same greedy
+    flags and generated texts; per task: the same metrics."""
+    for task in tasks:
+        got, want = (sorted(x[task], key=lambda s: s["doc_id"]) for x in (samples, ref["samples"]))
+        assert [s["doc_id"] for s in got] == [s["doc_id"] for s in want]
+        for g, w in zip(got, want):
+            if task == "tiny_gen":
+                assert g["resps"] == w["resps"]
+                continue
+            # resps: per request [[logprob, greedy]] (multiple choice) or [logprob] (rolling); a samples
+            # file holds them as lm-eval writes them (strings)
+            lg, lw = (np.asarray([_logprob(r) for r in x["resps"]], np.float64) for x in (g, w))
+            np.testing.assert_allclose(lg, lw, rtol=1e-4)
+            if task == "tiny_mc":
+                assert [str(r[0][1]) for r in g["resps"]] == [str(bool(r[0][1])) for r in w["resps"]]
+        for metric, value in ref["results"][task].items():
+            if metric.endswith(",none") and "stderr" not in metric:
+                assert results[task][metric] == pytest.approx(value, rel=1e-4), (task, metric)
+
+
+def test_gdnx_eval_gives_lm_evals_hf_numbers(setup, reference, tmp_path, capsys):
+    path, tasks = setup
+    out = tmp_path / "out"
+    assert main(["eval", "--checkpoint", str(path), "--tasks", TASKS, "--include-path", str(tasks),
+                 "--batch-size", "4", "--output-path", str(out), "--log-samples"]) == 0
+    table = capsys.readouterr().out
+    assert "tiny_mc" in table and "acc" in table and "word_perplexity" in table
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    samples = {task: _samples(out, task) for task in TASKS.split(",")}
+    _same_numbers(results, samples, reference, TASKS.split(","))
+
+
+def test_lm_evals_local_completions_against_gdnx_serve(setup, reference):
+    """lm-eval's local-completions backend (token-id prompts, echo with
+    logprobs) against `gdnx serve`: the hf backend's numbers."""
+    from lm_eval.tasks import TaskManager
+    from tests.serving.test_server import Server
+
+    path, tasks = setup
+    server = Server(path, "--max-length", "256", env={"GDNX_API_KEY": ""})
+    try:
+        scored = ["tiny_mc", "tiny_ppl"]
+        got = lm_eval.simple_evaluate(
+            model="local-completions", tasks=scored, log_samples=True, task_manager=TaskManager(
+                include_path=str(tasks)),
+            model_args={"base_url": f"{server.url}/v1/completions", "model": "tiny", "tokenizer": str(path),
+                        "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
+                        "max_retries": 1, "max_length": 256})
+    finally:
+        server.stop()
+    _same_numbers(got["results"], got["samples"], reference, scored)
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--tasks", "no_such_task"], "--tasks: unknown task 'no_such_task'"),
+    (["--tasks", "tiny_mc", "--include-path", "/no/such/dir"], "--include-path: no such directory"),
+    (["--tasks", "tiny_mc", "--log-samples"], "--log-samples: writes the samples under --output-path"),
+    (["--tasks", "tiny_mc", "--batch-size", "0"], "--batch-size: expected a positive integer"),
+])
+def test_each_eval_mistake_is_one_line(setup, capsys, flags, match):
+    path, tasks = setup
+    if "--include-path" not in flags:
+        flags = [*flags, "--include-path", str(tasks)]
+    assert match in _error(capsys, ["eval", "--checkpoint", str(path), *flags])
