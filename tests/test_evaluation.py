@@ -15,6 +15,7 @@ from tests.hf_models import random_hf_model, sentence, word, write_chat_tokenize
 from tests.test_cli import _error
 
 lm_eval = pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.xdist_group("evaluation")  # one worker builds the checkpoint and the reference
 TASKS = "tiny_mc,tiny_ppl,tiny_gen"
 
 
@@ -81,7 +82,7 @@ def reference(setup):
     path, tasks = setup
     return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(path), "dtype": "float32",
                                                            "device": "cpu"},
-                                   tasks=TASKS.split(","), batch_size=4, log_samples=True,
+                                   tasks=TASKS.split(","), batch_size=1, log_samples=True,  # see the chat check
                                    task_manager=TaskManager(include_path=str(tasks)))
 
 
@@ -118,25 +119,38 @@ def test_gdnx_eval_gives_lm_evals_hf_numbers(setup, reference, tmp_path, capsys)
     _same_numbers(results, samples, reference, TASKS.split(","))
 
 
-def test_lm_evals_local_completions_against_gdnx_serve(setup, reference):
+def test_lm_evals_api_backends_against_gdnx_serve(setup, reference):
     """lm-eval's local-completions backend (token-id prompts, echo with
-    logprobs) against `gdnx serve`: the hf backend's numbers."""
+    logprobs) against `gdnx serve`: the hf backend's numbers; its
+    local-chat-completions backend (generation, the checkpoint's chat
+    template): the hf backend's texts with the chat template applied."""
     from lm_eval.tasks import TaskManager
     from tests.serving.test_server import Server
 
     path, tasks = setup
+    manager = TaskManager(include_path=str(tasks))
     server = Server(path, "--max-length", "256", env={"GDNX_API_KEY": ""})
     try:
         scored = ["tiny_mc", "tiny_ppl"]
         got = lm_eval.simple_evaluate(
-            model="local-completions", tasks=scored, log_samples=True, task_manager=TaskManager(
-                include_path=str(tasks)),
+            model="local-completions", tasks=scored, log_samples=True, task_manager=manager,
             model_args={"base_url": f"{server.url}/v1/completions", "model": "tiny", "tokenizer": str(path),
                         "tokenizer_backend": "huggingface", "tokenized_requests": True, "num_concurrent": 1,
                         "max_retries": 1, "max_length": 256})
+        chat = lm_eval.simple_evaluate(
+            model="local-chat-completions", tasks=["tiny_gen"], log_samples=True, task_manager=manager,
+            apply_chat_template=True, model_args={"base_url": f"{server.url}/v1/chat/completions", "model": "tiny",
+                                                  "num_concurrent": 1, "max_retries": 1})
     finally:
         server.stop()
     _same_numbers(got["results"], got["samples"], reference, scored)
+    # one prompt per batch: so the hf backend stops at the end-of-turn token (<|im_end|>, the
+    # tokenizer's eos) as the server does; in a batch of several, lm-eval 0.4.13's hf backend generated past it
+    want = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(path), "dtype": "float32",
+                                                           "device": "cpu"},
+                                   tasks=["tiny_gen"], batch_size=1, log_samples=True, apply_chat_template=True,
+                                   task_manager=manager)
+    _same_numbers(chat["results"], chat["samples"], want, ["tiny_gen"])
 
 
 @pytest.mark.parametrize("flags,match", [
