@@ -50,14 +50,16 @@ def _run(model, **kw):
     return first, again, engine
 
 
-# every tensor size once, tensor x data, both shard modes; every family the
-# engine holds a new kind of state for (KDA and latents, a sliding window's ring)
+# every tensor size once, tensor x data, both shard modes; every family (Qwen3.5 with
+# value-head groups of 3; Kimi's and Ling's KDA states and latents, Lara's ring, OLMo's dense MLPs)
 @pytest.mark.parametrize("family, mode, axes", [
     ("qwen3_next", "auto", dict(data=1, tensor=2, fsdp=4)),
     ("qwen3_next", "explicit", dict(data=2, tensor=4)),
     ("kimi_linear", "auto", dict(data=1, tensor=8)),
     ("lara_mini", "auto", dict(data=2, fsdp=1, tensor=4)),
     ("bailing_hybrid", "explicit", dict(data=4, tensor=2)),
+    ("olmo_hybrid", "auto", dict(data=2, tensor=4)),
+    ("qwen3_5_gva3", "auto", dict(data=1, fsdp=2, tensor=4)),
 ])
 def test_the_sharded_engine_gives_the_one_device_tokens(family, mode, axes):
     model = _model(family)
