@@ -158,3 +158,24 @@ def write_chat_tokenizer(directory, vocab: int = VOCAB) -> None:
 
 def sentence(rng, words: int) -> str:
     return " ".join(word(int(i)) for i in rng.integers(len(SPECIAL) + len(ROLE_WORDS), VOCAB, words))
+
+
+def word_checkpoint(directory, kind: str):
+    """A tiny checkpoint of `kind` (weights scaled up: peaked next-token
+    distributions) with a word-level tokenizer.json (w<i> is id i), and the
+    gdnx model loaded from it (chunks of 16)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    _, model = hf_and_gdnx(directory, kind, scale=5.0, gdn_chunk_size=16)
+    tok = Tokenizer(WordLevel(vocab={word(i): i for i in range(VOCAB)}, unk_token=word(0)))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    return model
+
+
+def words(ids) -> str:
+    return " ".join(word(int(i)) for i in ids)

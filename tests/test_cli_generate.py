@@ -6,28 +6,17 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 
 from gdnx.cli import main
 from gdnx.generate import generate
-from tests.hf_models import VOCAB, hf_and_gdnx
+from tests.hf_models import VOCAB, word_checkpoint, words
 from tests.test_cli import _error
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_5")
-    _, model = hf_and_gdnx(path, "qwen3_5", scale=5.0, gdn_chunk_size=16)
-    tok = Tokenizer(WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    return path, model
-
-
-def _words(ids):
-    return " ".join(f"w{i}" for i in ids)
+    return path, word_checkpoint(path, "qwen3_5")
 
 
 def test_prompts_file_results_in_order(checkpoint, tmp_path, capsys):
@@ -35,9 +24,9 @@ def test_prompts_file_results_in_order(checkpoint, tmp_path, capsys):
     rng = np.random.default_rng(0)
     shared = rng.integers(1, VOCAB, 70).tolist()      # more than one block (4 chunks of 16)
     prompts = [shared + [3], rng.integers(1, VOCAB, 5).tolist(), shared + [9, 4], rng.integers(1, VOCAB, 12).tolist()]
-    lines = [{"prompt": _words(prompts[0])}, {"prompt": _words(prompts[1]), "max_tokens": 3},
-             {"prompt": _words(prompts[2]), "logprobs": 2},
-             {"prompt": _words(prompts[3]), "temperature": 0.9, "top_k": 5, "seed": 7, "stop": ["w1"]}]
+    lines = [{"prompt": words(prompts[0])}, {"prompt": words(prompts[1]), "max_tokens": 3},
+             {"prompt": words(prompts[2]), "logprobs": 2},
+             {"prompt": words(prompts[3]), "temperature": 0.9, "top_k": 5, "seed": 7, "stop": ["w1"]}]
     src = tmp_path / "prompts.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     out = tmp_path / "out" / "results.jsonl"
@@ -48,7 +37,7 @@ def test_prompts_file_results_in_order(checkpoint, tmp_path, capsys):
     assert [g["prompt"] for g in got] == [x["prompt"] for x in lines]
     for i in (0, 2):  # greedy lines: the plain path's tokens
         plain = np.asarray(generate(model, jnp.asarray([prompts[i]]), 6))[0].tolist()
-        assert got[i]["tokens"] == plain and got[i]["completion"] == _words(plain)
+        assert got[i]["tokens"] == plain and got[i]["completion"] == words(plain)
     assert len(got[1]["tokens"]) == 3 and got[1]["finish_reason"] == "length"
     assert got[2]["cached_tokens"] == 64 and len(got[2]["logprobs"]) == 6
     assert all(len(x["top"]) == 2 for x in got[2]["logprobs"])
@@ -127,7 +116,7 @@ def test_a_stopped_prompts_file_keeps_its_results_and_resume_finishes_it(checkpo
     path, _ = checkpoint
     rng = np.random.default_rng(3)
     src = tmp_path / "p.jsonl"
-    src.write_text("".join(json.dumps({"prompt": _words(rng.integers(1, VOCAB, n).tolist()),
+    src.write_text("".join(json.dumps({"prompt": words(rng.integers(1, VOCAB, n).tolist()),
                                        "max_tokens": int(m)}) + "\n"
                            for n, m in zip((5, 9, 3, 12, 7, 4), (2, 9, 3, 9, 2, 5))))
     argv = ["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--max-slots", "2",

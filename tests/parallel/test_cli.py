@@ -9,28 +9,17 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 
 from gdnx.cli import main
 from gdnx.generate import generate
-from tests.hf_models import VOCAB, hf_and_gdnx
+from tests.hf_models import VOCAB, word_checkpoint, words
 from tests.test_cli import _error
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_next")
-    _, model = hf_and_gdnx(path, "qwen3_next", scale=5.0, gdn_chunk_size=16)
-    tok = Tokenizer(WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    return path, model
-
-
-def _words(ids):
-    return " ".join(f"w{i}" for i in ids)
+    return path, word_checkpoint(path, "qwen3_next")
 
 
 def test_generate_on_a_mesh_gives_the_one_device_tokens(checkpoint, tmp_path, capsys):
@@ -39,7 +28,7 @@ def test_generate_on_a_mesh_gives_the_one_device_tokens(checkpoint, tmp_path, ca
     shared = rng.integers(1, VOCAB, 70).tolist()  # more than one block (4 chunks of 16)
     prompts = [shared + [3], rng.integers(1, VOCAB, 7).tolist(), shared + [9, 4]]
     src = tmp_path / "prompts.jsonl"
-    src.write_text("\n".join(json.dumps({"prompt": _words(p), "logprobs": 1}) for p in prompts) + "\n")
+    src.write_text("\n".join(json.dumps({"prompt": words(p), "logprobs": 1}) for p in prompts) + "\n")
     plain = [np.asarray(generate(model, jnp.asarray([p]), 6))[0].tolist() for p in prompts]
     out = tmp_path / "results.jsonl"
     assert main(["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--out", str(out),
@@ -49,7 +38,7 @@ def test_generate_on_a_mesh_gives_the_one_device_tokens(checkpoint, tmp_path, ca
     assert [g["tokens"] for g in got] == plain
     assert got[2]["cached_tokens"] == 64
     capsys.readouterr()
-    assert main(["generate", "--checkpoint", str(path), "--prompt", _words(prompts[1]), "--max-new-tokens", "6",
+    assert main(["generate", "--checkpoint", str(path), "--prompt", words(prompts[1]), "--max-new-tokens", "6",
                  "--temperature", "0", "model.gdn_chunk_size=16", "parallel.tensor=2", "parallel.context=2"]) == 0
     assert capsys.readouterr().out.split() == [f"w{t}" for t in plain[1]]
 
