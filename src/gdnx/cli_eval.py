@@ -4,7 +4,6 @@ Face directory, in process, with lm-eval's flag meanings and output files
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ def run_eval(args) -> None:
         import lm_eval
         from lm_eval.loggers import EvaluationTracker
         from lm_eval.tasks import TaskManager
-        from lm_eval.utils import handle_non_serializable, make_table
+        from lm_eval.utils import make_table
     except ImportError:
         raise ConfigError("gdnx eval needs lm-evaluation-harness: pip install lm-eval") from None
     import jax
@@ -46,11 +45,6 @@ def run_eval(args) -> None:
     chat = chat_template(loaded, "eval") if args.apply_chat_template else None
     if args.apply_chat_template and chat is None:
         raise ConfigError("--apply-chat-template: this checkpoint has no chat template")
-    if loaded.mesh is not None:
-        from flax import nnx
-
-        from gdnx.parallel.params import shard
-        nnx.update(loaded.model, shard(nnx.state(loaded.model), loaded.model.config, loaded.mesh))
     try:
         lm = GdnxLM(loaded, batch_size=args.batch_size, chat=chat)
     except ValueError as e:
@@ -67,7 +61,6 @@ def run_eval(args) -> None:
         return
     samples = results.pop("samples", None)
     if tracker is not None:
-        json.dumps(results, default=handle_non_serializable)  # what the tracker writes must serialize
         tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
         if args.log_samples and samples is not None:
             for task_name in results["configs"]:

@@ -66,10 +66,7 @@ def run_generate(args) -> None:
     if len(ids) + args.max_new_tokens > limit:
         raise ConfigError(f"--max-new-tokens: the prompt's {len(ids)} tokens + {args.max_new_tokens} exceed the "
                           f"model's {limit} positions (max_position_embeddings)")
-    mesh = found.mesh
-    if mesh is not None:  # the weights placed as training places them (a run's are still whole)
-        from gdnx.parallel.params import shard
-        nnx.update(model, shard(nnx.state(model), model.config, mesh))
+    mesh = found.mesh  # the weights are on it (gdnx.loading.load)
     total = len(ids) + args.max_new_tokens
     # per device: its share of the weights; the cache and the prompt's pass counted whole (an upper bound)
     cache, prefill = cache_bytes(model, total), prefill_bytes(model, len(ids), total)

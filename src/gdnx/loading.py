@@ -123,6 +123,11 @@ def load(path: Path, overrides: list[str], command: str) -> Loaded:
                 raise ConfigError(f"--checkpoint: {e}") from None
             for line in run.notes:
                 print(f"gdnx {command}: {line}", file=sys.stderr)
+            if mesh is not None:  # a run's weights load whole: placed as training places them
+                from flax import nnx
+
+                from gdnx.parallel.params import shard
+                nnx.update(run.model, shard(nnx.state(run.model), run.model.config, mesh))
             found = None
             if run.config.data.source == "mqar":
                 tok: Any = IdTokenizer()
