@@ -93,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="model.gdn_* and model.dtype overrides, e.g. model.dtype=bfloat16; parallel.* "
                             "places the engine on a mesh of this host's devices, e.g. parallel.tensor=4 "
                             "parallel.data=2 (context=1)")
+    _distributed_options(serve)
     ev = sub.add_parser("eval", help="evaluate with lm-evaluation-harness (its tasks, flags and output files)",
                         description="Run lm-evaluation-harness tasks in process on a gdnx run or a Hugging Face "
                                     "directory: scoring through the model on its mesh, generation through the "

@@ -36,8 +36,8 @@ def run_generate(args) -> None:
         if args.out is None:
             raise ConfigError("--out: --prompts-file writes its results to a jsonl file; give its path")
         if jax.process_count() > 1:
-            raise ConfigError("--prompts-file: the engine runs in one process; start gdnx generate without "
-                              "--distributed")
+            raise ConfigError("--prompts-file: runs in one process (gdnx serve runs the engine over several); start "
+                              "gdnx generate without --distributed")
         lines = read_prompts_file(Path(args.prompts_file))
         done = check_out(Path(args.out), Path(args.prompts_file), args.resume)  # before the model loads
         if done > len(lines):

@@ -1,5 +1,9 @@
 """`gdnx serve`: a gdnx run or a Hugging Face directory behind the
-OpenAI-compatible HTTP server (gdnx.serving.server)."""
+OpenAI-compatible HTTP server (gdnx.serving.server).
+
+Over several processes (--distributed) every process loads the model onto
+its part of the parallel.* mesh and builds the same engine; process 0
+listens and leads, the others follow its steps (gdnx.serving.spmd)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ API_KEY_ENV = "GDNX_API_KEY"
 # the context a server gives each request when --max-length is not given (at most the model's positions)
 DEFAULT_MAX_LENGTH = 4096
 LISTEN_BACKLOG = 2048
+STOP_WAIT_S = 60  # how long process 0, stopping, waits for the others to read the word
 
 
 def run_serve(args) -> None:
@@ -28,6 +33,9 @@ def run_serve(args) -> None:
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port: expected 0 (any free port) to 65535, got {args.port}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if _process() > 0:  # a follower: process 0 listens
+        _serve(args, None, api_key)
+        return
     try:  # the address first, listening: a port in use is refused before a model loads
         sock = bind(args.host, args.port)
         sock.listen(LISTEN_BACKLOG)  # a second server on this port now fails to bind (connections wait for it)
@@ -37,6 +45,12 @@ def run_serve(args) -> None:
         _serve(args, sock, api_key)
 
 
+def _process() -> int:
+    import jax
+
+    return jax.process_index()
+
+
 def _serve(args, sock, api_key: str | None) -> None:
     from gdnx.loading import EngineSettings, build_engine, chat_template, load
     from gdnx.serving import EngineStats, SamplingParams
@@ -44,6 +58,8 @@ def _serve(args, sock, api_key: str | None) -> None:
     from gdnx.serving.metrics import Metrics
     from gdnx.serving.protocol import MAX_LOGPROBS
     from gdnx.serving.server import Served, run_server
+    from gdnx.distributed import JOIN_TIMEOUT_S, agree, exit_run, is_distributed, wait_for_first
+    from gdnx.serving.spmd import Leader, Links, RuntimeChannel
 
     path = Path(args.checkpoint)
     found = load(path, list(args.overrides), "serve")
@@ -53,15 +69,65 @@ def _serve(args, sock, api_key: str | None) -> None:
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
         speculative=args.speculative, batch_invariant=args.batch_invariant, decode_steps=args.decode_steps,
         max_logprobs=MAX_LOGPROBS), chat)
-    host, port = sock.getsockname()[:2]
+    # every process must build the same engine: the scheduler's choices are made on each
+    agree("serve", {"checkpoint": str(path.resolve()), "overrides": sorted(args.overrides), "max_slots": args.max_slots,
+                    "max_length": max_length, "prefix_cache_mb": args.prefix_cache_mb,
+                    "speculative": args.speculative, "batch_invariant": args.batch_invariant,
+                    "decode_steps": args.decode_steps})
     name = args.served_model_name or path.resolve().name
     print(f"gdnx serve: loaded {found.description}; compiling the first programs", file=sys.stderr, flush=True)
     engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0.0))  # the shortest prompts' prefill
     engine.stats = EngineStats()
     engine.warm_up()  # every decode batch size
-    served = Served(AsyncEngine(engine, Metrics(), args.max_queue), found.tokenizer, name, max_length, chat, api_key,
+    join_s = JOIN_TIMEOUT_S if args.join_timeout is None else args.join_timeout
+    if sock is None:
+        _follow(engine, join_s)
+        return
+    leader = Leader(engine, RuntimeChannel()) if is_distributed() else engine
+    async_engine = AsyncEngine(leader, Metrics(), args.max_queue)
+    links = Links(async_engine.lose, join_s) if is_distributed() else None
+    served = Served(async_engine, found.tokenizer, name, max_length, chat, api_key,
                     max_request_bytes=args.max_request_bytes, request_timeout=float(args.request_timeout))
+    host, port = sock.getsockname()[:2]
     print(f"gdnx serve: serving {name!r} at http://{host}:{port}/v1 ({args.max_slots} slots, {max_length} tokens "
           f"each{', an API key' if api_key else ''}); SIGTERM or Ctrl-C stops it", file=sys.stderr, flush=True)
     run_server(served, sock, args.grace)
+    if async_engine.lost is not None:  # its requests have ended with the news; status 4, as gdnx train
+        exit_run("serve", f"{async_engine.lost}; start every process again")
+    if links is not None:
+        links.close()
+        wait_for_first("serve-stopped", STOP_WAIT_S)  # the followers have read the word to stop
     print("gdnx serve: stopped", file=sys.stderr, flush=True)
+
+
+def _follow(engine, join_s: int) -> None:
+    """A process other than 0: its engine takes process 0's steps until process 0 stops."""
+    from gdnx.distributed import exit_peer_lost, wait_for_first
+    from gdnx.serving.spmd import Links, RuntimeChannel, follow
+
+    links = Links(lambda what: exit_peer_lost("serve", what), join_s)
+    print(f"gdnx serve: process {_process()} follows process 0's steps", file=sys.stderr, flush=True)
+    with _signals_left_to_process_0():
+        follow(engine, RuntimeChannel())
+    links.close()
+    wait_for_first("serve-stopped", STOP_WAIT_S)
+    print("gdnx serve: stopped", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _signals_left_to_process_0():
+    """A follower stops when process 0 says so (after its requests in
+    flight are done), so SIGTERM and SIGINT, which a cluster sends every
+    process, are noted and ignored; process 0 drains and then stops all."""
+    import signal
+
+    def note(signum, frame) -> None:
+        print(f"gdnx serve: {signal.Signals(signum).name} received: this process stops with process 0",
+              file=sys.stderr, flush=True)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

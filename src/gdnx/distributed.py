@@ -10,7 +10,7 @@ Open MPI, Kubernetes). On CPU the processes' collectives run over gloo.
 When a process of the run dies, JAX's runtime ends the others from native
 code (a fatal log and abort) once the heartbeat timeout passes, or at once
 when the coordinator itself is gone; Python cannot catch that. So `gdnx
-train` and `gdnx generate` with --distributed run the work in a child
+train`, `gdnx generate` and `gdnx serve` with --distributed run the work in a child
 process whose native output goes through the supervisor: it passes that
 output on (less gloo's line per collective group and the coordination
 service's account of a lost process), and replaces the runtime's fatal
@@ -213,8 +213,8 @@ def peer_failure(e: BaseException) -> str | None:
 
 def exit_peer_lost(command: str, what: str) -> NoReturn:
     """Another process of the run stopped: one line, PEER_LOST_STATUS."""
-    exit_run(command, f"another process of the run stopped ({what}); start every process again to resume from "
-             "the last intact checkpoint")
+    resume = " to resume from the last intact checkpoint" if command == "train" else ""
+    exit_run(command, f"another process of the run stopped ({what}); start every process again{resume}")
 
 
 def exit_run(command: str, message: str) -> NoReturn:

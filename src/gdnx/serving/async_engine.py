@@ -13,9 +13,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from gdnx.distributed import peer_failure
 from gdnx.serving.engine import Engine, Event
 from gdnx.serving.metrics import Metrics
 from gdnx.serving.params import SamplingParams
+from gdnx.serving.spmd import Leader
 
 log = logging.getLogger("gdnx.serve")
 
@@ -62,15 +64,22 @@ class Handle:
 
 
 class AsyncEngine:
-    """engine: the Engine (used only from its own thread once started).
-    max_queue: requests that may wait for a slot; past that, submit raises
-    Overloaded at once."""
+    """engine: the Engine, or the Leader of one over several processes
+    (used only from its own thread once started). max_queue: requests that
+    may wait for a slot; past that, submit raises Overloaded at once.
 
-    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int):
+    When another process of the run is gone (a step's collective fails, or
+    the watcher of the processes' links calls `lose`), every request in
+    flight ends with an EngineError saying so, the thread stops stepping and
+    `lost` says what happened (the server then stops)."""
+
+    def __init__(self, engine: Engine | Leader, metrics: Metrics, max_queue: int):
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self.lost: str | None = None
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._handles: dict[int, Handle] = {}     # by engine request id (engine thread only)
         self._in_flight = 0                        # submitted, not yet ended (the event loop's count)
+        self._live: set[Handle] = set()            # the same requests (under the lock)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="gdnx-engine", daemon=True)
 
@@ -78,9 +87,24 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
-        """Drop what is left and end the thread."""
+        """Drop what is left and end the thread (left alone once the run is
+        lost: it may wait in a collective that never ends)."""
         self._commands.put(("stop", None))
-        self._thread.join()
+        if self.lost is None:
+            self._thread.join()
+
+    def lose(self, what: str) -> None:
+        """Another process of the run is gone: every request in flight ends
+        with an EngineError saying so, new ones are refused (any thread may
+        call it; the first call counts)."""
+        with self._lock:
+            if self.lost is not None:
+                return
+            self.lost = f"another process of the run stopped ({what})"
+            live = list(self._live)
+        for handle in live:
+            self.metrics.failed.inc()
+            handle._put(EngineError(f"{self.lost}; the server stops"))
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         """The engine's own check of a request (ValueError naming the field);
@@ -97,13 +121,16 @@ class AsyncEngine:
                            f"({self.engine.max_slots} slots + a queue of {self.max_queue}); send fewer prompts or "
                            "a smaller n")
         with self._lock:
+            if self.lost is not None:
+                raise Overloaded(f"the server is stopping: {self.lost}")
             if self._in_flight + len(requests) > capacity:
                 self.metrics.rejected.inc()
                 raise Overloaded(f"the server holds {self._in_flight} requests ({self.engine.max_slots} slots, a "
                                  f"queue of {self.max_queue}); retry later")
             self._in_flight += len(requests)
-        loop = asyncio.get_running_loop()
-        handles = [Handle(loop, prompt, params) for prompt, params in requests]
+            loop = asyncio.get_running_loop()
+            handles = [Handle(loop, prompt, params) for prompt, params in requests]
+            self._live.update(handles)
         for h in handles:
             self._commands.put(("add", h))
         return handles
@@ -123,6 +150,7 @@ class AsyncEngine:
                 return
             handle.released = True
             self._in_flight -= 1
+            self._live.discard(handle)
         if not finished:
             self._commands.put(("abort", handle))
 
@@ -155,12 +183,16 @@ class AsyncEngine:
                 prefill_only = engine.can_admit and not prefilled
                 self._step(decode=not prefill_only)
                 prefilled = prefill_only
+                if self.lost is not None:
+                    return
             self._gauges()
 
     def _apply(self, what: str, handle: Any) -> bool:
         if what == "stop":
             for h in self._handles.values():
                 h._put(EngineError("the server is shutting down"))
+            if isinstance(self.engine, Leader):
+                self.engine.stop()
             return False
         if what == "end_all":
             for rid, h in list(self._handles.items()):
@@ -190,6 +222,9 @@ class AsyncEngine:
         try:
             events = self.engine.step(decode)
         except Exception as e:  # the engine's failure: fail the requests it was running, keep serving
+            if (what := peer_failure(e)) is not None:  # the run cannot step again
+                self.lose(what)
+                return
             log.exception("the engine failed a step")
             dropped = self.engine.reset_running()
             if not dropped:  # it failed before running any: the waiting ones would fail again

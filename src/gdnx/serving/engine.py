@@ -130,6 +130,21 @@ class _StepResults:
         return out
 
 
+def _fetch(tree: Any) -> Any:
+    """A program's outputs on the host. On a mesh over several processes
+    each process reads a replicated output from its own devices and
+    gathers a split one (every process makes the same call: the engine
+    runs the same steps everywhere)."""
+    def get(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return jax.device_get(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_shards[0].data)
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(get, tree)
+
+
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -299,7 +314,7 @@ class Engine:
         unaffected."""
         params = SamplingParams() if params is None else params
         ids = self.check(prompt, params)
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2 ** 63))
+        seed = params.seed if params.seed is not None else self.draw_seed()
         decode = None if self.tokenizer is None else self.tokenizer.decode
         req = Request(self._next_id, ids, params, seed, Output(params, decode, self.eos_token_ids))
         self._next_id += 1
@@ -307,6 +322,10 @@ class Engine:
         self.stats.requests += 1
         self.stats.prompt_tokens += len(ids)
         return req.id
+
+    def draw_seed(self) -> int:
+        """The seed the next request that gives none would get (from the engine's seed)."""
+        return int(self._rng.integers(2 ** 63))
 
     def abort(self, request_id: int) -> None:
         """Drop a request in any state (its slot is free at once); an id
@@ -478,7 +497,7 @@ class Engine:
                                                       params, seen, targets, history_every=history)
         self.stats.programs.add(("prefill", (rows, length)))
         self.stats.prefill_calls += 1
-        got = jax.device_get(out)
+        got = _fetch(out)
         if got.snapshot is not None:
             self.scheduler.store(group, got.snapshot, lengths)
         for i, (req, start) in enumerate(group):
@@ -512,7 +531,7 @@ class Engine:
         used = int(np.flatnonzero(active)[-1]) + 1
         step = self._run_decode(active, next(r for r in self.decode_rows if r >= used))
         self.stats.decode_calls += 1
-        got = jax.device_get(step)
+        got = _fetch(step)
         for req in self.scheduler.decoding():
             slot = req.held_slot
             logits = None if got.logits is None else got.logits[slot]
@@ -544,7 +563,7 @@ class Engine:
     def _verify(self, drafts: np.ndarray, counts: np.ndarray, results: _StepResults) -> None:
         out = self._run_verify(self.scheduler.active(), drafts, counts)
         self.stats.verify_calls += 1
-        got = jax.device_get(out)
+        got = _fetch(out)
         self.stats.drafted_tokens += int(counts.sum())
         for req in self.scheduler.decoding():
             slot = req.held_slot

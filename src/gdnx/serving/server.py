@@ -552,7 +552,8 @@ class _Server(uvicorn.Server):
     requests still in flight then end with an error event and [DONE]), it
     stops listening and returns (uvicorn itself would re-raise a caught
     SIGTERM after shutting down, ending the process with the signal rather
-    than status 0). A second SIGINT stops at once."""
+    than status 0). A second SIGINT stops at once, as does the loss of
+    another process of a run over several (AsyncEngine.lost)."""
 
     def __init__(self, config: uvicorn.Config, served: Served, grace: float):
         super().__init__(config)
@@ -575,6 +576,8 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.served.engine.lost is not None and not self.should_exit:  # its requests have ended with the news
+            self.served.draining = self.should_exit = True
         if self.served.draining and not self.should_exit:
             now = time.monotonic()
             if self._drain_started is None:
