@@ -47,7 +47,8 @@ AOT_PYTEST := env JAX_PLATFORMS=cpu TPU_WORKER_HOSTNAMES=localhost $(AOT_VENV)/b
 # transformers parity tests (with torch loaded in the same process, XLA's
 # CPU compiler segfaulted compiling an op test's autodiff scan). Then the
 # deviceless compilation for TPU and GPU targets (the kernels; `gdnx plan`'s
-# train step for TPU slices) in .venv-aot with libtpu and the CUDA plugin:
+# train step and `gdnx plan --serve`'s engine programs for TPU slices) in
+# .venv-aot with libtpu and the CUDA plugin:
 # libtpu admits one process at a time, so the TPU targets run in one
 # process and the GPU targets beside it in another (its log printed after).
 # pytest exits 5 when it collects nothing: that is a failure too, said plainly.
@@ -63,7 +64,7 @@ test: $(STAMP) $(AOT_STAMP)
 	stage "the rest" env $(CPU_ENV) $(PYTEST) -n 2 --dist loadgroup tests --ignore=tests/ops --ignore=tests/parallel \
 	  -m "not deviceless" && \
 	stage "deviceless TPU and GPU" sh -c '$(AOT_PYTEST) tests/ops -k "h100 or a100" > .deviceless-gpu.log 2>&1 & gpu=$$!; \
-	  $(AOT_PYTEST) tests/ops tests/test_plan.py -k "not h100 and not a100"; tpu=$$?; wait $$gpu; rc=$$?; \
+	  $(AOT_PYTEST) tests/ops tests/test_plan.py tests/serving/test_plan.py -k "not h100 and not a100"; tpu=$$?; wait $$gpu; rc=$$?; \
 	  echo "--- deviceless GPU targets:"; cat .deviceless-gpu.log; [ $$tpu -eq 0 ] && [ $$rc -eq 0 ]'
 
 bench: $(STAMP)

@@ -51,3 +51,25 @@ def test_block_length_fits_the_budget():
     assert block_length(1, 5, 10) == 8
     assert block_length(4096, 4096, 2 ** 20) == 1
     assert block_length(16, 100, 256) == 128
+
+
+@pytest.mark.parametrize("block", [None, 1, 5, 16])
+def test_position_scores_equal_the_whole_vocabularys(block):
+    """Per position, blocked (5 does not divide 13: padded) against one
+    log_softmax over the whole [B, T, vocab]: the same operations per row,
+    so equal to float32 rounding (1e-6), the same argmax and top ids."""
+    from gdnx.loss import position_scores
+
+    b, t, h, v = 3, 13, 8, 50
+    keys = jax.random.split(jax.random.key(1), 3)
+    hidden = jax.random.normal(keys[0], (b, t, h))
+    w = jax.random.normal(keys[1], (h, v))
+    targets = jax.random.randint(keys[2], (b, t), 0, v)
+    logp = jax.nn.log_softmax(hidden @ w, axis=-1)
+    top, ids = jax.lax.top_k(logp, 3)
+    got = position_scores(hidden, lambda x: x @ w, targets, vocab=v, top=3, block=block)
+    assert got.chosen.shape == (b, t) and got.top_ids.shape == (b, t, 3)
+    assert relative_error(got.chosen, jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]) < 1e-6
+    assert relative_error(got.top, top) < 1e-6 and (got.top_ids == ids).all()
+    assert (got.greedy == (jnp.argmax(logp, -1) == targets)).all()
+    assert position_scores(hidden, lambda x: x @ w, targets, vocab=v).top_ids.shape == (b, t, 0)

@@ -152,6 +152,17 @@ def _parser() -> argparse.ArgumentParser:
                       help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4")
     plan.add_argument("overrides", nargs="*", metavar="key=value",
                       help="config overrides, e.g. parallel.fsdp=-1 parallel.data=1 train.batch_size=64")
+    serving = plan.add_argument_group("--serve: the serving engine's programs instead (docs/serving.md)")
+    serving.add_argument("--serve", action="store_true",
+                         help="compile the engine's prefill, decode and verify programs (gdnx serve's) instead of a "
+                              "train step: bytes per chip for the weights, the slots and the temporaries, the most "
+                              "slots that fit, FLOPs per decode step")
+    serving.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default 8)")
+    serving.add_argument("--max-length", type=int, default=4096,
+                         help="prompt + generated tokens per request (default 4096)")
+    serving.add_argument("--speculative", type=int, default=0, metavar="K",
+                         help="draft tokens per verify pass (default 0: no verify program)")
+    serving.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per decode call (default 8)")
     bench = sub.add_parser("bench", help="op timings and train-step time/memory, GDN hybrid vs attention")
     bench.add_argument("--batch", type=int, default=4, help="train-step batch (default 4)")
     bench.add_argument("--seq-len", type=int, default=1024, help="train-step sequence length (default 1024)")
@@ -285,8 +296,16 @@ def _plan(args) -> None:
 
     config = load_config(args.config, list(args.overrides))
     try:
+        if args.serve:
+            from gdnx.serving.plan import describe as describe_serving
+            from gdnx.serving.plan import serve_plan
+
+            print(describe_serving(serve_plan(config, args.topology, max_slots=args.max_slots,
+                                              max_length=args.max_length, speculative=args.speculative,
+                                              decode_steps=args.decode_steps)))
+            return
         result = plan(config, args.topology)
-    except ValueError as e:  # the topology, the mesh or a model field
+    except ValueError as e:  # the topology, the mesh, a model field or an engine setting
         raise ConfigError(str(e)) from None
     print(describe(result))
 

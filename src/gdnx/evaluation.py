@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from gdnx.loss import position_scores
 
 # the shortest scored row (shorter inputs are padded to it): few compiled shapes
 MIN_BUCKET = 64
@@ -59,11 +60,12 @@ class GdnxLM(TemplateLM):
         graphdef, state = nnx.split(self.model)
 
         def score(state, tokens, targets):
-            """tokens, targets [B, T] -> each target's log-probability and whether it is the argmax."""
-            logits = nnx.merge(graphdef, state)(tokens).astype(jnp.float32)
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            chosen = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-            return chosen, jnp.argmax(logits, axis=-1) == targets
+            """tokens, targets [B, T] -> each target's log-probability and whether it is the argmax (the
+            logits a block of positions at a time)."""
+            model = nnx.merge(graphdef, state)
+            scores = position_scores(model.hidden_states(tokens).hidden, model.logits, targets,
+                                     vocab=model.config.vocab_size)
+            return scores.chosen, scores.greedy
         self._state, self._score = state, jax.jit(score)
 
     # ---- what lm-eval asks of a model ----------------------------------------------------------------------

@@ -1,11 +1,14 @@
-"""Cross-entropy over a large vocabulary in blocks of positions.
+"""Cross-entropy and per-position log-probabilities over a large
+vocabulary in blocks of positions.
 
 The logits of a [B, T] batch are B x T x vocab floats (1.3 GB in float32
 at 16 x 512 x 151,936, several times that with the backward). Here the
 final hidden states are cut into blocks along T; each block's logits are
-made, reduced to per-token sums (log-sum-exp, the target's logit, the
-argmax hit) and dropped, under jax.checkpoint, so the backward remakes one
-block at a time too. Peak: about three blocks of float32 logits.
+made, reduced (to per-token sums for the loss: log-sum-exp, the target's
+logit, the argmax hit; to each position's log-probabilities of its target
+and its top N for scoring) and dropped, under jax.checkpoint for the loss,
+so the backward remakes one block at a time too. Peak: about three blocks
+of float32 logits.
 """
 
 from __future__ import annotations
@@ -69,3 +72,36 @@ def blocked_cross_entropy(hidden: jax.Array, logits_fn: Callable[[jax.Array], ja
     starts = jnp.arange(0, t + pad, block, dtype=jnp.int32)
     total, _ = jax.lax.scan(step, jnp.zeros((5,), jnp.float32), starts)
     return TokenSums(*total)
+
+
+class PositionScores(NamedTuple):
+    """Per position of a [B, T] batch."""
+    chosen: jax.Array    # float32 [B, T]: log-probability of the target
+    greedy: jax.Array    # bool [B, T]: the target is the argmax
+    top_ids: jax.Array   # int32 [B, T, N]: the N most probable tokens
+    top: jax.Array       # float32 [B, T, N]: their log-probabilities
+
+
+def position_scores(hidden: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], targets: jax.Array, *,
+                    vocab: int, top: int = 0, block: int | None = None) -> PositionScores:
+    """Each position's log-probability of its target, whether the target is
+    the argmax, and the top `top` tokens, a block of positions at a time
+    (no [B, T, vocab] array is formed). hidden [B, T, H] (final normed
+    states), logits_fn: [B, t, H] -> float32 [B, t, vocab], targets int [B, T]."""
+    b, t, _ = hidden.shape
+    block = block or block_length(b, t, vocab)
+    pad = -t % block
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+
+    def one_block(start):
+        h = jax.lax.dynamic_slice_in_dim(hidden, start, block, axis=1)
+        tgt = jax.lax.dynamic_slice_in_dim(targets, start, block, axis=1)
+        logits = logits_fn(h)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        chosen = jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+        vals, ids = jax.lax.top_k(logp, max(top, 1))
+        return chosen, jnp.argmax(logits, axis=-1) == tgt, ids[..., :top].astype(jnp.int32), vals[..., :top]
+
+    out = jax.lax.map(one_block, jnp.arange(0, t + pad, block, dtype=jnp.int32))  # [blocks, B, block, ...]
+    return PositionScores(*(jnp.swapaxes(x, 0, 1).reshape(b, t + pad, *x.shape[3:])[:, :t] for x in out))

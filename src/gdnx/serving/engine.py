@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +145,20 @@ def _fetch(tree: Any) -> Any:
     return jax.tree.map(get, tree)
 
 
+class EngineShapes(NamedTuple):
+    block_size: int       # tokens per prefix-cache block, the smallest prefill bucket
+    padded_length: int    # max_length rounded up to a block: the longest prefill bucket
+    capacity: int         # tokens each slot's cache holds
+
+
+def engine_shapes(cfg: Any, max_length: int, block_size: int | None, draft: int) -> EngineShapes:
+    """The shapes an engine's settings fix (block_size None: 4 of the model's chunks)."""
+    block = 4 * cfg.gdn_chunk_size if block_size is None else block_size
+    padded = -(-max_length // block) * block
+    # the cache holds a padded prompt's last bucket and a verify pass's drafts past max_length
+    return EngineShapes(block, padded, padded + draft + 1)
+
+
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -241,15 +255,14 @@ class Engine:
         self.tokenizer, self.speculative = tokenizer, speculative
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.keep_logits, self.batch_invariant = keep_logits, batch_invariant
+        draft = speculative.num_tokens if speculative is not None else 0
+        shapes = engine_shapes(cfg, max_length, block_size, draft)
+        self.padded_length, self.capacity = shapes.padded_length, shapes.capacity
         # prefill buckets: block_size doubling up to max_length rounded up to a block
-        self.padded_length = -(-max_length // block_size) * block_size
         self.buckets = _buckets(block_size, self.padded_length)
         # decode batches: the first 1, 2, 4, ... slots, as few as hold every running request (one shape in
         # batch-invariant mode)
         self.decode_rows = (max_slots,) if batch_invariant else _buckets(1, max_slots)
-        draft = speculative.num_tokens if speculative is not None else 0
-        # the cache holds a padded prompt's last bucket and a verify pass's drafts past max_length
-        self.capacity = self.padded_length + draft + 1
         self.stats = EngineStats()
         graphdef, self._state = nnx.split(model)
         if mesh is not None:

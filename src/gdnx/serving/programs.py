@@ -25,6 +25,7 @@ from flax import nnx
 
 from gdnx.layers.attention import RingCache
 from gdnx.layers.gated_deltanet import GDNState
+from gdnx.loss import position_scores
 from gdnx.models.cache import Cache, place_cache
 from gdnx.parallel.rules import constrain
 from gdnx.serving import sampling
@@ -171,11 +172,9 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
                   _put(slots.counts, rows, jax.nn.one_hot(tok, vocab, dtype=jnp.int32), 0),
                   _put(slots.seen, rows, seen, 0), _put(slots.generated, rows, zero + 1, 0), _put(slots.last, rows, tok, 0))
     prompt = None
-    if targets is not None:
-        every = jax.nn.log_softmax(model.logits(out.hidden).astype(jnp.float32), axis=-1)   # [P, L, V]
-        top, ids = jax.lax.top_k(every, max(static.logprobs, 1))
-        chosen = jnp.take_along_axis(every, targets[..., None], axis=-1)[..., 0]
-        prompt = TokenLogprobs(chosen, ids.astype(jnp.int32)[..., :static.logprobs], top[..., :static.logprobs])
+    if targets is not None:  # a block of positions at a time: never the whole [P, L, vocab]
+        scores = position_scores(out.hidden, model.logits, targets, vocab=vocab, top=static.logprobs)
+        prompt = TokenLogprobs(scores.chosen, scores.top_ids, scores.top)
     return slots, PrefillOut(tok, lp, logits if static.keep_logits else None, snapshot, prompt)
 
 

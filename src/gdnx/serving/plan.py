@@ -1,0 +1,222 @@
+"""`gdnx plan --serve`: compile the serving engine's programs for a TPU
+slice from this host, as `gdnx plan` compiles a train step.
+
+The model is built abstractly (shapes only), its weights placed on the
+slice's mesh by the sharding rules, the engine's slot state laid out as
+the engine lays it out (gdnx.serving.programs.place), and the programs a
+server runs at its largest shapes are compiled deviceless with libtpu: the
+prefill of max_slots prompts in the longest bucket (what a burst of long
+prompts costs: the engine prefills up to max_slots prompts of one bucket
+together), the decode step over every slot, and with speculation the
+verify pass. The bytes a chip holds are its share of the weights, its
+share of the slot state (the cache of every slot at the engine's
+capacity, the sampling state) and the largest program's temporaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gdnx.config.schema import Config
+from gdnx.models import CausalLM
+from gdnx.models.cache import row_axes
+from gdnx.models.causal_lm import check_platform
+from gdnx.ops.gated_delta_rule.tiles import compile_target
+from gdnx.parallel import make_mesh, shardings
+from gdnx.plan import HBM_BYTES, generation, topology_devices
+from gdnx.serving import programs
+from gdnx.serving.engine import engine_shapes
+from gdnx.serving.params import SamplingParams
+from gdnx.serving.sampling import SlotParams
+from gdnx.stacking import layer_ndim
+
+PROGRAMS = ("prefill", "decode", "verify")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServePlan:
+    topology: str
+    chips: int
+    mesh: dict[str, int]
+    parameters: int
+    max_slots: int
+    max_length: int
+    capacity: int                 # tokens each slot's cache holds (max_length in blocks, plus drafts)
+    speculative: int
+    weight_bytes: int             # per chip
+    slot_bytes: int               # per chip: every slot's cache and sampling state
+    temp_bytes: dict[str, int]    # per chip, per program
+    compile_s: dict[str, float]
+    xla_flops: dict[str, float]   # XLA's cost analysis per chip (a loop's body counted once)
+    decode_flops: float           # one decode step over every slot at full length, by the architecture
+    hbm_bytes: int
+    kernel_calls: int             # Mosaic kernels (the delta rule's) in the compiled prefill
+
+    @property
+    def peak_bytes(self) -> int:
+        """Weights, slot state and the largest program's temporaries (the
+        slot state is donated to each program: updated in place)."""
+        return self.weight_bytes + self.slot_bytes + max(self.temp_bytes.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.hbm_bytes
+
+    @property
+    def largest_slots(self) -> int:
+        """The most slots that fit at this length, by the slot state and the
+        temporaries growing in proportion to the slots (both are per row:
+        the caches, and the programs' activations over max_slots rows)."""
+        per_slot = (self.slot_bytes + max(self.temp_bytes.values())) / self.max_slots
+        return max(0, int((self.hbm_bytes - self.weight_bytes) // per_slot))
+
+
+def decode_flops(cfg: Any, params: Any, slots: int, length: int) -> float:
+    """FLOPs of one decode step (one token for each of `slots` rows whose
+    caches hold `length` tokens): 2 per matmul parameter a token uses (the
+    routed experts' top-k share), attention's scores and weighted sum over
+    the keys a token reads (4 per head dim per key; a sliding window's or
+    the whole length), the delta rule's state update and read-out per value
+    head (6 K V)."""
+    flat = [("/".join(map(str, path)), math.prod(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(params)
+            if layer_ndim(path, len(x.shape)) >= 2]
+    share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+    matmul = sum(n * (share if "experts_" in name else 1.0) for name, n in flat
+                 if "embed_tokens" not in name and "conv_weight" not in name)
+    if cfg.tie_word_embeddings:
+        matmul += cfg.vocab_size * cfg.hidden_size
+    kinds = cfg.resolved_layer_types
+    head = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2 if cfg.attention_kind == "latent" \
+        else cfg.head_dim
+    window = min(cfg.sliding_window or length, length)
+    attention = 4 * cfg.num_attention_heads * head * (kinds.count("full_attention") * length
+                                                       + kinds.count("sliding_attention") * window)
+    delta = 6 * kinds.count("linear_attention") * cfg.linear_num_value_heads * cfg.linear_key_head_dim \
+        * cfg.linear_value_head_dim
+    return float(slots * (2 * matmul + attention + delta))
+
+
+def _per_chip(tree: Any) -> int:
+    """Bytes of one chip's share of abstract arrays with shardings (the largest shard)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _abstract(tree: Any, placements: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, placements)
+
+
+def _compile(lowered: Any, what: str, topology: str) -> Any:
+    """The compiled program; libtpu's refusal of one whose buffers overflow a chip as a ValueError."""
+    try:
+        return lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ValueError(f"{topology}: the {what} does NOT fit ({str(e).splitlines()[0][:300]}); lower --max-slots "
+                         "or --max-length, or shard over more chips (parallel.tensor)") from None
+
+
+def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int, speculative: int = 0,
+               decode_steps: int = 8, logprobs: int = 0) -> ServePlan:
+    """Compile the engine's prefill, decode and verify programs for the TPU
+    slice `topology` with config's model and parallel sections."""
+    for name, value, low in (("max_slots", max_slots, 1), ("max_length", max_length, 2),
+                             ("speculative", speculative, 0), ("decode_steps", decode_steps, 1)):
+        if value < low:
+            raise ValueError(f"--{name.replace('_', '-')}: expected an integer >= {low}, got {value}")
+    hbm = HBM_BYTES[generation(topology)]
+    devices = topology_devices(topology)
+    cfg = config.model
+    if max_length > cfg.max_position_embeddings:
+        raise ValueError(f"--max-length: {max_length} exceeds the model's {cfg.max_position_embeddings} positions "
+                         "(max_position_embeddings)")
+    if cfg.gdn_implementation == "auto":  # the kernel the TPU would pick, compiled
+        cfg = cfg.model_copy(update={"gdn_implementation": "pallas_tpu", "gdn_interpret": False})
+    check_platform(cfg, "tpu")
+    if config.parallel.context != 1:
+        raise ValueError(f"parallel.context: the engine splits heads and slots, not sequences: expected 1, got "
+                         f"{config.parallel.context}")
+    mesh = make_mesh(config.parallel, devices)
+    mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))  # as the engine runs it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "kernel on CPU": compiled for TPU here, not run
+        model = nnx.eval_shape(lambda: CausalLM(cfg))
+    graphdef, state = nnx.split(model)
+    flops = decode_flops(cfg, nnx.state(model, nnx.Param), max_slots, max_length)
+    state = _abstract(state, shardings(state, cfg, mesh))
+    shapes = engine_shapes(cfg, max_length, None, speculative)
+    static = programs.Static(graphdef, cfg, row_axes(model), (), logprobs, False)
+    compiled_programs = programs.compile_programs(static)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def host(shape, dtype):  # an input the engine sends from the host (whole on every chip)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    s, length, k = max_slots, shapes.padded_length, speculative
+    compile_s: dict[str, float] = {}
+    temp: dict[str, int] = {}
+    cost: dict[str, float] = {}
+    kernels = 0
+    with jax.set_mesh(mesh), compile_target(devices[0]):
+        make = jax.jit(lambda: programs.place(static, programs.empty_slots(model, s, shapes.capacity, k)))
+        slot_shapes = jax.eval_shape(make)
+        slots = _abstract(slot_shapes, _compile(make.lower(), "slot state", topology).output_shardings)
+        params = jax.tree.map(lambda x: host(x.shape, x.dtype),
+                              SlotParams.rows([SamplingParams()] * s, [0] * s))
+        rows = {
+            "prefill": lambda: compiled_programs.prefill.lower(
+                state, slots, host((s,), jnp.int32), host((s, length), jnp.int32), host((s,), jnp.int32),
+                host((s,), jnp.int32), params, host((s, cfg.vocab_size), jnp.bool_), None,
+                history_every=shapes.block_size),
+            "decode": lambda: compiled_programs.decode.lower(state, slots, host((s,), jnp.bool_), steps=decode_steps,
+                                                             rows=s),
+            "verify": lambda: compiled_programs.verify.lower(state, slots, host((s,), jnp.bool_),
+                                                             host((s, k), jnp.int32), host((s,), jnp.int32)),
+        }
+        for name in PROGRAMS:
+            if name == "verify" and not k:
+                continue
+            t0 = time.perf_counter()
+            compiled = _compile(rows[name](), f"{name} program", topology)
+            compile_s[name] = time.perf_counter() - t0
+            memory = compiled.memory_analysis()
+            assert memory is not None  # TPU executables report it
+            temp[name] = int(memory.temp_size_in_bytes)
+            c = compiled.cost_analysis()
+            c = c[0] if isinstance(c, (list, tuple)) else c
+            cost[name] = float((c or {}).get("flops", 0.0))
+            if name == "prefill":
+                kernels = (compiled.as_text() or "").count("tpu_custom_call")
+    return ServePlan(topology, len(devices), dict(mesh.shape),
+                     sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), s, max_length,
+                     shapes.capacity, k, _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels)
+
+
+def describe(p: ServePlan) -> str:
+    gib = lambda n: f"{n / 2 ** 30:,.2f} GiB"  # noqa: E731
+    axes = " x ".join(f"{k}={v}" for k, v in p.mesh.items())
+    verdict = "fits" if p.fits else "does NOT fit"
+    temps = ", ".join(f"{name} {gib(n)}" for name, n in p.temp_bytes.items())
+    times = ", ".join(f"{name} {t:.1f} s" for name, t in p.compile_s.items())
+    return "\n".join([
+        f"{p.topology}: {p.chips} chips, mesh {axes}; {p.parameters / 1e9:,.2f}B parameters; {p.max_slots} slots of "
+        f"{p.max_length} tokens (a cache of {p.capacity} each){f', {p.speculative} draft tokens' if p.speculative else ''}",
+        f"per chip: weights {gib(p.weight_bytes)}, slot state {gib(p.slot_bytes)} "
+        f"({gib(p.slot_bytes / p.max_slots)} per slot), temporaries {temps}",
+        f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}; at {p.max_length} tokens about "
+        f"{p.largest_slots} slots fit",
+        f"compiled in {times} ({p.kernel_calls} Pallas TPU kernel calls in the prefill)",
+        f"FLOPs per decode step: {p.decode_flops:.3e} by the architecture ({p.max_slots} tokens at full length; "
+        f"{p.decode_flops / p.chips:.3e} per chip); XLA's cost analysis of the decode program "
+        f"{p.xla_flops['decode']:.3e} per chip (its loops' bodies counted once)",
+    ])
