@@ -164,3 +164,18 @@ def test_each_eval_mistake_is_one_line(setup, capsys, flags, match):
     if "--include-path" not in flags:
         flags = [*flags, "--include-path", str(tasks)]
     assert match in _error(capsys, ["eval", "--checkpoint", str(path), *flags])
+
+
+def test_short_requests_share_rows():
+    """First fit, longest first; each call's rows take its longest
+    request's bucket: every request once, no row past its length, at most
+    `batch` rows a call."""
+    from gdnx.evaluation import _pack
+
+    lengths = [10, 50, 20, 30, 64, 5, 100, 3, 7, 40]
+    calls = _pack(lengths, batch=2, limit=128)
+    assert sorted(i for _, rows in calls for row in rows for i in row) == list(range(len(lengths)))
+    for length, rows in calls:
+        assert len(rows) <= 2 and all(sum(lengths[i] for i in row) <= length for row in rows)
+    # 100, then 64 + 50 fill a call of 128; 40 and 30 open one of 64; the rest fill the first gaps
+    assert calls == [(128, [[6, 2, 8], [4, 1, 0, 7]]), (64, [[9, 5], [3]])]

@@ -163,6 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     serving.add_argument("--speculative", type=int, default=0, metavar="K",
                          help="draft tokens per verify pass (default 0: no verify program)")
     serving.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per decode call (default 8)")
+    serving.add_argument("--max-prefill-batch", type=int, default=None, metavar="N",
+                         help="prompts prefilled together, at most (default: --max-slots)")
     bench = sub.add_parser("bench", help="op timings and train-step time/memory, GDN hybrid vs attention")
     bench.add_argument("--batch", type=int, default=4, help="train-step batch (default 4)")
     bench.add_argument("--seq-len", type=int, default=1024, help="train-step sequence length (default 1024)")
@@ -184,6 +186,9 @@ def _engine_options(group: argparse._ActionsContainer, max_length_default: str, 
                        help="n-gram (prompt lookup) speculative decoding with K draft tokens (default 0: off)")
     group.add_argument("--batch-invariant", action="store_true",
                        help="each result bit-identical whatever else is batched with it (prefills block by block)")
+    group.add_argument("--max-prefill-batch", type=int, default=None, metavar="N",
+                       help="prompts prefilled together, at most (default: --max-slots); fewer bound the prefill's "
+                            "memory (gdnx plan --serve measures it)")
 
 
 def _distributed_options(command: argparse.ArgumentParser) -> None:
@@ -302,7 +307,8 @@ def _plan(args) -> None:
 
             print(describe_serving(serve_plan(config, args.topology, max_slots=args.max_slots,
                                               max_length=args.max_length, speculative=args.speculative,
-                                              decode_steps=args.decode_steps)))
+                                              decode_steps=args.decode_steps,
+                                              max_prefill_batch=args.max_prefill_batch)))
             return
         result = plan(config, args.topology)
     except ValueError as e:  # the topology, the mesh, a model field or an engine setting

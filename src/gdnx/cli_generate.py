@@ -222,7 +222,8 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> None:
     max_length = need if args.max_length is None else args.max_length
     engine = build_engine(found, EngineSettings(
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
-        speculative=args.speculative, batch_invariant=args.batch_invariant))
+        speculative=args.speculative, batch_invariant=args.batch_invariant,
+        max_prefill_batch=args.max_prefill_batch))
     for ids, params, where in requests:  # every line is checked before any runs
         try:
             engine.check(ids, params)

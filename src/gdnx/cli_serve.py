@@ -68,12 +68,12 @@ def _serve(args, sock, api_key: str | None) -> None:
     engine = build_engine(found, EngineSettings(
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
         speculative=args.speculative, batch_invariant=args.batch_invariant, decode_steps=args.decode_steps,
-        max_logprobs=MAX_LOGPROBS), chat)
+        max_logprobs=MAX_LOGPROBS, max_prefill_batch=args.max_prefill_batch), chat)
     # every process must build the same engine: the scheduler's choices are made on each
     agree("serve", {"checkpoint": str(path.resolve()), "overrides": sorted(args.overrides), "max_slots": args.max_slots,
                     "max_length": max_length, "prefix_cache_mb": args.prefix_cache_mb,
                     "speculative": args.speculative, "batch_invariant": args.batch_invariant,
-                    "decode_steps": args.decode_steps})
+                    "decode_steps": args.decode_steps, "max_prefill_batch": args.max_prefill_batch})
     name = args.served_model_name or path.resolve().name
     print(f"gdnx serve: loaded {found.description}; compiling the first programs", file=sys.stderr, flush=True)
     engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0.0))  # the shortest prompts' prefill

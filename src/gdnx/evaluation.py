@@ -3,10 +3,11 @@ model, and the run `gdnx eval` makes (lm-eval's own tasks, flags and output
 files).
 
 Scoring (loglikelihood, loglikelihood_rolling) runs the model's forward pass
-over rows of requests, the longest first, each row right-padded to a
-power-of-two length (at least one prefill block) and `batch_size` rows per
-call, on the model's mesh when it has one: one compiled program per length
-bucket. A request's numbers follow lm-eval's `hf` backend: the context and
+over rows of requests, the longest first, `batch_size` rows per call of a
+power-of-two length (at least MIN_BUCKET) that holds the call's longest
+request, several shorter requests packed into a row as documents are in
+training (each its own segment: its states and attention start afresh), on
+the model's mesh when it has one: one compiled program per length bucket. A request's numbers follow lm-eval's `hf` backend: the context and
 continuation encoded together then split, the input cut to the model's
 last `max_length` positions, the log-probability of each continuation token
 summed, and greedy when each is the argmax. generate_until runs through the
@@ -40,6 +41,33 @@ def _bucket(n: int, limit: int) -> int:
     return min(size, max(limit, n))
 
 
+def _pack(lengths: list[int], batch: int, limit: int) -> list[tuple[int, list[list[int]]]]:
+    """Requests (their input lengths) packed into calls of `batch` rows:
+    (row length, each row's request indices). First fit, longest first: a
+    call's rows take the bucket of its first (longest) request, each later
+    request goes into the first row of any call with room for it, else a
+    new row of the last call, else a new call; short requests share rows
+    as documents do in training."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    calls: list[tuple[int, list[list[int]]]] = []
+    used: list[list[int]] = []  # per call, per row: tokens taken
+    for i in order:
+        n = lengths[i]
+        spot = next(((c, r) for c, (length, _) in enumerate(calls) for r, u in enumerate(used[c])
+                     if u + n <= length), None)
+        if spot is not None:
+            c, r = spot
+            calls[c][1][r].append(i)
+            used[c][r] += n
+        elif calls and len(calls[-1][1]) < batch:
+            calls[-1][1].append([i])
+            used[-1].append(n)
+        else:
+            calls.append((_bucket(n, limit), [[i]]))
+            used.append([n])
+    return calls
+
+
 class GdnxLM(TemplateLM):
     """A gdnx model (gdnx.loading.Loaded: the model, its tokenizer and mesh)
     as lm-eval's language model. batch_size: rows per scoring call and
@@ -59,11 +87,11 @@ class GdnxLM(TemplateLM):
         self._eot = self._eos_id()
         graphdef, state = nnx.split(self.model)
 
-        def score(state, tokens, targets):
-            """tokens, targets [B, T] -> each target's log-probability and whether it is the argmax (the
-            logits a block of positions at a time)."""
+        def score(state, tokens, targets, segments):
+            """tokens, targets, segments [B, T] -> each target's log-probability and whether it is the
+            argmax (each request its own segment of a row; the logits a block of positions at a time)."""
             model = nnx.merge(graphdef, state)
-            scores = position_scores(model.hidden_states(tokens).hidden, model.logits, targets,
+            scores = position_scores(model.hidden_states(tokens, segments=segments).hidden, model.logits, targets,
                                      vocab=model.config.vocab_size)
             return scores.chosen, scores.greedy
         self._state, self._score = state, jax.jit(score)
@@ -99,22 +127,28 @@ class GdnxLM(TemplateLM):
         for _, context, continuation in requests:
             whole = (context + continuation)[-(self.max_length + 1):]
             rows.append((whole[:-1], whole[1:], len(continuation)))
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         bar = self._bar(len(rows), "loglikelihood", disable_tqdm)
-        for at in range(0, len(order), self.batch_size):
-            group = order[at:at + self.batch_size]
-            length = _bucket(len(rows[group[0]][0]), self.max_length)
+        for length, packed in _pack([len(r[0]) for r in rows], self.batch_size, self.max_length):
             tokens = np.zeros((self.batch_size, length), np.int32)
             targets = np.zeros((self.batch_size, length), np.int32)
-            for r, i in enumerate(group):
-                inp, tgt, _ = rows[i]
-                tokens[r, :len(inp)], targets[r, :len(tgt)] = inp, tgt
-            chosen, greedy = self._run(tokens, targets)
-            for r, i in enumerate(group):
-                n, cont = len(rows[i][0]), rows[i][2]
-                out[i] = (float(chosen[r, n - cont:n].astype(np.float64).sum()), bool(greedy[r, n - cont:n].all()))
-            bar.update(len(group))
+            segments = np.zeros((self.batch_size, length), np.int32)  # 0: padding
+            for r, row in enumerate(packed):
+                at = 0
+                for k, i in enumerate(row):
+                    inp, tgt, _ = rows[i]
+                    tokens[r, at:at + len(inp)], targets[r, at:at + len(tgt)] = inp, tgt
+                    segments[r, at:at + len(inp)] = k + 1
+                    at += len(inp)
+            chosen, greedy = self._run(tokens, targets, segments)
+            for r, row in enumerate(packed):
+                at = 0
+                for i in row:
+                    n, cont = len(rows[i][0]), rows[i][2]
+                    out[i] = (float(chosen[r, at + n - cont:at + n].astype(np.float64).sum()),
+                              bool(greedy[r, at + n - cont:at + n].all()))
+                    at += n
+            bar.update(sum(len(row) for row in packed))
         bar.close()
         return out
 
@@ -168,12 +202,12 @@ class GdnxLM(TemplateLM):
 
     # ---- helpers --------------------------------------------------------------------------------------------
 
-    def _run(self, tokens: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _run(self, tokens: np.ndarray, targets: np.ndarray, segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.mesh is None:
-            out = self._score(self._state, tokens, targets)
+            out = self._score(self._state, tokens, targets, segments)
         else:
             with jax.set_mesh(self.mesh):
-                out = self._score(self._state, tokens, targets)
+                out = self._score(self._state, tokens, targets, segments)
         return tuple(np.asarray(x) for x in jax.device_get(out))  # type: ignore[return-value]
 
     def _eos_id(self) -> int:

@@ -21,7 +21,8 @@ from gdnx.errors import FieldError
 # the command-line flag of each engine field (a refusal names the flag)
 ENGINE_FLAGS = {"max_slots": "--max-slots", "max_length": "--max-length", "prefix_cache_bytes": "--prefix-cache-mb",
                 "speculative": "--speculative", "batch_invariant": "--batch-invariant",
-                "decode_steps": "--decode-steps", "max_logprobs": "--max-logprobs", "mesh": "parallel"}
+                "decode_steps": "--decode-steps", "max_logprobs": "--max-logprobs", "mesh": "parallel",
+                "max_prefill_batch": "--max-prefill-batch"}
 
 MEMORY_HINT = ("shorten the prompt or --max-new-tokens, or load the weights in bfloat16 "
                "(model.param_dtype=bfloat16 model.dtype=bfloat16)")
@@ -184,6 +185,7 @@ class EngineSettings:
     batch_invariant: bool = False
     decode_steps: int = 8
     max_logprobs: int = 20
+    max_prefill_batch: int | None = None  # None: max_slots
 
 
 def build_engine(loaded: Loaded, settings: EngineSettings, chat: Any = None) -> Any:
@@ -202,7 +204,8 @@ def build_engine(loaded: Loaded, settings: EngineSettings, chat: Any = None) -> 
                       prefix_cache_bytes=settings.prefix_cache_bytes, decode_steps=settings.decode_steps,
                       speculative=NgramDrafter(settings.speculative) if settings.speculative else None,
                       batch_invariant=settings.batch_invariant, tokenizer=loaded.tokenizer,
-                      max_logprobs=settings.max_logprobs, eos_token_ids=eos_ids(loaded, chat), mesh=loaded.mesh)
+                      max_logprobs=settings.max_logprobs, eos_token_ids=eos_ids(loaded, chat), mesh=loaded.mesh,
+                      max_prefill_batch=settings.max_prefill_batch)
     except FieldError as e:
         raise flag_error(e) from None
 

@@ -50,6 +50,8 @@ class ServePlan:
     parameters: int
     max_slots: int
     max_length: int
+    max_prefill_batch: int
+    prefill_follows_slots: bool   # max_prefill_batch is max_slots, not set apart
     capacity: int                 # tokens each slot's cache holds (max_length in blocks, plus drafts)
     speculative: int
     weight_bytes: int             # per chip
@@ -73,11 +75,17 @@ class ServePlan:
 
     @property
     def largest_slots(self) -> int:
-        """The most slots that fit at this length, by the slot state and the
-        temporaries growing in proportion to the slots (both are per row:
-        the caches, and the programs' activations over max_slots rows)."""
-        per_slot = (self.slot_bytes + max(self.temp_bytes.values())) / self.max_slots
-        return max(0, int((self.hbm_bytes - self.weight_bytes) // per_slot))
+        """The most slots that fit at this length (an estimate): the slot
+        state and the decode and verify programs' temporaries grow in
+        proportion to the slots, the prefill's in proportion to its rows
+        (the slots too, unless max_prefill_batch is set apart)."""
+        room = self.hbm_bytes - self.weight_bytes
+        per_slot = self.slot_bytes / self.max_slots
+        stepping = max(v for k, v in self.temp_bytes.items() if k != "prefill") / self.max_slots
+        prefill = self.temp_bytes["prefill"]
+        if self.prefill_follows_slots:
+            return max(0, int(room // (per_slot + max(stepping, prefill / self.max_slots))))
+        return max(0, int(min((room - prefill) // per_slot, room // (per_slot + stepping))))
 
 
 def decode_flops(cfg: Any, params: Any, slots: int, length: int) -> float:
@@ -121,18 +129,24 @@ def _compile(lowered: Any, what: str, topology: str) -> Any:
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        raise ValueError(f"{topology}: the {what} does NOT fit ({str(e).splitlines()[0][:300]}); lower --max-slots "
-                         "or --max-length, or shard over more chips (parallel.tensor)") from None
+        raise ValueError(f"{topology}: the {what} does NOT fit ({str(e).splitlines()[0][:300]}); lower --max-slots, "
+                         "--max-prefill-batch or --max-length, or shard over more chips (parallel.tensor)") from None
 
 
 def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int, speculative: int = 0,
-               decode_steps: int = 8, logprobs: int = 0) -> ServePlan:
+               decode_steps: int = 8, max_prefill_batch: int | None = None, logprobs: int = 0) -> ServePlan:
     """Compile the engine's prefill, decode and verify programs for the TPU
-    slice `topology` with config's model and parallel sections."""
+    slice `topology` with config's model and parallel sections
+    (max_prefill_batch None: max_slots, as the engine takes it)."""
     for name, value, low in (("max_slots", max_slots, 1), ("max_length", max_length, 2),
                              ("speculative", speculative, 0), ("decode_steps", decode_steps, 1)):
         if value < low:
             raise ValueError(f"--{name.replace('_', '-')}: expected an integer >= {low}, got {value}")
+    follows = max_prefill_batch is None
+    prefill_rows = max_slots if max_prefill_batch is None else max_prefill_batch
+    if not 1 <= prefill_rows <= max_slots:
+        raise ValueError(f"--max-prefill-batch: expected an integer in [1, --max-slots={max_slots}], got "
+                         f"{prefill_rows}")
     hbm = HBM_BYTES[generation(topology)]
     devices = topology_devices(topology)
     cfg = config.model
@@ -162,7 +176,7 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
     def host(shape, dtype):  # an input the engine sends from the host (whole on every chip)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
 
-    s, length, k = max_slots, shapes.padded_length, speculative
+    s, pr, length, k = max_slots, prefill_rows, shapes.padded_length, speculative
     compile_s: dict[str, float] = {}
     temp: dict[str, int] = {}
     cost: dict[str, float] = {}
@@ -171,12 +185,12 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
         make = jax.jit(lambda: programs.place(static, programs.empty_slots(model, s, shapes.capacity, k)))
         slot_shapes = jax.eval_shape(make)
         slots = _abstract(slot_shapes, _compile(make.lower(), "slot state", topology).output_shardings)
-        params = jax.tree.map(lambda x: host(x.shape, x.dtype),
-                              SlotParams.rows([SamplingParams()] * s, [0] * s))
+        prefill_params = jax.tree.map(lambda x: host(x.shape, x.dtype),
+                                      SlotParams.rows([SamplingParams()] * pr, [0] * pr))
         rows = {
             "prefill": lambda: compiled_programs.prefill.lower(
-                state, slots, host((s,), jnp.int32), host((s, length), jnp.int32), host((s,), jnp.int32),
-                host((s,), jnp.int32), params, host((s, cfg.vocab_size), jnp.bool_), None,
+                state, slots, host((pr,), jnp.int32), host((pr, length), jnp.int32), host((pr,), jnp.int32),
+                host((pr,), jnp.int32), prefill_params, host((pr, cfg.vocab_size), jnp.bool_), None,
                 history_every=shapes.block_size),
             "decode": lambda: compiled_programs.decode.lower(state, slots, host((s,), jnp.bool_), steps=decode_steps,
                                                              rows=s),
@@ -199,7 +213,7 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
                 kernels = (compiled.as_text() or "").count("tpu_custom_call")
     return ServePlan(topology, len(devices), dict(mesh.shape),
                      sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), s, max_length,
-                     shapes.capacity, k, _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels)
+                     pr, follows, shapes.capacity, k, _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels)
 
 
 def describe(p: ServePlan) -> str:
@@ -210,7 +224,8 @@ def describe(p: ServePlan) -> str:
     times = ", ".join(f"{name} {t:.1f} s" for name, t in p.compile_s.items())
     return "\n".join([
         f"{p.topology}: {p.chips} chips, mesh {axes}; {p.parameters / 1e9:,.2f}B parameters; {p.max_slots} slots of "
-        f"{p.max_length} tokens (a cache of {p.capacity} each){f', {p.speculative} draft tokens' if p.speculative else ''}",
+        f"{p.max_length} tokens (a cache of {p.capacity} each), prefills of {p.max_prefill_batch} prompts"
+        f"{f', {p.speculative} draft tokens' if p.speculative else ''}",
         f"per chip: weights {gib(p.weight_bytes)}, slot state {gib(p.slot_bytes)} "
         f"({gib(p.slot_bytes / p.max_slots)} per slot), temporaries {temps}",
         f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}; at {p.max_length} tokens about "
