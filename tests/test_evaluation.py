@@ -119,6 +119,32 @@ def test_gdnx_eval_gives_lm_evals_hf_numbers(setup, reference, tmp_path, capsys)
     _same_numbers(results, samples, reference, TASKS.split(","))
 
 
+def test_gdnx_eval_on_two_processes_gives_the_same_numbers(setup, reference, tmp_path, processes):
+    """2 processes x 4 CPU devices, one mesh (data 2 x tensor 4): every
+    process runs the same requests (SPMD), process 0 writes the files and
+    the table, which hold lm-eval's hf numbers; process 1 writes nothing."""
+    import subprocess
+
+    from tests.helpers.processes import LIMIT_S, cpu_env, free_port, gdnx
+
+    path, tasks = setup
+    out = tmp_path / "out"
+    port = free_port()
+    procs = [processes.start(gdnx("eval", "--checkpoint", str(path), "--tasks", TASKS, "--include-path", str(tasks),
+                                  "--batch-size", "4", "--output-path", str(out), "--log-samples",
+                                  "parallel.data=2", "parallel.tensor=4", "--coordinator", f"127.0.0.1:{port}",
+                                  "--num-processes", "2", "--process-id", str(i)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=cpu_env(devices=4, HF_DATASETS_OFFLINE="1"))
+             for i in range(2)]
+    done = [p.communicate(timeout=LIMIT_S) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], done
+    assert "tiny_mc" in done[0][0] and done[1][0] == ""
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    samples = {task: _samples(out, task) for task in TASKS.split(",")}
+    _same_numbers(results, samples, reference, TASKS.split(","))
+
+
 def test_lm_evals_api_backends_against_gdnx_serve(setup, reference):
     """lm-eval's local-completions backend (token-id prompts, echo with
     logprobs) against `gdnx serve`: the hf backend's numbers; its

@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0, help="the few-shot sampler's and generation's seed (default 0)")
     ev.add_argument("overrides", nargs="*", metavar="key=value",
                     help="model.gdn_* and model.dtype overrides; parallel.* places the model on a mesh of this "
-                         "host's devices, e.g. parallel.tensor=4")
+                         "host's devices (of every process's, with --distributed), e.g. parallel.tensor=4")
+    _distributed_options(ev)
     export = sub.add_parser("export", help="a training run's newest intact checkpoint as a Hugging Face directory",
                             description="Write the run's newest intact checkpoint as config.json and safetensors "
                                         "(sharded with an index above 4 GiB) in the family's Hugging Face layout, "

@@ -194,6 +194,20 @@ def is_distributed() -> bool:
     return jax.process_count() > 1
 
 
+def fetch(tree: Any) -> Any:
+    """A program's outputs as host arrays. On a mesh over several
+    processes each reads a replicated output from its own devices and
+    gathers a split one: every process makes the same call (SPMD)."""
+    def get(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return jax.device_get(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_shards[0].data)
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(get, tree)
+
+
 _PEER_FAILURE = re.compile(r"Gloo \w+ failed|Connection (reset|closed|refused)|Socket closed|heartbeat|UNAVAILABLE")
 
 

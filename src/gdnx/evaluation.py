@@ -28,6 +28,7 @@ from flax import nnx
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from gdnx.distributed import fetch
 from gdnx.loss import position_scores
 
 # the shortest scored row (shorter inputs are padded to it): few compiled shapes
@@ -208,7 +209,7 @@ class GdnxLM(TemplateLM):
         else:
             with jax.set_mesh(self.mesh):
                 out = self._score(self._state, tokens, targets, segments)
-        return tuple(np.asarray(x) for x in jax.device_get(out))  # type: ignore[return-value]
+        return tuple(np.asarray(x) for x in fetch(out))  # type: ignore[return-value]
 
     def _eos_id(self) -> int:
         """The tokenizer's eos token (tokenizer_config.json), as lm-eval's hf

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gdnx.distributed import fetch
 from gdnx.errors import FieldError
 from gdnx.layers.attention import RingCache
 from gdnx.layers.gated_deltanet import GDNState
@@ -128,21 +129,6 @@ class _StepResults:
             out.append(Event(req.id, toks, req.completion, lp,
                              req.output.new_text(finished=req.status is RequestStatus.FINISHED)))
         return out
-
-
-def _fetch(tree: Any) -> Any:
-    """A program's outputs on the host. On a mesh over several processes
-    each process reads a replicated output from its own devices and
-    gathers a split one (every process makes the same call: the engine
-    runs the same steps everywhere)."""
-    def get(x):
-        if not isinstance(x, jax.Array) or x.is_fully_addressable:
-            return jax.device_get(x)
-        if x.is_fully_replicated:
-            return np.asarray(x.addressable_shards[0].data)
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return jax.tree.map(get, tree)
 
 
 class EngineShapes(NamedTuple):
@@ -510,7 +496,7 @@ class Engine:
                                                       params, seen, targets, history_every=history)
         self.stats.programs.add(("prefill", (rows, length)))
         self.stats.prefill_calls += 1
-        got = _fetch(out)
+        got = fetch(out)
         if got.snapshot is not None:
             self.scheduler.store(group, got.snapshot, lengths)
         for i, (req, start) in enumerate(group):
@@ -544,7 +530,7 @@ class Engine:
         used = int(np.flatnonzero(active)[-1]) + 1
         step = self._run_decode(active, next(r for r in self.decode_rows if r >= used))
         self.stats.decode_calls += 1
-        got = _fetch(step)
+        got = fetch(step)
         for req in self.scheduler.decoding():
             slot = req.held_slot
             logits = None if got.logits is None else got.logits[slot]
@@ -576,7 +562,7 @@ class Engine:
     def _verify(self, drafts: np.ndarray, counts: np.ndarray, results: _StepResults) -> None:
         out = self._run_verify(self.scheduler.active(), drafts, counts)
         self.stats.verify_calls += 1
-        got = _fetch(out)
+        got = fetch(out)
         self.stats.drafted_tokens += int(counts.sum())
         for req in self.scheduler.decoding():
             slot = req.held_slot
