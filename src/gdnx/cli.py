@@ -166,6 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     serving.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per decode call (default 8)")
     serving.add_argument("--max-prefill-batch", type=int, default=None, metavar="N",
                          help="prompts prefilled together, at most (default: --max-slots)")
+    serving.add_argument("--prefix-cache-mb", type=int, default=1024,
+                         help="as gdnx serve's (default 1024; 0: off): with a prefix cache the prefill also returns "
+                              "the states at block ends")
     bench = sub.add_parser("bench", help="op timings and train-step time/memory, GDN hybrid vs attention")
     bench.add_argument("--batch", type=int, default=4, help="train-step batch (default 4)")
     bench.add_argument("--seq-len", type=int, default=1024, help="train-step sequence length (default 1024)")
@@ -303,13 +306,16 @@ def _plan(args) -> None:
     config = load_config(args.config, list(args.overrides))
     try:
         if args.serve:
+            if args.prefix_cache_mb < 0:
+                raise ValueError("--prefix-cache-mb: expected a non-negative integer")
             from gdnx.serving.plan import describe as describe_serving
             from gdnx.serving.plan import serve_plan
 
             print(describe_serving(serve_plan(config, args.topology, max_slots=args.max_slots,
                                               max_length=args.max_length, speculative=args.speculative,
                                               decode_steps=args.decode_steps,
-                                              max_prefill_batch=args.max_prefill_batch)))
+                                              max_prefill_batch=args.max_prefill_batch,
+                                              prefix_cache=args.prefix_cache_mb > 0)))
             return
         result = plan(config, args.topology)
     except ValueError as e:  # the topology, the mesh, a model field or an engine setting

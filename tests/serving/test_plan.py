@@ -25,7 +25,7 @@ SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_atte
 def test_the_engines_programs_compile_for_a_slice(topology, axes, speculative, prefill):
     config = load_config("tiny", SMALL + axes)
     p = serve_plan(config, topology, max_slots=4, max_length=256, speculative=speculative, decode_steps=2,
-                   max_prefill_batch=prefill)
+                   max_prefill_batch=prefill, prefix_cache=prefill is None)  # the second without its snapshots
     assert p.chips == 4 and p.fits
     assert (p.max_prefill_batch, p.prefill_follows_slots) == ((4, True) if prefill is None else (prefill, False))
     assert set(p.temp_bytes) == {"prefill", "decode"} | ({"verify"} if speculative else set())
@@ -78,6 +78,7 @@ def test_cli_prints_the_serving_plan_and_refuses_bad_settings_in_one_line(capsys
     assert "slot state" in out and "fits" in out and "FLOPs per decode step" in out, out
     for bad, match in ((["--max-slots", "0"], "--max-slots: expected an integer >= 1"),
                        (["--max-length", "999999"], "--max-length: 999999 exceeds the model's"),
+                       (["--prefix-cache-mb", "-1"], "--prefix-cache-mb: expected a non-negative integer"),
                        (["--max-prefill-batch", "3"], "--max-prefill-batch: expected an integer in [1, --max-slots=2]"),
                        (["parallel.context=2", "parallel.tensor=2"], "parallel.context: the engine splits heads")):
         assert main([*args, *bad]) == 2

@@ -52,6 +52,7 @@ class ServePlan:
     max_length: int
     max_prefill_batch: int
     prefill_follows_slots: bool   # max_prefill_batch is max_slots, not set apart
+    prefix_cache: bool            # the prefill also returns the states at block ends (the prefix cache's)
     capacity: int                 # tokens each slot's cache holds (max_length in blocks, plus drafts)
     speculative: int
     weight_bytes: int             # per chip
@@ -134,10 +135,13 @@ def _compile(lowered: Any, what: str, topology: str) -> Any:
 
 
 def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int, speculative: int = 0,
-               decode_steps: int = 8, max_prefill_batch: int | None = None, logprobs: int = 0) -> ServePlan:
+               decode_steps: int = 8, max_prefill_batch: int | None = None, prefix_cache: bool = True,
+               logprobs: int = 0) -> ServePlan:
     """Compile the engine's prefill, decode and verify programs for the TPU
     slice `topology` with config's model and parallel sections
-    (max_prefill_batch None: max_slots, as the engine takes it)."""
+    (max_prefill_batch None: max_slots, as the engine takes it;
+    prefix_cache: the prefill keeps the states at block ends, as an engine
+    with a prefix cache has it do)."""
     for name, value, low in (("max_slots", max_slots, 1), ("max_length", max_length, 2),
                              ("speculative", speculative, 0), ("decode_steps", decode_steps, 1)):
         if value < low:
@@ -191,7 +195,7 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
             "prefill": lambda: compiled_programs.prefill.lower(
                 state, slots, host((pr,), jnp.int32), host((pr, length), jnp.int32), host((pr,), jnp.int32),
                 host((pr,), jnp.int32), prefill_params, host((pr, cfg.vocab_size), jnp.bool_), None,
-                history_every=shapes.block_size),
+                history_every=shapes.block_size if prefix_cache else None),
             "decode": lambda: compiled_programs.decode.lower(state, slots, host((s,), jnp.bool_), steps=decode_steps,
                                                              rows=s),
             "verify": lambda: compiled_programs.verify.lower(state, slots, host((s,), jnp.bool_),
@@ -213,7 +217,7 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
                 kernels = (compiled.as_text() or "").count("tpu_custom_call")
     return ServePlan(topology, len(devices), dict(mesh.shape),
                      sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), s, max_length,
-                     pr, follows, shapes.capacity, k, _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels)
+                     pr, follows, prefix_cache, shapes.capacity, k, _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels)
 
 
 def describe(p: ServePlan) -> str:
@@ -225,7 +229,7 @@ def describe(p: ServePlan) -> str:
     return "\n".join([
         f"{p.topology}: {p.chips} chips, mesh {axes}; {p.parameters / 1e9:,.2f}B parameters; {p.max_slots} slots of "
         f"{p.max_length} tokens (a cache of {p.capacity} each), prefills of {p.max_prefill_batch} prompts"
-        f"{f', {p.speculative} draft tokens' if p.speculative else ''}",
+        f"{' with the prefix cache' if p.prefix_cache else ''}{f', {p.speculative} draft tokens' if p.speculative else ''}",
         f"per chip: weights {gib(p.weight_bytes)}, slot state {gib(p.slot_bytes)} "
         f"({gib(p.slot_bytes / p.max_slots)} per slot), temporaries {temps}",
         f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}; at {p.max_length} tokens about "
