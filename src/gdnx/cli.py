@@ -150,7 +150,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "step. Needs jax[tpu] (libtpu); no TPU.")
     plan.add_argument("config", help=f"a YAML file or a bundled config ({', '.join(bundled_names())})")
     plan.add_argument("--topology", required=True,
-                      help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4")
+                      help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4; with --serve "
+                           "also N GPUs of one host: h100:8, h200:8, a100:8")
     plan.add_argument("overrides", nargs="*", metavar="key=value",
                       help="config overrides, e.g. parallel.fsdp=-1 parallel.data=1 train.batch_size=64")
     serving = plan.add_argument_group("--serve: the serving engine's programs instead (docs/serving.md)")

@@ -38,6 +38,14 @@ def test_the_engines_programs_compile_for_a_slice(topology, axes, speculative, p
     assert p.largest_slots >= 4 and p.decode_flops > 0 and p.xla_flops["decode"] > 0
 
 
+def test_the_engines_programs_compile_for_the_gpus_of_a_h100_host():
+    """The CUDA plugin's target of 4 H100s: the Triton kernels in the prefill."""
+    p = serve_plan(load_config("tiny", SMALL + ["parallel.data=1", "parallel.tensor=4"]), "h100:4", max_slots=4,
+                   max_length=256, speculative=2, decode_steps=2)
+    assert p.chips == 4 and p.fits and p.hbm_bytes == 80 * 2 ** 30
+    assert p.kernel_calls > 0 and set(p.temp_bytes) == {"prefill", "decode", "verify"}
+
+
 def test_decode_flops_against_xla_on_an_unrolled_model():
     """One decode step of an unrolled dense model: XLA's count of the
     per-chip program (times the chips, tensor parallel) is the

@@ -1,10 +1,12 @@
 """`gdnx plan --serve`: compile the serving engine's programs for a TPU
-slice from this host, as `gdnx plan` compiles a train step.
+slice (or the GPUs of one host) from this host, as `gdnx plan` compiles a
+train step.
 
 The model is built abstractly (shapes only), its weights placed on the
 slice's mesh by the sharding rules, the engine's slot state laid out as
 the engine lays it out (gdnx.serving.programs.place), and the programs a
-server runs at its largest shapes are compiled deviceless with libtpu: the
+server runs at its largest shapes are compiled deviceless (libtpu, or the
+CUDA plugin for GPUs): the
 prefill of max_slots prompts in the longest bucket (what a burst of long
 prompts costs: the engine prefills up to max_slots prompts of one bucket
 together), the decode step over every slot, and with speculation the
@@ -62,7 +64,7 @@ class ServePlan:
     xla_flops: dict[str, float]   # XLA's cost analysis per chip (a loop's body counted once)
     decode_flops: float           # one decode step over every slot at full length, by the architecture
     hbm_bytes: int
-    kernel_calls: int             # Mosaic kernels (the delta rule's) in the compiled prefill
+    kernel_calls: int             # Mosaic or Triton kernels (the delta rule's) in the compiled prefill
 
     @property
     def peak_bytes(self) -> int:
@@ -123,8 +125,31 @@ def _abstract(tree: Any, placements: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, placements)
 
 
+def _target(topology: str) -> tuple[list[jax.Device], int, str]:
+    """The target's devices, memory per device and platform: a TPU slice
+    (v5p:2x2x1), or NAME:N for N GPUs of one host (h100:8; gdnx.aot's GPU
+    targets)."""
+    from gdnx.aot import GPU_SPECS, gpu_target_config
+
+    name, _, count = topology.partition(":")
+    if name not in GPU_SPECS:
+        return topology_devices(topology), HBM_BYTES[generation(topology)], "tpu"
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--topology: a GPU target is NAME:N, N GPUs of one host (e.g. {name}:8), got {topology!r}")
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology_name="", topology=f"1x1x{count}",
+                                            target_config=gpu_target_config(GPU_SPECS[name]))
+    except Exception as e:  # no CUDA plugin here
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ValueError(f"--topology {topology}: the CUDA plugin cannot describe it ({first}); install "
+                         "jax[cuda12-local] and nvidia-cuda-nvcc-cu12") from None
+    return list(topo.devices), GPU_SPECS[name].memory_bytes, "cuda"
+
+
 def _compile(lowered: Any, what: str, topology: str) -> Any:
-    """The compiled program; libtpu's refusal of one whose buffers overflow a chip as a ValueError."""
+    """The compiled program; the compiler's refusal of one whose buffers overflow a chip as a ValueError."""
     try:
         return lowered.compile()
     except jax.errors.JaxRuntimeError as e:
@@ -137,8 +162,8 @@ def _compile(lowered: Any, what: str, topology: str) -> Any:
 def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int, speculative: int = 0,
                decode_steps: int = 8, max_prefill_batch: int | None = None, prefix_cache: bool = True,
                logprobs: int = 0) -> ServePlan:
-    """Compile the engine's prefill, decode and verify programs for the TPU
-    slice `topology` with config's model and parallel sections
+    """Compile the engine's prefill, decode and verify programs for
+    `topology` (a TPU slice, or NAME:N GPUs) with config's model and parallel sections
     (max_prefill_batch None: max_slots, as the engine takes it;
     prefix_cache: the prefill keeps the states at block ends, as an engine
     with a prefix cache has it do)."""
@@ -151,15 +176,15 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
     if not 1 <= prefill_rows <= max_slots:
         raise ValueError(f"--max-prefill-batch: expected an integer in [1, --max-slots={max_slots}], got "
                          f"{prefill_rows}")
-    hbm = HBM_BYTES[generation(topology)]
-    devices = topology_devices(topology)
+    devices, hbm, kind = _target(topology)
     cfg = config.model
     if max_length > cfg.max_position_embeddings:
         raise ValueError(f"--max-length: {max_length} exceeds the model's {cfg.max_position_embeddings} positions "
                          "(max_position_embeddings)")
-    if cfg.gdn_implementation == "auto":  # the kernel the TPU would pick, compiled
-        cfg = cfg.model_copy(update={"gdn_implementation": "pallas_tpu", "gdn_interpret": False})
-    check_platform(cfg, "tpu")
+    if cfg.gdn_implementation == "auto":  # the kernel the target would pick, compiled
+        cfg = cfg.model_copy(update={"gdn_implementation": "pallas_tpu" if kind == "tpu" else "pallas_gpu",
+                                     "gdn_interpret": False})
+    check_platform(cfg, kind)
     if config.parallel.context != 1:
         raise ValueError(f"parallel.context: the engine splits heads and slots, not sequences: expected 1, got "
                          f"{config.parallel.context}")
@@ -214,10 +239,12 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
             c = c[0] if isinstance(c, (list, tuple)) else c
             cost[name] = float((c or {}).get("flops", 0.0))
             if name == "prefill":
-                kernels = (compiled.as_text() or "").count("tpu_custom_call")
+                text = compiled.as_text() or ""
+                kernels = text.count("tpu_custom_call") + text.count("__gpu$xla.gpu.triton")
     return ServePlan(topology, len(devices), dict(mesh.shape),
                      sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), s, max_length,
-                     pr, follows, prefix_cache, shapes.capacity, k, _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels)
+                     pr, follows, prefix_cache, shapes.capacity, k, _per_chip(state), _per_chip(slots), temp,
+                     compile_s, cost, flops, hbm, kernels)
 
 
 def describe(p: ServePlan) -> str:
@@ -234,8 +261,9 @@ def describe(p: ServePlan) -> str:
         f"({gib(p.slot_bytes / p.max_slots)} per slot), temporaries {temps}",
         f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}; at {p.max_length} tokens about "
         f"{p.largest_slots} slots fit",
-        f"compiled in {times} ({p.kernel_calls} Pallas TPU kernel calls in the prefill)",
+        f"compiled in {times} ({p.kernel_calls} Pallas kernel calls in the prefill)",
         f"FLOPs per decode step: {p.decode_flops:.3e} by the architecture ({p.max_slots} tokens at full length; "
         f"{p.decode_flops / p.chips:.3e} per chip); XLA's cost analysis of the decode program "
-        f"{p.xla_flops['decode']:.3e} per chip (its loops' bodies counted once)",
+        + (f"{p.xla_flops['decode']:.3e} per chip (its loops' bodies counted once)" if p.xla_flops["decode"]
+           else "not reported for this target"),
     ])
