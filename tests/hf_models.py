@@ -179,3 +179,27 @@ def word_checkpoint(directory, kind: str):
 
 def words(ids) -> str:
     return " ".join(word(int(i)) for i in ids)
+
+
+# a byte-level BPE vocabulary (every string can be written) of at most this many entries; its first: <|endoftext|>
+BPE_VOCAB = 320
+BPE_TEXT = ('{"name": "abc", "ok": true, "n": 12, "items": [1, 2]}', "hello world, the quick brown fox",
+            "yes no maybe 123-ab (1+2)")
+
+
+def write_bpe_tokenizer(directory) -> int:
+    """tokenizer.json: a byte-level BPE trained on BPE_TEXT (at most
+    BPE_VOCAB entries; <|endoftext|> is id 0). Returns its vocabulary size."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(BPE_TEXT) * 50, trainer)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    return tok.get_vocab_size()

@@ -169,10 +169,16 @@ def eos_ids(loaded: Loaded, chat: Any = None) -> list[int]:
     token (a chat model's end of turn, e.g. <|im_end|>)."""
     eos = loaded.model.config.eos_token_id
     ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    name = chat.special.get("eos_token") if chat is not None else None
-    if name is not None and (found := loaded.tokenizer.token_id(name)) is not None:
-        ids.append(int(found))
+    if (found := _chat_eos(loaded, chat)) is not None:
+        ids.append(found)
     return sorted(set(ids))
+
+
+def _chat_eos(loaded: Loaded, chat: Any) -> int | None:
+    """The chat template's eos token's id (its end of turn), if any."""
+    name = chat.special.get("eos_token") if chat is not None else None
+    found = loaded.tokenizer.token_id(name) if name is not None else None
+    return None if found is None else int(found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +198,7 @@ def build_engine(loaded: Loaded, settings: EngineSettings, chat: Any = None) -> 
     """The Engine for a loaded model. A refused setting is a ConfigError
     naming its flag."""
     from gdnx.serving import Engine, NgramDrafter
+    from gdnx.serving.grammar import Grammars
 
     if settings.max_length > loaded.max_positions:
         raise ConfigError(f"--max-length: {settings.max_length} exceeds the model's {loaded.max_positions} positions "
@@ -200,12 +207,18 @@ def build_engine(loaded: Loaded, settings: EngineSettings, chat: Any = None) -> 
         for name in ("speculative", "prefix_cache_bytes"):
             if getattr(settings, name) < 0:  # the flag's own value (MiB for the prefix cache) is what was wrong
                 raise FieldError(name, "expected a non-negative integer")
+        eos = eos_ids(loaded, chat)
+        tok = getattr(loaded.tokenizer, "tok", None)  # a tokenizer.json's: structured outputs follow its vocabulary
+        # a constrained output ends with the chat template's end of turn when there is one, else the config's eos
+        end = _chat_eos(loaded, chat)
+        grammars = Grammars(tok.to_str(), loaded.model.config.vocab_size, end if end is not None else eos[0]) \
+            if tok is not None and eos else None
         return Engine(loaded.model, max_slots=settings.max_slots, max_length=settings.max_length,
                       prefix_cache_bytes=settings.prefix_cache_bytes, decode_steps=settings.decode_steps,
                       speculative=NgramDrafter(settings.speculative) if settings.speculative else None,
                       batch_invariant=settings.batch_invariant, tokenizer=loaded.tokenizer,
-                      max_logprobs=settings.max_logprobs, eos_token_ids=eos_ids(loaded, chat), mesh=loaded.mesh,
-                      max_prefill_batch=settings.max_prefill_batch)
+                      max_logprobs=settings.max_logprobs, eos_token_ids=eos, mesh=loaded.mesh,
+                      max_prefill_batch=settings.max_prefill_batch, grammars=grammars)
     except FieldError as e:
         raise flag_error(e) from None
 

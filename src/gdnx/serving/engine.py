@@ -45,8 +45,9 @@ from gdnx.layers.gated_deltanet import GDNState
 from gdnx.models.cache import row_axes
 from gdnx.parallel.params import shard
 from gdnx.parallel.rules import MESH_AXES
-from gdnx.serving import programs
+from gdnx.serving import grammar, programs
 from gdnx.serving.drafter import Drafter
+from gdnx.serving.grammar import Grammars
 from gdnx.serving.output import Output
 from gdnx.serving.params import Completion, SamplingParams
 from gdnx.serving.prefix_cache import PrefixCache
@@ -194,13 +195,18 @@ class Engine:
       verify pass, drafts or not. Off: prompts are prefilled whole in
       length buckets (same tokens; logits equal to float rounding).
     seed: the generator of the seeds of requests that give none.
+    grammars: gdnx.serving.grammar.Grammars for the tokenizer, needed by
+      requests with a `structured` constraint (each constrained token is
+      drawn in a decode call of its own, the host computing the allowed
+      tokens from the last one; no drafts for them; not in batch-invariant
+      mode).
     """
 
     def __init__(self, model: Any, *, max_slots: int = 8, max_length: int = 2048, prefix_cache_bytes: int = 0,
                  speculative: Drafter | None = None, block_size: int | None = None, decode_steps: int = 8,
                  max_prefill_batch: int | None = None, max_logprobs: int = 5, tokenizer: Detokenizer | None = None,
                  eos_token_ids: Sequence[int] | None = None, keep_logits: bool = False, batch_invariant: bool = False,
-                 seed: int = 0, mesh: jax.sharding.Mesh | None = None):
+                 seed: int = 0, mesh: jax.sharding.Mesh | None = None, grammars: Grammars | None = None):
         cfg = model.config
         chunk = cfg.gdn_chunk_size
         block_size = 4 * chunk if block_size is None else block_size
@@ -241,6 +247,7 @@ class Engine:
         self.tokenizer, self.speculative = tokenizer, speculative
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.keep_logits, self.batch_invariant = keep_logits, batch_invariant
+        self.grammars = grammars
         draft = speculative.num_tokens if speculative is not None else 0
         shapes = engine_shapes(cfg, max_length, block_size, draft)
         self.padded_length, self.capacity = shapes.padded_length, shapes.capacity
@@ -305,6 +312,14 @@ class Engine:
             raise FieldError("stop_token_ids", f"at most {MAX_STOP_IDS}, got {len(params.stop_token_ids)}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise FieldError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        if params.structured is not None:
+            field = params.structured.field
+            if self.grammars is None:
+                raise FieldError(field, "structured outputs need the engine's grammars (a checkpoint with a "
+                                 "tokenizer.json)")
+            if self.batch_invariant:
+                raise FieldError(field, "structured outputs are not available in batch-invariant mode")
+            self.grammars.grammar(params.structured)  # compiled and checked now, kept for the request
         return ids
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
@@ -316,6 +331,9 @@ class Engine:
         seed = params.seed if params.seed is not None else self.draw_seed()
         decode = None if self.tokenizer is None else self.tokenizer.decode
         req = Request(self._next_id, ids, params, seed, Output(params, decode, self.eos_token_ids))
+        if params.structured is not None:
+            assert self.grammars is not None  # check() refuses a constraint without them
+            req.matcher = self.grammars.matcher(params.structured)
         self._next_id += 1
         self.scheduler.add(req)
         self.stats.requests += 1
@@ -490,10 +508,13 @@ class Engine:
                 targets[i, :len(nxt)] = nxt
         params = SlotParams.rows([r.params for r, _ in group] + [SamplingParams()] * (rows - len(group)),
                                  [r.seed for r, _ in group] + [0] * (rows - len(group)))
+        allowed = None  # the first token each constrained request may draw
+        if any(req.matcher is not None for req, _ in group):
+            allowed = grammar.masks([req.matcher for req, _ in group] + [None] * (rows - len(group)), vocab)
         history = self.block_size if self.prefix_cache is not None else None
         with self._on_mesh():
             self._slots, out = self._programs.prefill(self._state, self._slots, slots, tokens, starts, lengths,
-                                                      params, seen, targets, history_every=history)
+                                                      params, seen, targets, allowed, history_every=history)
         self.stats.programs.add(("prefill", (rows, length)))
         self.stats.prefill_calls += 1
         got = fetch(out)
@@ -510,12 +531,14 @@ class Engine:
                 self._emit(req, [int(got.tokens[i])], got.logprobs, i,
                            None if got.logits is None else got.logits[i][None], results)
 
-    def _run_decode(self, active: np.ndarray, rows: int):
-        """The decode program over the first `rows` slots (recorded among the compiled programs)."""
+    def _run_decode(self, active: np.ndarray, rows: int, allowed: np.ndarray | None = None):
+        """The decode program over the first `rows` slots (recorded among the
+        compiled programs); with `allowed` (constrained rows), one token."""
+        steps = self.decode_steps if allowed is None else 1
         with self._on_mesh():
-            self._slots, step = self._programs.decode(self._state, self._slots, active, steps=self.decode_steps,
+            self._slots, step = self._programs.decode(self._state, self._slots, active, allowed, steps=steps,
                                                       rows=rows)
-        self.stats.programs.add(("decode", (rows, self.decode_steps)))
+        self.stats.programs.add(("decode", (rows, steps) if allowed is None else (rows, steps, "constrained")))
         return step
 
     def _run_verify(self, active: np.ndarray, drafts: np.ndarray, counts: np.ndarray):
@@ -528,7 +551,14 @@ class Engine:
     def _decode(self, results: _StepResults) -> None:
         active = self.scheduler.active()
         used = int(np.flatnonzero(active)[-1]) + 1
-        step = self._run_decode(active, next(r for r in self.decode_rows if r >= used))
+        allowed = None
+        decoding = self.scheduler.decoding()
+        if any(req.matcher is not None for req in decoding):
+            matchers: list = [None] * self.max_slots
+            for req in decoding:
+                matchers[req.held_slot] = req.matcher
+            allowed = grammar.masks(matchers, self.model.config.vocab_size)
+        step = self._run_decode(active, next(r for r in self.decode_rows if r >= used), allowed)
         self.stats.decode_calls += 1
         got = fetch(step)
         for req in self.scheduler.decoding():
@@ -537,8 +567,8 @@ class Engine:
             self._emit(req, [int(t) for t in got.tokens[slot]], got.logprobs, slot, logits, results)
 
     def _drafts(self, results: _StepResults) -> tuple[np.ndarray, np.ndarray] | None:
-        if self.speculative is None:
-            return None
+        if self.speculative is None or any(req.matcher is not None for req in self.scheduler.decoding()):
+            return None  # a constrained request's tokens are checked one at a time: no verify pass then
         k = self.speculative.num_tokens
         drafts = np.zeros((self.max_slots, k), np.int32)
         counts = np.zeros(self.max_slots, np.int32)
@@ -585,10 +615,15 @@ class Engine:
         got = results.tokens(req)
         reason = None
         for j, tok in enumerate(new):
+            if req.matcher is not None and (refused := req.matcher.consume(tok)) is not None:
+                self._fail(req, f"the output constraint refused token {tok}: {refused}", results)
+                return
             got.append(tok)
             if p.logprobs is not None:
+                # a token a constraint (or min_tokens) ruled out has -inf: not a candidate, left out
                 req.logprobs.append((float(chosen[j]), {int(i): float(v) for i, v in
-                                                        zip(ids[j][:p.logprobs], top[j][:p.logprobs])}))
+                                                        zip(ids[j][:p.logprobs], top[j][:p.logprobs])
+                                                        if v > -np.inf}))
             if logits is not None:
                 req.logits.append(np.asarray(logits[j]))
             self.stats.generated_tokens += 1

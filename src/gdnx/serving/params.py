@@ -26,6 +26,29 @@ def _float(name: str, value, low: float, high: float, *, open_low: bool = False)
 
 
 @dataclasses.dataclass(frozen=True)
+class Structured:
+    """A constraint on a request's output, enforced token by token
+    (gdnx.serving.grammar): a JSON schema (as JSON text; `{"type":
+    "object"}` for any JSON object), a regular expression, one of a list of
+    strings, or a Lark grammar. field: the request field it came from,
+    which an error in it names."""
+    kind: Literal["json", "regex", "choice", "grammar"]
+    value: str | tuple[str, ...]
+    field: str = "structured"
+
+    def __post_init__(self):
+        if self.kind not in ("json", "regex", "choice", "grammar"):
+            raise FieldError(self.field, f"expected json, regex, choice or grammar, got {self.kind!r}")
+        if self.kind == "choice":
+            if isinstance(self.value, str) or not isinstance(self.value, (list, tuple)) or not self.value \
+                    or not all(isinstance(c, str) and c for c in self.value):
+                raise FieldError(self.field, "expected a non-empty list of non-empty strings")
+            object.__setattr__(self, "value", tuple(self.value))
+        elif not isinstance(self.value, str) or not self.value:
+            raise FieldError(self.field, f"expected a non-empty string for {self.kind}")
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled; every field is checked on construction
     (FieldError naming the field).
@@ -48,6 +71,12 @@ class SamplingParams:
     seed: a request's draws depend only on it, its prompt and its own
     tokens, never on the other requests sharing the engine; None draws a
     seed from the engine's generator.
+
+    structured: a Structured constraint; every token is drawn from those
+    the constraint allows next (the disallowed ones' logits are -inf before
+    any of the above: logprobs see them so). The output ends when the
+    constraint is complete (the end-of-sequence token is then the one
+    allowed), or at max_tokens ("length") if it cannot complete in time.
     """
 
     max_tokens: int = 16
@@ -65,6 +94,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: Structured | None = None
 
     def __post_init__(self):
         # lists are accepted and kept as tuples (the params stay hashable)
@@ -98,6 +128,8 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0, 20)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, 0, 20)
+        if self.structured is not None and not isinstance(self.structured, Structured):
+            raise FieldError("structured", f"expected a Structured constraint, got {type(self.structured).__name__}")
 
 
 FinishReason = Literal["stop", "length"]

@@ -123,10 +123,12 @@ class PrefillOut(NamedTuple):
 
 
 def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, starts: jax.Array, lengths: jax.Array,
-            params: SlotParams, seen: jax.Array, targets: jax.Array | None = None, *, static: Static,
-            history_every: int | None) -> tuple[Slots, PrefillOut]:
+            params: SlotParams, seen: jax.Array, targets: jax.Array | None = None, allowed: jax.Array | None = None,
+            *, static: Static, history_every: int | None) -> tuple[Slots, PrefillOut]:
     """targets [P, L]: the prompt token after each position, when some row
-    asks for its prompt's logprobs (the model's own, from this pass)."""
+    asks for its prompt's logprobs (the model's own, from this pass).
+    allowed [P, W]: the tokens each row may draw first (a bitmask,
+    sampling.allow), when some row's output is constrained."""
     model = nnx.merge(static.graphdef, state)
     p = tokens.shape[0]
     fresh = starts == 0
@@ -143,6 +145,8 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
     logits = model.logits(last)[:, 0]
     zero = jnp.zeros((p,), jnp.int32)
     adj = sampling.adjust(logits, params, jnp.zeros_like(logits, jnp.int32), seen, zero, static.eos_ids)
+    if allowed is not None:
+        adj = sampling.allow(adj, allowed)
     tok = sampling.draw(adj, params, sampling.token_keys(params, zero))
     lp = sampling.logprobs(adj, tok, static.logprobs, params.logprobs)
     new = out.cache
@@ -207,14 +211,20 @@ def _over_rows(static: Static, fn, *slot_states: Slots) -> Slots:
     return Slots(cache=Cache(layers, fn(0, *(s.cache.length for s in slot_states))), **rest)
 
 
-def decode(state: nnx.State, slots: Slots, active: jax.Array, *, static: Static, steps: int,
-           rows: int | None = None) -> tuple[Slots, Step]:
+def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array | None = None, *, static: Static,
+           steps: int, rows: int | None = None) -> tuple[Slots, Step]:
     """active [S]: the rows decoding (the others' states are kept). rows:
     only the first `rows` slots decode (the others are idle), so a step
-    costs what the batch holds rather than every slot."""
+    costs what the batch holds rather than every slot. allowed [S, W]: the
+    tokens each row may draw (a bitmask, sampling.allow), when some row's
+    output is constrained; the host computes it from the last token, so
+    then steps is 1."""
+    if allowed is not None and steps != 1:
+        raise ValueError(f"decode: a constrained step draws one token, got steps={steps}")
     if rows is not None and rows < slots.last.shape[0]:
         part = _over_rows(static, lambda axis, x: jax.lax.slice_in_dim(x, 0, rows, axis=axis), slots)
-        part, step = decode(state, part, active[:rows], static=static, steps=steps)
+        part, step = decode(state, part, active[:rows], None if allowed is None else allowed[:rows], static=static,
+                            steps=steps)
         return _over_rows(static, lambda axis, x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis),
                           slots, part), step
     model = nnx.merge(static.graphdef, state)
@@ -227,6 +237,8 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, *, static: Static,
         out = out._replace(cache=_keep_inactive(static, out.cache, slots.cache, active))
         logits = out.logits[:, 0]
         adj = sampling.adjust(logits, params, slots.counts, slots.seen, slots.generated, static.eos_ids)
+        if allowed is not None:
+            adj = sampling.allow(adj, allowed)
         tok = sampling.draw(adj, params, sampling.token_keys(params, slots.generated))
         lp = sampling.logprobs(adj, tok, static.logprobs, params.logprobs)
         slots = slots._replace(cache=out.cache, counts=slots.counts.at[index, tok].add(1),

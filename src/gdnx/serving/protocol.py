@@ -4,6 +4,7 @@ onto SamplingParams, and the response and stream-chunk bodies."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from gdnx.errors import FieldError
-from gdnx.serving.params import SamplingParams
+from gdnx.serving.params import SamplingParams, Structured
 
 # the most top-N log-probabilities a request may ask for (the protocol's own bound)
 MAX_LOGPROBS = 20
@@ -37,6 +38,64 @@ class RequestError(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any
+    JSON object) or json_schema."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs extension: exactly one of a JSON schema, a
+    regular expression, a list of choices or a Lark grammar."""
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+def structured(response_format: ResponseFormat | None, outputs: StructuredOutputs | None) -> Structured | None:
+    """The request's constraint, or None; a RequestError naming the field
+    when the two are given together or one is incomplete."""
+    if response_format is not None and response_format.type != "text" and outputs is not None:
+        raise RequestError("response_format: give response_format or structured_outputs, not both",
+                           "response_format")
+    if outputs is not None:
+        given: list[Structured] = []
+        if outputs.json_ is not None:
+            schema = outputs.json_ if isinstance(outputs.json_, str) else json.dumps(outputs.json_)
+            given.append(Structured("json", schema, field="structured_outputs.json"))
+        if outputs.regex is not None:
+            given.append(Structured("regex", outputs.regex, field="structured_outputs.regex"))
+        if outputs.choice is not None:
+            given.append(Structured("choice", tuple(outputs.choice), field="structured_outputs.choice"))
+        if outputs.grammar is not None:
+            given.append(Structured("grammar", outputs.grammar, field="structured_outputs.grammar"))
+        if len(given) != 1:
+            raise RequestError("structured_outputs: give exactly one of json, regex, choice, grammar",
+                               "structured_outputs")
+        return given[0]
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return Structured("json", json.dumps({"type": "object"}), field="response_format")
+    if response_format.json_schema is None:
+        raise RequestError("response_format.json_schema: required with type json_schema",
+                           "response_format.json_schema")
+    return Structured("json", json.dumps(response_format.json_schema.schema_),
+                      field="response_format.json_schema.schema")
 
 
 class _Request(BaseModel):
@@ -63,6 +122,8 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def sampling(self, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
         """SamplingParams for one choice (choice i of n draws with seed + i)."""
@@ -72,7 +133,8 @@ class _Request(BaseModel):
             top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=None if self.seed is None else self.seed + seed_offset, stop_token_ids=tuple(self.stop_token_ids),
-            stop=tuple(stop), ignore_eos=self.ignore_eos, logprobs=logprobs)
+            stop=tuple(stop), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            structured=structured(self.response_format, self.structured_outputs))
 
 
 class CompletionRequest(_Request):
@@ -111,12 +173,10 @@ class ChatRequest(_Request):
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
-    response_format: dict | None = None
 
 
 # fields of the protocol gdnx does not implement: refused rather than ignored
-_UNSUPPORTED = {"best_of": None, "suffix": None, "logit_bias": None, "tools": None,
-                "response_format": None}
+_UNSUPPORTED = {"best_of": None, "suffix": None, "logit_bias": None, "tools": None}
 
 
 def _loc(loc: tuple) -> str:

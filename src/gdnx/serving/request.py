@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +70,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None         # why it FAILED
     completion: Completion | None = None  # set when FINISHED
+    matcher: Any = None              # its constraint's gdnx.serving.grammar.Matcher, if it has one
 
     @property
     def tokens(self) -> list[int]:

@@ -112,6 +112,15 @@ def adjust(logits: jax.Array, p: SlotParams, counts: jax.Array, seen: jax.Array,
     return jax.lax.cond(jnp.any(generated < p.min_tokens), hold_back, lambda x: x, logits)
 
 
+def allow(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Logits [S, V] with the tokens a row's bitmask (int32 [S, ceil(V / 32)],
+    bit j of word i: token 32 i + j) does not allow set to -inf."""
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    words = jnp.take(bitmask, ids // 32, axis=1).astype(jnp.uint32)
+    bits = jax.lax.shift_right_logical(words, (ids % 32).astype(jnp.uint32)[None]) & 1
+    return jnp.where(bits == 1, logits, -jnp.inf)
+
+
 def filtered(logits: jax.Array, p: SlotParams) -> jax.Array:
     """Adjusted logits [S, V] divided by the temperature and cut by top_k,
     top_p and min_p (-inf outside): the distribution a row draws from.

@@ -1,0 +1,107 @@
+"""Structured outputs with llguidance: a request's Structured constraint
+compiled to a grammar, a matcher per request that follows its tokens, and
+the bitmask of the tokens it allows next (one bit per vocabulary entry,
+32 to an int32, as llguidance lays it out), computed on the host and
+applied to the logits on the device (gdnx.serving.sampling.allow).
+
+llguidance works on the tokenizer's own vocabulary (tokenizer.json): the
+bitmask is as wide as the model's vocabulary, whose entries past the
+tokenizer's are never allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from gdnx.errors import FieldError
+from gdnx.serving.params import Structured
+
+
+def words(vocab_size: int) -> int:
+    """int32 words of a bitmask over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+ALL = -1  # a bitmask word allowing all 32 of its tokens
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer. tokenizer_json: the
+    tokenizer.json text; vocab_size: the model's vocabulary (the bitmask's
+    width); eos_id: the token that ends a complete output."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int):
+        self._json, self.vocab_size, self.eos_id = tokenizer_json, vocab_size, eos_id
+        self._tokenizer: Any = None
+        self._cache: dict[Structured, str] = {}
+
+    def _llg(self) -> Any:
+        import llguidance
+
+        return llguidance
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:  # about a second for a large vocabulary: built on first use
+            self._tokenizer = self._llg().LLTokenizer(self._json, n_vocab=self.vocab_size, eos_token=self.eos_id)
+        return self._tokenizer
+
+    def grammar(self, s: Structured) -> str:
+        """The constraint's grammar, checked (FieldError naming s.field)."""
+        if s in self._cache:
+            return self._cache[s]
+        m = self._llg().LLMatcher
+        try:
+            if s.kind == "json":
+                grammar = m.grammar_from_json_schema(s.value)
+            elif s.kind == "regex":
+                grammar = m.grammar_from_regex(s.value)
+            elif s.kind == "choice":  # Lark string literals: JSON's quoting
+                grammar = m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in s.value))
+            else:
+                grammar = m.grammar_from_lark(s.value)
+        except (ValueError, TypeError) as e:
+            raise FieldError(s.field, f"not a valid {s.kind} constraint: {_first(e)}") from None
+        error = m.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise FieldError(s.field, f"not a valid {s.kind} constraint: {_first(error)}")
+        self._cache[s] = grammar
+        return grammar
+
+    def matcher(self, s: Structured) -> Matcher:
+        return Matcher(self._llg().LLMatcher(self.tokenizer, self.grammar(s), log_level=0), self.vocab_size)
+
+
+class Matcher:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self._m, self._vocab = matcher, vocab_size
+
+    def bitmask(self, into: np.ndarray) -> None:
+        """The tokens allowed next, written into `into` (int32 [words(vocab)])."""
+        self._m.unsafe_compute_mask_ptr(into.ctypes.data, into.size * into.itemsize)
+
+    def consume(self, token: int) -> str | None:
+        """Take a drawn token; the matcher's error if it was not allowed."""
+        if self._m.consume_token(int(token)):
+            return None
+        return self._m.get_error() or f"token {token} is not allowed by the constraint"
+
+
+def _first(e: object) -> str:
+    text = str(e).strip()
+    return (text.splitlines() or [type(e).__name__])[0][:300]
+
+
+def masks(matchers: list[Matcher | None], vocab_size: int) -> np.ndarray:
+    """Bitmasks for rows of requests: a constrained row's allowed tokens,
+    every token for the others."""
+    out = np.full((len(matchers), words(vocab_size)), ALL, np.int32)
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.bitmask(out[i])
+    return out

@@ -1,0 +1,103 @@
+"""Structured outputs on a random tiny model with a byte-level BPE
+vocabulary, so that only the constraint makes an output valid: every
+sampled output under a JSON schema parses and validates (jsonschema),
+regex, choice and Lark outputs match, an output that cannot complete in
+max_tokens ends with "length", an unconstrained request beside
+constrained ones gets the tokens it gets alone, and a bad constraint is a
+FieldError naming its field."""
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from gdnx.config import ModelConfig
+from gdnx.data.text import HFTokenizer
+from gdnx.models import CausalLM
+from gdnx.serving import Engine, NgramDrafter, SamplingParams
+from gdnx.serving.grammar import Grammars
+from gdnx.serving.params import Structured
+from gdnx.errors import FieldError
+from tests.helpers.configs import TINY_HYBRID
+from tests.hf_models import BPE_VOCAB, write_bpe_tokenizer
+
+pytestmark = pytest.mark.xdist_group("grammar")
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bpe")
+    write_bpe_tokenizer(path)
+    tok = HFTokenizer(str(path / "tokenizer.json"))
+    model = CausalLM(ModelConfig(**{**TINY_HYBRID, "vocab_size": BPE_VOCAB}), seed=3)
+    grammars = Grammars((path / "tokenizer.json").read_text(), BPE_VOCAB, eos_id=0)
+    return model, tok, grammars
+
+
+def _engine(setup, **kw):
+    model, tok, grammars = setup
+    return Engine(model, max_slots=4, max_length=96, block_size=16, decode_steps=4, tokenizer=tok,
+                  eos_token_ids=[0], grammars=grammars, **kw)
+
+
+def test_sampled_outputs_follow_each_kind_of_constraint(setup):
+    engine = _engine(setup, speculative=NgramDrafter(2), prefix_cache_bytes=1 << 22)
+    prompt = [5, 6, 7, 8]
+    kinds = {
+        "json": (Structured("json", json.dumps(SCHEMA)), lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+        "regex": (Structured("regex", "[0-9]{3}-[a-z]{2}"), lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+        "choice": (Structured("choice", ("yes", "no", "maybe")), lambda t: t in ("yes", "no", "maybe")),
+        "grammar": (Structured("grammar", 'start: "(" D ("+" D)* ")"\nD: /[0-9]/'),
+                    lambda t: re.fullmatch(r"\([0-9](\+[0-9])*\)", t)),
+    }
+    for name, (structured, valid) in kinds.items():
+        params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, structured=structured, logprobs=1)
+                  for s in range(6)]
+        for c in engine.generate([prompt] * len(params), params):
+            assert c.finish_reason == "stop", (name, c.text)
+            assert valid(c.text), (name, c.text)
+            assert c.tokens[-1] == 0  # the end of sequence, once the constraint was complete
+            assert all(np.isfinite(lp) for lp, _ in c.logprobs)  # only allowed tokens were drawn
+
+
+def test_an_unconstrained_request_is_unchanged_by_constrained_neighbours(setup):
+    plain = SamplingParams(max_tokens=12, temperature=0.0)
+    alone = _engine(setup).generate([[9, 10, 11]], plain)[0]
+    json_params = SamplingParams(max_tokens=30, temperature=1.0, seed=1,
+                                 structured=Structured("json", json.dumps(SCHEMA)))
+    got = _engine(setup).generate([[1, 2], [9, 10, 11], [3]], [json_params, plain, json_params])
+    assert got[1].tokens == alone.tokens
+    assert alone.tokens != got[0].tokens
+
+
+def test_an_output_that_cannot_complete_ends_with_length(setup):
+    c = _engine(setup).generate([[4]], SamplingParams(max_tokens=3, temperature=0.0,
+                                                      structured=Structured("json", json.dumps(SCHEMA))))[0]
+    assert c.finish_reason == "length" and len(c.tokens) == 3 and c.text.startswith("{")
+
+
+@pytest.mark.parametrize("structured,match", [
+    (Structured("json", '{"type": "nonsense"}', field="response_format"), "response_format: not a valid json"),
+    (Structured("regex", "(", field="structured_outputs.regex"), "structured_outputs.regex: not a valid regex"),
+    (Structured("grammar", "start: undefined_rule", field="structured_outputs.grammar"), "structured_outputs.grammar: not a valid"),
+])
+def test_a_bad_constraint_is_refused_naming_its_field(setup, structured, match):
+    with pytest.raises(FieldError, match=re.escape(match)):
+        _engine(setup).check([1], SamplingParams(structured=structured))
+
+
+def test_constraints_need_grammars_and_no_batch_invariance(setup):
+    model, tok, grammars = setup
+    s = SamplingParams(structured=Structured("choice", ("a", "b"), field="response_format"))
+    with pytest.raises(FieldError, match="response_format: structured outputs need the engine's grammars"):
+        Engine(model, max_slots=2, max_length=32, block_size=16).check([1], s)
+    with pytest.raises(FieldError, match="not available in batch-invariant mode"):
+        _engine(setup, batch_invariant=True).check([1], s)
+    with pytest.raises(FieldError, match="structured: expected a non-empty list"):
+        Structured("choice", ())
