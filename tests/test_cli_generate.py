@@ -149,3 +149,34 @@ def test_a_stopped_prompts_file_keeps_its_results_and_resume_finishes_it(checkpo
         f.write('{"prompt": "cut sho')  # a line a kill cut short is run again
     assert main([*argv, str(out), "--resume"]) == 0
     assert out.read_text().splitlines(keepends=True) == want
+
+
+def test_prompts_file_lines_take_an_output_constraint(tmp_path, capsys):
+    """response_format and structured_outputs per line, as the server reads
+    them, on a checkpoint with a byte-level BPE vocabulary; a bad one is one
+    line naming the line and the field."""
+    import re
+
+    import jsonschema
+
+    from tests.hf_models import BPE_VOCAB, random_hf_model, write_bpe_tokenizer
+    from tests.serving.test_grammar import SCHEMA
+
+    path = tmp_path / "bpe"
+    random_hf_model("qwen3_5", vocab_size=BPE_VOCAB, eos_token_id=0).save_pretrained(path)
+    write_bpe_tokenizer(path)
+    lines = [{"prompt": "a", "temperature": 1.0, "max_tokens": 80,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}},
+             {"prompt": "b", "temperature": 1.0, "structured_outputs": {"regex": "[0-9]{3}"}}]
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    flags = ["--prompts-file", str(src), "--out", str(out), "--max-new-tokens", "8", "model.gdn_chunk_size=16"]
+    assert main(["generate", "--checkpoint", str(path), *flags]) == 0
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    jsonschema.validate(json.loads(got[0]["completion"]), SCHEMA)
+    assert re.fullmatch("[0-9]{3}", got[1]["completion"])
+    capsys.readouterr()
+    src.write_text(json.dumps({"prompt": "a", "structured_outputs": {"regex": "("}}) + "\n")
+    err = _error(capsys, ["generate", "--checkpoint", str(path), *flags])
+    assert "line 1: structured_outputs.regex: not a valid regex" in err, err

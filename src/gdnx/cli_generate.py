@@ -106,6 +106,29 @@ _LINE_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "mi
                 "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop", "ignore_eos", "logprobs")
 
 
+# a line's output constraint, as the server takes it (docs/serving.md)
+_CONSTRAINTS = ("response_format", "structured_outputs")
+
+
+def _structured(line: dict, where: str):
+    """The line's Structured constraint (or None), as the server reads response_format and structured_outputs."""
+    import pydantic
+
+    from gdnx.serving.protocol import RequestError, ResponseFormat, StructuredOutputs, structured
+
+    try:
+        rf = ResponseFormat.model_validate(line["response_format"]) if "response_format" in line else None
+        so = StructuredOutputs.model_validate(line["structured_outputs"]) if "structured_outputs" in line else None
+        return structured(rf, so)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        name = "response_format" if "response_format" in line else "structured_outputs"
+        at = ".".join(str(x) for x in err["loc"])
+        raise ConfigError(f"{where}: {name}{'.' + at if at else ''}: {err['msg']}") from None
+    except (RequestError, FieldError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def read_prompts_file(path: Path) -> list[dict]:
     """The lines of a prompts file: JSON objects with a "prompt" string and
     optional sampling fields (refused in one line naming the line)."""
@@ -129,10 +152,10 @@ def read_prompts_file(path: Path) -> list[dict]:
             raise ConfigError(f"--prompts-file: line {n}: not JSON ({e.msg})") from None
         if not isinstance(line, dict) or not isinstance(line.get("prompt"), str):
             raise ConfigError(f'--prompts-file: line {n}: expected an object with a "prompt" string')
-        unknown = sorted(set(line) - {"prompt", *_LINE_FIELDS})
+        unknown = sorted(set(line) - {"prompt", *_LINE_FIELDS, *_CONSTRAINTS})
         if unknown:
-            raise ConfigError(f"--prompts-file: line {n}: unknown field {unknown[0]!r} (expected prompt and "
-                              f"sampling fields: {', '.join(_LINE_FIELDS)})")
+            raise ConfigError(f"--prompts-file: line {n}: unknown field {unknown[0]!r} (expected prompt, sampling "
+                              f"fields: {', '.join(_LINE_FIELDS)}, and {' or '.join(_CONSTRAINTS)})")
         line["_line"] = n
         lines.append(line)
     if not lines:
@@ -208,7 +231,7 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> None:
         fields = {"max_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                   "seed": args.seed + i, **fields}
         try:
-            params = SamplingParams(**fields)
+            params = SamplingParams(**fields, structured=_structured(line, where))
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{where}: {e}") from None
         try:
