@@ -89,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="a larger request body is answered 413 (default 8 MiB)")
     serve.add_argument("--request-timeout", type=int, default=30, metavar="SECONDS",
                        help="a client's time to send a whole request, and an idle connection's life (default 30)")
+    serve.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                       help="parse tool calls from chat outputs (hermes: <tool_call>{...}</tool_call>, the format "
+                            "of Qwen's templates); without it, requests with tools are refused")
+    serve.add_argument("--reasoning-parser", choices=("qwen3",), default=None,
+                       help="split a thinking model's <think>...</think> into message.reasoning_content")
     serve.add_argument("overrides", nargs="*", metavar="key=value",
                        help="model.gdn_* and model.dtype overrides, e.g. model.dtype=bfloat16; parallel.* "
                             "places the engine on a mesh of this host's devices, e.g. parallel.tensor=4 "

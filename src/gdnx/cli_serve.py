@@ -87,7 +87,8 @@ def _serve(args, sock, api_key: str | None) -> None:
     async_engine = AsyncEngine(leader, Metrics(), args.max_queue)
     links = Links(async_engine.lose, join_s) if is_distributed() else None
     served = Served(async_engine, found.tokenizer, name, max_length, chat, api_key,
-                    max_request_bytes=args.max_request_bytes, request_timeout=float(args.request_timeout))
+                    max_request_bytes=args.max_request_bytes, request_timeout=float(args.request_timeout),
+                    tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     host, port = sock.getsockname()[:2]
     print(f"gdnx serve: serving {name!r} at http://{host}:{port}/v1 ({args.max_slots} slots, {max_length} tokens "
           f"each{', an API key' if api_key else ''}); SIGTERM or Ctrl-C stops it", file=sys.stderr, flush=True)

@@ -29,8 +29,21 @@ from tests.serving.test_grammar import SCHEMA
 
 pytestmark = pytest.mark.xdist_group("grammar")
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+# lists the tools, renders assistant tool calls and tool results, opens a reasoning block when asked
+TEMPLATE = ("{% if tools %}{% for t in tools %}{{ 'tool: ' + t['function']['name'] + '\\n' }}{% endfor %}{% endif %}"
+            "{% for m in messages %}{{ m['role'] + ': ' + (m['content'] or '') }}"
+            "{% for c in m.get('tool_calls', []) %}{{ '<tool_call>' + c['function']['name'] + '</tool_call>' }}"
+            "{% endfor %}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ 'assistant: ' }}{% if enable_thinking %}{{ '<think>' }}{% endif %}"
+            "{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "additionalProperties": False,
+                                                           "required": ["city"],
+                                                           "properties": {"city": {"type": "string",
+                                                                                   "maxLength": 8}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "required": ["zone"], "additionalProperties": False,
+    "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +53,11 @@ def client(tmp_path_factory):
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
     tok = HFTokenizer(str(path / "tokenizer.json"))
     model = CausalLM(ModelConfig(**{**TINY_HYBRID, "vocab_size": BPE_VOCAB}), seed=3)
-    engine = Engine(model, max_slots=4, max_length=128, block_size=16, decode_steps=4, tokenizer=tok,
+    engine = Engine(model, max_slots=4, max_length=256, block_size=16, decode_steps=4, tokenizer=tok,
                     eos_token_ids=[0], max_logprobs=5, speculative=None,
                     grammars=Grammars((path / "tokenizer.json").read_text(), BPE_VOCAB, eos_id=0))
-    served = Served(AsyncEngine(engine, Metrics(), max_queue=8), tok, "tiny", 128, ChatTemplate(path))
+    served = Served(AsyncEngine(engine, Metrics(), max_queue=8), tok, "tiny", 256, ChatTemplate(path),
+                    tool_parser="hermes", reasoning_parser="qwen3")
     with TestClient(create_app(served)) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
 
@@ -98,3 +112,95 @@ def test_each_mistake_is_a_400_naming_its_field(client, body, param):
     assert e.value.body["param"] == param, e.value.body
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     assert r.choices[0].message.content is not None  # and it keeps serving
+
+
+def _validate_call(call, tools):
+    spec = next(t for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_forced_tool_call_names_a_listed_tool_with_valid_arguments(client, tool_choice):
+    tools = [WEATHER, TIME]
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                           tools=tools, tool_choice=tool_choice, temperature=1.0, seed=seed,
+                                           max_tokens=150, parallel_tool_calls=False)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert len(choice.message.tool_calls) == 1
+        _validate_call(choice.message.tool_calls[0], tools)
+        if isinstance(tool_choice, dict):
+            assert choice.message.tool_calls[0].function.name == "get_time"
+
+
+def test_tool_call_deltas_assemble_into_the_whole_responses_calls(client):
+    body = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, TIME],
+                tool_choice="required", temperature=1.0, seed=5, max_tokens=150)
+    whole = client.chat.completions.create(**body).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+def test_auto_parses_calls_from_free_text_and_tool_messages_render(client):
+    """auto: the output is parsed; a structured_outputs grammar makes this
+    random model write a call, so there is one to parse."""
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{3}"\}\}\n</tool_call>'
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                       tools=[WEATHER], tool_choice="auto", temperature=1.0, seed=1, max_tokens=150,
+                                       extra_body={"structured_outputs": {"regex": call}})
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content is None
+    _validate_call(m.tool_calls[0], [WEATHER])
+    follow = [{"role": "user", "content": "weather?"},
+              {"role": "assistant", "content": None, "tool_calls": [m.tool_calls[0].model_dump()]},
+              {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"}]
+    again = client.chat.completions.create(model="tiny", messages=follow, tools=[WEATHER], max_tokens=3)
+    assert again.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result in the prompt
+    none = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], tools=[WEATHER],
+                                          tool_choice="none", max_tokens=150, temperature=1.0, seed=1,
+                                          extra_body={"structured_outputs": {"regex": call}})
+    assert none.choices[0].message.tool_calls is None and "<tool_call>" in none.choices[0].message.content
+
+
+def test_reasoning_is_split_whole_and_streamed(client):
+    body = dict(model="tiny", messages=[{"role": "user", "content": "think"}], temperature=1.0, seed=3,
+                max_tokens=40, extra_body={"structured_outputs": {"regex": "[a-z]{4}</think>[a-z]{2}"},
+                                           "chat_template_kwargs": {"enable_thinking": True}})
+    m = client.chat.completions.create(**body).choices[0].message
+    assert len(m.reasoning_content) == 4 and len(m.content) == 2, m
+    thought = content = ""
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for c in chunk.choices:
+            thought += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert (thought, content) == (m.reasoning_content, m.content)
+    plain = dict(body, extra_body={"structured_outputs": {"regex": "<think>[a-z]{2}</think>\n\n[a-z]{3}"}})
+    m = client.chat.completions.create(**plain).choices[0].message  # the model opens the block itself
+    assert len(m.reasoning_content) == 2 and len(m.content) == 3, m
+
+
+@pytest.mark.parametrize("body,param", [
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice.function.name"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools.0.function.name"),
+    (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+])
+def test_each_tool_mistake_is_a_400_naming_its_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                       extra_body=body)
+    assert e.value.body["param"] == param, e.value.body

@@ -90,12 +90,15 @@ class ChatTemplate:
                 from None
         self.special = {k: t for k in _SPECIAL if (t := _token_text(config.get(k))) is not None}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
+               **kwargs: Any) -> str:
         """The conversation as text; ValueError with the template's own
-        message when it refuses them (a role it does not know, say)."""
+        message when it refuses them (a role it does not know, say). tools:
+        the functions the model may call, as the template lists them;
+        kwargs: the template's own variables (enable_thinking, ...)."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        tools=None, documents=None, **self.special)
+            return self.template.render(**{**kwargs, **self.special}, messages=messages,
+                                        add_generation_prompt=add_generation_prompt, tools=tools, documents=None)
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template refused the messages: {e}") from None
 

@@ -125,6 +125,9 @@ class _Request(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
+    def constraint(self) -> Structured | None:
+        return structured(self.response_format, self.structured_outputs)
+
     def sampling(self, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
         """SamplingParams for one choice (choice i of n draws with seed + i)."""
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
@@ -134,7 +137,7 @@ class _Request(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=None if self.seed is None else self.seed + seed_offset, stop_token_ids=tuple(self.stop_token_ids),
             stop=tuple(stop), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            structured=structured(self.response_format, self.structured_outputs))
+            structured=self.constraint())
 
 
 class CompletionRequest(_Request):
@@ -165,6 +168,31 @@ class Message(BaseModel):
         return out
 
 
+class Function(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: Function
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -172,11 +200,52 @@ class ChatRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def constraint(self) -> Structured | None:
+        """A required or named tool_choice is a grammar of tool calls (the
+        Hermes format), else response_format / structured_outputs."""
+        forced = tool_grammar(self)
+        if forced is not None:
+            if self.response_format is not None and self.response_format.type != "text" \
+                    or self.structured_outputs is not None:
+                raise RequestError("tool_choice: a required or named tool choice is not combined with "
+                                   "response_format or structured_outputs", "tool_choice")
+            return forced
+        return super().constraint()
+
+
+def tool_grammar(req: ChatRequest) -> Structured | None:
+    """The Lark grammar (llguidance's, with %json) that a required or named
+    tool_choice puts on the output: Hermes calls whose arguments follow the
+    function's parameters (one call, or several with parallel_tool_calls
+    and "required"); None for "auto", "none" or no tools."""
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    tools = req.tools or []
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+        if not tools:
+            raise RequestError(f"tool_choice: no tool named {choice.function.name!r} in tools",
+                               "tool_choice.function.name")
+    if not tools:
+        raise RequestError("tool_choice: required needs tools", "tool_choice")
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t.function.name},
+                             "arguments": t.function.parameters or {"type": "object"}}} for t in tools]
+    body = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    many = choice == "required" and req.parallel_tool_calls
+    repeat = r' ("\n" call)*' if many else ""
+    lark = f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}'
+    return Structured("grammar", lark, field="tools")
 
 
 # fields of the protocol gdnx does not implement: refused rather than ignored
-_UNSUPPORTED = {"best_of": None, "suffix": None, "logit_bias": None, "tools": None}
+_UNSUPPORTED = {"best_of": None, "suffix": None, "logit_bias": None}
 
 
 def _loc(loc: tuple) -> str:

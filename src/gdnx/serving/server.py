@@ -21,7 +21,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from gdnx.serving.async_engine import AsyncEngine, EngineError, Handle, Overloaded, TooLarge
 from gdnx.serving.params import Completion, SamplingParams
+from gdnx.serving.parsers import THINK_OPEN, TOOL_PARSERS, Splitter, split_whole
 from gdnx.errors import FieldError
 from gdnx.serving.protocol import (ChatRequest, CompletionRequest, RequestError, chat_logprobs, completion_logprobs,
                                    Logprob, envelope, field_error, new_id, parse, usage)
@@ -55,7 +56,8 @@ class TextTokenizer(Protocol):
 
 
 class Template(Protocol):
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str: ...
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
+               **kwargs: Any) -> str: ...
 
 
 @dataclasses.dataclass
@@ -72,6 +74,8 @@ class Served:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+    tool_parser: str | None = None        # parsers.TOOL_PARSERS: tool calls parsed from chat outputs
+    reasoning_parser: str | None = None   # parsers.REASONING_PARSERS: reasoning split from chat outputs
     draining: bool = False
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -133,10 +137,11 @@ def create_app(served: Served) -> FastAPI:
     async def chat(request: Request) -> Response:
         _authorize(served, request)
         raw = await _body(served, request)
-        req, prompt = await _off_loop(prepare, _prepare_chat, served, raw)
+        req, prompt, reasoning = await _off_loop(prepare, _prepare_chat, served, raw)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        tools = bool(req.tools) and req.tool_choice != "none"
         return await _respond(served, request, req, [prompt], logprobs, "messages",
-                              _ChatChoice(served.tokenizer, logprobs))
+                              _ChatChoice(served.tokenizer, logprobs, reasoning, tools))
 
     return app
 
@@ -167,23 +172,36 @@ def _prepare_completion(served: Served, raw: bytes) -> tuple[CompletionRequest, 
     return req, _prompts(served, req.prompt)
 
 
-def _prepare_chat(served: Served, raw: bytes) -> tuple[ChatRequest, list[int]]:
+def _prepare_chat(served: Served, raw: bytes) -> tuple[ChatRequest, list[int], Literal["open", "maybe"] | None]:
+    """The request, its prompt's tokens, and how its output's reasoning is
+    told apart (parsers.Splitter's `reasoning`)."""
     req: ChatRequest = parse(ChatRequest, _json(raw))
     _check_model(served, req.model)
     if served.chat is None:
         raise RequestError("messages: this model has no chat template (tokenizer_config.json's chat_template "
                            "or chat_template.jinja); use /v1/completions", "messages")
+    if req.tools and req.tool_choice != "none" and served.tool_parser is None:
+        raise RequestError("tools: this server parses no tool calls; start it with --tool-call-parser "
+                           f"({', '.join(TOOL_PARSERS)})", "tools")
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "documents"})
+    if reserved:
+        raise RequestError(f"chat_template_kwargs: {reserved[0]!r} is the request's own field", "chat_template_kwargs")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
-        text = served.chat.render([m.rendered() for m in req.messages], req.add_generation_prompt)
+        text = served.chat.render([m.rendered() for m in req.messages], req.add_generation_prompt, tools, **kwargs)
     except ValueError as e:
         raise RequestError(f"messages: {e}", "messages") from None
+    reasoning: Literal["open", "maybe"] | None = None
+    if served.reasoning_parser is not None:  # the template may open the reasoning block itself
+        reasoning = "open" if text.rstrip().endswith(THINK_OPEN) else "maybe"
     if req.max_completion_tokens is not None:
         if req.max_tokens is not None:
             raise RequestError("max_tokens: give max_tokens or max_completion_tokens, not both", "max_tokens")
         req.max_tokens = req.max_completion_tokens
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs: only with logprobs true", "top_logprobs")
-    return req, _encode(served, text, "messages")
+    return req, _encode(served, text, "messages"), reasoning
 
 
 def _authorize(served: Served, request: Request) -> None:
@@ -509,18 +527,53 @@ class _TextChoice(_Choice):
 
 
 class _ChatChoice(_Choice):
+    """reasoning: how the output's reasoning is told apart (None: it is not);
+    tools: tool calls are parsed from the output (finish_reason tool_calls
+    when there are some)."""
     id_prefix, kind, chunk_kind = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, tokenizer: TextTokenizer, logprobs: int | None,
+                 reasoning: Literal["open", "maybe"] | None = None, tools: bool = False):
+        super().__init__(tokenizer, logprobs)
+        self.reasoning, self.tools = reasoning, tools
+        self._splitters: dict[int, Splitter] = {}
 
     def whole(self, i: int, c: Completion) -> dict:
         lp = None if c.logprobs is None else chat_logprobs(*self.pieces(c))
-        return {"index": i, "message": {"role": "assistant", "content": self.text(c)}, "logprobs": lp,
-                "finish_reason": c.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": self.text(c)}
+        finish: str = c.finish_reason
+        if self.reasoning is not None or self.tools:
+            thought, message["content"], calls = split_whole(self.text(c), self.reasoning, self.tools)
+            if self.reasoning is not None:
+                message["reasoning_content"] = thought
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
 
     def first_chunk(self, i: int) -> dict | None:
         return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
     def chunk(self, i: int, text: str, lp: tuple[list[str], list] | None, finish: str | None) -> dict:
-        delta = {"content": text} if text else {}
+        delta: dict[str, Any] = {}
+        if self.reasoning is None and not self.tools:
+            if text:
+                delta["content"] = text
+        else:
+            splitter = self._splitters.setdefault(i, Splitter(self.reasoning, self.tools))
+            before = splitter.calls
+            parts = splitter.feed(text) + (splitter.finish() if finish is not None else [])
+            content = "".join(p.text for p in parts if p.kind == "content")
+            thought = "".join(p.text for p in parts if p.kind == "reasoning")
+            if thought:
+                delta["reasoning_content"] = thought
+            if content:
+                delta["content"] = content
+            calls = [p.call for p in parts if p.call is not None]
+            if calls:  # each call whole in one delta: the openai client assembles them by index
+                delta["tool_calls"] = [{"index": before + k, **call} for k, call in enumerate(calls)]
+            if finish == "stop" and splitter.calls:
+                finish = "tool_calls"
         return {"index": i, "delta": delta, "logprobs": None if lp is None else chat_logprobs(*lp),
                 "finish_reason": finish}
 
