@@ -155,7 +155,7 @@ def test_lm_evals_api_backends_against_gdnx_serve(setup, reference):
 
     path, tasks = setup
     manager = TaskManager(include_path=str(tasks))
-    server = Server(path, "--max-length", "256", env={"GDNX_API_KEY": ""})
+    server = Server(path, "--warm-up", "decode", "--max-length", "256", env={"GDNX_API_KEY": ""})
     try:
         scored = ["tiny_mc", "tiny_ppl"]
         got = lm_eval.simple_evaluate(

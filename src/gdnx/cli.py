@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="a larger request body is answered 413 (default 8 MiB)")
     serve.add_argument("--request-timeout", type=int, default=30, metavar="SECONDS",
                        help="a client's time to send a whole request, and an idle connection's life (default 30)")
+    serve.add_argument("--warm-up", choices=("all", "decode"), default="all",
+                       help="before listening, compile every program a request can need (all, the default: each "
+                            "prefill shape too; docs/serving.md counts them) or only the decode steps (decode: a "
+                            "quicker start, the first request of each new shape waits for the compiler)")
     serve.add_argument("--tool-call-parser", choices=("hermes",), default=None,
                        help="parse tool calls from chat outputs (hermes: <tool_call>{...}</tool_call>, the format "
                             "of Qwen's templates); without it, requests with tools are refused")

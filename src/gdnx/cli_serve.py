@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 from gdnx.config.loading import ConfigError
@@ -53,7 +54,7 @@ def _process() -> int:
 
 def _serve(args, sock, api_key: str | None) -> None:
     from gdnx.loading import EngineSettings, build_engine, chat_template, load
-    from gdnx.serving import EngineStats, SamplingParams
+    from gdnx.serving import EngineStats
     from gdnx.serving.async_engine import AsyncEngine
     from gdnx.serving.metrics import Metrics
     from gdnx.serving.protocol import MAX_LOGPROBS
@@ -73,12 +74,16 @@ def _serve(args, sock, api_key: str | None) -> None:
     agree("serve", {"checkpoint": str(path.resolve()), "overrides": sorted(args.overrides), "max_slots": args.max_slots,
                     "max_length": max_length, "prefix_cache_mb": args.prefix_cache_mb,
                     "speculative": args.speculative, "batch_invariant": args.batch_invariant,
-                    "decode_steps": args.decode_steps, "max_prefill_batch": args.max_prefill_batch})
+                    "decode_steps": args.decode_steps, "max_prefill_batch": args.max_prefill_batch,
+                    "warm_up": args.warm_up})
     name = args.served_model_name or path.resolve().name
-    print(f"gdnx serve: loaded {found.description}; compiling the first programs", file=sys.stderr, flush=True)
-    engine.generate([[0]], SamplingParams(max_tokens=1, temperature=0.0))  # the shortest prompts' prefill
+    what = "every program" if args.warm_up == "all" else "the decode steps"
+    print(f"gdnx serve: loaded {found.description}; compiling {what} (--warm-up {args.warm_up})", file=sys.stderr,
+          flush=True)
+    start = time.perf_counter()
+    ran = engine.warm_up(prefill=args.warm_up == "all")
     engine.stats = EngineStats()
-    engine.warm_up()  # every decode batch size
+    print(f"gdnx serve: {ran} programs ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     join_s = JOIN_TIMEOUT_S if args.join_timeout is None else args.join_timeout
     if sock is None:
         _follow(engine, join_s)

@@ -7,7 +7,8 @@ over rows of requests, the longest first, `batch_size` rows per call of a
 power-of-two length (at least MIN_BUCKET) that holds the call's longest
 request, several shorter requests packed into a row as documents are in
 training (each its own segment: its states and attention start afresh), on
-the model's mesh when it has one: one compiled program per length bucket. A request's numbers follow lm-eval's `hf` backend: the context and
+the model's mesh when it has one: one compiled program per length bucket.
+A request's numbers follow lm-eval's `hf` backend: the context and
 continuation encoded together then split, the input cut to the model's
 last `max_length` positions, the log-probability of each continuation token
 summed, and greedy when each is the argmax. generate_until runs through the

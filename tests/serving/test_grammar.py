@@ -85,7 +85,8 @@ def test_an_output_that_cannot_complete_ends_with_length(setup):
 @pytest.mark.parametrize("structured,match", [
     (Structured("json", '{"type": "nonsense"}', field="response_format"), "response_format: not a valid json"),
     (Structured("regex", "(", field="structured_outputs.regex"), "structured_outputs.regex: not a valid regex"),
-    (Structured("grammar", "start: undefined_rule", field="structured_outputs.grammar"), "structured_outputs.grammar: not a valid"),
+    (Structured("grammar", "start: undefined_rule", field="structured_outputs.grammar"),
+     "structured_outputs.grammar: not a valid"),
 ])
 def test_a_bad_constraint_is_refused_naming_its_field(setup, structured, match):
     with pytest.raises(FieldError, match=re.escape(match)):
@@ -101,3 +102,40 @@ def test_constraints_need_grammars_and_no_batch_invariance(setup):
         _engine(setup, batch_invariant=True).check([1], s)
     with pytest.raises(FieldError, match="structured: expected a non-empty list"):
         Structured("choice", ())
+
+
+def test_after_warm_up_no_request_compiles_a_program(setup):
+    """warm_up runs every program a request can need; a burst of every kind
+    of request afterwards lowers nothing new (JAX's lowering event counts
+    each program it builds)."""
+    import jax
+
+    model, tok, grammars = setup
+    engine = Engine(model, max_slots=4, max_length=96, block_size=16, decode_steps=4, tokenizer=tok,
+                    eos_token_ids=[0], grammars=grammars, speculative=NgramDrafter(2), prefix_cache_bytes=1 << 22,
+                    max_prefill_batch=3, keep_logits=False, max_logprobs=3, seed=11)
+    ran = engine.warm_up()
+    # decode at 1, 2, 4 rows, plain and constrained; verify; prefill at buckets 16, 32, 64, 96 x batches 1, 2, with
+    # and without prompt logprobs; restore
+    assert ran == 3 * 2 + 1 + 4 * 2 * 2 + 1
+    lowered = []
+    counting = [True]
+
+    def listen(event, duration, **kw):
+        if counting[0] and event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(duration)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        rng = np.random.default_rng(0)
+        shared = rng.integers(1, BPE_VOCAB, 40).tolist()
+        prompts = [rng.integers(1, BPE_VOCAB, n).tolist() for n in (3, 20, 50, 90)] + [shared + [1], shared + [2]]
+        params = [SamplingParams(max_tokens=5, temperature=0.0), SamplingParams(max_tokens=6, logprobs=2),
+                  SamplingParams(max_tokens=3, prompt_logprobs=2, logprobs=1),
+                  SamplingParams(max_tokens=5, structured=Structured("choice", ("yes", "no"))),
+                  SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4, temperature=0.0)]
+        engine.generate(prompts, params)
+        engine.generate(prompts[::-1], params[::-1])  # prefix-cache hits, other batches
+        assert engine.stats.cached_tokens > 0
+    finally:
+        counting[0] = False
+    assert lowered == [], f"{len(lowered)} programs compiled after warm_up"

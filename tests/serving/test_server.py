@@ -374,7 +374,8 @@ def test_queue_limit_then_sigterm_lets_requests_in_flight_finish(checkpoint):
     one slot and a queue of one, a third request is refused at once (503);
     SIGTERM then stops the listener while both requests finish."""
     # requests of thousands of tokens one per round trip: seconds, so the second waits while the third comes
-    server = Server(checkpoint[0], "--max-slots", "1", "--max-queue", "1", "--max-length", "4096",
+    server = Server(checkpoint[0], "--warm-up", "decode", "--max-slots", "1", "--max-queue", "1",
+                    "--max-length", "4096",
                     "--decode-steps", "1", "--grace", "60", "--batch-invariant", "--api-key", "flag-key",
                     env={"GDNX_API_KEY": ""})
     auth = {"Authorization": "Bearer flag-key"}
@@ -558,7 +559,8 @@ def test_sigterm_drains_then_ends_streams_with_an_error_and_done(checkpoint):
     stays open), new requests get 503; after --grace seconds a stream still
     running ends with an error event and [DONE]; exit 0, no traceback. (The
     engine flags are the queue-limit test's: its compiled programs serve.)"""
-    server = Server(checkpoint[0], "--max-slots", "1", "--max-queue", "1", "--max-length", "4096",
+    server = Server(checkpoint[0], "--warm-up", "decode", "--max-slots", "1", "--max-queue", "1",
+                    "--max-length", "4096",
                     "--decode-steps", "1", "--grace", "1", "--batch-invariant", env={"GDNX_API_KEY": KEY})
     try:  # 4,000 tokens one per round trip: seconds, longer than the grace period
         body = {"model": "tiny", "prompt": "w9 w10", "max_tokens": 4000, "ignore_eos": True, "temperature": 0,

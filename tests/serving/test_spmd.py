@@ -100,7 +100,8 @@ def test_a_follower_whose_engine_diverges_stops():
 
 # --- gdnx serve as 2 processes x 4 CPU devices ---------------------------------------------------------------------
 
-SERVE = ["--served-model-name", "m", "--max-slots", "4", "--max-length", "128", "--prefix-cache-mb", "16", "--speculative", "2",
+SERVE = ["--served-model-name", "m", "--warm-up", "decode", "--max-slots", "4", "--max-length", "128",
+         "--prefix-cache-mb", "16", "--speculative", "2",
          "--decode-steps", "2", "model.gdn_chunk_size=16", "parallel.data=2", "parallel.tensor=4"]
 
 

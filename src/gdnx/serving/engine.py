@@ -354,19 +354,56 @@ class Engine:
         req = self.scheduler.get(request_id)
         return None if req is None else req.status
 
-    def warm_up(self) -> None:
-        """Compile the decode step of every decode batch size (and the verify
-        pass with a drafter) now, rather than when a request first needs it
-        (a server's first requests would wait for the compiler). Runs them
-        on idle slots, so only while no request runs."""
+    def warm_up(self, prefill: bool = True) -> int:
+        """Compile now, rather than when a request first needs it (a server's
+        first requests would wait for the compiler), every program the engine
+        calls: the decode step of every decode batch size, plain and
+        constrained (one token), the verify pass with a drafter, and with
+        `prefill` every prefill shape (each length bucket at each
+        power-of-two batch up to max_prefill_batch, or the one block shape
+        in batch-invariant mode), with and without prompt logprobs, and the
+        prefix cache's restore. Runs them on idle slots (prefill rows that
+        write nowhere), so only while no request runs. Returns how many
+        programs ran (docs/serving.md counts them)."""
         if self.scheduler.running:
             raise RuntimeError("warm_up: requests are running; call it before adding any")
+        vocab = self.model.config.vocab_size
         idle = np.zeros(self.max_slots, bool)
+        ran = 0
         for rows in self.decode_rows:
             self._run_decode(idle, rows)
+            ran += 1
+            if self.grammars is not None:  # a constrained request's one-token steps
+                self._run_decode(idle, rows, grammar.masks([None] * self.max_slots, vocab))
+                ran += 1
         if self.speculative is not None:
             k = self.speculative.num_tokens
             self._run_verify(idle, np.zeros((self.max_slots, k), np.int32), np.zeros(self.max_slots, np.int32))
+            ran += 1
+        if not prefill:
+            return ran
+        if self.batch_invariant:
+            shapes = [(self.max_prefill_batch, self.block_size)]
+        else:
+            batches = [1 << i for i in range(self.max_prefill_batch.bit_length())]
+            shapes = [(b, length) for length in self.buckets for b in batches]
+        history = self.block_size if self.prefix_cache is not None else None
+        for rows, length in shapes:
+            for targets in (None, np.zeros((rows, length), np.int32)):
+                with self._on_mesh():
+                    self._slots, _ = self._programs.prefill(
+                        self._state, self._slots, np.full(rows, self.max_slots, np.int32),
+                        np.zeros((rows, length), np.int32), np.zeros(rows, np.int32), np.ones(rows, np.int32),
+                        SlotParams.rows([SamplingParams()] * rows, [0] * rows), np.zeros((rows, vocab), bool),
+                        targets, grammar.masks([None] * rows, vocab), history_every=history)
+                ran += 1
+        if self.prefix_cache is not None:  # a hit's states written into an idle slot
+            parts = tuple(tuple(np.zeros(np.delete(x.shape, axis), x.dtype) for x in entry[:2])
+                          for entry, axis in zip(self._slots.cache.layers, self._static.row_axes, strict=True))
+            with self._on_mesh():
+                self._slots = self._programs.restore(self._slots, jnp.int32(0), parts)
+            ran += 1
+        return ran
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -508,9 +545,8 @@ class Engine:
                 targets[i, :len(nxt)] = nxt
         params = SlotParams.rows([r.params for r, _ in group] + [SamplingParams()] * (rows - len(group)),
                                  [r.seed for r, _ in group] + [0] * (rows - len(group)))
-        allowed = None  # the first token each constrained request may draw
-        if any(req.matcher is not None for req, _ in group):
-            allowed = grammar.masks([req.matcher for req, _ in group] + [None] * (rows - len(group)), vocab)
+        # the first token each constrained request may draw (every token for the others: one program for both)
+        allowed = grammar.masks([req.matcher for req, _ in group] + [None] * (rows - len(group)), vocab)
         history = self.block_size if self.prefix_cache is not None else None
         with self._on_mesh():
             self._slots, out = self._programs.prefill(self._state, self._slots, slots, tokens, starts, lengths,

@@ -256,7 +256,8 @@ def describe(p: ServePlan) -> str:
     return "\n".join([
         f"{p.topology}: {p.chips} chips, mesh {axes}; {p.parameters / 1e9:,.2f}B parameters; {p.max_slots} slots of "
         f"{p.max_length} tokens (a cache of {p.capacity} each), prefills of {p.max_prefill_batch} prompts"
-        f"{' with the prefix cache' if p.prefix_cache else ''}{f', {p.speculative} draft tokens' if p.speculative else ''}",
+        f"{' with the prefix cache' if p.prefix_cache else ''}"
+        f"{f', {p.speculative} draft tokens' if p.speculative else ''}",
         f"per chip: weights {gib(p.weight_bytes)}, slot state {gib(p.slot_bytes)} "
         f"({gib(p.slot_bytes / p.max_slots)} per slot), temporaries {temps}",
         f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}; at {p.max_length} tokens about "
