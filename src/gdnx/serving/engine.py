@@ -363,8 +363,10 @@ class Engine:
         power-of-two batch up to max_prefill_batch, or the one block shape
         in batch-invariant mode), with and without prompt logprobs, and the
         prefix cache's restore. Runs them on idle slots (prefill rows that
-        write nowhere), so only while no request runs. Returns how many
-        programs ran (docs/serving.md counts them)."""
+        write nowhere), so only while no request runs, and returns once they
+        have run (not merely been dispatched: a request would otherwise
+        queue behind them). Returns how many programs ran (docs/serving.md
+        counts them)."""
         if self.scheduler.running:
             raise RuntimeError("warm_up: requests are running; call it before adding any")
         vocab = self.model.config.vocab_size
@@ -381,6 +383,7 @@ class Engine:
             self._run_verify(idle, np.zeros((self.max_slots, k), np.int32), np.zeros(self.max_slots, np.int32))
             ran += 1
         if not prefill:
+            jax.block_until_ready(self._slots)
             return ran
         if self.batch_invariant:
             shapes = [(self.max_prefill_batch, self.block_size)]
@@ -403,6 +406,7 @@ class Engine:
             with self._on_mesh():
                 self._slots = self._programs.restore(self._slots, jnp.int32(0), parts)
             ran += 1
+        jax.block_until_ready(self._slots)  # dispatch is asynchronous: done means run, not queued
         return ran
 
     def has_unfinished(self) -> bool:
