@@ -110,30 +110,22 @@ def _follow(engine, join_s: int) -> None:
     """A process other than 0: its engine takes process 0's steps until process 0 stops."""
     from gdnx.distributed import exit_peer_lost, wait_for_first
     from gdnx.serving.spmd import Links, RuntimeChannel, follow
+    from gdnx.signals import handled
 
     links = Links(lambda what: exit_peer_lost("serve", what), join_s)
     print(f"gdnx serve: process {_process()} follows process 0's steps", file=sys.stderr, flush=True)
-    with _signals_left_to_process_0():
+    with handled(_note_signal):
         follow(engine, RuntimeChannel())
     links.close()
     wait_for_first("serve-stopped", STOP_WAIT_S)
     print("gdnx serve: stopped", file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def _signals_left_to_process_0():
+def _note_signal(signum, frame) -> None:
     """A follower stops when process 0 says so (after its requests in
     flight are done), so SIGTERM and SIGINT, which a cluster sends every
     process, are noted and ignored; process 0 drains and then stops all."""
     import signal
 
-    def note(signum, frame) -> None:
-        print(f"gdnx serve: {signal.Signals(signum).name} received: this process stops with process 0",
-              file=sys.stderr, flush=True)
-
-    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    print(f"gdnx serve: {signal.Signals(signum).name} received: this process stops with process 0",
+          file=sys.stderr, flush=True)

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from gdnx.errors import FieldError
+from gdnx.signals import handled
 
 HEARTBEAT_TIMEOUT_S = 100  # JAX's default: how long a silent process is taken for alive
 JOIN_TIMEOUT_S = 300       # JAX's default: how long the processes of a run may take to join
@@ -328,9 +329,8 @@ def supervise(argv: list[str], command: str) -> int:
 
     def forward(signum: int, frame: FrameType | None) -> None:
         child.send_signal(signum)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     fatal: list[str] = []
-    try:
+    with handled(forward):
         with os.fdopen(read_end, "rb") as native:
             quiet = False  # inside a log record of the coordination service (it spans lines)
             for line in native:
@@ -343,9 +343,6 @@ def supervise(argv: list[str], command: str) -> int:
                     sys.stderr.buffer.write(line)
                     sys.stderr.flush()
         status = child.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     if fatal:
         # the status follows "absl::Status:" and may run on to the next line (the lost tasks' ids)
         reason = " ".join(x.strip() for x in [fatal[0].split("absl::Status:", 1)[-1], *fatal[1:2]] if x.strip())

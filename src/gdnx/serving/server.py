@@ -35,6 +35,7 @@ from gdnx.serving.parsers import THINK_OPEN, TOOL_PARSERS, Splitter, split_whole
 from gdnx.errors import FieldError
 from gdnx.serving.protocol import (ChatRequest, CompletionRequest, RequestError, chat_logprobs, completion_logprobs,
                                    Logprob, envelope, field_error, new_id, parse, usage)
+from gdnx.signals import handled
 
 log = logging.getLogger("gdnx.serve")
 
@@ -621,12 +622,8 @@ class _Server(uvicorn.Server):
                 self.force_exit = self.should_exit = True
             self.served.draining = True
 
-        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with handled(stop):
             yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     async def on_tick(self, counter: int) -> bool:
         if self.served.engine.lost is not None and not self.should_exit:  # its requests have ended with the news
