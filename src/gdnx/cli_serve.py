@@ -59,7 +59,7 @@ def _serve(args, sock, api_key: str | None) -> None:
     from gdnx.serving.metrics import Metrics
     from gdnx.serving.protocol import MAX_LOGPROBS
     from gdnx.serving.server import Served, run_server
-    from gdnx.distributed import JOIN_TIMEOUT_S, agree, exit_run, is_distributed, wait_for_first
+    from gdnx.distributed import JOIN_TIMEOUT_S, agree, exit_peer_lost, is_distributed, wait_for_first
     from gdnx.serving.spmd import Leader, Links, RuntimeChannel
 
     path = Path(args.checkpoint)
@@ -99,7 +99,7 @@ def _serve(args, sock, api_key: str | None) -> None:
           f"each{', an API key' if api_key else ''}); SIGTERM or Ctrl-C stops it", file=sys.stderr, flush=True)
     run_server(served, sock, args.grace)
     if async_engine.lost is not None:  # its requests have ended with the news; status 4, as gdnx train
-        exit_run("serve", f"{async_engine.lost}; start every process again")
+        exit_peer_lost("serve", async_engine.lost)
     if links is not None:
         links.close()
         wait_for_first("serve-stopped", STOP_WAIT_S)  # the followers have read the word to stop

@@ -167,6 +167,23 @@ def initialize(group: ProcessGroup, command: str = "run") -> None:
         joined.set()
 
 
+def runtime_client() -> Any:
+    """The distributed runtime's client (its key-value store and barriers)."""
+    from jax._src import distributed as state
+
+    client = state.global_state.client
+    if client is None:
+        raise RuntimeError("the distributed runtime is not started (gdnx.distributed.initialize)")
+    return client
+
+
+def runtime_failure(e: BaseException) -> tuple[str, bool]:
+    """A runtime call's error: its first line, and whether it is a deadline
+    passing (else the process on the other side is gone)."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return text, "DEADLINE_EXCEEDED" in text or "timed out" in text.lower()
+
+
 def agree(name: str, record: Mapping[str, Any], timeout_s: int = 300) -> None:
     """Every process of the run gives `record` (JSON values); raises
     FieldError naming the first key whose value differs between this
@@ -174,10 +191,7 @@ def agree(name: str, record: Mapping[str, Any], timeout_s: int = 300) -> None:
     Over the runtime's key-value store, not a device collective."""
     if not is_distributed():
         return
-    from jax._src import distributed as state
-
-    client = state.global_state.client
-    assert client is not None  # is_distributed() means initialize() ran
+    client = runtime_client()
     me = jax.process_index()
     client.key_value_set(f"gdnx:{name}:{me}", json.dumps(dict(record), sort_keys=True, default=str))
     mine = json.loads(json.dumps(dict(record), sort_keys=True, default=str))
@@ -226,10 +240,15 @@ def peer_failure(e: BaseException) -> str | None:
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
+def peer_lost(what: str) -> str:
+    """How gdnx says another process of the run stopped (`what`: how it was seen)."""
+    return f"another process of the run stopped ({what})"
+
+
 def exit_peer_lost(command: str, what: str) -> NoReturn:
     """Another process of the run stopped: one line, PEER_LOST_STATUS."""
     resume = " to resume from the last intact checkpoint" if command == "train" else ""
-    exit_run(command, f"another process of the run stopped ({what}); start every process again{resume}")
+    exit_run(command, f"{peer_lost(what)}; start every process again{resume}")
 
 
 def exit_run(command: str, message: str) -> NoReturn:
@@ -247,15 +266,11 @@ def wait_for_first(name: str, timeout_s: int) -> None:
     it may wait long (a corpus being prepared)."""
     if not is_distributed():
         return
-    from jax._src import distributed as state
-
-    client = state.global_state.client
-    assert client is not None  # is_distributed() means initialize() ran
     try:
-        client.wait_at_barrier(f"gdnx:{name}", timeout_in_ms=timeout_s * 1000)
+        runtime_client().wait_at_barrier(f"gdnx:{name}", timeout_in_ms=timeout_s * 1000)
     except Exception as e:  # the runtime's own error type
-        text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
+        text, deadline = runtime_failure(e)
+        if deadline:
             raise BarrierTimeout(f"not every process reached {name!r} within {timeout_s} s ({text}); start every "
                                  "process of the run, or give the slow one more time") from None
         raise PeerLost(f"while waiting for every process at {name!r}: {text}") from None

@@ -123,28 +123,56 @@ def topology_devices(topology: str) -> list[jax.Device]:
         raise ValueError(f"--topology {topology}: libtpu cannot describe it ({first}){hint}") from None
 
 
-def _abstract(tree, placements):
+def abstract(tree: Any, placements: Any) -> Any:
+    """Shapes and dtypes of `tree` placed by `placements` (what `lower` takes for a target not attached)."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, placements)
+
+
+def for_target(model_cfg: Any, platform: str) -> Any:
+    """The model config as the target runs it: `auto` takes the Pallas
+    kernel the platform ("tpu" or "cuda") would pick, compiled rather than
+    interpreted; refused when the config cannot run there."""
+    if model_cfg.gdn_implementation == "auto":
+        kernel = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
+        model_cfg = model_cfg.model_copy(update={"gdn_implementation": kernel, "gdn_interpret": False})
+    check_platform(model_cfg, platform)
+    return model_cfg
+
+
+def compile_within(lowered: Any, refusal: str) -> Any:
+    """The compiled program; a compiler's refusal of one whose buffers
+    overflow a chip's memory (RESOURCE_EXHAUSTED) as a ValueError:
+    `refusal` with the compiler's line in it ({} marks where)."""
+    try:
+        return lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ValueError(refusal.format(str(e).splitlines()[0][:300])) from None
+
+
+def xla_flops(compiled: Any) -> float:
+    """XLA's cost analysis of a compiled program: its FLOPs (0 where the target reports none)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float((cost or {}).get("flops", 0.0))
 
 
 def plan(config: Config, topology: str) -> Plan:
     """Compile config's train step for the TPU slice `topology`."""
     hbm = HBM_BYTES[generation(topology)]
     devices = topology_devices(topology)
-    model_cfg = config.model
-    if model_cfg.gdn_implementation == "auto":  # the kernel the TPU would pick, compiled
-        model_cfg = model_cfg.model_copy(update={"gdn_implementation": "pallas_tpu", "gdn_interpret": False})
+    model_cfg = for_target(config.model, "tpu")
     config = config.model_copy(update={"model": model_cfg})
-    check_platform(model_cfg, "tpu")
     mesh = make_mesh(config.parallel, devices)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "kernel on CPU": compiled for TPU here, not run
         graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(model_cfg)), nnx.Param)
     arithmetic = model_flops(config, params)
-    params = _abstract(params, shardings(params, model_cfg, mesh))
+    params = abstract(params, shardings(params, model_cfg, mesh))
     tx = make_optimizer(config.train)
     opt_state = jax.eval_shape(tx.init, params)
-    opt_state = _abstract(opt_state, shardings(opt_state, model_cfg, mesh))
+    opt_state = abstract(opt_state, shardings(opt_state, model_cfg, mesh))
     b, t = config.train.batch_size, config.data.seq_len
     rows = NamedSharding(mesh, spec(("batch", "length"), (b, t), mesh=mesh))
     ints = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows)
@@ -156,23 +184,15 @@ def plan(config: Config, topology: str) -> Plan:
     t0 = time.perf_counter()
     # the kernels take the slice's tiles (tiles.py), not this host's
     with jax.set_mesh(mesh), compile_target(devices[0]):
-        lowered = step_fn.lower(params, opt_state, step, batch)
-        try:
-            compiled = lowered.compile()
-        except jax.errors.JaxRuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            # libtpu refuses a program whose buffers overflow the chip's HBM
-            raise ValueError(f"{topology}: does NOT fit ({str(e).splitlines()[0][:300]}); shard over more chips "
-                             "(parallel.fsdp), raise train.grad_accum_steps or set model.remat_policy=full") from None
+        compiled = compile_within(step_fn.lower(params, opt_state, step, batch),
+                                  f"{topology}: does NOT fit ({{}}); shard over more chips (parallel.fsdp), raise "
+                                  "train.grad_accum_steps or set model.remat_policy=full")
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
     assert memory is not None  # TPU executables report it
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return Plan(topology, len(devices), dict(mesh.shape), sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
                 memory.argument_size_in_bytes, memory.temp_size_in_bytes, memory.output_size_in_bytes,
-                memory.alias_size_in_bytes, hbm, compile_s, float((cost or {}).get("flops", 0.0)),
+                memory.alias_size_in_bytes, hbm, compile_s, xla_flops(compiled),
                 arithmetic, (compiled.as_text() or "").count("tpu_custom_call"))
 
 

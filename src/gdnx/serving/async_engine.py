@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from gdnx.distributed import peer_failure
+from gdnx.distributed import peer_failure, peer_lost
 from gdnx.serving.engine import Engine, Event
 from gdnx.serving.metrics import Metrics
 from gdnx.serving.params import SamplingParams
@@ -71,7 +71,7 @@ class AsyncEngine:
     When another process of the run is gone (a step's collective fails, or
     the watcher of the processes' links calls `lose`), every request in
     flight ends with an EngineError saying so, the thread stops stepping and
-    `lost` says what happened (the server then stops)."""
+    `lost` says how the loss was seen (the server then stops)."""
 
     def __init__(self, engine: Engine | Leader, metrics: Metrics, max_queue: int):
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
@@ -100,11 +100,11 @@ class AsyncEngine:
         with self._lock:
             if self.lost is not None:
                 return
-            self.lost = f"another process of the run stopped ({what})"
+            self.lost = what
             live = list(self._live)
         for handle in live:
             self.metrics.failed.inc()
-            handle._put(EngineError(f"{self.lost}; the server stops"))
+            handle._put(EngineError(f"{peer_lost(what)}; the server stops"))
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         """The engine's own check of a request (ValueError naming the field);
@@ -122,7 +122,7 @@ class AsyncEngine:
                            "a smaller n")
         with self._lock:
             if self.lost is not None:
-                raise Overloaded(f"the server is stopping: {self.lost}")
+                raise Overloaded(f"the server is stopping: {peer_lost(self.lost)}")
             if self._in_flight + len(requests) > capacity:
                 self.metrics.rejected.inc()
                 raise Overloaded(f"the server holds {self._in_flight} requests ({self.engine.max_slots} slots, a "

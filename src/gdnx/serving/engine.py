@@ -601,7 +601,7 @@ class Engine:
         step = self._run_decode(active, next(r for r in self.decode_rows if r >= used), allowed)
         self.stats.decode_calls += 1
         got = fetch(step)
-        for req in self.scheduler.decoding():
+        for req in decoding:
             slot = req.held_slot
             logits = None if got.logits is None else got.logits[slot]
             self._emit(req, [int(t) for t in got.tokens[slot]], got.logprobs, slot, logits, results)

@@ -31,10 +31,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gdnx.config.schema import Config
 from gdnx.models import CausalLM
 from gdnx.models.cache import row_axes
-from gdnx.models.causal_lm import check_platform
 from gdnx.ops.gated_delta_rule.tiles import compile_target
 from gdnx.parallel import make_mesh, shardings
-from gdnx.plan import HBM_BYTES, generation, topology_devices
+from gdnx.plan import (HBM_BYTES, abstract, compile_within, for_target, generation, topology_devices,
+                       xla_flops)
 from gdnx.serving import programs
 from gdnx.serving.engine import engine_shapes
 from gdnx.serving.params import SamplingParams
@@ -121,10 +121,6 @@ def _per_chip(tree: Any) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _abstract(tree: Any, placements: Any) -> Any:
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, placements)
-
-
 def _target(topology: str) -> tuple[list[jax.Device], int, str]:
     """The target's devices, memory per device and platform: a TPU slice
     (v5p:2x2x1), or NAME:N for N GPUs of one host (h100:8; gdnx.aot's GPU
@@ -149,14 +145,8 @@ def _target(topology: str) -> tuple[list[jax.Device], int, str]:
 
 
 def _compile(lowered: Any, what: str, topology: str) -> Any:
-    """The compiled program; the compiler's refusal of one whose buffers overflow a chip as a ValueError."""
-    try:
-        return lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise ValueError(f"{topology}: the {what} does NOT fit ({str(e).splitlines()[0][:300]}); lower --max-slots, "
-                         "--max-prefill-batch or --max-length, or shard over more chips (parallel.tensor)") from None
+    return compile_within(lowered, f"{topology}: the {what} does NOT fit ({{}}); lower --max-slots, "
+                                   "--max-prefill-batch or --max-length, or shard over more chips (parallel.tensor)")
 
 
 def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int, speculative: int = 0,
@@ -181,10 +171,7 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
     if max_length > cfg.max_position_embeddings:
         raise ValueError(f"--max-length: {max_length} exceeds the model's {cfg.max_position_embeddings} positions "
                          "(max_position_embeddings)")
-    if cfg.gdn_implementation == "auto":  # the kernel the target would pick, compiled
-        cfg = cfg.model_copy(update={"gdn_implementation": "pallas_tpu" if kind == "tpu" else "pallas_gpu",
-                                     "gdn_interpret": False})
-    check_platform(cfg, kind)
+    cfg = for_target(cfg, kind)
     if config.parallel.context != 1:
         raise ValueError(f"parallel.context: the engine splits heads and slots, not sequences: expected 1, got "
                          f"{config.parallel.context}")
@@ -196,7 +183,7 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
         model = nnx.eval_shape(lambda: CausalLM(cfg))
     graphdef, state = nnx.split(model)
     flops = decode_flops(cfg, nnx.state(model, nnx.Param), max_slots, max_length)
-    state = _abstract(state, shardings(state, cfg, mesh))
+    state = abstract(state, shardings(state, cfg, mesh))
     shapes = engine_shapes(cfg, max_length, None, speculative)
     static = programs.Static(graphdef, cfg, row_axes(model), (), logprobs, False)
     compiled_programs = programs.compile_programs(static)
@@ -213,7 +200,7 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
     with jax.set_mesh(mesh), compile_target(devices[0]):
         make = jax.jit(lambda: programs.place(static, programs.empty_slots(model, s, shapes.capacity, k)))
         slot_shapes = jax.eval_shape(make)
-        slots = _abstract(slot_shapes, _compile(make.lower(), "slot state", topology).output_shardings)
+        slots = abstract(slot_shapes, _compile(make.lower(), "slot state", topology).output_shardings)
         prefill_params = jax.tree.map(lambda x: host(x.shape, x.dtype),
                                       SlotParams.rows([SamplingParams()] * pr, [0] * pr))
         rows = {
@@ -235,9 +222,7 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
             memory = compiled.memory_analysis()
             assert memory is not None  # TPU executables report it
             temp[name] = int(memory.temp_size_in_bytes)
-            c = compiled.cost_analysis()
-            c = c[0] if isinstance(c, (list, tuple)) else c
-            cost[name] = float((c or {}).get("flops", 0.0))
+            cost[name] = xla_flops(compiled)
             if name == "prefill":
                 text = compiled.as_text() or ""
                 kernels = text.count("tpu_custom_call") + text.count("__gpu$xla.gpu.triton")

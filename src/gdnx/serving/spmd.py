@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from gdnx.distributed import PeerLost
+from gdnx.distributed import PeerLost, runtime_client, runtime_failure
 from gdnx.serving.engine import Engine, Event
 from gdnx.serving.params import SamplingParams
 
@@ -60,7 +60,7 @@ class RuntimeChannel:
     """Messages in the distributed runtime's key-value store."""
 
     def __init__(self, name: str = "serve-steps"):
-        self._client, self._prefix = _client(), f"gdnx:{name}:"
+        self._client, self._prefix = runtime_client(), f"gdnx:{name}:"
 
     def publish(self, n: int, message: bytes) -> None:
         self._client.key_value_set_bytes(f"{self._prefix}{n}", message)
@@ -69,22 +69,13 @@ class RuntimeChannel:
         try:
             return self._client.blocking_key_value_get_bytes(f"{self._prefix}{n}", int(timeout_s * 1000))
         except Exception as e:  # the runtime's own error type
-            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
+            text, deadline = runtime_failure(e)
+            if deadline:
                 return None
             raise PeerLost(f"process 0 stopped answering ({text})") from None
 
     def drop(self, n: int) -> None:
         self._client.key_value_delete(f"{self._prefix}{n}")
-
-
-def _client() -> Any:
-    from jax._src import distributed as state
-
-    client = state.global_state.client
-    if client is None:
-        raise RuntimeError("the distributed runtime is not started (gdnx.distributed.initialize)")
-    return client
 
 
 def _listen() -> socket.socket:
@@ -105,7 +96,7 @@ class Links:
         from jax._src import distributed as state
 
         self._on_lost, self._closed = on_lost, threading.Event()
-        client, me = _client(), jax.process_index()
+        client, me = runtime_client(), jax.process_index()
         key = "gdnx:serve-link"
         if me == 0:
             with _listen() as server:
