@@ -198,6 +198,8 @@ def test_reasoning_is_split_whole_and_streamed(client):
     (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
     (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools.0.function.name"),
     (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    (dict(chat_template_kwargs={"raise_exception": "not a function"}), "chat_template_kwargs"),
+    (dict(chat_template_kwargs={"eos_token": "<x>"}), "chat_template_kwargs"),
 ])
 def test_each_tool_mistake_is_a_400_naming_its_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -89,13 +89,20 @@ class ChatTemplate:
             raise ValueError(f"{directory}: the chat template is not valid jinja2 ({e.message}, line {e.lineno})") \
                 from None
         self.special = {k: t for k in _SPECIAL if (t := _token_text(config.get(k))) is not None}
+        # what a caller's template variables may not replace: the conversation, the special tokens, the
+        # template's functions (jinja2's and the ones above)
+        self.reserved = frozenset({"messages", "add_generation_prompt", "tools", "documents", *self.special,
+                                   *env.globals})
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
                **kwargs: Any) -> str:
         """The conversation as text; ValueError with the template's own
         message when it refuses them (a role it does not know, say). tools:
         the functions the model may call, as the template lists them;
-        kwargs: the template's own variables (enable_thinking, ...)."""
+        kwargs: the template's own variables (enable_thinking, ...), none of
+        `reserved` (ValueError naming it)."""
+        if taken := sorted(self.reserved & set(kwargs)):
+            raise ValueError(f"{taken[0]!r} is the chat template's own; it cannot be set")
         try:
             return self.template.render(**{**kwargs, **self.special}, messages=messages,
                                         add_generation_prompt=add_generation_prompt, tools=tools, documents=None)

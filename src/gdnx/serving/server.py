@@ -57,6 +57,8 @@ class TextTokenizer(Protocol):
 
 
 class Template(Protocol):
+    reserved: frozenset[str]
+
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
                **kwargs: Any) -> str: ...
 
@@ -185,9 +187,9 @@ def _prepare_chat(served: Served, raw: bytes) -> tuple[ChatRequest, list[int], L
         raise RequestError("tools: this server parses no tool calls; start it with --tool-call-parser "
                            f"({', '.join(TOOL_PARSERS)})", "tools")
     kwargs = dict(req.chat_template_kwargs or {})
-    reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "documents"})
-    if reserved:
-        raise RequestError(f"chat_template_kwargs: {reserved[0]!r} is the request's own field", "chat_template_kwargs")
+    if taken := sorted(set(kwargs) & served.chat.reserved):
+        raise RequestError(f"chat_template_kwargs: {taken[0]!r} is the chat template's own; it cannot be set",
+                           "chat_template_kwargs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
         text = served.chat.render([m.rendered() for m in req.messages], req.add_generation_prompt, tools, **kwargs)
