@@ -133,7 +133,7 @@ class _StepResults:
 
 
 class EngineShapes(NamedTuple):
-    block_size: int       # tokens per prefix-cache block, the smallest prefill bucket
+    block_size: int       # tokens per prefix-cache block
     padded_length: int    # max_length rounded up to a block: the longest prefill bucket
     capacity: int         # tokens each slot's cache holds
 
@@ -149,8 +149,13 @@ def engine_shapes(cfg: Any, max_length: int, block_size: int | None, draft: int)
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _buckets(block: int, limit: int) -> tuple[int, ...]:
-    out, n = [], block
+def _buckets(block: int, limit: int, smallest: int | None = None) -> tuple[int, ...]:
+    """Doubling from `smallest` while under `block`, then from `block`, up to `limit`."""
+    out, n = [], block if smallest is None else smallest
+    while n < min(block, limit):
+        out.append(n)
+        n *= 2
+    n = block
     while n < limit:
         out.append(n)
         n *= 2
@@ -172,8 +177,9 @@ class Engine:
     prefix_cache_bytes: host memory for the prefix cache (0: off).
     speculative: a Drafter (e.g. NgramDrafter) to propose tokens verified
       in one pass; None decodes plainly.
-    block_size: tokens per prefix-cache block and the smallest prefill
-      bucket (a multiple of the model's gdn_chunk_size; default 4 chunks).
+    block_size: tokens per prefix-cache block (a multiple of the model's
+      gdn_chunk_size; default 4 chunks). Prefill buckets double from the
+      chunk size up to a block, then from the block up to max_length.
     decode_steps: tokens per slot per host round trip of the decode loop.
     max_prefill_batch: prompts of one bucket prefilled together, at most
       (power-of-two batches up to it; default max_slots).
@@ -251,8 +257,9 @@ class Engine:
         draft = speculative.num_tokens if speculative is not None else 0
         shapes = engine_shapes(cfg, max_length, block_size, draft)
         self.padded_length, self.capacity = shapes.padded_length, shapes.capacity
-        # prefill buckets: block_size doubling up to max_length rounded up to a block
-        self.buckets = _buckets(block_size, self.padded_length)
+        # prefill buckets: the chunk size doubling up to a block, then block_size doubling up to max_length
+        # rounded up to a block (a short prompt is not padded to a whole block)
+        self.buckets = _buckets(block_size, self.padded_length, chunk)
         # decode batches: the first 1, 2, 4, ... slots, as few as hold every running request (one shape in
         # batch-invariant mode)
         self.decode_rows = (max_slots,) if batch_invariant else _buckets(1, max_slots)
@@ -390,7 +397,6 @@ class Engine:
         else:
             batches = [1 << i for i in range(self.max_prefill_batch.bit_length())]
             shapes = [(b, length) for length in self.buckets for b in batches]
-        history = self.block_size if self.prefix_cache is not None else None
         for rows, length in shapes:
             for targets in (None, np.zeros((rows, length), np.int32)):
                 with self._on_mesh():
@@ -398,7 +404,7 @@ class Engine:
                         self._state, self._slots, np.full(rows, self.max_slots, np.int32),
                         np.zeros((rows, length), np.int32), np.zeros(rows, np.int32), np.ones(rows, np.int32),
                         SlotParams.rows([SamplingParams()] * rows, [0] * rows), np.zeros((rows, vocab), bool),
-                        targets, grammar.masks([None] * rows, vocab), history_every=history)
+                        targets, grammar.masks([None] * rows, vocab), history_every=self._history(length))
                 ran += 1
         if self.prefix_cache is not None:  # a hit's states written into an idle slot
             parts = tuple(tuple(np.zeros(np.delete(x.shape, axis), x.dtype) for x in entry[:2])
@@ -517,6 +523,11 @@ class Engine:
         with self._on_mesh():  # created in place, each array in its layout
             return jax.jit(lambda: programs.place(self._static, make()))()
 
+    def _history(self, length: int) -> int | None:
+        """The prefill's state snapshots for the prefix cache: every block of
+        a bucket of whole blocks (a shorter bucket holds no block to keep)."""
+        return self.block_size if self.prefix_cache is not None and length % self.block_size == 0 else None
+
     def _restore(self, req: Request, layers: tuple) -> None:
         """Write a request's cached prefix into its slot."""
         with self._on_mesh():
@@ -551,10 +562,10 @@ class Engine:
                                  [r.seed for r, _ in group] + [0] * (rows - len(group)))
         # the first token each constrained request may draw (every token for the others: one program for both)
         allowed = grammar.masks([req.matcher for req, _ in group] + [None] * (rows - len(group)), vocab)
-        history = self.block_size if self.prefix_cache is not None else None
         with self._on_mesh():
             self._slots, out = self._programs.prefill(self._state, self._slots, slots, tokens, starts, lengths,
-                                                      params, seen, targets, allowed, history_every=history)
+                                                      params, seen, targets, allowed,
+                                                      history_every=self._history(length))
         self.stats.programs.add(("prefill", (rows, length)))
         self.stats.prefill_calls += 1
         got = fetch(out)
