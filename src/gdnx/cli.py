@@ -93,9 +93,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="before listening, compile every program a request can need (all, the default: each "
                             "prefill shape too; docs/serving.md counts them) or only the decode steps (decode: a "
                             "quicker start, the first request of each new shape waits for the compiler)")
-    serve.add_argument("--tool-call-parser", choices=("hermes",), default=None,
-                       help="parse tool calls from chat outputs (hermes: <tool_call>{...}</tool_call>, the format "
-                            "of Qwen's templates); without it, requests with tools are refused")
+    serve.add_argument("--tool-call-parser", choices=("hermes", "kimi_k2", "olmo3"), default=None,
+                       help="parse tool calls from chat outputs in the format of the checkpoint's template (hermes: "
+                            "<tool_call>{...}</tool_call>, Qwen3-Next's and Qwen3.5's; kimi_k2: "
+                            "<|tool_calls_section_begin|>..., Kimi Linear's; olmo3: <function_calls> name(key=value) "
+                            "</function_calls>, OLMo Hybrid's); without it, requests with tools are refused")
     serve.add_argument("--reasoning-parser", choices=("qwen3",), default=None,
                        help="split a thinking model's <think>...</think> into message.reasoning_content")
     serve.add_argument("overrides", nargs="*", metavar="key=value",

@@ -6,6 +6,7 @@ and whole alike, and each mistake a 400 naming its field. A random tiny
 model with a byte-level BPE vocabulary: only the constraint makes an
 output valid."""
 
+import contextlib
 import json
 import re
 
@@ -22,6 +23,7 @@ from gdnx.serving import Engine
 from gdnx.serving.async_engine import AsyncEngine
 from gdnx.serving.grammar import Grammars
 from gdnx.serving.metrics import Metrics
+from gdnx.serving.parsers import TOOL_FORMATS
 from gdnx.serving.server import Served, create_app
 from tests.helpers.configs import TINY_HYBRID
 from tests.hf_models import BPE_VOCAB, write_bpe_tokenizer
@@ -46,20 +48,43 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
 
 
+KIMI_TAGS = list(TOOL_FORMATS["kimi_k2"].tags)
+
+
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def files(tmp_path_factory):
+    """The checkpoint's files (a byte-level BPE tokenizer with Kimi's tool-call tags as special tokens, as its
+    tokenizer has them; the chat template) and the model."""
+    from tokenizers import AddedToken, Tokenizer
+
     path = tmp_path_factory.mktemp("bpe")
     write_bpe_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in KIMI_TAGS])
+    assert tok.get_vocab_size() <= BPE_VOCAB
+    tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
+    return path, CausalLM(ModelConfig(**{**TINY_HYBRID, "vocab_size": BPE_VOCAB}), seed=3)
+
+
+@contextlib.contextmanager
+def _client(files, tool_parser: str):
+    path, model = files
     tok = HFTokenizer(str(path / "tokenizer.json"))
-    model = CausalLM(ModelConfig(**{**TINY_HYBRID, "vocab_size": BPE_VOCAB}), seed=3)
+    # engines on one model with the same settings share their compiled programs
     engine = Engine(model, max_slots=4, max_length=256, block_size=16, decode_steps=4, tokenizer=tok,
                     eos_token_ids=[0], max_logprobs=5, speculative=None,
                     grammars=Grammars((path / "tokenizer.json").read_text(), BPE_VOCAB, eos_id=0))
     served = Served(AsyncEngine(engine, Metrics(), max_queue=8), tok, "tiny", 256, ChatTemplate(path),
-                    tool_parser="hermes", reasoning_parser="qwen3")
+                    tool_parser=tool_parser, reasoning_parser="qwen3")
     with TestClient(create_app(served)) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def client(files):
+    with _client(files, "hermes") as c:
+        yield c
 
 
 def test_chat_json_schema_outputs_validate(client):
@@ -114,10 +139,10 @@ def test_each_mistake_is_a_400_naming_its_field(client, body, param):
     assert r.choices[0].message.content is not None  # and it keeps serving
 
 
-def _validate_call(call, tools):
+def _validate_call(call, tools, id_prefix="call_"):
     spec = next(t for t in tools if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
-    assert call.type == "function" and call.id.startswith("call_")
+    assert call.type == "function" and call.id.startswith(id_prefix)
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
@@ -151,6 +176,33 @@ def test_tool_call_deltas_assemble_into_the_whole_responses_calls(client):
     assert finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+@pytest.mark.parametrize("parser", ["kimi_k2", "olmo3"])
+def test_forced_calls_in_the_other_formats_parse_whole_and_streamed(files, parser):
+    """Kimi Linear's format (its tags special tokens: kept in the text, named
+    as special tokens in the grammar) and OLMo 3's Python-style calls."""
+    tools = [WEATHER, TIME]
+    body = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=tools,
+                tool_choice="required", temperature=1.0, max_tokens=150)
+    with _client(files, parser) as client:
+        for seed in range(2):
+            # several calls: this random model may write calls until max_tokens ("length")
+            many = dict(seed=seed, parallel_tool_calls=seed == 1)
+            whole = client.chat.completions.create(**body, **many).choices[0]
+            assert whole.finish_reason == "tool_calls" or many["parallel_tool_calls"], whole.message
+            assert len(whole.message.tool_calls) == 1 or many["parallel_tool_calls"]
+            for call in whole.message.tool_calls:
+                _validate_call(call, tools, f"functions.{call.function.name}:" if parser == "kimi_k2" else "call_")
+            calls: dict[int, dict] = {}
+            for chunk in client.chat.completions.create(**body, **many, stream=True):
+                for c in chunk.choices:
+                    for d in c.delta.tool_calls or []:
+                        calls.setdefault(d.index, {"name": "", "arguments": ""})
+                        calls[d.index]["name"] += d.function.name or ""
+                        calls[d.index]["arguments"] += d.function.arguments or ""
+            assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
+                [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
 
 
 def test_auto_parses_calls_from_free_text_and_tool_messages_render(client):

@@ -35,6 +35,7 @@ class HFTokenizer:
             raise ValueError(f"data.tokenizer: {path} is not a readable tokenizer.json "
                              f"({str(e).splitlines()[0][:120]})") from None
         self.vocab_size = self.tok.get_vocab_size()
+        self._kept: dict[int, str] = {}   # special tokens decoded as their text
 
     def encode(self, text: str) -> list[int]:
         # encode_batch lets go of the GIL while it works (encode holds it): a long text encoded in one thread
@@ -42,7 +43,30 @@ class HFTokenizer:
         return self.tok.encode_batch([text])[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode([int(i) for i in ids])
+        """The ids' text; special tokens are left out, but for those kept."""
+        ids = [int(i) for i in ids]
+        if not self._kept or not any(i in self._kept for i in ids):
+            return self.tok.decode(ids)
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in self._kept:
+                out += [self.tok.decode(run), self._kept[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*out, self.tok.decode(run)])
+
+    def keep(self, texts: Sequence[str]) -> frozenset[str]:
+        """Decode those of these texts that are special tokens of the
+        tokenizer as their text, where decode leaves other special tokens
+        out: the tags a server's parser reads (a tool-call format's).
+        Returns the texts that are special tokens."""
+        special = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        for text in texts:
+            if text in special:
+                self._kept[special[text]] = text
+        return frozenset(t for t in texts if t in special)
 
     def token_id(self, text: str) -> int | None:
         """The id of a token by its text (a special token's name), or None."""

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from gdnx.errors import FieldError
 from gdnx.serving.params import SamplingParams, Structured
+from gdnx.serving.parsers import TOOL_FORMATS, ToolFormat
 
 # the most top-N log-probabilities a request may ask for (the protocol's own bound)
 MAX_LOGPROBS = 20
@@ -204,10 +205,15 @@ class ChatRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # the server's tool-call format and which of its tags are special tokens (the server's, not the client's)
+    _tool_format: tuple[ToolFormat, frozenset[str]] = PrivateAttr(default=(TOOL_FORMATS["hermes"], frozenset()))
+
+    def use_tool_format(self, fmt: ToolFormat, special: frozenset[str] = frozenset()) -> None:
+        self._tool_format = (fmt, special)
 
     def constraint(self) -> Structured | None:
         """A required or named tool_choice is a grammar of tool calls (the
-        Hermes format), else response_format / structured_outputs."""
+        server's tool format), else response_format / structured_outputs."""
         forced = tool_grammar(self)
         if forced is not None:
             if self.response_format is not None and self.response_format.type != "text" \
@@ -220,9 +226,10 @@ class ChatRequest(_Request):
 
 def tool_grammar(req: ChatRequest) -> Structured | None:
     """The Lark grammar (llguidance's, with %json) that a required or named
-    tool_choice puts on the output: Hermes calls whose arguments follow the
-    function's parameters (one call, or several with parallel_tool_calls
-    and "required"); None for "auto", "none" or no tools."""
+    tool_choice puts on the output: calls in the server's tool format whose
+    arguments follow the function's parameters (one call, or several with
+    parallel_tool_calls and "required"); None for "auto", "none" or no
+    tools."""
     choice = req.tool_choice
     if choice is None or choice in ("auto", "none"):
         return None
@@ -234,14 +241,10 @@ def tool_grammar(req: ChatRequest) -> Structured | None:
                                "tool_choice.function.name")
     if not tools:
         raise RequestError("tool_choice: required needs tools", "tool_choice")
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": t.function.name},
-                             "arguments": t.function.parameters or {"type": "object"}}} for t in tools]
-    body = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
-    many = choice == "required" and req.parallel_tool_calls
-    repeat = r' ("\n" call)*' if many else ""
-    lark = f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}'
-    return Structured("grammar", lark, field="tools")
+    functions = [(t.function.name, t.function.parameters or {"type": "object"}) for t in tools]
+    fmt, special = req._tool_format
+    return Structured("grammar", fmt.lark(functions, choice == "required" and req.parallel_tool_calls, special),
+                      field="tools")
 
 
 # fields of the protocol gdnx does not implement: refused rather than ignored

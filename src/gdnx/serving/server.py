@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from gdnx.serving.async_engine import AsyncEngine, EngineError, Handle, Overloaded, TooLarge
 from gdnx.serving.params import Completion, SamplingParams
-from gdnx.serving.parsers import THINK_OPEN, TOOL_PARSERS, Splitter, split_whole
+from gdnx.serving.parsers import THINK_OPEN, TOOL_FORMATS, TOOL_PARSERS, Splitter, ToolFormat, split_whole
 from gdnx.errors import FieldError
 from gdnx.serving.protocol import (ChatRequest, CompletionRequest, RequestError, chat_logprobs, completion_logprobs,
                                    Logprob, envelope, field_error, new_id, parse, usage)
@@ -81,6 +81,17 @@ class Served:
     reasoning_parser: str | None = None   # parsers.REASONING_PARSERS: reasoning split from chat outputs
     draining: bool = False
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        return None if self.tool_parser is None else TOOL_FORMATS[self.tool_parser]
+
+    def __post_init__(self) -> None:
+        # the tool format's tags that are special tokens: decoded as text (the parser reads them), named as
+        # special tokens in a forced call's grammar
+        keep = getattr(self.tokenizer, "keep", None)
+        self.special_tags: frozenset[str] = frozenset() if self.tool_format is None or keep is None \
+            else keep(self.tool_format.tags)
 
 
 def create_app(served: Served) -> FastAPI:
@@ -142,7 +153,7 @@ def create_app(served: Served) -> FastAPI:
         raw = await _body(served, request)
         req, prompt, reasoning = await _off_loop(prepare, _prepare_chat, served, raw)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        tools = bool(req.tools) and req.tool_choice != "none"
+        tools = served.tool_format if req.tools and req.tool_choice != "none" else None
         return await _respond(served, request, req, [prompt], logprobs, "messages",
                               _ChatChoice(served.tokenizer, logprobs, reasoning, tools))
 
@@ -186,6 +197,8 @@ def _prepare_chat(served: Served, raw: bytes) -> tuple[ChatRequest, list[int], L
     if req.tools and req.tool_choice != "none" and served.tool_parser is None:
         raise RequestError("tools: this server parses no tool calls; start it with --tool-call-parser "
                            f"({', '.join(TOOL_PARSERS)})", "tools")
+    if served.tool_format is not None:
+        req.use_tool_format(served.tool_format, served.special_tags)
     kwargs = dict(req.chat_template_kwargs or {})
     if taken := sorted(set(kwargs) & served.chat.reserved):
         raise RequestError(f"chat_template_kwargs: {taken[0]!r} is the chat template's own; it cannot be set",
@@ -536,7 +549,7 @@ class _ChatChoice(_Choice):
     id_prefix, kind, chunk_kind = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, tokenizer: TextTokenizer, logprobs: int | None,
-                 reasoning: Literal["open", "maybe"] | None = None, tools: bool = False):
+                 reasoning: Literal["open", "maybe"] | None = None, tools: ToolFormat | None = None):
         super().__init__(tokenizer, logprobs)
         self.reasoning, self.tools = reasoning, tools
         self._splitters: dict[int, Splitter] = {}
@@ -545,7 +558,7 @@ class _ChatChoice(_Choice):
         lp = None if c.logprobs is None else chat_logprobs(*self.pieces(c))
         message: dict[str, Any] = {"role": "assistant", "content": self.text(c)}
         finish: str = c.finish_reason
-        if self.reasoning is not None or self.tools:
+        if self.reasoning is not None or self.tools is not None:
             thought, message["content"], calls = split_whole(self.text(c), self.reasoning, self.tools)
             if self.reasoning is not None:
                 message["reasoning_content"] = thought
@@ -559,7 +572,7 @@ class _ChatChoice(_Choice):
 
     def chunk(self, i: int, text: str, lp: tuple[list[str], list] | None, finish: str | None) -> dict:
         delta: dict[str, Any] = {}
-        if self.reasoning is None and not self.tools:
+        if self.reasoning is None and self.tools is None:
             if text:
                 delta["content"] = text
         else:
