@@ -63,6 +63,23 @@ def test_ragged_prompts_give_the_plain_greedy_tokens(model, prompts, plain):
     assert {shape[0] for name, shape in engine.stats.programs if name == "decode"} > {4}
 
 
+def test_prompts_shorter_than_a_block_prefill_in_chunk_buckets(model, prompts, plain):
+    """Blocks of 32 on a model of 16-token chunks: buckets 16, 32, 64. A
+    prompt of under 16 tokens prefills in the 16 bucket (no prefix-cache
+    snapshot there), a longer one in whole blocks (snapshotted); a later
+    prompt sharing a cached block prefills only its rest, in the 16 bucket:
+    the plain greedy tokens throughout."""
+    engine = _engine(model, block_size=32, prefix_cache_bytes=1 << 24)
+    assert engine.buckets == (16, 32, 64)
+    out = engine.generate([prompts[0], prompts[4]], GREEDY)          # 5 and 40 tokens
+    assert [c.tokens for c in out] == [plain[0], plain[4]]
+    assert {shape for name, shape in engine.stats.programs if name == "prefill"} == {(1, 16), (1, 64)}
+    hit = prompts[4][:32] + prompts[1][:6]
+    again = engine.generate([hit], GREEDY)[0]
+    assert again.cached_tokens == 32
+    assert again.tokens == np.asarray(generate(model, jnp.asarray([hit]), GREEDY.max_tokens))[0].tolist()
+
+
 def test_prefix_cache_gives_the_same_tokens_and_logits(model, prompts, plain):
     """Prompts sharing prefixes of 1-2 blocks with earlier ones: only the
     rest is prefilled; greedy tokens identical, logits within 1e-5 of the
