@@ -92,6 +92,21 @@ def test_generate_from_a_hugging_face_directory(capsys, tmp_path, kind):
     assert len(words) >= 1 and all(w in vocab for w in words)
 
 
+def test_a_hugging_face_directory_decodes_alike_with_its_layers_scanned_or_unrolled(capsys, tmp_path):
+    """model.scan_layers: the same greedy words either way (a layout for serving: on CPU an unrolled decode step
+    runs about twice as fast, docs/benchmarks.md; a deep stack compiles longer)."""
+    hf_and_gdnx(tmp_path, "qwen3_next")
+    tok = Tokenizer(WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = []
+    for scan in ("true", "false"):
+        assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "w1 w5 w9", "--max-new-tokens", "6",
+                     "--temperature", "0", f"model.scan_layers={scan}"]) == 0
+        out.append(capsys.readouterr().out)
+    assert out[0] == out[1] and out[0].split()
+
+
 def test_train_on_a_text_file(tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"line {i} of some text"}) for i in range(50)))
@@ -100,6 +115,8 @@ def test_train_on_a_text_file(tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().err  # the evaluation line of a text run
     assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "line 3", "--max-new-tokens", "4"]) == 0
     capsys.readouterr()
+    err = _error(capsys, ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x", "model.scan_layers=false"])
+    assert err.startswith("gdnx generate: error: model.scan_layers: a gdnx run's checkpoint restores in"), err
     # the text changed under a run with checkpoints: refused, not re-tokenized and resumed on other data
     data.write_text(data.read_text() + "\n" + json.dumps({"text": "one more line"}))
     err = _error(capsys, ["train", "tiny", *SMALL_RUN, "data.source=text", f"data.path={data}", "model.vocab_size=256",

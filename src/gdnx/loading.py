@@ -27,7 +27,7 @@ ENGINE_FLAGS = {"max_slots": "--max-slots", "max_length": "--max-length", "prefi
 MEMORY_HINT = ("shorten the prompt or --max-new-tokens, or load the weights in bfloat16 "
                "(model.param_dtype=bfloat16 model.dtype=bfloat16)")
 # what a loaded checkpoint may change: how the model computes, not its shapes
-_OVERRIDABLE = ("dtype", "param_dtype")
+_OVERRIDABLE = ("dtype", "param_dtype", "scan_layers")
 
 
 class IdTokenizer:
@@ -49,8 +49,8 @@ class IdTokenizer:
 
 def model_overrides(overrides: list[str], command: str) -> dict:
     """The model.* overrides a loaded checkpoint may take (its gdn_* fields,
-    dtype and param_dtype); anything else but parallel.* is refused naming
-    the key."""
+    dtype, param_dtype and, for a Hugging Face directory, scan_layers);
+    anything else but parallel.* is refused naming the key."""
     data = apply_overrides({}, overrides)
     extra = set(data) - {"model", "parallel"}
     if extra:
@@ -58,8 +58,8 @@ def model_overrides(overrides: list[str], command: str) -> dict:
     model = data.get("model", {})
     for key in model:
         if not key.startswith("gdn_") and key not in _OVERRIDABLE:
-            raise ConfigError(f"model.{key}: {command} takes overrides of the model.gdn_* fields, model.dtype and "
-                              "model.param_dtype only (the checkpoint fixes the architecture)")
+            raise ConfigError(f"model.{key}: {command} takes overrides of the model.gdn_* fields, model.dtype, "
+                              "model.param_dtype and model.scan_layers only (the checkpoint fixes the architecture)")
     return model
 
 
@@ -118,6 +118,9 @@ def load(path: Path, overrides: list[str], command: str) -> Loaded:
     mesh = parallel_mesh(overrides)
     try:
         if is_run(path):
+            if "scan_layers" in model_fields:
+                raise ConfigError("model.scan_layers: a gdnx run's checkpoint restores in the layout it was trained "
+                                  "in (a Hugging Face directory loads in either)")
             try:
                 run = load_run(path, model_fields)
             except NotARun as e:
