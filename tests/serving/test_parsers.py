@@ -95,6 +95,12 @@ FUNCTIONS = [
                              "style": {"type": "object", "additionalProperties": False, "required": ["color"],
                                        "properties": {"color": {"enum": ["red", "blue"]}}}}}),
     ("ping", {"type": "object", "additionalProperties": False, "properties": {}}),
+    # as pydantic writes a nested model (the openai client's pydantic_function_tool): $defs and $ref
+    ("move", {"type": "object", "additionalProperties": False, "required": ["to"],
+              "$defs": {"Point": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                                  "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                 "y": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+              "properties": {"to": {"$ref": "#/$defs/Point"}}}),
 ]
 KIMI_TAGS = list(KIMI.tags)
 

@@ -61,6 +61,8 @@ def tool_call(body: str) -> dict[str, Any] | None:
 
 # A tool the grammar allows: its name and its parameters' JSON schema.
 Function = tuple[str, dict[str, Any]]
+
+
 class ToolFormat:
     """A tool-call format: the tags around a block of calls, the calls in a
     block's body (none: the block is content after all), and the grammar of
@@ -93,6 +95,28 @@ def _json(schema: Any) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': _COMPACT} if isinstance(schema, dict) else schema)}"
 
 
+def _definitions(schema: Any, prefix: str = "") -> tuple[Any, dict[str, Any]]:
+    """A parameters schema without its definitions ($defs or draft 7's
+    definitions), its local references renamed to `#/$defs/PREFIX...`, and
+    the definitions so renamed: to set at the root of the schema the
+    parameters end up in (a reference resolves against the root)."""
+    def rename(x: Any) -> Any:
+        if isinstance(x, dict):
+            out = {k: rename(v) for k, v in x.items()}
+            ref = x.get("$ref")
+            for root in ("#/$defs/", "#/definitions/"):
+                if isinstance(ref, str) and ref.startswith(root):
+                    out["$ref"] = "#/$defs/" + prefix + ref[len(root):]
+            return out
+        return [rename(v) for v in x] if isinstance(x, list) else x
+    if not isinstance(schema, dict):
+        return schema, {}
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    body = rename(schema)
+    return {k: v for k, v in body.items() if k not in ("$defs", "definitions")}, \
+        {prefix + k: rename(v) for k, v in defs.items()}
+
+
 def _alternatives(items: Sequence[str]) -> str:
     return items[0] if len(items) == 1 else "(" + " | ".join(items) + ")"
 
@@ -106,9 +130,14 @@ class Hermes(ToolFormat):
         return [] if call is None else [call]
 
     def lark(self, functions: Sequence[Function], many: bool, special: frozenset[str] = frozenset()) -> str:
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                  "properties": {"name": {"const": name}, "arguments": params}} for name, params in functions]
-        body = _json(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        calls, defs = [], {}
+        for i, (name, params) in enumerate(functions):  # each function's definitions, renamed apart, at the root
+            arguments, own = _definitions(params, f"f{i}_")
+            defs.update(own)
+            calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                          "properties": {"name": {"const": name}, "arguments": arguments}})
+        root = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        body = _json({**root, "$defs": defs} if defs else root)
         repeat = ' ("\\n" call)*' if many else ""
         open_, close = _spell(self.open, special), _spell(self.close, special)
         return f'start: call{repeat}\ncall: {open_} "\\n" body "\\n" {close}\nbody: {body}'
@@ -163,8 +192,10 @@ def _literal(node: ast.expr) -> Any:
     raise ValueError(f"not a literal: {ast.dump(node)[:60]}")
 
 
-def _keyword(key: str, schema: Any) -> str:
-    return f'{json.dumps(key + "=")} {_json(schema)}'
+def _keyword(key: str, schema: Any, defs: dict[str, Any]) -> str:
+    """key=VALUE, the value's schema carrying its function's definitions."""
+    value = {**schema, "$defs": defs} if defs and isinstance(schema, dict) else schema
+    return f'{json.dumps(key + "=")} {_json(value)}'
 
 
 class Olmo3(ToolFormat):
@@ -189,11 +220,12 @@ class Olmo3(ToolFormat):
     def lark(self, functions: Sequence[Function], many: bool, special: frozenset[str] = frozenset()) -> str:
         rules = []
         for i, (name, params) in enumerate(functions):
+            params, defs = _definitions(params)
             props: dict[str, Any] = params.get("properties", {}) if isinstance(params, dict) else {}
             required = [k for k in params.get("required", []) if k in props] if isinstance(params, dict) else []
-            optional = [_keyword(k, props[k]) for k in props if k not in required]
+            optional = [_keyword(k, props[k], defs) for k in props if k not in required]
             if required:  # the required in order, then any optional ones
-                args = ' ", " '.join(_keyword(k, props[k]) for k in required)
+                args = ' ", " '.join(_keyword(k, props[k], defs) for k in required)
                 if optional:
                     args += f' (", " {_alternatives(optional)})*'
             elif optional:
