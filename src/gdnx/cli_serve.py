@@ -55,6 +55,7 @@ def _process() -> int:
 def _serve(args, sock, api_key: str | None) -> None:
     from gdnx.loading import EngineSettings, build_engine, chat_template, load
     from gdnx.serving import EngineStats
+    from gdnx.serving.engine import TooManyPrograms
     from gdnx.serving.async_engine import AsyncEngine
     from gdnx.serving.metrics import Metrics
     from gdnx.serving.protocol import MAX_LOGPROBS
@@ -81,7 +82,10 @@ def _serve(args, sock, api_key: str | None) -> None:
     print(f"gdnx serve: loaded {found.description}; compiling {what} (--warm-up {args.warm_up})", file=sys.stderr,
           flush=True)
     start = time.perf_counter()
-    ran = engine.warm_up(prefill=args.warm_up == "all")
+    try:
+        ran = engine.warm_up(prefill=args.warm_up == "all")
+    except TooManyPrograms as e:
+        raise ConfigError(f"--warm-up {args.warm_up}: {e}") from None
     engine.stats = EngineStats()
     print(f"gdnx serve: {ran} programs ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     join_s = JOIN_TIMEOUT_S if args.join_timeout is None else args.join_timeout

@@ -389,3 +389,16 @@ def test_a_failure_of_one_requests_host_work_fails_it_alone(model, prompts, plai
         assert engine.running == 0
         with pytest.raises(RequestFailed, match="injected"):
             engine.generate([prompts[next(iter(bad))]], GREEDY)
+
+
+def test_warm_up_stops_short_of_the_hosts_memory_map_limit(model, monkeypatch):
+    """On CPU each compiled program maps its kernels' code; near vm.max_map_count warm_up stops with a clear
+    error (XLA would abort mid-compile), before compiling anything more."""
+    from gdnx.serving import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "memory_maps", lambda: (60000, 65530))
+    with pytest.raises(engine_module.TooManyPrograms, match="after 0 programs this process holds 60,000 of the "
+                                                            "host's 65,530 memory maps"):
+        _engine(model).warm_up()
+    monkeypatch.setattr(engine_module, "memory_maps", lambda: None)   # not Linux: no check
+    assert _engine(model).warm_up(prefill=False) == 3

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -147,6 +148,24 @@ def engine_shapes(cfg: Any, max_length: int, block_size: int | None, draft: int)
 
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# XLA:CPU maps each compiled kernel's code into the process (about 1,200 maps for one prefill program of an
+# 8-layer model); past Linux's vm.max_map_count it aborts. Warming up stops with this many maps left.
+MAPS_MARGIN = 8000
+
+
+class TooManyPrograms(RuntimeError):
+    """Compiling another program could pass the host's limit of memory maps."""
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the host's limit) on Linux, else None."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps), limit
+    except (OSError, ValueError):
+        return None
 
 
 def _buckets(block: int, limit: int, smallest: int | None = None) -> tuple[int, ...]:
@@ -380,6 +399,7 @@ class Engine:
         idle = np.zeros(self.max_slots, bool)
         ran = 0
         for rows in self.decode_rows:
+            self._room_for_code(ran)
             self._run_decode(idle, rows)
             ran += 1
             if self.grammars is not None:  # a constrained request's one-token steps
@@ -399,6 +419,7 @@ class Engine:
             shapes = [(b, length) for length in self.buckets for b in batches]
         for rows, length in shapes:
             for targets in (None, np.zeros((rows, length), np.int32)):
+                self._room_for_code(ran)
                 with self._on_mesh():
                     self._slots, _ = self._programs.prefill(
                         self._state, self._slots, np.full(rows, self.max_slots, np.int32),
@@ -414,6 +435,19 @@ class Engine:
             ran += 1
         jax.block_until_ready(self._slots)  # dispatch is asynchronous: done means run, not queued
         return ran
+
+    def _room_for_code(self, ran: int) -> None:
+        """Raise TooManyPrograms, on CPU, when the process nears the host's
+        limit of memory maps (XLA would abort mid-compile)."""
+        if jax.default_backend() != "cpu" or (maps := memory_maps()) is None:
+            return
+        used, limit = maps
+        if limit - used < MAPS_MARGIN:
+            raise TooManyPrograms(
+                f"after {ran} programs this process holds {used:,} of the host's {limit:,} memory maps "
+                "(vm.max_map_count; XLA:CPU maps each compiled kernel and aborts past the limit): compile fewer "
+                "programs (warm_up(prefill=False), gdnx serve --warm-up decode; a smaller max_slots or "
+                "max_length) or raise vm.max_map_count")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
