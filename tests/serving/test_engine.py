@@ -71,6 +71,7 @@ def test_prompts_shorter_than_a_block_prefill_in_chunk_buckets(model, prompts, p
     the plain greedy tokens throughout."""
     engine = _engine(model, block_size=32, prefix_cache_bytes=1 << 24)
     assert engine.buckets == (16, 32, 64)
+    assert _engine(model, block_size=32, max_length=20).buckets == (16, 32)   # no prompt needs more
     out = engine.generate([prompts[0], prompts[4]], GREEDY)          # 5 and 40 tokens
     assert [c.tokens for c in out] == [plain[0], plain[4]]
     assert {shape for name, shape in engine.stats.programs if name == "prefill"} == {(1, 16), (1, 64)}

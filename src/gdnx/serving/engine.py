@@ -277,8 +277,10 @@ class Engine:
         shapes = engine_shapes(cfg, max_length, block_size, draft)
         self.padded_length, self.capacity = shapes.padded_length, shapes.capacity
         # prefill buckets: the chunk size doubling up to a block, then block_size doubling up to max_length
-        # rounded up to a block (a short prompt is not padded to a whole block)
-        self.buckets = _buckets(block_size, self.padded_length, chunk)
+        # rounded up to a block (a short prompt is not padded to a whole block), none past the first that
+        # holds max_length (no prompt is longer)
+        every = _buckets(block_size, self.padded_length, chunk)
+        self.buckets = tuple(b for i, b in enumerate(every) if i == 0 or every[i - 1] < max_length)
         # decode batches: the first 1, 2, 4, ... slots, as few as hold every running request (one shape in
         # batch-invariant mode)
         self.decode_rows = (max_slots,) if batch_invariant else _buckets(1, max_slots)
