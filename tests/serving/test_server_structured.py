@@ -129,6 +129,14 @@ def test_completions_structured_outputs_stream_as_they_finish_whole(client):
     (dict(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
     (dict(structured_outputs={"regex": "("}), "structured_outputs.regex"),
     (dict(structured_outputs={"grammar": "start: nothing_here"}), "structured_outputs.grammar"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice.function.name"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools.0.function.name"),
+    (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    (dict(chat_template_kwargs={"raise_exception": "not a function"}), "chat_template_kwargs"),
+    (dict(chat_template_kwargs={"eos_token": "<x>"}), "chat_template_kwargs"),
 ])
 def test_each_mistake_is_a_400_naming_its_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -160,10 +168,9 @@ def test_a_forced_tool_call_names_a_listed_tool_with_valid_arguments(client, too
             assert choice.message.tool_calls[0].function.name == "get_time"
 
 
-def test_tool_call_deltas_assemble_into_the_whole_responses_calls(client):
-    body = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, TIME],
-                tool_choice="required", temperature=1.0, seed=5, max_tokens=150)
-    whole = client.chat.completions.create(**body).choices[0]
+def _streamed_calls(client, body) -> tuple[list[tuple[str, object]], str | None]:
+    """The (name, arguments) of the calls a streamed response's deltas assemble into, as the openai client
+    assembles them, and its finish reason."""
     calls: dict[int, dict] = {}
     finish = None
     for chunk in client.chat.completions.create(**body, stream=True):
@@ -173,9 +180,16 @@ def test_tool_call_deltas_assemble_into_the_whole_responses_calls(client):
                 entry["name"] += d.function.name or ""
                 entry["arguments"] += d.function.arguments or ""
             finish = c.finish_reason or finish
+    return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())], finish
+
+
+def test_tool_call_deltas_assemble_into_the_whole_responses_calls(client):
+    body = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, TIME],
+                tool_choice="required", temperature=1.0, seed=5, max_tokens=150)
+    whole = client.chat.completions.create(**body).choices[0]
+    calls, finish = _streamed_calls(client, body)
     assert finish == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert calls == [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
 
 
 @pytest.mark.parametrize("parser", ["kimi_k2", "olmo3"])
@@ -194,14 +208,7 @@ def test_forced_calls_in_the_other_formats_parse_whole_and_streamed(files, parse
             assert len(whole.message.tool_calls) == 1 or many["parallel_tool_calls"]
             for call in whole.message.tool_calls:
                 _validate_call(call, tools, f"functions.{call.function.name}:" if parser == "kimi_k2" else "call_")
-            calls: dict[int, dict] = {}
-            for chunk in client.chat.completions.create(**body, **many, stream=True):
-                for c in chunk.choices:
-                    for d in c.delta.tool_calls or []:
-                        calls.setdefault(d.index, {"name": "", "arguments": ""})
-                        calls[d.index]["name"] += d.function.name or ""
-                        calls[d.index]["arguments"] += d.function.arguments or ""
-            assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
+            assert _streamed_calls(client, {**body, **many})[0] == \
                 [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
 
 
@@ -241,20 +248,3 @@ def test_reasoning_is_split_whole_and_streamed(client):
     plain = dict(body, extra_body={"structured_outputs": {"regex": "<think>[a-z]{2}</think>\n\n[a-z]{3}"}})
     m = client.chat.completions.create(**plain).choices[0].message  # the model opens the block itself
     assert len(m.reasoning_content) == 2 and len(m.content) == 3, m
-
-
-@pytest.mark.parametrize("body,param", [
-    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
-     "tool_choice.function.name"),
-    (dict(tool_choice="required"), "tool_choice"),
-    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
-    (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools.0.function.name"),
-    (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
-    (dict(chat_template_kwargs={"raise_exception": "not a function"}), "chat_template_kwargs"),
-    (dict(chat_template_kwargs={"eos_token": "<x>"}), "chat_template_kwargs"),
-])
-def test_each_tool_mistake_is_a_400_naming_its_field(client, body, param):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=5,
-                                       extra_body=body)
-    assert e.value.body["param"] == param, e.value.body
