@@ -556,10 +556,11 @@ class _ChatChoice(_Choice):
 
     def whole(self, i: int, c: Completion) -> dict:
         lp = None if c.logprobs is None else chat_logprobs(*self.pieces(c))
-        message: dict[str, Any] = {"role": "assistant", "content": self.text(c)}
+        text = self.text(c)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         finish: str = c.finish_reason
         if self.reasoning is not None or self.tools is not None:
-            thought, message["content"], calls = split_whole(self.text(c), self.reasoning, self.tools)
+            thought, message["content"], calls = split_whole(text, self.reasoning, self.tools)
             if self.reasoning is not None:
                 message["reasoning_content"] = thought
             if calls:
