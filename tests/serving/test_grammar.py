@@ -93,6 +93,22 @@ def test_a_bad_constraint_is_refused_naming_its_field(setup, structured, match):
         _engine(setup).check([1], SamplingParams(structured=structured))
 
 
+def test_the_compiled_grammars_kept_are_bounded(setup, monkeypatch):
+    """Clients choose the constraints: the cache keeps the most recently used few, not every one ever sent."""
+    from gdnx.serving import grammar
+
+    monkeypatch.setattr(grammar, "CACHED_GRAMMARS", 3)
+    g = Grammars(setup[2]._json, BPE_VOCAB, eos_id=0)
+    first, *rest = [Structured("regex", f"a{{{n}}}") for n in range(1, 6)]
+    g.grammar(first)
+    for s in rest[:2]:
+        g.grammar(s)
+    g.grammar(first)           # used again: kept
+    for s in rest[2:]:
+        g.grammar(s)
+    assert list(g._cache) == [first, *rest[2:]]
+
+
 def test_constraints_need_grammars_and_no_batch_invariance(setup):
     model, tok, grammars = setup
     s = SamplingParams(structured=Structured("choice", ("a", "b"), field="response_format"))

@@ -26,12 +26,15 @@ def words(vocab_size: int) -> int:
 
 
 ALL = -1  # a bitmask word allowing all 32 of its tokens
+# compiled grammars kept for reuse, the least recently used dropped past this many (clients choose the constraints)
+CACHED_GRAMMARS = 256
 
 
 class Grammars:
     """Compiles constraints for one tokenizer. tokenizer_json: the
     tokenizer.json text; vocab_size: the model's vocabulary (the bitmask's
-    width); eos_id: the token that ends a complete output."""
+    width); eos_id: the token that ends a complete output. The last
+    CACHED_GRAMMARS constraints used stay compiled."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int):
         self._json, self.vocab_size, self.eos_id = tokenizer_json, vocab_size, eos_id
@@ -52,6 +55,7 @@ class Grammars:
     def grammar(self, s: Structured) -> str:
         """The constraint's grammar, checked (FieldError naming s.field)."""
         if s in self._cache:
+            self._cache[s] = self._cache.pop(s)  # the most recently used last
             return self._cache[s]
         m = self._llg().LLMatcher
         try:
@@ -69,17 +73,19 @@ class Grammars:
         if error:
             raise FieldError(s.field, f"not a valid {s.kind} constraint: {_first(error)}")
         self._cache[s] = grammar
+        if len(self._cache) > CACHED_GRAMMARS:
+            del self._cache[next(iter(self._cache))]
         return grammar
 
     def matcher(self, s: Structured) -> Matcher:
-        return Matcher(self._llg().LLMatcher(self.tokenizer, self.grammar(s), log_level=0), self.vocab_size)
+        return Matcher(self._llg().LLMatcher(self.tokenizer, self.grammar(s), log_level=0))
 
 
 class Matcher:
     """One request's place in its grammar."""
 
-    def __init__(self, matcher: Any, vocab_size: int):
-        self._m, self._vocab = matcher, vocab_size
+    def __init__(self, matcher: Any):
+        self._m = matcher
 
     def bitmask(self, into: np.ndarray) -> None:
         """The tokens allowed next, written into `into` (int32 [words(vocab)])."""
