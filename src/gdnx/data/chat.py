@@ -57,6 +57,10 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class ReservedVariable(ValueError):
+    """A template variable given to render that the template owns."""
+
+
 class ChatTemplate:
     """The chat template of the tokenizer in `directory`."""
 
@@ -95,14 +99,15 @@ class ChatTemplate:
                                    *env.globals})
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
-               **kwargs: Any) -> str:
+               variables: dict[str, Any] | None = None) -> str:
         """The conversation as text; ValueError with the template's own
         message when it refuses them (a role it does not know, say). tools:
         the functions the model may call, as the template lists them;
-        kwargs: the template's own variables (enable_thinking, ...), none of
-        `reserved` (ValueError naming it)."""
+        variables: the template's own (enable_thinking, ...), none of
+        `reserved` (ReservedVariable naming it)."""
+        kwargs = variables or {}
         if taken := sorted(self.reserved & set(kwargs)):
-            raise ValueError(f"{taken[0]!r} is the chat template's own; it cannot be set")
+            raise ReservedVariable(f"{taken[0]!r} is the chat template's own; it cannot be set")
         try:
             return self.template.render(**{**kwargs, **self.special}, messages=messages,
                                         add_generation_prompt=add_generation_prompt, tools=tools, documents=None)

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from gdnx.serving.async_engine import AsyncEngine, EngineError, Handle, Overloaded, TooLarge
 from gdnx.serving.params import Completion, SamplingParams
 from gdnx.serving.parsers import THINK_OPEN, TOOL_FORMATS, TOOL_PARSERS, Splitter, ToolFormat, split_whole
+from gdnx.data.chat import ReservedVariable
 from gdnx.errors import FieldError
 from gdnx.serving.protocol import (ChatRequest, CompletionRequest, RequestError, chat_logprobs, completion_logprobs,
                                    Logprob, envelope, field_error, new_id, parse, usage)
@@ -57,10 +58,8 @@ class TextTokenizer(Protocol):
 
 
 class Template(Protocol):
-    reserved: frozenset[str]
-
     def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
-               **kwargs: Any) -> str: ...
+               variables: dict[str, Any] | None = None) -> str: ...
 
 
 @dataclasses.dataclass
@@ -199,13 +198,12 @@ def _prepare_chat(served: Served, raw: bytes) -> tuple[ChatRequest, list[int], L
                            f"({', '.join(TOOL_PARSERS)})", "tools")
     if served.tool_format is not None:
         req.use_tool_format(served.tool_format, served.special_tags)
-    kwargs = dict(req.chat_template_kwargs or {})
-    if taken := sorted(set(kwargs) & served.chat.reserved):
-        raise RequestError(f"chat_template_kwargs: {taken[0]!r} is the chat template's own; it cannot be set",
-                           "chat_template_kwargs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
-        text = served.chat.render([m.rendered() for m in req.messages], req.add_generation_prompt, tools, **kwargs)
+        text = served.chat.render([m.rendered() for m in req.messages], req.add_generation_prompt, tools,
+                                  req.chat_template_kwargs)
+    except ReservedVariable as e:
+        raise RequestError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
     except ValueError as e:
         raise RequestError(f"messages: {e}", "messages") from None
     reasoning: Literal["open", "maybe"] | None = None
