@@ -53,6 +53,10 @@ _GLOO_CHATTER = re.compile(rb"\[Gloo\] Rank|connected peer ranks|^\s*\d*\s*$")
 # a native log record's first line: severity, date, time, thread, file:line]
 _NATIVE_LOG = re.compile(rb"^[IWEF]\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\]")
 _PR_SET_PDEATHSIG = 1
+# a supervised child's closing line, sent through the supervisor's pipe: it prints one line, the runtime's
+# account of the failure where that came first through the same pipe, else this
+_EXIT_MARK = b"\x00gdnx-exit\x00"
+_to_supervisor = False  # set in a supervised child once its native output goes to the supervisor
 
 
 class PeerLost(RuntimeError):
@@ -254,9 +258,15 @@ def exit_peer_lost(command: str, what: str) -> NoReturn:
 def exit_run(command: str, message: str) -> NoReturn:
     """One line and PEER_LOST_STATUS, at once: the runtime's shutdown at
     exit would wait for the missing process until the heartbeat timeout and
-    then abort with a fatal report."""
-    print(f"gdnx {command}: error: {message}", file=sys.stderr, flush=True)
+    then abort with a fatal report. In a supervised child the line goes to
+    the supervisor, behind any fatal report already sent, so that one line
+    is printed whichever of the two noticed the failure first."""
+    line = f"gdnx {command}: error: {message}"
     sys.stdout.flush()
+    if _to_supervisor:
+        os.write(2, _EXIT_MARK + line.encode(errors="replace") + b"\n")
+    else:
+        print(line, file=sys.stderr, flush=True)
     os._exit(PEER_LOST_STATUS)
 
 
@@ -345,10 +355,14 @@ def supervise(argv: list[str], command: str) -> int:
     def forward(signum: int, frame: FrameType | None) -> None:
         child.send_signal(signum)
     fatal: list[str] = []
+    closing: list[str] = []  # the child's own closing line (exit_run)
     with handled(forward):
         with os.fdopen(read_end, "rb") as native:
             quiet = False  # inside a log record of the coordination service (it spans lines)
             for line in native:
+                if line.startswith(_EXIT_MARK):
+                    closing.append(line[len(_EXIT_MARK):].decode(errors="replace").rstrip("\n"))
+                    continue
                 if fatal or _FATAL_MARK in line:
                     fatal.append(line.decode(errors="replace"))
                     continue
@@ -365,6 +379,8 @@ def supervise(argv: list[str], command: str) -> int:
             exit_run(command, f"a second process started with --process-id {twice.group(1)} tried to join the run; "
                               "give each process its own --process-id (0 .. N-1) and start the run again")
         exit_peer_lost(command, reason[:200])
+    if closing:
+        print(closing[0], file=sys.stderr, flush=True)
     return status if status >= 0 else 128 - status
 
 
@@ -373,6 +389,7 @@ def native_output_to_supervisor() -> None:
     to the supervisor (which passes it on to stderr); Python's sys.stdout
     and sys.stderr keep the terminal, so output, progress and messages are
     unchanged."""
+    global _to_supervisor
     fd = os.environ.pop(SUPERVISED, None)
     if fd is None:
         return
@@ -384,3 +401,4 @@ def native_output_to_supervisor() -> None:
     os.close(int(fd))
     sys.stdout = os.fdopen(terminal_out, "w", buffering=1, errors="backslashreplace")
     sys.stderr = os.fdopen(terminal_err, "w", buffering=1, errors="backslashreplace")
+    _to_supervisor = True

@@ -208,7 +208,7 @@ def test_scanned_layers_equal_the_unrolled_stack(family):
     """The scanned model starts from the unrolled model's parameters (bit for
     bit, stacked), and gives its logits, load-balancing loss, gradients and
     prefill + decode logits within 1e-6 relative (float32: the same
-    operations, another program; each gradient leaf within 1e-5)."""
+    operations, another program; each gradient leaf within 1e-5 of its scale, below)."""
     kw = {**FAMILIES[family], **SCANNED}
     if family == "olmo_hybrid":
         kw["mlp_only_layers"] = []
@@ -237,8 +237,16 @@ def test_scanned_layers_equal_the_unrolled_stack(family):
     ref_grads, got_grads = grads(unrolled), grads(scanned)
     flat = [jnp.concatenate([g[path].ravel() for path in ref_grads]) for g in (got_grads, ref_grads)]
     assert relative_error(*flat) <= 1e-6
-    for path in ref_grads:  # a leaf of tiny entries loses relative precision (measured 1.04e-6)
-        assert relative_error(got_grads[path], ref_grads[path]) <= 1e-5, path
+    # Each leaf within 1e-5 of its own norm or of the whole gradient's root-mean-square entry times the
+    # leaf's root size, whichever is larger: a leaf's rounding comes from the float32 sums that make it,
+    # whose terms are at the scale of the cotangents through the whole model, so a leaf that is the small
+    # remainder of terms that cancel (A_log's and dt_bias's, ~1e-6 against entries of ~1e-3) carries
+    # rounding at that scale, not at its own.
+    rms = float(jnp.linalg.norm(flat[1])) / flat[1].size ** 0.5
+    for path in ref_grads:
+        leaf = ref_grads[path]
+        scale = max(float(jnp.linalg.norm(leaf)), rms * leaf.size ** 0.5)
+        assert float(jnp.linalg.norm(got_grads[path] - leaf)) <= 1e-5 * scale, path
 
     def decode(model):
         cache = Cache.init(model, 2, 32)
