@@ -180,3 +180,43 @@ def test_prompts_file_lines_take_an_output_constraint(tmp_path, capsys):
     src.write_text(json.dumps({"prompt": "a", "structured_outputs": {"regex": "("}}) + "\n")
     err = _error(capsys, ["generate", "--checkpoint", str(path), *flags])
     assert "line 1: structured_outputs.regex: not a valid regex" in err, err
+
+
+def test_a_failed_request_is_an_error_record_in_its_place_and_resume_runs_it_again(checkpoint, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A request that fails on the engine (here: its line's seed fails it in
+    _emit, where the engine fails a request whose constraint, detokenizer or
+    drafter raised) is written as an error record with its line number, the
+    later lines' results follow it, the summary counts it and the status is
+    1; --resume runs it (and what follows) again, and the file then equals
+    an uninterrupted run's."""
+    from gdnx.serving import Engine
+
+    path, _ = checkpoint
+    rng = np.random.default_rng(4)
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": words(rng.integers(1, VOCAB, n).tolist()), "seed": seed}) + "\n"
+                           for n, seed in zip((5, 9, 3, 7), (1, 99, 2, 3))))
+    argv = ["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--max-slots", "2",
+            "--max-new-tokens", "4", "model.gdn_chunk_size=16", "--out"]
+    assert main([*argv, str(tmp_path / "straight.jsonl")]) == 0
+    want = (tmp_path / "straight.jsonl").read_text().splitlines(keepends=True)
+    capsys.readouterr()
+    real = Engine._emit
+
+    def failing(self, req, new, lp, row, logits, results):
+        if req.params.seed == 99:
+            return self._fail(req, "injected failure", results)
+        return real(self, req, new, lp, row, logits, results)
+
+    monkeypatch.setattr(Engine, "_emit", failing)
+    out = tmp_path / "out.jsonl"
+    assert main([*argv, str(out)]) == 1
+    got = out.read_text().splitlines(keepends=True)
+    assert len(got) == 4 and [got[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    assert {k: v for k, v in json.loads(got[1]).items() if k != "prompt"} == {"line": 2, "error": "injected failure"}
+    err = capsys.readouterr().err
+    assert "wrote 4 results" in err and "1 of them failed (line 2: error records in" in err, err
+    monkeypatch.setattr(Engine, "_emit", real)
+    assert main([*argv, str(out), "--resume"]) == 0
+    assert out.read_text().splitlines(keepends=True) == want

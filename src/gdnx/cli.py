@@ -343,7 +343,7 @@ def _dispatch(args) -> int:
     elif args.command == "generate":
         from gdnx.cli_generate import run_generate
 
-        run_generate(args)
+        return run_generate(args)
     elif args.command == "serve":
         from gdnx.cli_serve import run_serve
 

@@ -13,11 +13,13 @@ from gdnx.config.loading import ConfigError
 from gdnx.errors import FieldError
 from gdnx.loading import MEMORY_HINT, EngineSettings, build_engine, load
 
+FAILED_STATUS = 1  # a prompts file ran to its end, and some of its requests failed (error records in --out)
 # seeds are 64-bit: a request's key is made of its seed's two 32-bit halves
 MAX_SEED = 2 ** 63
 
 
-def run_generate(args) -> None:
+def run_generate(args) -> int:
+    """Returns the exit status (FAILED_STATUS when a prompts file's request failed)."""
     import jax
     import jax.numpy as jnp
 
@@ -50,8 +52,7 @@ def run_generate(args) -> None:
     found = load(Path(args.checkpoint), list(args.overrides), "generate")
     model, tok, loaded = found.model, found.tokenizer, found.description
     if args.prompts_file is not None:
-        run_prompts_file(args, found, lines, done)
-        return
+        return run_prompts_file(args, found, lines, done)
     try:
         ids = tok.encode(args.prompt)
     except FieldError as e:
@@ -99,6 +100,7 @@ def run_generate(args) -> None:
                  top_p=args.top_p, seed=args.seed, on_token=stream)
     if shows:
         sys.stdout.write("\n")
+    return 0
 
 
 # the sampling fields a line of a prompts file may set (SamplingParams')
@@ -185,13 +187,13 @@ def check_out(out: Path, prompts: Path, resume: bool) -> int:
     kept = []
     for text in out.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
         try:
-            if not text.endswith("\n"):
+            if not text.endswith("\n") or "error" in json.loads(text):
                 raise ValueError
-            json.loads(text)
         except ValueError:
             break
         kept.append(text)
-    with open(out, "w", encoding="utf-8") as f:  # a line cut short by a kill is run again
+    # a line cut short by a kill, and a request that failed, run again (with every line after them)
+    with open(out, "w", encoding="utf-8") as f:
         f.writelines(kept)
     return len(kept)
 
@@ -206,14 +208,22 @@ def _record(line: dict, c) -> str:
     return json.dumps(record, ensure_ascii=False) + "\n"
 
 
+def _failure(line: dict, error: str) -> str:
+    import json
+
+    return json.dumps({"prompt": line["prompt"], "line": line["_line"], "error": error}, ensure_ascii=False) + "\n"
+
+
 class _Stopped(Exception):
     """SIGTERM while generating."""
 
 
-def run_prompts_file(args, found, lines: list[dict], done: int) -> None:
+def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
     """Every line after the first `done` through the batched engine; each
-    result written to --out as soon as it and every earlier one are done.
-    Ctrl-C or SIGTERM leaves the finished results there (--resume goes on)."""
+    result written to --out as soon as it and every earlier one are done, a
+    request that failed as an error record in its place. Ctrl-C or SIGTERM
+    leaves the finished results there (--resume goes on). Returns the exit
+    status: FAILED_STATUS when a request failed, else 0."""
     import signal
     import time
 
@@ -222,6 +232,7 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> None:
 
     from gdnx.distributed import PREEMPTED_STATUS
     from gdnx.serving import SamplingParams
+    from gdnx.serving.offline import Finished, run_to_completion
 
     tok, loaded = found.tokenizer, found.description
     requests = []
@@ -255,12 +266,13 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> None:
             raise ConfigError(f"{where}: {e}{hint}") from None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    todo = range(done, len(requests))
+    todo = list(range(done, len(requests)))
     print(f"loaded {loaded}; {len(todo)} prompts through {args.max_slots} slots"
           + (f" ({done} done already in {out})" if done else ""), file=sys.stderr)
     start = time.perf_counter()
-    results = {}
+    results: dict[int, Finished] = {}
     written = done
+    failed: list[int] = []  # the prompts file's line numbers
 
     def stop(signum, frame):
         raise _Stopped
@@ -271,18 +283,19 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> None:
                 Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                          TextColumn("{task.fields[rate]}"), console=Console(stderr=True)) as bar:
             task = bar.add_task("generate", total=len(requests), completed=done, rate="")
-            index_of = {engine.add_request(requests[i][0], requests[i][1]): i for i in todo}
-            while engine.has_unfinished():
-                for event in engine.step():
-                    if event.completion is None:
-                        continue
-                    results[index_of[event.request_id]] = event.completion
-                    while written in results:  # in input order, each as soon as every earlier one is done
-                        f.write(_record(lines[written], results.pop(written)))
-                        written += 1
-                    f.flush()
-                    rate = engine.stats.generated_tokens / (time.perf_counter() - start)
-                    bar.update(task, advance=1, rate=f"{rate:,.0f} tokens/s")
+            for done_ in run_to_completion(engine, [requests[i][:2] for i in todo]):
+                results[todo[done_.position]] = done_
+                while written in results:  # in input order, each as soon as every earlier one is done
+                    finished = results.pop(written)
+                    if finished.error is not None:
+                        failed.append(lines[written]["_line"])
+                        f.write(_failure(lines[written], finished.error))
+                    else:
+                        f.write(_record(lines[written], finished.completion))
+                    written += 1
+                f.flush()
+                rate = engine.stats.generated_tokens / (time.perf_counter() - start)
+                bar.update(task, advance=1, rate=f"{rate:,.0f} tokens/s")
     except (KeyboardInterrupt, _Stopped) as e:
         why = "Ctrl-C" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
         print(f"gdnx generate: stopped by {why}: {written} of {len(lines)} results in {out}; run the same command "
@@ -293,6 +306,10 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     s = engine.stats
-    print(f"wrote {len(lines) - done} results to {out}: {s.generated_tokens} tokens in "
+    failures = f"; {len(failed)} of them failed (line{'s' if len(failed) > 1 else ''} " \
+        f"{', '.join(map(str, failed[:8]))}{', ...' if len(failed) > 8 else ''}: error records in {out})" \
+        if failed else ""
+    print(f"wrote {len(lines) - done} results to {out}{failures}: {s.generated_tokens} tokens in "
           f"{time.perf_counter() - start:.1f} s; prefix cache {s.cached_tokens} of {s.prompt_tokens} prompt tokens"
           + (f"; speculative acceptance {s.acceptance:.0%}" if args.speculative else ""), file=sys.stderr)
+    return FAILED_STATUS if failed else 0

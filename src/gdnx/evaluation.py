@@ -170,6 +170,7 @@ class GdnxLM(TemplateLM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         from gdnx.loading import EngineSettings, build_engine
         from gdnx.serving import SamplingParams
+        from gdnx.serving.offline import run_to_completion
 
         todo = []
         for req in requests:
@@ -190,17 +191,15 @@ class GdnxLM(TemplateLM):
                                                           max_length=min(need, self.max_length)))
         results: dict[int, str] = {}
         bar = self._bar(len(todo), "generate_until", disable_tqdm)
-        ids_of = [engine.add_request(ids, p) for ids, p in todo]
-        while engine.has_unfinished():
-            for event in engine.step():
-                if event.error is not None:
-                    raise RuntimeError(f"generate_until: {event.error}")
-                if event.completion is not None:
-                    c = event.completion
-                    results[event.request_id] = c.text if c.text is not None else self.tok_decode(c.tokens)
-                    bar.update(1)
+        for done in run_to_completion(engine, todo):
+            if done.error is not None:
+                raise RuntimeError(f"generate_until: request {done.position}: {done.error}")
+            c = done.completion
+            assert c is not None
+            results[done.position] = c.text if c.text is not None else self.tok_decode(c.tokens)
+            bar.update(1)
         bar.close()
-        return [results[i] for i in ids_of]
+        return [results[i] for i in range(len(todo))]
 
     # ---- helpers --------------------------------------------------------------------------------------------
 

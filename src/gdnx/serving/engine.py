@@ -46,7 +46,7 @@ from gdnx.layers.gated_deltanet import GDNState
 from gdnx.models.cache import row_axes
 from gdnx.parallel.params import shard
 from gdnx.parallel.rules import MESH_AXES
-from gdnx.serving import grammar, programs
+from gdnx.serving import grammar, offline, programs
 from gdnx.serving.drafter import Drafter
 from gdnx.serving.grammar import Grammars
 from gdnx.serving.output import Output
@@ -526,15 +526,7 @@ class Engine:
                 self.check(prompt, p)
             except FieldError as e:
                 raise e.within(f"prompts[{i}]") from None
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, plist)]
-        results: dict[int, Completion] = {}
-        while len(results) < len(ids) and self.has_unfinished():
-            for event in self.step():
-                if event.error is not None:
-                    raise RequestFailed(f"request {event.request_id}: {event.error}")
-                if event.completion is not None:
-                    results[event.request_id] = event.completion
-        return [results[i] for i in ids]
+        return offline.generate(self, list(zip(prompts, plist)))
 
     def _params_list(self, prompts, params) -> list[SamplingParams]:
         if params is None or isinstance(params, SamplingParams):

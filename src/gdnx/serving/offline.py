@@ -1,0 +1,54 @@
+"""Running a list of requests to the end on an engine: the one loop behind
+`Engine.generate`, `gdnx generate --prompts-file` and `gdnx eval`'s
+generation. A request that fails is reported where its result would have
+been, never skipped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from gdnx.serving.params import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from gdnx.serving.engine import Engine
+
+
+class Finished(NamedTuple):
+    """One request's end: its `position` in the list given, the engine's request
+    id, and its Completion or the error it failed with (exactly one set)."""
+    position: int
+    request_id: int
+    completion: Completion | None
+    error: str | None
+
+
+def run_to_completion(engine: Engine, requests: Sequence[tuple[Sequence[int], SamplingParams]],
+                      ) -> Iterator[Finished]:
+    """Queue `requests` (prompt ids, params) on `engine` and step it until
+    each has finished or failed, yielding each as it does (in the order they
+    end). Requests queued before keep running; their events are not this
+    loop's."""
+    index_of = {engine.add_request(prompt, params): i for i, (prompt, params) in enumerate(requests)}
+    while index_of:
+        if not engine.has_unfinished():
+            raise RuntimeError(f"the engine finished with {len(index_of)} of these requests unaccounted for "
+                               f"(request ids {sorted(index_of)[:8]})")
+        for event in engine.step():
+            if event.request_id not in index_of or (event.error is None and event.completion is None):
+                continue
+            yield Finished(index_of.pop(event.request_id), event.request_id, event.completion, event.error)
+
+
+def generate(engine: Engine, requests: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Completion]:
+    """The completions of `requests`, in order; the first failure raises
+    RequestFailed naming its request."""
+    from gdnx.serving.engine import RequestFailed
+
+    results: list[Completion | None] = [None] * len(requests)
+    for done in run_to_completion(engine, requests):
+        if done.error is not None:
+            raise RequestFailed(f"request {done.request_id}: {done.error}")
+        results[done.position] = done.completion
+    assert all(c is not None for c in results)  # run_to_completion ends each request once
+    return results  # type: ignore[return-value]
