@@ -184,9 +184,14 @@ def test_lm_evals_api_backends_against_gdnx_serve(setup, reference):
     (["--tasks", "tiny_mc", "--include-path", "/no/such/dir"], "--include-path: no such directory"),
     (["--tasks", "tiny_mc", "--log-samples"], "--log-samples: writes the samples under --output-path"),
     (["--tasks", "tiny_mc", "--batch-size", "0"], "--batch-size: expected a positive integer"),
+    (["--tasks", "tiny_mc", "--limit", "nan"], "--limit: expected a positive number"),
+    (["--tasks", "tiny_mc", "--output-path", "{dir}/model.safetensors"], "model.safetensors is a file; give a"),
+    (["--tasks", "tiny_mc", "--output-path", "{dir}/config.json/r.json"], "config.json is a file; give a directory"),
+    (["--tasks", "tiny_mc", "--output-path", "{dir}/config.json/sub/r"], "config.json is not a directory"),
 ])
 def test_each_eval_mistake_is_one_line(setup, capsys, flags, match):
     path, tasks = setup
+    flags = [x.format(dir=path) for x in flags]
     if "--include-path" not in flags:
         flags = [*flags, "--include-path", str(tasks)]
     assert match in _error(capsys, ["eval", "--checkpoint", str(path), *flags])

@@ -4,6 +4,8 @@ Face directory, in process, with lm-eval's flag meanings and output files
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -27,10 +29,12 @@ def run_eval(args) -> None:
         raise ConfigError("--batch-size: expected a positive integer")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError("--num-fewshot: expected a non-negative integer")
-    if args.limit is not None and args.limit <= 0:
-        raise ConfigError("--limit: expected a positive number (N examples, or a share below 1)")
+    if args.limit is not None and not (math.isfinite(args.limit) and args.limit > 0):
+        raise ConfigError(f"--limit: expected a positive number (N examples, or a share below 1), got {args.limit}")
     if args.log_samples and args.output_path is None:
         raise ConfigError("--log-samples: writes the samples under --output-path; give one")
+    if args.output_path is not None:
+        check_output_path(Path(args.output_path))
     if args.include_path is not None and not Path(args.include_path).is_dir():
         raise ConfigError(f"--include-path: no such directory {args.include_path}")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -60,13 +64,46 @@ def run_eval(args) -> None:
     if results is None or not writes:
         return
     samples = results.pop("samples", None)
+    written = []
     if tracker is not None:
+        # lm-eval logs a warning and goes on when it cannot write: each file is looked for afterwards
         tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
+        written.append(_results_file(tracker))
         if args.log_samples and samples is not None:
             for task_name in results["configs"]:
                 tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+                written.append(_results_file(tracker, task_name))
     print(f"gdnx eval: {loaded.description}, limit: {args.limit}, num_fewshot: {args.num_fewshot}, "
           f"batch_size: {args.batch_size}", file=sys.stderr)
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
+    missing = [f for f in written if not f.is_file()]
+    if missing:
+        more = f" and {len(missing) - 1} more files" if len(missing) > 1 else ""
+        raise ConfigError(f"--output-path: could not write {missing[0]}{more} (lm-eval's warning above says why); "
+                          "the table above is all that is left of the results")
+
+
+def check_output_path(path: Path) -> None:
+    """lm-eval writes under --output-path as a directory (or beside it, for a
+    path ending in .json): refuse one it could not write, before the model loads."""
+    directory = path.parent if path.suffix == ".json" else path
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--output-path: {directory} is a file; give a directory (or a path ending in .json)")
+    parent = next((p for p in (directory, *directory.parents) if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise ConfigError(f"--output-path: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output-path: {parent} is not writable")
+
+
+def _results_file(tracker, task: str | None = None) -> Path:
+    """Where lm-eval's tracker wrote the aggregated results (task None) or a task's samples."""
+    path, date = Path(tracker.output_path), getattr(tracker, "date_id", "DATE")  # set as it writes
+    directory = path.parent if path.suffix == ".json" else path / tracker.general_config_tracker.model_name_sanitized
+    if task is not None:
+        return directory / f"samples_{task}_{date}.jsonl"
+    if path.suffix == ".json":
+        return path.with_name(f"{path.stem}_{date}.json")
+    return directory / f"results_{date}.json"
