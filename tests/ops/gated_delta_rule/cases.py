@@ -20,7 +20,7 @@ class Case:
     h0: bool = True
     l2norm: bool = False
     cu_seqlens: tuple | None = None
-    gates: str = "random"  # random | edges | strong | vanishing | channels | bursts
+    gates: str = "random"  # random | edges | strong | vanishing | channels | bursts | zeros
     beta_max: float = 1.0  # beta in [0, beta_max]; 2: negative eigenvalues of I - beta k k^T
     per_channel: bool = False  # KDA: g [B, T, HV, K], one log decay per key channel
 
@@ -64,6 +64,13 @@ def make_inputs(case: Case, seed: int = 0):
         # ~1, read off cumulative sums of -100s.
         g = -rng.uniform(0.0, 1e-3, size=gshape)
         g = np.where(rng.random(gshape) < 0.15, rng.uniform(-60.0, -30.0, size=gshape), g)
+    elif case.gates == "zeros":
+        # Decays of exactly zero (g = -inf, the state wiped) and gates whose chunk sums pass float32's range
+        # (-1e38) at random tokens (KDA: random channels), ordinary decays between them.
+        g = np.log(rng.uniform(0.6, 1.0, size=gshape))
+        at = rng.random(gshape)
+        g[at < 0.08] = -np.inf
+        g[(at >= 0.08) & (at < 0.12)] = -1e38
     else:
         g = np.log(rng.uniform(0.6, 1.0, size=gshape))
     if case.gates != "edges":

@@ -30,6 +30,14 @@ class TestReference(ImplementationContract):
     cases = CASES
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_decays_of_exactly_zero(per_channel):
+    """g = -inf (a decay of exactly zero, valid: g <= 0) and gates whose chunk
+    sums overflow float32 give the recurrence's outputs, final states and
+    gradients (the chunked forms once turned them into NaN from that chunk on)."""
+    check_against_oracle(Case("zeros", b=1, t=40, chunk=16, gates="zeros", per_channel=per_channel), "xla")
+
+
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128])
 def test_strong_decays_every_chunk_size(chunk):
     """Gates in [-69, -31] mixed with zeros keep float32 at 1e-5 at any chunk

@@ -69,6 +69,17 @@ def save_residuals(states, tinv):
     return checkpoint_name(states, RESIDUAL_NAMES[0]), checkpoint_name(tinv, RESIDUAL_NAMES[1])
 
 
+def finite_gates(g, decay_dtype):
+    """g with every gate below a floor raised to it: -inf (a decay of exactly
+    zero) and finite gates whose chunk sums would pass the dtype's range. The
+    floor's exp is 0, as theirs is, so the op is unchanged; a chunk's sum of
+    floors stays finite (chunks of at most 128 tokens), so the segment sums,
+    0/1 matrices times g, never meet 0 x -inf. Gates below it get no gradient
+    (exp of them is 0 in any float dtype)."""
+    floor = max(float(jnp.finfo(g.dtype).min), float(jnp.finfo(decay_dtype).min)) / 256
+    return jnp.maximum(g, jnp.asarray(floor, g.dtype))
+
+
 def to_blocks(q, k, v, g, beta, plan: ChunkPlan) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """[R, T, H, D] inputs -> [NC, R, HK, (G,) C, D] chunk blocks; a gate
     [R, T, HV] becomes rows [NC, R, HK, G, 1, C], a per-channel gate
@@ -225,7 +236,7 @@ def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, 
     # The VJP returns dh0 in the accumulation dtype, so h0 comes in in it.
     h0b = h0.astype(opts.state_dtype).reshape(h0.shape[0], hk, hv // hk, k_dim, v_dim)
     flags = _flags(plan)
-    blocks = to_blocks(q, k, v, g, beta, plan)
+    blocks = to_blocks(q, k, v, finite_gates(g, opts.decay_dtype), beta, plan)
     if chunk_states:
         assert cu_seqlens is None  # checked by the public op
         o, final, states, _ = _forward(backend, *blocks, jax.lax.stop_gradient(h0b), flags, plan.nonempty, opts,
