@@ -47,15 +47,15 @@ KINDS = {
                          mlp_layer_types=["dense", "sparse", "sparse", "sparse"])),
     "kimi_linear_q_lora": ("KimiLinearConfig", "KimiLinearForCausalLM",
                            dict(_KIMI, q_lora_rank=12, n_shared_experts=2, mlp_layer_types=["sparse"] * 4)),
-    # KDA (4 heads of 8) with the bounded gate, latent attention with RoPE, a
+    # KDA (4 heads of 16) with the bounded gate, latent attention with RoPE, a
     # head gate and a low-rank query, groups of experts, bounded SwiGLUs, one
-    # multi-token prediction layer in the config; the rope part as wide as
-    # head_dim (transformers writes qk_rope_head_dim as config.json's head_dim,
-    # which it reads back as the KDA heads' size)
+    # multi-token prediction layer in the config; the rope part narrower than
+    # the KDA heads (save_pretrained writes qk_rope_head_dim as config.json's
+    # head_dim and the KDA heads' size as linear_head_dim)
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridForCausalLM",
                        dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                             num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=12, qk_rope_head_dim=8,
-                            qk_nope_head_dim=8, v_head_dim=12, head_dim=8, intermediate_size=48,
+                            qk_nope_head_dim=8, v_head_dim=12, head_dim=16, intermediate_size=48,
                             moe_intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, n_group=4,
                             topk_group=2, layer_group_size=2, first_k_dense_replace=1, num_mtp_layers=1,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

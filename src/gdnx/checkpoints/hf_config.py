@@ -190,8 +190,12 @@ def _kda_family(hf: dict, family: str) -> dict:
         heads, dim = linear.get("num_heads", get("linear_num_heads")), linear.get("head_dim", get("linear_head_dim"))
         conv = linear.get("short_conv_kernel_size", get("linear_conv_kernel_dim"))
         fields["rope_theta"] = None
-    else:  # KDA's heads are the attention heads, of head_dim each
-        heads, dim, conv = get("num_attention_heads"), get("head_dim"), get("short_conv_kernel_size")
+    else:
+        # KDA's heads are the attention heads, of head_dim each; a config.json transformers wrote itself holds
+        # them as linear_* (its head_dim then is the latent attention's rope dimension), and those win, as there
+        heads = hf.get("linear_num_heads") or get("num_attention_heads")
+        dim = hf.get("linear_head_dim") or get("head_dim")
+        conv = hf.get("linear_conv_kernel_dim") or get("short_conv_kernel_size")
         rope = hf.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"config.json: rope_type {rope['rope_type']!r} is not supported (only 'default')")
