@@ -187,9 +187,9 @@ BPE_TEXT = ('{"name": "abc", "ok": true, "n": 12, "items": [1, 2]}', "hello worl
             "yes no maybe 123-ab (1+2)")
 
 
-def write_bpe_tokenizer(directory) -> int:
-    """tokenizer.json: a byte-level BPE trained on BPE_TEXT (at most
-    BPE_VOCAB entries; <|endoftext|> is id 0). Returns its vocabulary size."""
+def write_bpe_tokenizer(directory, size: int = BPE_VOCAB) -> int:
+    """tokenizer.json: a byte-level BPE trained on BPE_TEXT (at most `size`
+    entries; <|endoftext|> is id 0). Returns its vocabulary size."""
     from pathlib import Path
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -197,7 +197,7 @@ def write_bpe_tokenizer(directory) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(BPE_TEXT) * 50, trainer)
     Path(directory).mkdir(parents=True, exist_ok=True)

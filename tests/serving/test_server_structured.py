@@ -51,16 +51,24 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 KIMI_TAGS = list(TOOL_FORMATS["kimi_k2"].tags)
 
 
+# Qwen's published tokenizers: the chat tokens added and special, the tool-call and reasoning tags added as one
+# token each but not special (decoded as text)
+QWEN_SPECIAL = ["<|im_start|>", "<|im_end|>"]
+QWEN_ADDED = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The checkpoint's files (a byte-level BPE tokenizer with Kimi's tool-call tags as special tokens, as its
-    tokenizer has them; the chat template) and the model."""
+    """The checkpoint's files (a byte-level BPE tokenizer laid out as Qwen's, <|endoftext|> special too, with
+    Kimi's tool-call tags as special tokens, as its tokenizer has them; the chat template) and the model."""
     from tokenizers import AddedToken, Tokenizer
 
     path = tmp_path_factory.mktemp("bpe")
-    write_bpe_tokenizer(path)
+    write_bpe_tokenizer(path, BPE_VOCAB - len(KIMI_TAGS + QWEN_SPECIAL + QWEN_ADDED))
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True) for t in KIMI_TAGS])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in KIMI_TAGS + QWEN_SPECIAL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_ADDED])
+    assert all(tok.encode(t, add_special_tokens=False).ids == [tok.token_to_id(t)] for t in QWEN_ADDED)
     assert tok.get_vocab_size() <= BPE_VOCAB
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
@@ -248,3 +256,50 @@ def test_reasoning_is_split_whole_and_streamed(client):
     plain = dict(body, extra_body={"structured_outputs": {"regex": "<think>[a-z]{2}</think>\n\n[a-z]{3}"}})
     m = client.chat.completions.create(**plain).choices[0].message  # the model opens the block itself
     assert len(m.reasoning_content) == 2 and len(m.content) == 3, m
+
+
+def test_forced_calls_greedy_and_several_choices_on_qwens_tokenizer_layout(client):
+    """<tool_call> is one added token that is not special (Qwen's layout): a
+    forced call drawn greedily and each of n = 3 sampled choices names a
+    listed tool with valid arguments, whole and streamed alike."""
+    tools = [WEATHER, TIME]
+    body = dict(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=tools,
+                tool_choice="required", max_tokens=150, parallel_tool_calls=False)
+    greedy = client.chat.completions.create(**body, temperature=0.0).choices[0]
+    assert greedy.finish_reason == "tool_calls" and len(greedy.message.tool_calls) == 1, greedy.message
+    _validate_call(greedy.message.tool_calls[0], tools)
+    assert _streamed_calls(client, {**body, "temperature": 0.0}) == \
+        ([(c.function.name, json.loads(c.function.arguments)) for c in greedy.message.tool_calls], "tool_calls")
+    several = client.chat.completions.create(**body, temperature=1.0, seed=9, n=3)
+    assert len(several.choices) == 3
+    for choice in several.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice.message
+        _validate_call(choice.message.tool_calls[0], tools)
+
+
+def test_a_token_the_grammar_refuses_after_its_mask_allowed_it_fails_that_request_alone(client, monkeypatch,
+                                                                                         caplog):
+    """The mask and the grammar disagreeing is a bug, not the client's: that
+    request alone is a 500 whose one line names the token and the constraint
+    (its field and kind); the details are logged once; the server goes on."""
+    from gdnx.serving.grammar import Matcher
+
+    real, calls = Matcher.consume, []
+
+    def refuses_once(self, token):
+        calls.append(token)
+        if len(calls) == 1:
+            return "Parser Error: token doesn't satisfy the grammar\n<state>\nTokens: x\n</state>"
+        return real(self, token)
+
+    monkeypatch.setattr(Matcher, "consume", refuses_once)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=20,
+                                       response_format={"type": "json_object"})
+    message = e.value.body["message"] if isinstance(e.value.body, dict) else str(e.value)
+    assert "\n" not in message, message
+    assert f"the output constraint (response_format, json) refused token {calls[0]}: Parser Error" in message
+    assert sum("<state>" in r.getMessage() for r in caplog.records) == 1
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=40,
+                                       temperature=1.0, seed=1, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -55,6 +56,9 @@ from gdnx.serving.prefix_cache import PrefixCache
 from gdnx.serving.request import Request, RequestStatus
 from gdnx.serving.sampling import MAX_STOP_IDS, SlotParams
 from gdnx.serving.scheduler import Layout, Scheduler
+
+
+_log = logging.getLogger(__name__)
 
 
 class Detokenizer(Protocol):
@@ -695,7 +699,14 @@ class Engine:
         reason = None
         for j, tok in enumerate(new):
             if req.matcher is not None and (refused := req.matcher.consume(tok)) is not None:
-                self._fail(req, f"the output constraint refused token {tok}: {refused}", results)
+                # the mask allowed a token the grammar then refused: gdnx's fault or the grammar engine's, never
+                # the client's; the request fails alone, its one line names the token and the constraint
+                s = req.params.structured
+                where = f"{s.field}, {s.kind}" if s is not None else "constraint"
+                first = (refused.strip().splitlines() or ["refused"])[0][:200]
+                _log.error("request %d: the output constraint (%s) refused token %d:\n%s", req.id, where, tok,
+                           refused)
+                self._fail(req, f"the output constraint ({where}) refused token {tok}: {first}", results)
                 return
             got.append(tok)
             if p.logprobs is not None:

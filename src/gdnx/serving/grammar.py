@@ -4,9 +4,10 @@ the bitmask of the tokens it allows next (one bit per vocabulary entry,
 32 to an int32, as llguidance lays it out), computed on the host and
 applied to the logits on the device (gdnx.serving.sampling.allow).
 
-llguidance works on the tokenizer's own vocabulary (tokenizer.json): the
-bitmask is as wide as the model's vocabulary, whose entries past the
-tokenizer's are never allowed.
+llguidance works on the tokenizer's own vocabulary (tokenizer.json), each
+token as the tokenizer treats it (`llg_tokenizer`): the bitmask is as wide
+as the model's vocabulary, whose entries past the tokenizer's are never
+allowed.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Grammars:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:  # about a second for a large vocabulary: built on first use
-            self._tokenizer = self._llg().LLTokenizer(self._json, n_vocab=self.vocab_size, eos_token=self.eos_id)
+            self._tokenizer = llg_tokenizer(self._json, self.vocab_size, self.eos_id)
         return self._tokenizer
 
     def grammar(self, s: Structured) -> str:
@@ -79,6 +80,43 @@ class Grammars:
 
     def matcher(self, s: Structured) -> Matcher:
         return Matcher(self._llg().LLMatcher(self.tokenizer, self.grammar(s), log_level=0))
+
+
+def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_id: int) -> Any:
+    """llguidance's tokenizer for a tokenizer.json, each token of the kind the
+    tokenizer gives it: a vocabulary entry its bytes (byte-level, byte
+    fallback, metaspace: as llguidance reads them), an added token that is not
+    special its text (Qwen's <tool_call>, one id, decoded as text), a special
+    token a special token (text only where a grammar names it). llguidance,
+    reading tokenizer.json itself, takes every added token for a special one,
+    so a grammar's "<tool_call>" allowed that token and then refused it.
+    Entries past the tokenizer's vocabulary (a model's padded rows) are
+    special tokens no grammar names."""
+    import llguidance
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_str(tokenizer_json)
+    n = min(hf.get_vocab_size(with_added_tokens=True), vocab_size)
+    read = llguidance.LLTokenizer(tokenizer_json, n_vocab=n, eos_token=eos_id)
+    special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special and i < n}
+    tokens = [read.decode_bytes([i]) for i in range(n)]
+    for i in range(n, vocab_size):
+        tokens.append(f"<|gdnx:unused:{i}|>".encode())
+    special.update(i for i, t in enumerate(tokens) if not t or i >= n)  # no text: never a grammar's bytes
+    for i in special:
+        tokens[i] = tokens[i] or f"<|gdnx:unused:{i}|>".encode()
+
+    class Vocabulary:
+        eos_token_id, bos_token_id = eos_id, None
+        special_token_ids = sorted(special)
+
+        def __init__(self) -> None:
+            self.tokens = tokens
+
+        def __call__(self, text: str) -> list[int]:
+            return hf.encode(text, add_special_tokens=False).ids
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=vocab_size, eos_token=eos_id)
 
 
 class Matcher:
