@@ -314,9 +314,9 @@ def test_version_and_help_on_every_flag(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("gdnx ")
-    from gdnx.cli import _parser
+    from gdnx.cli import build_parser
 
-    parser = _parser()
+    parser = build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     for name, sub in subs.items():
         for action in sub._actions:

@@ -90,13 +90,17 @@ def test_checkpoints_know_the_model_by_interface():
 
 
 def test_no_command_module_imports_another():
-    """gdnx.cli (the entry point) dispatches to each command's module
-    (cli_generate, cli_serve); those share code through the library
-    (gdnx.loading), never by importing one another, and nothing else in
-    the library imports a CLI module (`python -m gdnx` runs gdnx.cli)."""
+    """gdnx.cli (the entry point) assembles the commands, one module each
+    in gdnx.cli; those share the options of gdnx.cli.options and the
+    library (gdnx.loading), never importing one another or gdnx.cli, and
+    nothing in the library imports a CLI module (`python -m gdnx` runs gdnx.cli)."""
     graph = import_graph()
-    commands = {name for name in graph if name.startswith("gdnx.cli_")}
-    assert commands >= {"gdnx.cli_generate", "gdnx.cli_serve"}
+    cli = {name for name in graph if name == "gdnx.cli" or name.startswith("gdnx.cli.")}
+    commands = cli - {"gdnx.cli", "gdnx.cli.options", "gdnx.cli.__main__"}
+    assert commands >= {"gdnx.cli.generate", "gdnx.cli.serve", "gdnx.cli.eval", "gdnx.cli.train"}
+    for name in commands:
+        assert graph[name] & cli <= {"gdnx.cli.options"}, (name, graph[name] & cli)
+    assert not graph["gdnx.cli.options"] & cli
     for name, deps in graph.items():
-        if name not in ("gdnx.cli", "gdnx.__main__"):
-            assert not deps & (commands | {"gdnx.cli"}), (name, deps & (commands | {"gdnx.cli"}))
+        if name not in cli and name != "gdnx.__main__":
+            assert not deps & cli, (name, deps & cli)

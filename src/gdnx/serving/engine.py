@@ -50,6 +50,7 @@ from gdnx.parallel.rules import MESH_AXES
 from gdnx.serving import grammar, offline, programs
 from gdnx.serving.drafter import Drafter
 from gdnx.serving.grammar import Grammars
+from gdnx.serving.offline import RequestFailed
 from gdnx.serving.output import Output
 from gdnx.serving.params import Completion, SamplingParams
 from gdnx.serving.prefix_cache import PrefixCache
@@ -106,10 +107,6 @@ class Event:
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     text: str | None = None
     error: str | None = None
-
-
-class RequestFailed(RuntimeError):
-    """A request failed in the engine (Event.error says why)."""
 
 
 class _StepResults:

@@ -5,13 +5,24 @@ been, never skipped."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from gdnx.serving.params import Completion, SamplingParams
 
-if TYPE_CHECKING:
-    from gdnx.serving.engine import Engine
+
+class RequestFailed(RuntimeError):
+    """A request failed in the engine (Event.error says why)."""
+
+
+class Steps(Protocol):
+    """What these loops need of an engine (gdnx.serving.Engine)."""
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> Iterable[Any]: ...
 
 
 class Finished(NamedTuple):
@@ -23,7 +34,7 @@ class Finished(NamedTuple):
     error: str | None
 
 
-def run_to_completion(engine: Engine, requests: Sequence[tuple[Sequence[int], SamplingParams]],
+def run_to_completion(engine: Steps, requests: Sequence[tuple[Sequence[int], SamplingParams]],
                       ) -> Iterator[Finished]:
     """Queue `requests` (prompt ids, params) on `engine` and step it until
     each has finished or failed, yielding each as it does (in the order they
@@ -40,11 +51,9 @@ def run_to_completion(engine: Engine, requests: Sequence[tuple[Sequence[int], Sa
             yield Finished(index_of.pop(event.request_id), event.request_id, event.completion, event.error)
 
 
-def generate(engine: Engine, requests: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Completion]:
+def generate(engine: Steps, requests: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Completion]:
     """The completions of `requests`, in order; the first failure raises
     RequestFailed naming its request."""
-    from gdnx.serving.engine import RequestFailed
-
     results: list[Completion | None] = [None] * len(requests)
     for done in run_to_completion(engine, requests):
         if done.error is not None:

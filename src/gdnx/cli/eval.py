@@ -10,7 +10,35 @@ import sys
 from pathlib import Path
 
 from gdnx.config.loading import ConfigError
-from gdnx.loading import chat_template, load
+from gdnx.cli.options import distributed_options
+
+
+
+def add_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="evaluate with lm-evaluation-harness (its tasks, flags and output files)",
+                        description="Run lm-evaluation-harness tasks in process on a gdnx run or a Hugging Face "
+                                    "directory: scoring through the model on its mesh, generation through the "
+                                    "batched engine (docs/evaluation.md). Needs lm-eval (pip install lm-eval).")
+    ev.add_argument("--checkpoint", required=True,
+                    help="a gdnx train.out_dir (its latest checkpoint) or a Hugging Face directory")
+    ev.add_argument("--tasks", required=True, help="comma-separated task (or group) names, as lm-eval's --tasks")
+    ev.add_argument("--include-path", default=None, help="a directory of task YAMLs (and their data) to add")
+    ev.add_argument("--num-fewshot", type=int, default=None, help="examples in each prompt (default: the task's)")
+    ev.add_argument("--limit", type=float, default=None,
+                    help="at most N examples per task (a fraction below 1: that share); for checks")
+    ev.add_argument("--batch-size", type=int, default=8, help="rows per scoring call, requests generated together "
+                                                              "(default 8)")
+    ev.add_argument("--output-path", default=None, help="a directory for the results JSON (and the samples)")
+    ev.add_argument("--log-samples", action="store_true", help="also write each sample's requests and responses "
+                                                               "(JSONL per task; needs --output-path)")
+    ev.add_argument("--apply-chat-template", action="store_true", help="render prompts with the checkpoint's "
+                                                                       "chat template")
+    ev.add_argument("--seed", type=int, default=0, help="the few-shot sampler's and generation's seed (default 0)")
+    ev.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="model.gdn_* and model.dtype overrides; parallel.* places the model on a mesh of this "
+                         "host's devices (of every process's, with --distributed), e.g. parallel.tensor=4")
+    distributed_options(ev)
+    ev.set_defaults(run=run_eval)
 
 
 def run_eval(args) -> None:
@@ -24,6 +52,7 @@ def run_eval(args) -> None:
     import jax
 
     from gdnx.evaluation import GdnxLM
+    from gdnx.loading import chat_template, load
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size: expected a positive integer")

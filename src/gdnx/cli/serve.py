@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from gdnx.cli.options import distributed_options, engine_options
 from gdnx.config.loading import ConfigError
 
 API_KEY_ENV = "GDNX_API_KEY"
@@ -20,6 +21,50 @@ API_KEY_ENV = "GDNX_API_KEY"
 DEFAULT_MAX_LENGTH = 4096
 LISTEN_BACKLOG = 2048
 STOP_WAIT_S = 60  # how long process 0, stopping, waits for the others to read the word
+
+
+
+def add_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat) on the batched engine",
+                           description="Serve a gdnx run or a Hugging Face directory over HTTP: /v1/completions, "
+                                       "/v1/chat/completions, /v1/models, /health, /metrics (docs/serving.md).")
+    serve.add_argument("--checkpoint", required=True,
+                       help="a gdnx train.out_dir (its latest checkpoint) or a Hugging Face directory")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this "
+                       "machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="default 8000; 0 takes a free port (printed)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name requests give (default: the checkpoint directory's name)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1 routes (or set GDNX_API_KEY)")
+    engine_options(serve, "the model's positions, at most 4096", 1024)
+    serve.add_argument("--decode-steps", type=int, default=8,
+                       help="tokens per slot per decode round trip (default 8; fewer: smoother streams)")
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="requests that may wait for a slot; more are answered 503 at once (default 256)")
+    serve.add_argument("--grace", type=int, default=30, metavar="SECONDS",
+                       help="on SIGTERM, how long requests in flight may take to finish (default 30)")
+    serve.add_argument("--max-request-bytes", type=int, default=8 * 2 ** 20, metavar="BYTES",
+                       help="a larger request body is answered 413 (default 8 MiB)")
+    serve.add_argument("--request-timeout", type=int, default=30, metavar="SECONDS",
+                       help="a client's time to send a whole request, and an idle connection's life (default 30)")
+    serve.add_argument("--warm-up", choices=("all", "decode"), default="all",
+                       help="before listening, compile every program a request can need (all, the default: each "
+                            "prefill shape too; docs/serving.md counts them) or only the decode steps (decode: a "
+                            "quicker start, the first request of each new shape waits for the compiler)")
+    serve.add_argument("--tool-call-parser", choices=("hermes", "kimi_k2", "olmo3"), default=None,
+                       help="parse tool calls from chat outputs in the format of the checkpoint's template (hermes: "
+                            "<tool_call>{...}</tool_call>, Qwen3-Next's and Qwen3.5's; kimi_k2: "
+                            "<|tool_calls_section_begin|>..., Kimi Linear's; olmo3: <function_calls> name(key=value) "
+                            "</function_calls>, OLMo Hybrid's); without it, requests with tools are refused")
+    serve.add_argument("--reasoning-parser", choices=("qwen3",), default=None,
+                       help="split a thinking model's <think>...</think> into message.reasoning_content")
+    serve.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="model.gdn_* and model.dtype overrides, e.g. model.dtype=bfloat16; parallel.* "
+                            "places the engine on a mesh of this host's devices, e.g. parallel.tensor=4 "
+                            "parallel.data=2 (context=1)")
+    distributed_options(serve)
+    serve.set_defaults(run=run_serve)
 
 
 def run_serve(args) -> None:

@@ -7,22 +7,50 @@ import contextlib
 import sys
 from pathlib import Path
 
-from flax import nnx
-
 from gdnx.config.loading import ConfigError
 from gdnx.errors import FieldError
-from gdnx.loading import MEMORY_HINT, EngineSettings, build_engine, load
+from gdnx.cli.options import distributed_options, engine_options
 
 FAILED_STATUS = 1  # a prompts file ran to its end, and some of its requests failed (error records in --out)
 # seeds are 64-bit: a request's key is made of its seed's two 32-bit halves
 MAX_SEED = 2 ** 63
 
 
+
+def add_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="generate from a gdnx checkpoint or a Hugging Face directory")
+    gen.add_argument("--checkpoint", required=True,
+                     help="a gdnx train.out_dir or a Hugging Face directory (Qwen3-Next, Qwen3.5, OLMo Hybrid)")
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="text (token ids separated by spaces for MQAR models), streamed to the terminal")
+    what.add_argument("--prompts-file", help="a jsonl file of {\"prompt\": text, sampling fields optional} run "
+                                             "through the batched engine (docs/serving.md); results to --out")
+    gen.add_argument("--out", help="with --prompts-file: the jsonl file of results, one per prompt, in order, each "
+                                   "written once it and every earlier one are done")
+    gen.add_argument("--resume", action="store_true",
+                     help="with --prompts-file: keep the results already in --out and run the lines after them")
+    gen.add_argument("--max-new-tokens", type=int, default=32,
+                     help="tokens to generate (default 32; prompt + new tokens must fit the model's positions)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: all)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; line i of a prompts file: "
+                                                          "seed + i unless it gives its own)")
+    engine_options(gen.add_argument_group("the engine (--prompts-file)"), "the longest line's need", 0)
+    gen.add_argument("overrides", nargs="*", metavar="key=value",
+                     help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla; parallel.* "
+                          "places the model on a mesh of this host's devices as gdnx train does, e.g. "
+                          "parallel.tensor=4 (the batched engine: context=1)")
+    distributed_options(gen)
+    gen.set_defaults(run=run_generate)
+
+
 def run_generate(args) -> int:
     """Returns the exit status (FAILED_STATUS when a prompts file's request failed)."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
+    from gdnx.loading import MEMORY_HINT, load
     from gdnx.models.cache import cache_bytes
     from gdnx.training.loop import memory_capacity
 
@@ -231,6 +259,7 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gdnx.distributed import PREEMPTED_STATUS
+    from gdnx.loading import EngineSettings, build_engine
     from gdnx.serving import SamplingParams
     from gdnx.serving.offline import Finished, run_to_completion
 

@@ -1,0 +1,62 @@
+"""`gdnx plan`: a train step, or with --serve the serving engine's programs, compiled for a
+TPU slice or GPUs from this host: bytes per device, whether they fit, compile time, FLOPs."""
+
+from __future__ import annotations
+
+from gdnx.config.loading import ConfigError, bundled_names
+
+
+def add_parser(sub) -> None:
+    plan = sub.add_parser("plan", help="compile one train step for a TPU slice from this host: bytes per chip, "
+                                       "FLOPs, compile time",
+                          description="Build the model abstractly, compile its sharded train step (the Pallas TPU "
+                                      "kernel, compiled) for a TPU topology with libtpu, and print the bytes each "
+                                      "chip holds, whether that fits its HBM, the compile time and the FLOPs per "
+                                      "step. Needs jax[tpu] (libtpu); no TPU.")
+    plan.add_argument("config", help=f"a YAML file or a bundled config ({', '.join(bundled_names())})")
+    plan.add_argument("--topology", required=True,
+                      help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4; with --serve "
+                           "also N GPUs of one host: h100:8, h200:8, a100:8")
+    plan.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="config overrides, e.g. parallel.fsdp=-1 parallel.data=1 train.batch_size=64")
+    serving = plan.add_argument_group("--serve: the serving engine's programs instead (docs/serving.md)")
+    serving.add_argument("--serve", action="store_true",
+                         help="compile the engine's prefill, decode and verify programs (gdnx serve's) instead of a "
+                              "train step: bytes per chip for the weights, the slots and the temporaries, the most "
+                              "slots that fit, FLOPs per decode step")
+    serving.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default 8)")
+    serving.add_argument("--max-length", type=int, default=4096,
+                         help="prompt + generated tokens per request (default 4096)")
+    serving.add_argument("--speculative", type=int, default=0, metavar="K",
+                         help="draft tokens per verify pass (default 0: no verify program)")
+    serving.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per decode call (default 8)")
+    serving.add_argument("--max-prefill-batch", type=int, default=None, metavar="N",
+                         help="prompts prefilled together, at most (default: --max-slots)")
+    serving.add_argument("--prefix-cache-mb", type=int, default=1024,
+                         help="as gdnx serve's (default 1024; 0: off): with a prefix cache the prefill also returns "
+                              "the states at block ends")
+    plan.set_defaults(run=run)
+
+
+def run(args) -> None:
+    from gdnx.config import load_config
+    from gdnx.plan import describe, plan
+
+    config = load_config(args.config, list(args.overrides))
+    try:
+        if args.serve:
+            if args.prefix_cache_mb < 0:
+                raise ValueError("--prefix-cache-mb: expected a non-negative integer")
+            from gdnx.serving.plan import describe as describe_serving
+            from gdnx.serving.plan import serve_plan
+
+            print(describe_serving(serve_plan(config, args.topology, max_slots=args.max_slots,
+                                              max_length=args.max_length, speculative=args.speculative,
+                                              decode_steps=args.decode_steps,
+                                              max_prefill_batch=args.max_prefill_batch,
+                                              prefix_cache=args.prefix_cache_mb > 0)))
+            return
+        result = plan(config, args.topology)
+    except ValueError as e:  # the topology, the mesh, a model field or an engine setting
+        raise ConfigError(str(e)) from None
+    print(describe(result))
