@@ -1,4 +1,5 @@
-"""Each hook of the training loop alone, on a LoopState of fakes."""
+"""Each hook of the training loop alone, on a LoopState of fakes, called
+at the steps its registration makes it due (as the loop calls it)."""
 
 import signal
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 from gdnx.config import load_config
 from gdnx.progress import Reporter
 from gdnx.training.hooks import (Checkpoint, Evaluate, LogMetrics, LoopState, NonFiniteGuard, NonFiniteStop,
-                                 Preempted, Preemption, TargetAccuracy, default_hooks)
+                                 Preempted, Preemption, Registered, Run, TargetAccuracy, default_hooks)
 
 
 class Fakes:
@@ -50,19 +51,22 @@ def _loop(fakes, steps=8, start=0, tracked=True, **train):
     overrides = [f"train.steps={steps}", "train.warmup_steps=1"] + [f"train.{k}={v}" for k, v in train.items()]
     config = load_config("tiny", overrides)
     trackers = [fakes] if tracked else []
-    return LoopState(config, Path("out"), fakes, fakes, fakes, Reporter(quiet=True), fakes, trackers, start, start,
-                     None, None)
+    run = Run(config, Path("out"), fakes, fakes, fakes, Reporter(quiet=True), fakes, trackers, start)
+    return LoopState(run, start, None, None)
 
 
 def _run(loop, hooks, skipped=lambda step: False):
-    fakes = loop.trainer
+    """hooks: Registered, or a bare Hook (every step)."""
+    fakes = loop.run.trainer
+    hooks = [h if isinstance(h, Registered) else Registered(h) for h in hooks]
     for h in hooks:
-        h.start(loop)
+        h.hook.start(loop)
     while loop.stop is None and not loop.done:
         loop.step += 1
         fakes.step = loop.step
         for h in hooks:
-            h.after_step(loop, {"loss": 1.0, "skipped": float(skipped(loop.step))})
+            if h.due(loop):
+                h.hook.after_step(loop, {"loss": 1.0, "skipped": float(skipped(loop.step))})
     return loop
 
 
@@ -78,40 +82,50 @@ def test_non_finite_guard_stops_after_its_limit_in_a_row_only():
 
 def test_metrics_and_evaluations_at_their_cadence_and_the_last_step():
     fakes = Fakes()
-    _run(_loop(fakes, steps=7), [LogMetrics(3, 10), Evaluate(4)])
+    _run(_loop(fakes, steps=7), [Registered(LogMetrics(10), 3), Registered(Evaluate(), 4)])
     assert fakes.logged == [(3, "train"), (4, "eval"), (6, "train"), (7, "train"), (7, "eval")]
     assert fakes.bar == [3, 6, 7]
 
 
 def test_checkpoints_at_their_cadence_the_end_and_an_early_stop():
     fakes = Fakes(accuracy=1.0)
-    loop = _run(_loop(fakes, steps=20, tracked=False), [Evaluate(5), TargetAccuracy(0.9), Checkpoint(3)])
+    evaluate = Evaluate()
+    loop = _run(_loop(fakes, steps=20, tracked=False),
+                [Registered(evaluate, 5), TargetAccuracy(evaluate, 0.9), Registered(Checkpoint(), 3)])
     assert loop.step == 5 and fakes.saved == [3, 5] and "reached 100.00%" in loop.stop
 
 
 def test_preemption_after_the_same_step_with_a_checkpoint_there():
     fakes = Fakes(signal_at=5)
-    loop = _run(_loop(fakes, tracked=False), [Preemption(), Checkpoint(4)])
+    loop = _run(_loop(fakes, tracked=False), [Preemption(), Registered(Checkpoint(), 4)])
     assert isinstance(loop.stop, Preempted) and "SIGTERM at step 5 of 8" in str(loop.stop)
     assert fakes.saved == [4, 5]
     fakes = Fakes(signal_at=8)  # on the last step: a finished run, not a preempted one
-    loop = _run(_loop(fakes, tracked=False), [Preemption(), Checkpoint(4)])
+    loop = _run(_loop(fakes, tracked=False), [Preemption(), Registered(Checkpoint(), 4)])
     assert loop.stop is None and fakes.saved == [4, 8]
 
 
 def test_a_resumed_run_at_its_target_does_nothing():
     fakes = Fakes(accuracy=0.995)
-    loop = _run(_loop(fakes, start=4, tracked=False), [TargetAccuracy(0.99), Checkpoint(2)])
+    loop = _run(_loop(fakes, start=4, tracked=False), [TargetAccuracy(Evaluate(), 0.99), Registered(Checkpoint(), 2)])
     assert loop.step == 4 and fakes.saved == [] and "nothing to do" in loop.stop
 
 
 def test_default_hooks_follow_the_config():
-    names = lambda **t: [type(h).__name__ for h in default_hooks(load_config("tiny", [  # noqa: E731
-        "train.steps=8", "train.warmup_steps=1", *(f"train.{k}={v}" for k, v in t.items())]))]
-    assert names(eval_every=0, target_accuracy="null") == ["NonFiniteGuard", "LogMetrics", "Preemption",
-                                                           "Checkpoint"]
-    assert names(eval_every=2, target_accuracy=0.9) == ["NonFiniteGuard", "LogMetrics", "Evaluate",
-                                                        "TargetAccuracy", "Preemption", "Checkpoint"]
+    hooks = lambda **t: default_hooks(load_config("tiny", [  # noqa: E731
+        "train.steps=8", "train.warmup_steps=1", "train.log_every=3", "train.checkpoint_every=5",
+        *(f"train.{k}={v}" for k, v in t.items())]))
+    names = lambda **t: [(type(r.hook).__name__, r.every) for r in hooks(**t)]  # noqa: E731
+    plain = [("NonFiniteGuard", 1), ("LogMetrics", 3)]
+    end = [("Preemption", 1), ("Checkpoint", 5)]
+    assert names(eval_every=0, target_accuracy="null") == plain + end
+    assert names(eval_every=2, target_accuracy=0.9) == plain + [("Evaluate", 2), ("TargetAccuracy", 1)] + end
+    # no evaluations, so no target accuracy to check (it read an evaluation that never ran)
+    assert names(eval_every=0, target_accuracy=0.9) == plain + end
+    evaluate, target = (r.hook for r in hooks(eval_every=2, target_accuracy=0.9)[2:4])
+    assert target.evaluate is evaluate  # the result it reads, given explicitly
+    with pytest.raises(ValueError, match="every: expected a positive integer, got 0"):
+        Registered(Evaluate(), 0)
 
 
 def test_a_callers_hook_ends_a_real_run_with_a_checkpoint(tmp_path):

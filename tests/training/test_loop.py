@@ -399,3 +399,28 @@ def test_a_damaged_metrics_log_does_not_block_the_resume(tmp_path, capsys):
     train(load_config("tiny", over + ["train.steps=4"]))
     assert "dropped 1 damaged line(s)" in " ".join(capsys.readouterr().err.split())
     assert [r["step"] for r in _strict_json_lines(tmp_path / "metrics.jsonl")] == [2, 4]
+
+
+def test_no_evaluations_and_a_target_accuracy_run_every_step_and_resume(tmp_path, capsys):
+    """train.eval_every=0 with a target accuracy (tiny's 0.99): no
+    evaluation runs, so the target is not checked (a note says so) and the
+    run takes its steps; resuming it on text data (no evaluation source)
+    goes on too, where the target's hook once evaluated and failed."""
+    over = _text_run(tmp_path) + ["train.eval_every=0", "train.target_accuracy=0.99", "train.warmup_steps=1"]
+    assert train(load_config("tiny", over + ["train.steps=2"]))["step"] == 2
+    said = capsys.readouterr()
+    assert "train.target_accuracy 0.99 is not checked: train.eval_every=0" in said.out + said.err
+    assert train(load_config("tiny", over + ["train.steps=4"]))["step"] == 4
+
+
+def test_wandb_online_without_credentials_is_one_line_before_the_run_writes(tmp_path, capsys, monkeypatch):
+    from gdnx.cli import main
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    out = tmp_path / "run"
+    assert main(["train", "tiny", *SMALL_RUN, "train.trackers=[wandb]", "train.wandb.mode=online",
+                 f"train.out_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert "train.wandb.mode: online needs W&B credentials" in err and "Traceback" not in err
+    assert not out.exists()

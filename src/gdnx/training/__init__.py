@@ -1,9 +1,9 @@
 """Training: the step (gdnx.training.step) apart from the loop that runs it
 (gdnx.training.loop)."""
 
-from gdnx.training.hooks import Hook, LoopState, NonFiniteStop, Preempted
+from gdnx.training.hooks import Hook, LoopState, NonFiniteStop, Preempted, Registered, Run
 from gdnx.training.loop import Trainer, build_trainer, train
 from gdnx.training.step import loss_and_metrics, make_optimizer, make_step_fn
 
-__all__ = ["Hook", "LoopState", "NonFiniteStop", "Preempted", "Trainer", "build_trainer", "loss_and_metrics",
+__all__ = ["Hook", "LoopState", "NonFiniteStop", "Preempted", "Registered", "Run", "Trainer", "build_trainer", "loss_and_metrics",
            "make_optimizer", "make_step_fn", "train"]

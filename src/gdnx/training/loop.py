@@ -40,10 +40,10 @@ from gdnx.models.causal_lm import check_platform, parameter_count
 from gdnx.parallel import make_mesh, shard, shardings, spec
 from gdnx.progress import Reporter
 from gdnx.models.adapters import adapter_spec
-from gdnx.training.hooks import Hook, LoopState, default_hooks
+from gdnx.training.hooks import Hook, LoopState, Registered, Run, default_hooks
 from gdnx.training.init_from import check_source, initial_params
 from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
-from gdnx.training.trackers import METRICS_FILE, Tracker, dotted, make_trackers, rewrite_metrics
+from gdnx.training.trackers import METRICS_FILE, Tracker, check_trackers, dotted, make_trackers, rewrite_metrics
 
 EVAL_BATCHES = 4
 
@@ -141,7 +141,7 @@ class Trainer:
             self._prefetch.close()
             self._prefetch = None
 
-    def run(self, *, console: Console | None = None, hooks: Sequence[Hook] = ()) -> dict[str, float]:
+    def run(self, *, console: Console | None = None, hooks: Sequence[Hook | Registered] = ()) -> dict[str, float]:
         """Run (or resume) the run in the config's train.out_dir. Returns the
         last evaluation. The checkpoint manager, the metrics log, the progress
         display and the prefetch thread are closed on every exit: a finished
@@ -249,6 +249,7 @@ def build_trainer(config: Config) -> Trainer:
     the field or path."""
     out = Path(config.train.out_dir)
     _check_out_dir(out)
+    check_trackers(config)
     agree("config", _run_record(config))  # every process of the run, the same config and data
     mesh = make_mesh(config.parallel)
     check_compatible(out, config)
@@ -257,19 +258,32 @@ def build_trainer(config: Config) -> Trainer:
     return Trainer(config, mesh=mesh if mesh.size > 1 else None)
 
 
-def train(config: Config, *, console: Console | None = None, hooks: Sequence[Hook] = ()) -> dict[str, float]:
+def train(config: Config, *, console: Console | None = None, hooks: Sequence[Hook | Registered] = (),
+          ) -> dict[str, float]:
     """Run (or resume) the training run in config.train.out_dir. Returns the
     last evaluation."""
     return build_trainer(config).run(console=console, hooks=hooks)
 
 
 def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignals, console: Console | None,
-          extra: Sequence[Hook]) -> dict[str, float]:
-    """Resume, then step and call the hooks until the last step or a hook
-    ends the run."""
+          extra: Sequence[Hook | Registered]) -> dict[str, float]:
+    """Open the run, resume it, then step and call the hooks until the last
+    step or a hook ends the run."""
+    report, ckpt, start = _open(trainer, resources, console)
+    params, opt_state = _resume(trainer, ckpt, start, report)
+    trackers = _trackers(trainer.config, resources, start, report)
+    bar = resources.enter_context(report.progress(start, trainer.config.train.steps))
+    run = Run(trainer.config, Path(trainer.config.train.out_dir), trainer, ckpt, signals, report, bar, trackers,
+              start)
+    return _step(trainer, LoopState(run, start, params, opt_state), default_hooks(trainer.config, extra))
+
+
+def _open(trainer: Trainer, resources: contextlib.ExitStack, console: Console | None,
+          ) -> tuple[Reporter, Checkpoints, int]:
+    """The run's directory (locked by process 0), its reporter and
+    checkpoints, and the step it resumes from (0: a new run)."""
     config = trainer.config
-    t_cfg = config.train
-    out = Path(t_cfg.out_dir)
+    out = Path(config.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     primary = jax.process_index() == 0  # on several hosts, one logs, plots and shows the bar
     report = Reporter(console=console, quiet=not primary)
@@ -280,7 +294,6 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignal
                         f"(pid {stale}); taken over")
     ckpt = Checkpoints(out, config)
     resources.callback(ckpt.close)
-    params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
     intact, damaged = ckpt.latest_intact_step()
     for line in damaged:
         report.note(line)
@@ -292,37 +305,58 @@ def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignal
     if trainer.mesh is not None:
         axes = " x ".join(f"{n}={s}" for n, s in trainer.mesh.shape.items())
         report.note(f"mesh {axes} ({config.parallel.shard_mode})")
-    if start:
-        params, opt_state = ckpt.restore(start, params, opt_state)
-        report.note(f"resumed from the checkpoint at step {start} in {ckpt.dir}")
-        if "train.steps" in ckpt.changes:
-            before, now = ckpt.changes["train.steps"]
-            report.note(f"train.steps: {before} there, {now} here: the learning rate's cosine decay now ends at "
-                        f"step {now}, so the steps after {start} differ from those of the {before}-step run")
-    trackers: list[Tracker] = []
-    if primary:
-        metrics_file = out / METRICS_FILE
-        if dropped := rewrite_metrics(metrics_file, start):
-            report.note(f"{metrics_file}: dropped {dropped} damaged line(s) (a write cut short)")
-        trackers = make_trackers(config, out, start)
-        for tracker in trackers:
-            resources.callback(tracker.close)
-    bar = resources.enter_context(report.progress(start, t_cfg.steps))
-    loop = LoopState(config, out, trainer, ckpt, signals, report, bar, trackers, start, start, params, opt_state)
-    hooks = default_hooks(config, extra)
-    for hook in hooks:
-        hook.start(loop)
+    if config.train.target_accuracy is not None and not config.train.eval_every:
+        report.note(f"train.target_accuracy {config.train.target_accuracy} is not checked: train.eval_every=0 runs "
+                    "no evaluation, so the run takes all its train.steps")
+    return report, ckpt, start
+
+
+def _resume(trainer: Trainer, ckpt: Checkpoints, start: int, report: Reporter) -> tuple[Any, Any]:
+    """The parameters and optimizer state to start from: the checkpoint at
+    `start`, or the trainer's initial ones."""
+    params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+    if not start:
+        return params, opt_state
+    params, opt_state = ckpt.restore(start, params, opt_state)
+    report.note(f"resumed from the checkpoint at step {start} in {ckpt.dir}")
+    if "train.steps" in ckpt.changes:
+        before, now = ckpt.changes["train.steps"]
+        report.note(f"train.steps: {before} there, {now} here: the learning rate's cosine decay now ends at "
+                    f"step {now}, so the steps after {start} differ from those of the {before}-step run")
+    return params, opt_state
+
+
+def _trackers(config: Config, resources: contextlib.ExitStack, start: int, report: Reporter) -> list[Tracker]:
+    """Process 0's trackers, the metrics log cut back to `start`."""
+    if jax.process_index() != 0:
+        return []
+    out = Path(config.train.out_dir)
+    metrics_file = out / METRICS_FILE
+    if dropped := rewrite_metrics(metrics_file, start):
+        report.note(f"{metrics_file}: dropped {dropped} damaged line(s) (a write cut short)")
+    trackers = make_trackers(config, out, start)
+    for tracker in trackers:
+        resources.callback(tracker.close)
+    return trackers
+
+
+def _step(trainer: Trainer, loop: LoopState, hooks: list[Registered]) -> dict[str, float]:
+    """Step, and call the hooks due after each step, until the last step or
+    a hook ends the run. Returns the step reached and the last evaluation."""
+    for registered in hooks:
+        registered.hook.start(loop)
     while loop.stop is None and not loop.done:
         loop.params, loop.opt_state, metrics = trainer.step(loop.params, loop.opt_state,
                                                             jnp.asarray(loop.step, jnp.int32))
         loop.step += 1
-        for hook in hooks:
-            hook.after_step(loop, metrics)
+        for registered in hooks:
+            if registered.due(loop):
+                registered.hook.after_step(loop, metrics)
     if isinstance(loop.stop, BaseException):
         raise loop.stop
     if loop.stop is not None:
-        report.note(loop.stop)
-        if loop.step == start:  # nothing run
-            return {"step": start, **loop.last_eval}
-    report.finish(out, loop.step)
+        loop.run.report.note(loop.stop)
+        if loop.step == loop.run.start:  # nothing run
+            return {"step": loop.step, **loop.last_eval}
+    loop.run.report.finish(loop.run.out, loop.step)
     return {"step": loop.step, **loop.last_eval}

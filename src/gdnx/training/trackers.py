@@ -131,8 +131,13 @@ class WandbTracker:
         id_file = out / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         atomic_write_text(id_file, run_id + "\n")
-        self._run = wandb.init(project=settings.project, name=settings.name, mode=settings.mode, dir=str(out),
-                               id=run_id, resume="allow", config=config.model_dump(mode="json"))
+        try:
+            self._run = wandb.init(project=settings.project, name=settings.name, mode=settings.mode, dir=str(out),
+                                   id=run_id, resume="allow", config=config.model_dump(mode="json"))
+        except wandb.errors.Error as e:  # credentials refused, the server out of reach: one line
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"train.trackers: wandb could not start its run ({first}); check `wandb login`, or "
+                              "set train.wandb.mode=offline") from None
         self.id = run_id
 
     def log(self, step: int, split: str, metrics: dict[str, float]) -> None:
@@ -140,6 +145,31 @@ class WandbTracker:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def check_trackers(config: Config) -> None:
+    """Refuse, before the run writes anything, a tracker that cannot start:
+    its package missing, or W&B online with no credentials (WANDB_API_KEY,
+    or what `wandb login` writes to ~/.netrc for the W&B host)."""
+    import importlib.util
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    names = config.train.trackers
+    for name, package in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
+        if name in names and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"train.trackers: {name} needs the {package} package (pip install 'gdnx[tracking]')")
+    if "wandb" not in names or config.train.wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        found = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        found = None
+    if not found or not found[2]:
+        raise ConfigError(f"train.wandb.mode: online needs W&B credentials for {host} (none in WANDB_API_KEY or "
+                          "~/.netrc): run `wandb login`, set WANDB_API_KEY, or set train.wandb.mode=offline")
 
 
 def make_trackers(config: Config, out: Path, start: int) -> list[Tracker]:
