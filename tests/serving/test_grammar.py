@@ -87,6 +87,12 @@ def test_an_output_that_cannot_complete_ends_with_length(setup):
     (Structured("regex", "(", field="structured_outputs.regex"), "structured_outputs.regex: not a valid regex"),
     (Structured("grammar", "start: undefined_rule", field="structured_outputs.grammar"),
      "structured_outputs.grammar: not a valid"),
+    # schemas that only refer to themselves: valid grammars that no output satisfies (an empty "stop" before)
+    (Structured("json", '{"$ref": "#"}', field="response_format"), "response_format: not a valid json constraint: "
+                                                                   "no output satisfies it"),
+    (Structured("json", json.dumps({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                    "$ref": "#/$defs/a"})), "structured: not a valid json constraint: no output"),
+    (Structured("json", '{"anyOf": [{"$ref": "#"}]}'), "structured: not a valid json constraint: no output"),
 ])
 def test_a_bad_constraint_is_refused_naming_its_field(setup, structured, match):
     with pytest.raises(FieldError, match=re.escape(match)):
@@ -155,3 +161,35 @@ def test_after_warm_up_no_request_compiles_a_program(setup):
     finally:
         counting[0] = False
     assert lowered == [], f"{len(lowered)} programs compiled after warm_up"
+
+
+def test_a_slow_compile_is_refused_in_its_time_and_a_tokenizer_it_cannot_read_names_the_field(setup, monkeypatch):
+    """A constraint compiles on a thread of its own: past compile_s the
+    caller gets a FieldError naming the field (the compile runs out in the
+    background); a tokenizer.json the grammar engine cannot read (no
+    decoder) refuses constraints by field, not with an internal error."""
+    import threading
+
+    from gdnx.serving import grammar
+
+    release = threading.Event()
+    real = grammar.Grammars._compile
+
+    def slow(self, s, tokenizer):
+        release.wait(60)
+        return real(self, s, tokenizer)
+
+    monkeypatch.setattr(grammar.Grammars, "_compile", slow)
+    g = Grammars(setup[2]._json, BPE_VOCAB, eos_id=0, compile_s=0.2)
+    with pytest.raises(FieldError, match=re.escape("response_format: not a valid regex constraint: it took longer "
+                                                   "than 0.2 s to compile")):
+        g.grammar(Structured("regex", "[a-z]+", field="response_format"))
+    release.set()
+    monkeypatch.setattr(grammar.Grammars, "_compile", real)
+    spec = json.loads(setup[2]._json)
+    spec["decoder"] = None
+    g = Grammars(json.dumps(spec), BPE_VOCAB, eos_id=0)
+    for _ in range(2):  # the reason is kept, not looked for again
+        with pytest.raises(FieldError, match="tool_choice: structured outputs are not available for this "
+                                             "checkpoint's tokenizer"):
+            g.grammar(Structured("regex", "a", field="tool_choice"))

@@ -303,3 +303,40 @@ def test_a_token_the_grammar_refuses_after_its_mask_allowed_it_fails_that_reques
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=40,
                                        temperature=1.0, seed=1, response_format={"type": "json_object"})
     assert r.choices[0].message.content.startswith("{")
+
+
+def test_a_constraint_compiling_holds_up_no_other_request(client, monkeypatch):
+    """A request's constraint compiles off the event loop and off the
+    engine's thread: while one compiles (held here until released), a
+    plain request is answered; then the constrained one is too."""
+    import threading
+
+    from gdnx.serving.grammar import Grammars
+
+    started, release = threading.Event(), threading.Event()
+    real = Grammars._compile
+
+    def held(self, s, tokenizer):
+        if s.value == "[0-9]{5}":
+            started.set()
+            release.wait(120)
+        return real(self, s, tokenizer)
+
+    monkeypatch.setattr(Grammars, "_compile", held)
+    got: dict = {}
+
+    def constrained():
+        got["text"] = client.completions.create(model="tiny", prompt="n:", max_tokens=10, temperature=1.0, seed=2,
+                                                extra_body={"structured_outputs": {"regex": "[0-9]{5}"}}
+                                                ).choices[0].text
+
+    waiting = threading.Thread(target=constrained)
+    waiting.start()
+    try:
+        assert started.wait(120)
+        plain = client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0.0)
+        assert plain.choices[0].text is not None and "text" not in got  # answered while the other compiles
+    finally:
+        release.set()
+        waiting.join(120)
+    assert re.fullmatch("[0-9]{5}", got["text"])

@@ -12,7 +12,9 @@ allowed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 from typing import Any
 
 import numpy as np
@@ -29,18 +31,28 @@ def words(vocab_size: int) -> int:
 ALL = -1  # a bitmask word allowing all 32 of its tokens
 # compiled grammars kept for reuse, the least recently used dropped past this many (clients choose the constraints)
 CACHED_GRAMMARS = 256
+# a constraint whose grammar takes longer to compile is refused (the grammar engine's own fuel limits bound it too)
+COMPILE_S = 10.0
+COMPILE_THREADS = 2
 
 
 class Grammars:
     """Compiles constraints for one tokenizer. tokenizer_json: the
     tokenizer.json text; vocab_size: the model's vocabulary (the bitmask's
     width); eos_id: the token that ends a complete output. The last
-    CACHED_GRAMMARS constraints used stay compiled."""
+    CACHED_GRAMMARS constraints used stay compiled, each with a matcher at
+    its start that a request's matcher is copied from. Any thread may call
+    it: a compile runs on a thread of its own and is refused past
+    `compile_s` seconds (the caller, a server's request thread, is free
+    again; the compile runs out in the background)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int):
-        self._json, self.vocab_size, self.eos_id = tokenizer_json, vocab_size, eos_id
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int, compile_s: float = COMPILE_S):
+        self._json, self.vocab_size, self.eos_id, self.compile_s = tokenizer_json, vocab_size, eos_id, compile_s
         self._tokenizer: Any = None
-        self._cache: dict[Structured, str] = {}
+        self._unsupported: str | None = None  # why this tokenizer cannot take constraints, once known
+        self._cache: dict[Structured, tuple[str, Any]] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="gdnx-grammar")
 
     def _llg(self) -> Any:
         import llguidance
@@ -49,15 +61,46 @@ class Grammars:
 
     @property
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:  # about a second for a large vocabulary: built on first use
-            self._tokenizer = llg_tokenizer(self._json, self.vocab_size, self.eos_id)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None and self._unsupported is None:  # about a second for a large vocabulary
+                try:
+                    self._tokenizer = llg_tokenizer(self._json, self.vocab_size, self.eos_id)
+                except (ValueError, TypeError, RuntimeError) as e:  # a tokenizer.json llguidance cannot read
+                    self._unsupported = _first(e)
+            if self._unsupported is not None:
+                raise ValueError(self._unsupported)
+            return self._tokenizer
 
     def grammar(self, s: Structured) -> str:
         """The constraint's grammar, checked (FieldError naming s.field)."""
-        if s in self._cache:
-            self._cache[s] = self._cache.pop(s)  # the most recently used last
-            return self._cache[s]
+        return self._compiled(s)[0]
+
+    def matcher(self, s: Structured) -> Matcher:
+        return Matcher(self._compiled(s)[1].deep_copy())
+
+    def _compiled(self, s: Structured) -> tuple[str, Any]:
+        with self._lock:
+            if s in self._cache:
+                self._cache[s] = self._cache.pop(s)  # the most recently used last
+                return self._cache[s]
+        try:
+            tokenizer = self.tokenizer
+        except ValueError as e:
+            raise FieldError(s.field, f"structured outputs are not available for this checkpoint's tokenizer "
+                             f"(the grammar engine cannot read it: {e})") from None
+        job = self._pool.submit(self._compile, s, tokenizer)
+        try:
+            compiled = job.result(timeout=self.compile_s)
+        except concurrent.futures.TimeoutError:
+            raise FieldError(s.field, f"not a valid {s.kind} constraint: it took longer than {self.compile_s:g} s to "
+                             "compile; simplify it") from None
+        with self._lock:
+            self._cache[s] = compiled
+            if len(self._cache) > CACHED_GRAMMARS:
+                del self._cache[next(iter(self._cache))]
+        return compiled
+
+    def _compile(self, s: Structured, tokenizer: Any) -> tuple[str, Any]:
         m = self._llg().LLMatcher
         try:
             if s.kind == "json":
@@ -70,16 +113,16 @@ class Grammars:
                 grammar = m.grammar_from_lark(s.value)
         except (ValueError, TypeError) as e:
             raise FieldError(s.field, f"not a valid {s.kind} constraint: {_first(e)}") from None
-        error = m.validate_grammar(grammar, self.tokenizer)
+        error = m.validate_grammar(grammar, tokenizer)
         if error:
             raise FieldError(s.field, f"not a valid {s.kind} constraint: {_first(error)}")
-        self._cache[s] = grammar
-        if len(self._cache) > CACHED_GRAMMARS:
-            del self._cache[next(iter(self._cache))]
-        return grammar
-
-    def matcher(self, s: Structured) -> Matcher:
-        return Matcher(self._llg().LLMatcher(self.tokenizer, self.grammar(s), log_level=0))
+        start = m(tokenizer, grammar, log_level=0)
+        probe = start.deep_copy()  # its first mask: a schema that only refers to itself allows nothing
+        Matcher(probe).bitmask(np.zeros(words(self.vocab_size), np.int32))
+        if probe.is_error():
+            raise FieldError(s.field, f"not a valid {s.kind} constraint: no output satisfies it "
+                             f"(the grammar engine: {_first(probe.get_error())})")
+        return grammar, start
 
 
 def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_id: int) -> Any:

@@ -143,7 +143,7 @@ def create_app(served: Served) -> FastAPI:
         raw = await _body(served, request)
         req, prompts = await _off_loop(prepare, _prepare_completion, served, raw)
         logprobs = req.logprobs
-        return await _respond(served, request, req, prompts, logprobs, "prompt",
+        return await _respond(served, prepare, request, req, prompts, logprobs, "prompt",
                               _TextChoice(served.tokenizer, logprobs, prompts if req.echo else None, req.n))
 
     @app.post("/v1/chat/completions")
@@ -153,7 +153,7 @@ def create_app(served: Served) -> FastAPI:
         req, prompt, reasoning = await _off_loop(prepare, _prepare_chat, served, raw)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         tools = served.tool_format if req.tools and req.tool_choice != "none" else None
-        return await _respond(served, request, req, [prompt], logprobs, "messages",
+        return await _respond(served, prepare, request, req, [prompt], logprobs, "messages",
                               _ChatChoice(served.tokenizer, logprobs, reasoning, tools))
 
     return app
@@ -314,11 +314,13 @@ def _requests(served: Served, req: Any, prompts: list[list[int]], logprobs: int 
     return out
 
 
-async def _respond(served: Served, request: Request, req: Any, prompts: list[list[int]], logprobs: int | None,
+async def _respond(served: Served, prepare: concurrent.futures.Executor, request: Request, req: Any,
+                   prompts: list[list[int]], logprobs: int | None,
                    field: str, choice: _Choice) -> Response:
     if served.draining:
         raise RequestError("the server is shutting down", None, 503, "service_unavailable")
-    requests = _requests(served, req, prompts, logprobs, field)
+    # the engine's checks compile a request's constraint (seconds, for some): not on the event loop
+    requests = await _off_loop(prepare, _requests, served, req, prompts, logprobs, field)
     try:
         handles = served.engine.submit(requests)
     except TooLarge as e:
