@@ -142,6 +142,11 @@ def test_completions_structured_outputs_stream_as_they_finish_whole(client):
     (dict(tool_choice="required"), "tool_choice"),
     (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
     (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools.0.function.name"),
+    # an invalid parameters schema, whatever tool_choice is (the template shows it to the model)
+    *((dict(tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+            **choice), "tools.1.function.parameters") for choice in ({}, {"tool_choice": "auto"},
+                                                                      {"tool_choice": "none"},
+                                                                      {"tool_choice": "required"})),
     (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
     (dict(chat_template_kwargs={"raise_exception": "not a function"}), "chat_template_kwargs"),
     (dict(chat_template_kwargs={"eos_token": "<x>"}), "chat_template_kwargs"),
@@ -340,3 +345,23 @@ def test_a_constraint_compiling_holds_up_no_other_request(client, monkeypatch):
         release.set()
         waiting.join(120)
     assert re.fullmatch("[0-9]{5}", got["text"])
+
+
+@pytest.mark.parametrize("regex", [
+    r'hello <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "abc"\}\}\n</tool_call>',
+    r' <tool_call>\n\{"name": "get_weather", "arguments": \{"city": "abc"\}\}\n</tool_call>\n ',
+    r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "abc"\}\}\n</tool_call> bye',
+    r'<tool_call>\n\{"name": "get_time", "arguments": \{\}\}\n</tool_call>',
+    r' \n ',  # only whitespace, no call: the content is that whitespace
+])
+def test_streamed_content_joins_to_the_whole_responses_content(client, regex):
+    """With tools parsed, the content deltas of a stream join to the whole
+    response's content: whitespace beside calls is none (None) in both, text
+    around them the same text."""
+    body = dict(model="tiny", messages=[{"role": "user", "content": "w"}], tools=[WEATHER, TIME],
+                tool_choice="auto", temperature=1.0, seed=1, max_tokens=150,
+                extra_body={"structured_outputs": {"regex": regex}})
+    whole = client.chat.completions.create(**body).choices[0].message
+    parts = [c.delta.content for chunk in client.chat.completions.create(**body, stream=True)
+             for c in chunk.choices if c.delta.content is not None]
+    assert whole.content == ("".join(parts) if parts else None), (whole.content, parts)

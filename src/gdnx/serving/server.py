@@ -198,6 +198,8 @@ def _prepare_chat(served: Served, raw: bytes) -> tuple[ChatRequest, list[int], L
                            f"({', '.join(TOOL_PARSERS)})", "tools")
     if served.tool_format is not None:
         req.use_tool_format(served.tool_format, served.special_tags)
+    for i, tool in enumerate(req.tools or []):  # whatever tool_choice is: the template shows them to the model
+        _check_parameters(tool.function.parameters, f"tools.{i}.function.parameters")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
         text = served.chat.render([m.rendered() for m in req.messages], req.add_generation_prompt, tools,
@@ -216,6 +218,23 @@ def _prepare_chat(served: Served, raw: bytes) -> tuple[ChatRequest, list[int], L
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs: only with logprobs true", "top_logprobs")
     return req, _encode(served, text, "messages"), reasoning
+
+
+def _check_parameters(parameters: dict | None, field: str) -> None:
+    """A tool's parameters: a JSON schema the grammar engine reads (as a
+    forced call would need it), else a 400 naming the field."""
+    if parameters is None:
+        return
+    import llguidance
+
+    m = llguidance.LLMatcher
+    try:
+        error = m.validate_grammar(m.grammar_from_json_schema(json.dumps(parameters)))
+    except (ValueError, TypeError) as e:
+        error = str(e)
+    if error:
+        first = (error.strip().splitlines() or ["invalid"])[0][:200]
+        raise RequestError(f"{field}: not a valid JSON schema ({first})", field)
 
 
 def _authorize(served: Served, request: Request) -> None:
@@ -553,6 +572,9 @@ class _ChatChoice(_Choice):
         super().__init__(tokenizer, logprobs)
         self.reasoning, self.tools = reasoning, tools
         self._splitters: dict[int, Splitter] = {}
+        # with tools, content that is only whitespace so far is held: a whole response with calls has no content
+        # then (None), so the stream shows it only once other content follows, or at the end when no call came
+        self._held: dict[int, str | None] = {}
 
     def whole(self, i: int, c: Completion) -> dict:
         lp = None if c.logprobs is None else chat_logprobs(*self.pieces(c))
@@ -569,7 +591,9 @@ class _ChatChoice(_Choice):
         return {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
 
     def first_chunk(self, i: int) -> dict | None:
-        return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        delta: dict[str, Any] = {"role": "assistant"} if self.tools is not None else {"role": "assistant",
+                                                                                       "content": ""}
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def chunk(self, i: int, text: str, lp: tuple[list[str], list] | None, finish: str | None) -> dict:
         delta: dict[str, Any] = {}
@@ -584,15 +608,35 @@ class _ChatChoice(_Choice):
             thought = "".join(p.text for p in parts if p.kind == "reasoning")
             if thought:
                 delta["reasoning_content"] = thought
-            if content:
-                delta["content"] = content
             calls = [p.call for p in parts if p.call is not None]
+            shown: str | None = content or None
+            if self.tools is not None:
+                shown = self._content(i, content, splitter.calls > 0, finish is not None)
+            if shown is not None:
+                delta["content"] = shown
             if calls:  # each call whole in one delta: the openai client assembles them by index
                 delta["tool_calls"] = [{"index": before + k, **call} for k, call in enumerate(calls)]
             if finish == "stop" and splitter.calls:
                 finish = "tool_calls"
         return {"index": i, "delta": delta, "logprobs": None if lp is None else chat_logprobs(*lp),
                 "finish_reason": finish}
+
+    def _content(self, i: int, content: str, called: bool, last: bool) -> str | None:
+        """The content to stream now, so that the deltas join to the whole
+        response's: whitespace held until other content follows; at the
+        end, dropped if a call came (the whole content is None), else shown
+        ("" too, for an empty output)."""
+        held = self._held.get(i, "")
+        if held is None:  # other content already shown: everything goes out as it comes
+            return content
+        held += content
+        if held.strip():
+            self._held[i] = None
+            return held
+        self._held[i] = held
+        if not last:
+            return None
+        return None if called else held
 
 
 # ---- running it -----------------------------------------------------------------------------------------------
