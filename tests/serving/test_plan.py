@@ -88,7 +88,8 @@ def test_cli_prints_the_serving_plan_and_refuses_bad_settings_in_one_line(capsys
                        (["--max-length", "999999"], "--max-length: 999999 exceeds the model's"),
                        (["--prefix-cache-mb", "-1"], "--prefix-cache-mb: expected a non-negative integer"),
                        (["--max-prefill-batch", "3"], "--max-prefill-batch: expected an integer in [1, --max-slots=2]"),
-                       (["parallel.context=2", "parallel.tensor=2"], "parallel.context: the engine splits heads")):
+                       (["parallel.context=2", "parallel.tensor=2"], "parallel.context: the engine splits heads"),
+                       (["--topology", "x100:8"], "or N GPUs of one host <gpu>:N (h100, ")):
         assert main([*args, *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and match in err[0], err

@@ -128,6 +128,10 @@ def _target(topology: str) -> tuple[list[jax.Device], int, str]:
     from gdnx.aot import GPU_SPECS, gpu_target_config
 
     name, _, count = topology.partition(":")
+    if name not in GPU_SPECS and name not in HBM_BYTES:
+        raise ValueError(f"--topology: expected a TPU slice <generation>:<shape> ({', '.join(HBM_BYTES)}; e.g. "
+                         f"v5p:2x2x1) or N GPUs of one host <gpu>:N ({', '.join(GPU_SPECS)}; e.g. h200:2), "
+                         f"got {topology!r}")
     if name not in GPU_SPECS:
         return topology_devices(topology), HBM_BYTES[generation(topology)], "tpu"
     if not count.isdigit() or int(count) < 1:
