@@ -197,6 +197,17 @@ def test_each_eval_mistake_is_one_line(setup, capsys, flags, match):
     assert match in _error(capsys, ["eval", "--checkpoint", str(path), *flags])
 
 
+def test_a_task_of_local_files_that_names_none_is_one_line(setup, tmp_path, capsys):
+    """dataset_path json without data_files: datasets would read the working
+    directory's files as the task's data; refused before anything loads."""
+    (tmp_path / "nofiles.yaml").write_text("task: nofiles\ndataset_path: json\ntest_split: test\n"
+                                          "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+                                          "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n")
+    err = _error(capsys, ["eval", "--checkpoint", str(setup[0]), "--tasks", "nofiles", "--include-path",
+                          str(tmp_path)])
+    assert "--tasks: task 'nofiles'" in err and "give dataset_kwargs.data_files" in err, err
+
+
 def test_short_requests_share_rows():
     """First fit, longest first; each call's rows take its longest
     request's bucket: every request once, no row past its length, at most
@@ -210,3 +221,30 @@ def test_short_requests_share_rows():
         assert len(rows) <= 2 and all(sum(lengths[i] for i in row) <= length for row in rows)
     # 100, then 64 + 50 fill a call of 128; 40 and 30 open one of 64; the rest fill the first gaps
     assert calls == [(128, [[6, 2, 8], [4, 1, 0, 7]]), (64, [[9, 5], [3]])]
+
+
+def test_ctrl_c_while_evaluating_ends_at_once_with_130_and_writes_nothing(setup, tmp_path, processes):
+    """Ctrl-C once the scoring has begun: one line, status 130, no results
+    file (a KeyboardInterrupt landing in a garbage-collector callback was
+    swallowed and the run went on; at exit the teardown crashed)."""
+    import signal
+    import subprocess
+
+    from tests.helpers.processes import gdnx
+
+    path, tasks = setup
+    out = tmp_path / "out"
+    proc = processes.start(gdnx("eval", "--checkpoint", str(path), "--tasks", TASKS, "--include-path", str(tasks),
+                                "--output-path", str(out)), stderr=subprocess.PIPE, text=True, errors="replace")
+    seen = []
+    for line in proc.stderr:  # scoring has begun: the progress bar's first line
+        seen.append(line)
+        if "loglikelihood" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert processes.wait(proc, 120) == 130, "".join(seen) + rest
+    lines = [x for x in ("".join(seen) + rest).replace("\r", "\n").splitlines() if "gdnx eval:" in x]
+    assert len(lines) == 1 and lines[0].endswith("gdnx eval: interrupted; nothing written"), lines
+    assert "Traceback" not in rest and "Segmentation" not in rest
+    assert not out.exists() or not list(out.rglob("*.json*"))

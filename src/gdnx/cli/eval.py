@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
 from gdnx.config.loading import ConfigError
+from gdnx.signals import handled
 from gdnx.cli.options import distributed_options
 
 
@@ -43,16 +45,9 @@ def add_parser(sub) -> None:
 
 def run_eval(args) -> None:
     try:
-        import lm_eval
-        from lm_eval.loggers import EvaluationTracker
         from lm_eval.tasks import TaskManager
-        from lm_eval.utils import make_table
     except ImportError:
         raise ConfigError("gdnx eval needs lm-evaluation-harness: pip install lm-eval") from None
-    import jax
-
-    from gdnx.evaluation import GdnxLM
-    from gdnx.loading import chat_template, load
 
     if args.batch_size < 1:
         raise ConfigError("--batch-size: expected a positive integer")
@@ -74,6 +69,45 @@ def run_eval(args) -> None:
     if unknown:
         raise ConfigError(f"--tasks: unknown task {unknown[0]!r} (`lm-eval ls tasks` lists them; "
                           "--include-path adds a directory of task YAMLs)")
+    for name in tasks:
+        _check_local_data(manager, name)
+    interrupt = _Interrupt()
+    with handled(interrupt.handle, (signal.SIGINT,)):
+        _evaluate(args, tasks, manager, interrupt)
+
+
+class _Interrupt:
+    """Ctrl-C ends `gdnx eval` at once, status 130, past the interpreter's
+    teardown: raised as KeyboardInterrupt it was swallowed where it landed
+    in a garbage-collector callback (the evaluation ran on to its end, status
+    0) or crashed the teardown of lm-eval's, torch's and JAX's threads
+    (a segmentation fault). Results are written at the end; a Ctrl-C while
+    they are written waits for them, so no file is left part written."""
+
+    def __init__(self) -> None:
+        self.writing, self.pending = False, False
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.writing:
+            self.pending = True
+            return
+        self.stop("nothing written")
+
+    def stop(self, what: str) -> None:
+        print(f"gdnx eval: interrupted; {what}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+
+
+def _evaluate(args, tasks: list[str], manager, interrupt: _Interrupt) -> None:
+    import jax
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import make_table
+
+    from gdnx.evaluation import GdnxLM
+    from gdnx.loading import chat_template, load
+
     loaded = load(Path(args.checkpoint), list(args.overrides), "eval")
     chat = chat_template(loaded, "eval") if args.apply_chat_template else None
     if args.apply_chat_template and chat is None:
@@ -94,6 +128,7 @@ def run_eval(args) -> None:
         return
     samples = results.pop("samples", None)
     written = []
+    interrupt.writing = True
     if tracker is not None:
         # lm-eval logs a warning and goes on when it cannot write: each file is looked for afterwards
         tracker.save_results_aggregated(results=results, samples=samples if args.log_samples else None)
@@ -102,6 +137,9 @@ def run_eval(args) -> None:
             for task_name in results["configs"]:
                 tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
                 written.append(_results_file(tracker, task_name))
+    interrupt.writing = False
+    if interrupt.pending:
+        interrupt.stop(f"the results were written first ({', '.join(map(str, written)) or 'none'})")
     print(f"gdnx eval: {loaded.description}, limit: {args.limit}, num_fewshot: {args.num_fewshot}, "
           f"batch_size: {args.batch_size}", file=sys.stderr)
     print(make_table(results))
@@ -112,6 +150,26 @@ def run_eval(args) -> None:
         more = f" and {len(missing) - 1} more files" if len(missing) > 1 else ""
         raise ConfigError(f"--output-path: could not write {missing[0]}{more} (lm-eval's warning above says why); "
                           "the table above is all that is left of the results")
+
+
+# datasets' builders of local files: without data_files they read every file of the working directory
+_LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")
+
+
+def _check_local_data(manager, name: str) -> None:
+    """A task whose data is local files (dataset_path json, csv, ...) names
+    them: without dataset_kwargs.data_files, datasets would read the
+    working directory's files as its data."""
+    entry = getattr(manager, "task_index", {}).get(name)
+    cfg = getattr(entry, "cfg", None)
+    if not isinstance(cfg, dict) or cfg.get("dataset_path") not in _LOCAL_BUILDERS:
+        return
+    kwargs = cfg.get("dataset_kwargs") or {}
+    if not (kwargs.get("data_files") or kwargs.get("data_dir")):
+        path = getattr(entry, "yaml_path", None)
+        where = f" ({path})" if path else ""
+        raise ConfigError(f"--tasks: task {name!r}{where} reads local {cfg['dataset_path']} files but names none: "
+                          "give dataset_kwargs.data_files (e.g. test: path/to/data.jsonl)")
 
 
 def check_output_path(path: Path) -> None:
