@@ -12,8 +12,8 @@ code (a fatal log and abort) once the heartbeat timeout passes, or at once
 when the coordinator itself is gone; Python cannot catch that. So `gdnx
 train`, `gdnx generate` and `gdnx serve` with --distributed run the work in a child
 process whose native output goes through the supervisor: it passes that
-output on (less gloo's line per collective group and the coordination
-service's account of a lost process), and replaces the runtime's fatal
+output on (less gloo's line per collective group and the runtime's
+accounts of a lost process), and replaces the runtime's fatal
 report with one line and exit status PEER_LOST_STATUS.
 """
 
@@ -53,10 +53,16 @@ _GLOO_CHATTER = re.compile(rb"\[Gloo\] Rank|connected peer ranks|^\s*\d*\s*$")
 # a native log record's first line: severity, date, time, thread, file:line]
 _NATIVE_LOG = re.compile(rb"^[IWEF]\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\]")
 _PR_SET_PDEATHSIG = 1
+# native log records passed over: the runtime's accounts of a lost process (the one line says it)
+_QUIET_SOURCES = (b"coordination_service", b"preemption_sync_manager")
 # a supervised child's closing line, sent through the supervisor's pipe: it prints one line, the runtime's
 # account of the failure where that came first through the same pipe, else this
 _EXIT_MARK = b"\x00gdnx-exit\x00"
+# a supervised child has said its own closing line and ends with the status after the mark: the runtime's account
+# of another process leaving meanwhile (it ended its run on seeing this one go) is not a second line
+_SAID_MARK = b"\x00gdnx-said\x00"
 _to_supervisor = False  # set in a supervised child once its native output goes to the supervisor
+_started = False  # this process started the distributed runtime (initialize)
 
 
 class PeerLost(RuntimeError):
@@ -169,6 +175,14 @@ def initialize(group: ProcessGroup, command: str = "run") -> None:
                          "is detected") from None
     finally:
         joined.set()
+    global _started
+    _started = True
+
+
+def started() -> bool:
+    """This process joined a run of several (initialize returned); unlike
+    is_distributed, it starts no JAX backend to tell."""
+    return _started
 
 
 def runtime_client() -> Any:
@@ -231,12 +245,11 @@ _PEER_FAILURE = re.compile(r"Gloo \w+ failed|Connection (reset|closed|refused)|S
 
 
 def peer_failure(e: BaseException) -> str | None:
-    """What a collective's error says when another process of the run is
-    gone (its sockets closed under a gloo collective, its heartbeats
-    stopped), else None."""
-    from jax.errors import JaxRuntimeError
-
-    if not isinstance(e, (JaxRuntimeError, PeerLost)) or not is_distributed():
+    """What an error says when another process of the run is gone (its
+    sockets closed under a gloo collective, its heartbeats stopped, the
+    coordinator gone while this process set up its devices), else None.
+    Asks no JAX backend (it may be what failed)."""
+    if not isinstance(e, (RuntimeError, PeerLost)) or not started():
         return None
     text = str(e).strip()
     if not isinstance(e, PeerLost) and not _PEER_FAILURE.search(text):
@@ -268,6 +281,18 @@ def exit_run(command: str, message: str) -> NoReturn:
     else:
         print(line, file=sys.stderr, flush=True)
     os._exit(PEER_LOST_STATUS)
+
+
+def exit_said(status: int) -> NoReturn:
+    """End at once with `status`, this process's one line already said (a
+    mistake of its own): in a run of several processes the runtime's
+    shutdown at exit would wait for the others, which wait for this one;
+    gone, it ends their runs (one line each)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _to_supervisor:
+        os.write(2, _SAID_MARK + str(status).encode() + b"\n")
+    os._exit(status)
 
 
 def wait_for_first(name: str, timeout_s: int) -> None:
@@ -356,22 +381,28 @@ def supervise(argv: list[str], command: str) -> int:
         child.send_signal(signum)
     fatal: list[str] = []
     closing: list[str] = []  # the child's own closing line (exit_run)
+    said: int | None = None  # the child said its closing line itself and ends with this status (exit_said)
     with handled(forward):
         with os.fdopen(read_end, "rb") as native:
-            quiet = False  # inside a log record of the coordination service (it spans lines)
+            quiet = False  # inside a record of _QUIET_SOURCES (a record spans lines)
             for line in native:
                 if line.startswith(_EXIT_MARK):
                     closing.append(line[len(_EXIT_MARK):].decode(errors="replace").rstrip("\n"))
+                    continue
+                if line.startswith(_SAID_MARK):
+                    said = int(line[len(_SAID_MARK):].strip() or 1)
                     continue
                 if fatal or _FATAL_MARK in line:
                     fatal.append(line.decode(errors="replace"))
                     continue
                 if record := _NATIVE_LOG.match(line):
-                    quiet = record.group(1).startswith(b"coordination_service")
+                    quiet = record.group(1).startswith(_QUIET_SOURCES)
                 if not quiet and not _GLOO_CHATTER.search(line):
                     sys.stderr.buffer.write(line)
                     sys.stderr.flush()
         status = child.wait()
+    if said is not None:
+        return said
     if fatal:
         # the status follows "absl::Status:" and may run on to the next line (the lost tasks' ids)
         reason = " ".join(x.strip() for x in [fatal[0].split("absl::Status:", 1)[-1], *fatal[1:2]] if x.strip())

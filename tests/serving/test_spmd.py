@@ -198,3 +198,45 @@ def test_a_process_lost_mid_request_ends_it_with_the_news_and_status_4(checkpoin
     assert errors == ["gdnx serve: error: another process of the run stopped (process 1 closed its link to this "
                       "one); start every process again"], out
     assert "Traceback" not in out and "[Gloo]" not in out
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error" in line.lower()]
+
+
+def _pair(processes, path, logs, port, extras):
+    coordinator = free_port()
+    out = []
+    for i, extra in enumerate(extras):
+        log = logs / f"pair.{i}.log"
+        with log.open("wb") as f:
+            processes.start(gdnx("serve", "--checkpoint", str(path), "--port", str(port), *SERVE, *extra,
+                                 "--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2",
+                                 "--process-id", str(i), "--join-timeout", "60"),
+                            stdout=f, stderr=subprocess.STDOUT, env=cpu_env(devices=4))
+        out.append(log)
+    return processes.started[-2:], out
+
+
+def test_a_taken_port_or_disagreeing_flags_end_every_process_in_one_line(checkpoint, tmp_path, processes):
+    """Process 0's port taken: it says so in one line (status 2) and the
+    other process, waiting on it, ends too in one line (it waited forever
+    before). Processes started with different engine flags: each names the
+    flag in one line, status 2 (a traceback before)."""
+    import socket
+
+    path, _ = checkpoint
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        procs, logs = _pair(processes, path, tmp_path, taken.getsockname()[1], [[], []])
+        statuses = [processes.wait(p, LIMIT_S) for p in procs]
+    text = [log.read_text(errors="replace") for log in logs]
+    assert statuses[0] == 2 and statuses[1] in (2, PEER_LOST_STATUS), (statuses, text)
+    assert len(_error_lines(text[0])) == 1 and "--port: cannot listen on 127.0.0.1" in text[0], text[0]
+    assert len(_error_lines(text[1])) == 1 and "Traceback" not in text[1], text[1]
+    procs, logs = _pair(processes, path, tmp_path, free_port(), [[], ["--max-slots", "2"]])
+    assert [processes.wait(p, LIMIT_S) for p in procs] == [2, 2], [log.read_text() for log in logs]
+    for i, log in enumerate(logs):
+        lines = _error_lines(log.read_text(errors="replace"))
+        assert len(lines) == 1 and "--max-slots: " in lines[0] and "in process" in lines[0], lines

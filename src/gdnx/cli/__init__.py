@@ -49,6 +49,16 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "Out of memory" in str(e)
 
 
+def _refused() -> int:
+    """Status 2 for a mistake already said in one line; in a run of several
+    processes, at once (gdnx.distributed.exit_said)."""
+    from gdnx.distributed import exit_said, started
+
+    if started():
+        exit_said(2)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     from gdnx.checkpoints.orbax import CheckpointDamaged
     from gdnx.distributed import (PREEMPTED_STATUS, SUPERVISED, BarrierTimeout, exit_peer_lost, exit_run,
@@ -72,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)
     except (ConfigError, FileNotFoundError, CheckpointDamaged, DirectoryBusy) as e:
         say(f"error: {e}")
-        return 2
+        return _refused()
     except NonFiniteStop as e:
         say(str(e))
         return 3
@@ -88,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 "train.out_dir elsewhere", errno.EFBIG: "raise the file size limit (ulimit -f)"}.get(e.errno)
         say(f"error: {f'{e.filename}: ' if e.filename else ''}{e.strerror}"
             + (f"; {hint}; the run resumes from its last checkpoint" if hint else ""))
-        return 2
+        return _refused()
     except KeyboardInterrupt:
         say("interrupted")
         return 130
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             from gdnx.loading import MEMORY_HINT as hint
         say(f"error: out of memory ({str(e).splitlines()[0][:160]}); {hint}")
-        return 2
+        return _refused()
 
 
 if __name__ == "__main__":

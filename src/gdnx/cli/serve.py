@@ -106,9 +106,19 @@ def _serve(args, sock, api_key: str | None) -> None:
     from gdnx.serving.protocol import MAX_LOGPROBS
     from gdnx.serving.server import Served, run_server
     from gdnx.distributed import JOIN_TIMEOUT_S, agree, exit_peer_lost, is_distributed, wait_for_first
+    from gdnx.errors import FieldError
     from gdnx.serving.spmd import Leader, Links, RuntimeChannel
 
     path = Path(args.checkpoint)
+    # every process must build the same engine (the scheduler's choices are made on each): agreed before loading
+    try:
+        agree("serve", {"--checkpoint": str(path.resolve()), "overrides": sorted(args.overrides),
+                        "--max-slots": args.max_slots, "--max-length": args.max_length,
+                        "--prefix-cache-mb": args.prefix_cache_mb, "--speculative": args.speculative,
+                        "--batch-invariant": args.batch_invariant, "--decode-steps": args.decode_steps,
+                        "--max-prefill-batch": args.max_prefill_batch, "--warm-up": args.warm_up})
+    except FieldError as e:
+        raise ConfigError(str(e)) from None
     found = load(path, list(args.overrides), "serve")
     chat = chat_template(found, "serve")  # none: chat completions are refused, completions served
     max_length = min(found.max_positions, DEFAULT_MAX_LENGTH) if args.max_length is None else args.max_length
@@ -116,12 +126,6 @@ def _serve(args, sock, api_key: str | None) -> None:
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
         speculative=args.speculative, batch_invariant=args.batch_invariant, decode_steps=args.decode_steps,
         max_logprobs=MAX_LOGPROBS, max_prefill_batch=args.max_prefill_batch), chat)
-    # every process must build the same engine: the scheduler's choices are made on each
-    agree("serve", {"checkpoint": str(path.resolve()), "overrides": sorted(args.overrides), "max_slots": args.max_slots,
-                    "max_length": max_length, "prefix_cache_mb": args.prefix_cache_mb,
-                    "speculative": args.speculative, "batch_invariant": args.batch_invariant,
-                    "decode_steps": args.decode_steps, "max_prefill_batch": args.max_prefill_batch,
-                    "warm_up": args.warm_up})
     name = args.served_model_name or path.resolve().name
     what = "every program" if args.warm_up == "all" else "the decode steps"
     print(f"gdnx serve: loaded {found.description}; compiling {what} (--warm-up {args.warm_up})", file=sys.stderr,
