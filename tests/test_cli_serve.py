@@ -81,3 +81,61 @@ def test_two_servers_started_together_on_one_port_one_serves_and_one_refuses(che
     winner.send_signal(__import__("signal").SIGTERM)
     assert winner.wait(60) == 0
     assert "Traceback" not in "".join(lines) + winner.stderr.read()
+
+
+def _start(processes, checkpoint, env, *flags):
+    import subprocess
+
+    from tests.helpers.processes import gdnx
+
+    return processes.start(gdnx("serve", "--checkpoint", str(checkpoint), "--port", "0", "--max-slots", "2",
+                                "--max-length", "64", "--warm-up", "decode", *flags), stderr=subprocess.PIPE,
+                           text=True, errors="replace", env=env)
+
+
+def _read_until(proc, text: str) -> list[str]:
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if text in line:
+            return seen
+    raise AssertionError("".join(seen))
+
+
+@pytest.mark.parametrize("signum,status", [("SIGTERM", 0), ("SIGINT", 130)])
+def test_a_stop_while_starting_ends_it_in_one_line(checkpoint, processes, signum, status):
+    """SIGTERM (status 0) or Ctrl-C (130) while the server loads and
+    compiles: one line, no traceback (SIGTERM killed it by the signal)."""
+    import signal
+
+    from tests.helpers.processes import cpu_env
+
+    proc = _start(processes, checkpoint, cpu_env())
+    _read_until(proc, "compiling")
+    proc.send_signal(getattr(signal, signum))
+    rest = proc.stderr.read()
+    assert processes.wait(proc, 120) == status, rest
+    assert f"gdnx serve: {signum} received while starting; stopped" in rest and "Traceback" not in rest, rest
+
+
+def test_a_second_start_reads_its_programs_from_the_compile_cache(checkpoint, processes, tmp_path):
+    """--compile-cache (default ~/.cache/gdnx/compiled; here a directory of
+    the test's): the first start writes every program it compiles there; a
+    second start of the same server compiles none anew (the cache holds no
+    more entries after it); another engine setting compiles its own."""
+    import os
+    import signal
+
+    from tests.helpers.processes import cpu_env
+
+    env = {k: v for k, v in cpu_env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    cache = tmp_path / "compiled"
+    counts = []
+    for flags in ([], [], ["--decode-steps", "4"]):
+        proc = _start(processes, checkpoint, env, "--compile-cache", str(cache), *flags)
+        _read_until(proc, "serving")
+        counts.append(sum(len(files) for _, _, files in os.walk(cache)))
+        proc.send_signal(signal.SIGTERM)
+        proc.stderr.read()
+        assert processes.wait(proc, 120) == 0
+    assert counts[0] > 0 and counts[1] == counts[0] and counts[2] > counts[1], counts

@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
                        help="before listening, compile every program a request can need (all, the default: each "
                             "prefill shape too; docs/serving.md counts them) or only the decode steps (decode: a "
                             "quicker start, the first request of each new shape waits for the compiler)")
+    serve.add_argument("--compile-cache", default=None, metavar="DIR",
+                       help="where compiled programs are kept for the next start (default: $GDNX_COMPILE_CACHE, else "
+                            "~/.cache/gdnx/compiled; off: none); an entry serves only the very program it holds")
     serve.add_argument("--tool-call-parser", choices=("hermes", "kimi_k2", "olmo3"), default=None,
                        help="parse tool calls from chat outputs in the format of the checkpoint's template (hermes: "
                             "<tool_call>{...}</tool_call>, Qwen3-Next's and Qwen3.5's; kimi_k2: "
@@ -79,6 +82,12 @@ def run_serve(args) -> None:
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port: expected 0 (any free port) to 65535, got {args.port}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    from gdnx import compile_cache
+
+    try:
+        compile_cache.use(args.compile_cache)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if _process() > 0:  # a follower: process 0 listens
         _serve(args, None, api_key)
         return
@@ -98,16 +107,40 @@ def _process() -> int:
 
 
 def _serve(args, sock, api_key: str | None) -> None:
+    from gdnx.distributed import JOIN_TIMEOUT_S
+    from gdnx.signals import handled
+
+    # until the server's (or a follower's) own handlers take over: a stop ends the start-up at once
+    with handled(_stop_starting):
+        engine, found, chat, max_length = _start(args)
+        name = args.served_model_name or Path(args.checkpoint).resolve().name
+        join_s = JOIN_TIMEOUT_S if args.join_timeout is None else args.join_timeout
+        if sock is None:
+            _follow(engine, join_s)
+            return
+        _lead(args, sock, api_key, engine, found, chat, max_length, name, join_s)
+
+
+def _stop_starting(signum, frame) -> None:
+    """SIGTERM or Ctrl-C while the server loads and compiles: one line, and
+    out at once (status 0 for SIGTERM, 130 for Ctrl-C); nothing to drain."""
+    import signal
+
+    name = signal.Signals(signum).name
+    print(f"gdnx serve: {name} received while starting; stopped", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130 if signum == signal.SIGINT else 0)
+
+
+def _start(args):
+    """The model loaded and its engine built and warmed up: (engine, the
+    loaded checkpoint, its chat template, max_length)."""
+    from gdnx.distributed import agree
+    from gdnx.errors import FieldError
     from gdnx.loading import EngineSettings, build_engine, chat_template, load
     from gdnx.serving import EngineStats
     from gdnx.serving.engine import TooManyPrograms
-    from gdnx.serving.async_engine import AsyncEngine
-    from gdnx.serving.metrics import Metrics
     from gdnx.serving.protocol import MAX_LOGPROBS
-    from gdnx.serving.server import Served, run_server
-    from gdnx.distributed import JOIN_TIMEOUT_S, agree, exit_peer_lost, is_distributed, wait_for_first
-    from gdnx.errors import FieldError
-    from gdnx.serving.spmd import Leader, Links, RuntimeChannel
 
     path = Path(args.checkpoint)
     # every process must build the same engine (the scheduler's choices are made on each): agreed before loading
@@ -126,7 +159,6 @@ def _serve(args, sock, api_key: str | None) -> None:
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
         speculative=args.speculative, batch_invariant=args.batch_invariant, decode_steps=args.decode_steps,
         max_logprobs=MAX_LOGPROBS, max_prefill_batch=args.max_prefill_batch), chat)
-    name = args.served_model_name or path.resolve().name
     what = "every program" if args.warm_up == "all" else "the decode steps"
     print(f"gdnx serve: loaded {found.description}; compiling {what} (--warm-up {args.warm_up})", file=sys.stderr,
           flush=True)
@@ -137,10 +169,17 @@ def _serve(args, sock, api_key: str | None) -> None:
         raise ConfigError(f"--warm-up {args.warm_up}: {e}") from None
     engine.stats = EngineStats()
     print(f"gdnx serve: {ran} programs ready in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    join_s = JOIN_TIMEOUT_S if args.join_timeout is None else args.join_timeout
-    if sock is None:
-        _follow(engine, join_s)
-        return
+    return engine, found, chat, max_length
+
+
+def _lead(args, sock, api_key: str | None, engine, found, chat, max_length: int, name: str, join_s: int) -> None:
+    """Process 0 (or the only one): the HTTP server over the engine, until it stops."""
+    from gdnx.distributed import exit_peer_lost, is_distributed, wait_for_first
+    from gdnx.serving.async_engine import AsyncEngine
+    from gdnx.serving.metrics import Metrics
+    from gdnx.serving.server import Served, run_server
+    from gdnx.serving.spmd import Leader, Links, RuntimeChannel
+
     leader = Leader(engine, RuntimeChannel()) if is_distributed() else engine
     async_engine = AsyncEngine(leader, Metrics(), args.max_queue)
     links = Links(async_engine.lose, join_s) if is_distributed() else None
