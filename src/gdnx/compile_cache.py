@@ -1,5 +1,6 @@
-"""JAX's persistent compilation cache for gdnx's long-lived commands: a
-server's programs, compiled once, are read back on its next start.
+"""How a server's many programs are compiled and kept: JAX's persistent
+compilation cache (compiled once, read back on the next start), and
+XLA:CPU's flags that map fewer pages per program.
 
 JAX keys each entry by the program itself (its HLO), the compile options,
 the XLA flags, the backend and the JAX version, so an entry is used only
@@ -15,6 +16,20 @@ import os
 from pathlib import Path
 
 ENV = "GDNX_COMPILE_CACHE"  # a directory, or "off"
+# XLA:CPU maps every compiled kernel into the process, and a server's many programs met the host's limit of memory
+# maps (vm.max_map_count): its older elemental emitters map about 35% fewer per program (measured: 652 against 1,006
+# maps a program over a server's 36; docs/benchmarks.md)
+CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+
+
+def fewer_maps() -> None:
+    """Before JAX starts its backend: XLA:CPU's flags that map fewer pages
+    per program, where XLA_FLAGS does not already choose them (they name
+    the CPU alone; other backends ignore them)."""
+    given = os.environ.get("XLA_FLAGS", "")
+    extra = [f for f in CPU_FLAGS if f.split("=")[0] not in given]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([given, *extra]).strip()
 
 
 def default_dir() -> Path:
