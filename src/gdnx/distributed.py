@@ -44,6 +44,7 @@ HEARTBEAT_TIMEOUT_S = 100  # JAX's default: how long a silent process is taken f
 JOIN_TIMEOUT_S = 300       # JAX's default: how long the processes of a run may take to join
 JOIN_NOTE_S = 5            # a line this often while they join
 JOIN_MARGIN_S = 10         # past --join-timeout, the runtime's own deadline (gdnx stops first, in one line)
+REFUSED_WAIT_S = 10        # how long a process that refused waits for the others to refuse too
 PREEMPTED_STATUS = 75  # stopped by SIGTERM / SIGINT with a checkpoint (sysexits' EX_TEMPFAIL: run it again)
 PEER_LOST_STATUS = 4   # another process of the run died; rerunning resumes from the last intact checkpoint
 SUPERVISED = "GDNX_SUPERVISED"  # set in the child: the fd the supervisor reads native output from
@@ -284,14 +285,23 @@ def exit_run(command: str, message: str) -> NoReturn:
 
 
 def exit_said(status: int) -> NoReturn:
-    """End at once with `status`, this process's one line already said (a
-    mistake of its own): in a run of several processes the runtime's
-    shutdown at exit would wait for the others, which wait for this one;
-    gone, it ends their runs (one line each)."""
+    """End with `status`, this process's one line already said (a mistake
+    of its own). In a run of several processes the others may have made the
+    same mistake (a config they disagree on: each sees it): they meet at a
+    barrier and shut the runtime down together, each with its own line.
+    Where they do not come within REFUSED_WAIT_S (a mistake of this process
+    alone, as a port in use), it ends at once: the runtime's shutdown would
+    wait for the others, which wait for this one; gone, it ends their runs
+    (one line each)."""
     sys.stdout.flush()
     sys.stderr.flush()
     if _to_supervisor:
         os.write(2, _SAID_MARK + str(status).encode() + b"\n")
+    try:
+        runtime_client().wait_at_barrier("gdnx:refused", timeout_in_ms=REFUSED_WAIT_S * 1000)
+        jax.distributed.shutdown()
+    except Exception:  # the others did not come (or are gone): out at once
+        pass
     os._exit(status)
 
 
