@@ -3,7 +3,7 @@
     JAX_PLATFORMS=cpu .venv-aot/bin/python benchmarks/compile.py [--targets h100 tpu_v5e ...]
         [--programs grad forward_long ...] [--out FILE]
 
-For every target and program of tests/ops/gated_delta_rule/test_compile.py
+For every target and program of tests/ops/delta_rule/test_compile.py
 (GDN's, then KDA's):
 compile seconds (this host), and per kernel what the compiler reports: on
 GPU the shared memory each launch requests (XLA's thunk sequence) and the
@@ -64,15 +64,18 @@ def tpu_kernels(program, target: str) -> str:
     """The VMEM budget each Mosaic kernel declares (pallas_tpu.vmem_bytes),
     at the target's head tile."""
     from gdnx import aot
-    from gdnx.ops.gated_delta_rule import tiles_for
-    from gdnx.ops.gated_delta_rule.pallas_tpu import vmem_bytes
+    from gdnx.ops.delta_rule import tiles_for
+    from gdnx.ops.delta_rule.pallas_tpu import vmem_bytes
+    from gdnx.ops.gated_delta_rule.math import VARIANT as GDN
+    from gdnx.ops.kda.math import VARIANT as KDA
 
     ht = tiles_for("pallas_tpu", aot.device(target)).head_tile
-    grp, d, kda = program.hv // program.hk, program.dim, program.per_channel
-    fwd = vmem_bytes(ht, grp, 64, d, d, 2, program.grad, kda)
+    grp, d = program.hv // program.hk, program.dim
+    variant = KDA if program.per_channel else GDN
+    fwd = vmem_bytes(variant, ht, grp, 64, d, d, 2, program.grad)
     text = f"head tile {ht}; forward: {fwd / 2**20:.1f} MiB VMEM"
     if program.grad:
-        text += f"; backward: {2 * vmem_bytes(ht, grp, 64, d, d, 4, True, kda) / 2**20:.1f} MiB VMEM"
+        text += f"; backward: {2 * vmem_bytes(variant, ht, grp, 64, d, d, 4, True) / 2**20:.1f} MiB VMEM"
     return text
 
 
@@ -98,7 +101,7 @@ def phase_table(t: int = 4096, hk: int = 16, hv: int = 32, d: int = 128) -> list
     import jax.numpy as jnp
 
     from gdnx.ops import chunk_gated_delta_rule
-    from gdnx.ops.gated_delta_rule import GpuTiles
+    from gdnx.ops.delta_rule import GpuTiles
 
     sd = jax.ShapeDtypeStruct
     args = [sd((1, t, hk, d), jnp.bfloat16)] * 2 + [sd((1, t, hv, d), jnp.bfloat16), sd((1, t, hv), jnp.float32),
@@ -126,7 +129,7 @@ def main():
     import jax
 
     from gdnx import aot
-    from tests.ops.gated_delta_rule.test_compile import COMPILE_TARGETS, KDA_PROGRAMS, PROGRAMS, build
+    from tests.ops.delta_rule.test_compile import COMPILE_TARGETS, KDA_PROGRAMS, PROGRAMS, build
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", nargs="*", default=list(COMPILE_TARGETS))
@@ -169,7 +172,7 @@ def one(target: str, name: str, dump: str):
     import jax
 
     from gdnx import aot
-    from tests.ops.gated_delta_rule.test_compile import KDA_PROGRAMS, PROGRAMS, build
+    from tests.ops.delta_rule.test_compile import KDA_PROGRAMS, PROGRAMS, build
 
     fn, args = build(next(x for x in PROGRAMS + KDA_PROGRAMS if x.name == name), target)
     t0 = time.perf_counter()

@@ -95,7 +95,7 @@ def op_rows(b, t, n):
     from gdnx.measure import median_ms  # noqa: PLC0415
     from gdnx.ops import chunk_gated_delta_rule  # noqa: PLC0415
     from gdnx.parallel import make_mesh  # noqa: PLC0415
-    from gdnx.parallel.context import context_gated_delta_rule  # noqa: PLC0415
+    from gdnx.parallel.context import context_delta_rule  # noqa: PLC0415
 
     ks = jax.random.split(jax.random.key(1), 5)
     q = jax.random.normal(ks[0], (b, t, 4, 64), jnp.float32)
@@ -113,7 +113,7 @@ def op_rows(b, t, n):
     for name, axes, seq in ((f"data={n}", dict(data=n), False), (f"context={n}", dict(data=1, context=n), True)):
         mesh = make_mesh(ParallelConfig(**axes))
         spec = P(None, "context") if seq else P("data")
-        body = functools.partial(context_gated_delta_rule, axis="context", use_qk_l2norm=True,
+        body = functools.partial(context_delta_rule, chunk_gated_delta_rule, axis="context", use_qk_l2norm=True,
                                  implementation="xla") if seq else op
         fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, P()), check_vma=False)
         rows.append((f"op: {name}", median_ms(grad_of(fn), args)))

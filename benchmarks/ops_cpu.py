@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdnx.measure import compiled_peak_bytes, median_ms
-from gdnx.ops.gated_delta_rule.reference import recurrent_gated_delta_rule_reference
-from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
+from gdnx.ops.delta_rule import xla
+from gdnx.ops.delta_rule.reference import recurrent_reference
+from gdnx.ops.gated_delta_rule.math import VARIANT
 
 
 def make_inputs(b, t, hk, hv, dk, dv, dtype, seed=0):
@@ -36,10 +37,10 @@ def variants(b, hv, dk, dv, chunk):
     h0 = jnp.zeros((b, hv, dk, dv), jnp.float32)
     common = dict(cu_seqlens=None, scale=dk ** -0.5, state_dtype=jnp.float32, decay_dtype=jnp.float32)
     return {
-        "xla (hand-written VJP)": lambda *xs: chunk_gated_delta_rule_xla(*xs, h0, chunk_size=chunk, **common)[0],
-        "xla forward, plain autodiff": lambda *xs: chunk_gated_delta_rule_xla(
+        "xla (hand-written VJP)": lambda *xs: xla.run(VARIANT, *xs, h0, chunk_size=chunk, **common)[0],
+        "xla forward, plain autodiff": lambda *xs: xla.run(VARIANT, 
             *xs, h0, chunk_size=chunk, hand_written_vjp=False, **common)[0],
-        "token recurrence, autodiff": lambda *xs: recurrent_gated_delta_rule_reference(*xs, h0, **common)[0],
+        "token recurrence, autodiff": lambda *xs: recurrent_reference(*xs, h0, **common)[0],
     }
 
 

@@ -17,7 +17,7 @@ pallas_gpu with bfloat16 matmul operands or recomputed residuals; then
 flash-linear-attention's Triton kernels (`fla-core` 0.6.0 with torch, its
 q and k repeated to the value heads) at the same shape, timed with CUDA
 events. TFLOP/s use the analytic FLOPs of the chunk algebra
-(pallas_common.op_flops) for every row, so they compare as time does.
+(delta_rule.costs.op_flops) for every row, so they compare as time does.
 A variant that fails prints its error and the run goes on, so one bad
 configuration does not cost the whole device slot.
 """
@@ -34,12 +34,14 @@ import numpy as np
 
 from gdnx.measure import compiled_peak_bytes, median_ms, relative_error as rel
 from gdnx.ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
-from gdnx.ops.gated_delta_rule.pallas_common import op_flops
+from gdnx.ops.delta_rule.costs import op_flops
+from gdnx.ops.gated_delta_rule.math import VARIANT as GDN
+from gdnx.ops.kda.math import VARIANT as KDA
 
 
 def analytic_tflop(b, t, hk, hv, d, chunk=64, per_channel=False):
     """(forward, backward) TFLOP of the chunk algebra at this shape."""
-    fwd, bwd = op_flops(b, t, hk, hv, d, d, chunk, per_channel=per_channel)
+    fwd, bwd = op_flops(KDA if per_channel else GDN, b, t, hk, hv, d, d, chunk)
     return fwd / 1e12, bwd / 1e12
 
 

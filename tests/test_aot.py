@@ -1,5 +1,5 @@
 """gdnx.aot: the target table and the GPU target config it writes (the
-compilation itself: tests/ops/gated_delta_rule/test_compile.py)."""
+compilation itself: tests/ops/delta_rule/test_compile.py)."""
 
 import pytest
 

@@ -73,12 +73,31 @@ def test_the_graph_sees_an_import_cycle():
 def test_leaves_import_no_kernel_and_no_model():
     """The config, the op's options and the file helpers import neither the
     Pallas kernels nor the model (checked in a fresh interpreter)."""
-    code = ("import sys, gdnx.config, gdnx.ops.gated_delta_rule.options, gdnx.files; "
+    code = ("import sys, gdnx.config, gdnx.ops.delta_rule.options, gdnx.files; "
             "print(' '.join(m for m in sys.modules if m.startswith('gdnx.')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     heavy = [m for m in loaded if m.split(".")[1] in ("models", "layers", "parallel", "training", "checkpoints")
-             or m.startswith("gdnx.ops.gated_delta_rule.") and m.rpartition(".")[2] not in ("options",)]
+             or m.startswith(("gdnx.ops.gated_delta_rule.", "gdnx.ops.kda."))
+             or m.startswith("gdnx.ops.delta_rule.") and m.rpartition(".")[2] not in ("options",)]
     assert not heavy, heavy
+
+
+def test_the_delta_rule_ops_share_only_their_family():
+    """The gated delta rule and KDA packages import, of gdnx.ops, only their
+    own modules and the family's shared package (gdnx.ops.delta_rule), never
+    each other; the shared package imports neither."""
+    graph = import_graph()
+    ops = ("gdnx.ops.gated_delta_rule", "gdnx.ops.kda")
+    seen = set()
+    for name, deps in graph.items():
+        own = next((p for p in ops if name == p or name.startswith(p + ".")), None)
+        if own is not None:
+            seen.add(own)
+            bad = {d for d in deps if d.startswith("gdnx.ops") and not d.startswith((own, "gdnx.ops.delta_rule"))}
+            assert not bad, (name, bad)
+        if name.startswith("gdnx.ops.delta_rule"):
+            assert not {d for d in deps if d.startswith(ops)}, (name, deps)
+    assert seen == set(ops)
 
 
 def test_checkpoints_know_the_model_by_interface():

@@ -70,7 +70,7 @@ def test_olmo_hybrid_7b_gdn_layer_compiles_with_the_slices_tiles(monkeypatch, to
     v5p's and v6e's table entry takes two key heads per grid step, which does
     not divide the 15 heads a shard holds. The step compiles with the
     slice's entry (not this host's fallback of one) fitted to the shard."""
-    from gdnx.ops.gated_delta_rule import api, tiles
+    from gdnx.ops.delta_rule import dispatch, tiles
 
     chosen = []
 
@@ -79,8 +79,8 @@ def test_olmo_hybrid_7b_gdn_layer_compiles_with_the_slices_tiles(monkeypatch, to
         chosen.append((tiles.tiles_for(implementation).head_tile, key_heads, out.head_tile))
         return out
 
-    choose = api.choose_tiles
-    monkeypatch.setattr(api, "choose_tiles", spy)
+    choose = dispatch.choose_tiles
+    monkeypatch.setattr(dispatch, "choose_tiles", spy)
     over = ["model.num_hidden_layers=1", "model.layer_types=null", "model.hidden_size=256", "model.vocab_size=512",
             "model.intermediate_size=256", "data.seq_len=256", "train.batch_size=2", "parallel.tensor=2",
             "parallel.data=-1", "parallel.fsdp=1"]

@@ -14,9 +14,10 @@ import gdnx
 SURFACE = ("gdnx.ops", "gdnx.layers", "gdnx.models", "gdnx.config", "gdnx.checkpoints", "gdnx.training",
            "gdnx.generate", "gdnx.parallel", "gdnx.data", "gdnx.aot", "gdnx.measure", "gdnx.plan", "gdnx.loss",
            "gdnx.serving")
-INTERNAL = ("gdnx.ops.gated_delta_rule.chunk_math", "gdnx.ops.gated_delta_rule.pallas_",
-            "gdnx.ops.gated_delta_rule.xla", "gdnx.ops.gated_delta_rule.chunked", "gdnx.ops.gated_delta_rule.layout",
-            "gdnx.ops.gated_delta_rule.reference", "gdnx.ops.gated_delta_rule.kda_")
+INTERNAL = ("gdnx.ops.gated_delta_rule.math", "gdnx.ops.gated_delta_rule.pallas_gpu", "gdnx.ops.kda.math",
+            "gdnx.ops.kda.pallas_gpu", "gdnx.ops.delta_rule.xla", "gdnx.ops.delta_rule.chunked",
+            "gdnx.ops.delta_rule.layout", "gdnx.ops.delta_rule.reference", "gdnx.ops.delta_rule.pallas",
+            "gdnx.ops.delta_rule.primitives", "gdnx.ops.delta_rule.triton")
 
 
 def _modules():

@@ -16,9 +16,8 @@ import os
 from pathlib import Path
 
 ENV = "GDNX_COMPILE_CACHE"  # a directory, or "off"
-# XLA:CPU maps every compiled kernel into the process, and a server's many programs met the host's limit of memory
-# maps (vm.max_map_count): its older elemental emitters map about 35% fewer per program (measured: 652 against 1,006
-# maps a program over a server's 36; docs/benchmarks.md)
+# XLA:CPU maps every compiled kernel into the process, and a server's many programs can meet the host's limit of
+# memory maps (vm.max_map_count): its older elemental emitters map fewer per program (docs/benchmarks.md)
 CPU_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
 
 

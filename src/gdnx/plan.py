@@ -27,7 +27,7 @@ from gdnx.config.schema import Config
 from gdnx.data.source import Batch
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import check_platform
-from gdnx.ops.gated_delta_rule.tiles import compile_target
+from gdnx.ops.delta_rule.tiles import compile_target
 from gdnx.parallel import make_mesh, shardings, spec
 from gdnx.stacking import layer_ndim
 from gdnx.training.step import make_optimizer, make_step_fn

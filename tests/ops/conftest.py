@@ -1,6 +1,8 @@
 """x64 for the tests that compare against float64 references (the oracle,
 loops in numpy): such a module sets `pytestmark = pytest.mark.usefixtures("x64")`.
-Everything else runs with JAX's default (32-bit) types, as a model does."""
+Everything else runs with JAX's default (32-bit) types, as a model does.
+Contract tests take their cases from the implementation's class
+(delta_rule/contract.py: `over`)."""
 
 import jax
 import pytest
@@ -10,3 +12,16 @@ import pytest
 def x64():
     with jax.enable_x64(True):
         yield
+
+
+def pytest_generate_tests(metafunc):
+    attribute = getattr(metafunc.function, "contract_cases", None)
+    if attribute is None or metafunc.cls is None:
+        return
+    values = list(getattr(metafunc.cls, attribute))
+    if not values:  # the contract's test does not apply to this implementation
+        skip = pytest.mark.skip(reason=f"{metafunc.cls.__name__} has no {attribute}")
+        metafunc.parametrize("case", [pytest.param(None, marks=skip)], ids=["none"])
+        return
+    metafunc.parametrize("case", values, ids=[str(v) if hasattr(v, "name") else f"{type(v).__name__}{i}"
+                                              for i, v in enumerate(values)])

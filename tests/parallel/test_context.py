@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
-from gdnx.parallel.context import context_causal_conv1d, context_gated_delta_rule
+from gdnx.parallel.context import context_causal_conv1d, context_delta_rule
 from gdnx.measure import relative_error
 from tests.parallel.helpers import mesh, worst_relative_error
 
@@ -80,7 +80,7 @@ def test_delta_rule_over_context_matches_one_device(implementation, packed):
         return op(q, k, v, g, beta, initial_state=h0, **kw)
 
     def body(q, k, v, g, beta, h0):
-        return context_gated_delta_rule(q, k, v, g, beta, axis="context", initial_state=h0, **kw)
+        return context_delta_rule(op, q, k, v, g, beta, axis="context", initial_state=h0, **kw)
 
     _check(_on_context(body, (seq,) * 5 + (rows,), (seq, rows)), single, args, "q, k, v, g, beta, h0")
 

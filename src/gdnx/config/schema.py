@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from gdnx.ops.checks import float_dtype
-from gdnx.ops.gated_delta_rule.options import (
+from gdnx.ops.delta_rule.options import (
     CHUNK_IMPLEMENTATIONS,
     CHUNK_SIZES,
     DEFAULTS,

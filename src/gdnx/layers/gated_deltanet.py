@@ -26,23 +26,22 @@ from jax.typing import DTypeLike
 
 from gdnx.layers.documents import document_starts
 from gdnx.layers.linear import linear
-from gdnx.ops import (causal_conv1d, chunk_gated_delta_rule, chunk_kda, gated_rmsnorm, recurrent_gated_delta_rule,
-                      recurrent_kda)
+from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, recurrent_gated_delta_rule
 from gdnx.ops.causal_conv1d import cross_document_terms
-from gdnx.ops.gated_delta_rule.options import DeltaRuleOptions
-from gdnx.parallel.context import context_causal_conv1d, context_cross_document_terms, context_gated_delta_rule
+from gdnx.ops.delta_rule.options import DeltaRuleOptions
+from gdnx.parallel.context import context_causal_conv1d, context_cross_document_terms, context_delta_rule
 from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
 from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding, spec
 
 
 # The gate at a document's first token in a packed row: exp(RESET_GATE) is 0
 # in float32, so the state carried in from the previous document is dropped.
-# The op forms every decay from sums of gates of one sign (chunk_math), so
+# The op forms every decay from sums of gates of one sign (its chunk algebra), so
 # this value costs no precision to the gates around it.
 RESET_GATE = -1e4
 
 
-class GDNHistory(NamedTuple):
+class DeltaRuleHistory(NamedTuple):
     """The states after every `every` tokens of one call (what a prefix cache
     keeps at block ends, and what speculative decoding selects from):
     conv [B, NS, conv_dim, kernel_size - 1], recurrent [B, NS, HV, K, V],
@@ -51,12 +50,12 @@ class GDNHistory(NamedTuple):
     recurrent: jax.Array
 
 
-class GDNState(NamedTuple):
+class DeltaRuleState(NamedTuple):
     """conv [B, conv_dim, kernel_size - 1] (oldest first), recurrent [B, HV, K, V];
     history: the states along the last call when it asked for them."""
     conv: jax.Array
     recurrent: jax.Array
-    history: GDNHistory | None = None
+    history: DeltaRuleHistory | None = None
 
 
 def conv_windows(inputs: jax.Array, ends: jax.Array, hist: int) -> jax.Array:
@@ -79,7 +78,13 @@ class DeltaRuleMixer(nnx.Module):
     q, k, v and the delta rule on channels grouped per key head, on one
     device or a mesh, with the serving paths (padded rows, state
     histories). A subclass sets hk, hv, dk, dv, width, conv_dim, op, and
-    conv_weight [conv_dim, width] in Hugging Face's [q | k | v] order."""
+    conv_weight [conv_dim, width] in Hugging Face's [q | k | v] order, and
+    names its delta-rule ops (chunk_op, recurrent_op: the gated delta rule's
+    here, KDA's in KimiDeltaAttention)."""
+
+    # staticmethod: plain functions, not bound to the module
+    chunk_op = staticmethod(chunk_gated_delta_rule)
+    recurrent_op = staticmethod(recurrent_gated_delta_rule)
 
     hk: int
     hv: int
@@ -90,8 +95,8 @@ class DeltaRuleMixer(nnx.Module):
     op: DeltaRuleOptions
     conv_weight: nnx.Param
 
-    def zero_state(self, batch: int, dtype: DTypeLike) -> GDNState:
-        return GDNState(jnp.zeros((batch, self.conv_dim, self.width - 1), dtype),
+    def zero_state(self, batch: int, dtype: DTypeLike) -> DeltaRuleState:
+        return DeltaRuleState(jnp.zeros((batch, self.conv_dim, self.width - 1), dtype),
                         jnp.zeros((batch, self.hv, self.dk, self.dv), self.op.state_dtype))
 
     def _group_channels(self, a, axis: int):
@@ -119,7 +124,7 @@ class DeltaRuleMixer(nnx.Module):
         `context_axis` when one is given. lengths [B]: the tokens of each row
         past it are padding (g and beta already 0 there), and the conv state
         is the window before it. history_every: also return the states
-        after every that many tokens (GDNHistory, grouped channels)."""
+        after every that many tokens (DeltaRuleHistory, grouped channels)."""
         b, t, hk, width = mixed.shape
         flat, w = mixed.reshape(b, t, hk * width), conv_weight.reshape(hk * width, self.width)
         conv0 = None if conv_state is None else conv_state.reshape(b, hk * width, self.width - 1)
@@ -140,17 +145,15 @@ class DeltaRuleMixer(nnx.Module):
         q, k = y[..., :self.dk], y[..., self.dk:2 * self.dk]
         v = y[..., 2 * self.dk:].reshape(b, t, -1, self.dv)
         common = dict(initial_state=state, output_final_state=keep, use_qk_l2norm=True)
-        # GDN's gate [B, T, HV] or KDA's per channel [B, T, HV, K]
-        chunk, recurrent = (chunk_kda, recurrent_kda) if g.ndim == 4 else (chunk_gated_delta_rule,
-                                                                            recurrent_gated_delta_rule)
+        chunk, recurrent = self.chunk_op, self.recurrent_op
         history = None
         if keep and (t == 1 or history_every == 1):
             o, rec, *tokens = recurrent(q, k, v, g, beta, **common, **self.op.recurrent_kwargs(),
                                         output_token_states=history_every == 1)
             history = tokens[0] if tokens else None
         elif context_axis:
-            o, rec = context_gated_delta_rule(q, k, v, g, beta, axis=context_axis, **common,
-                                              **self.op.chunk_kwargs())
+            o, rec = context_delta_rule(chunk, q, k, v, g, beta, axis=context_axis, **common,
+                                        **self.op.chunk_kwargs())
         else:
             o, rec, *chunks = chunk(q, k, v, g, beta, **common, options=self.op,
                                     output_chunk_states=history_every is not None)
@@ -167,10 +170,10 @@ class DeltaRuleMixer(nnx.Module):
             if history is not None:
                 ends = jnp.arange(1, history.shape[1] + 1, dtype=jnp.int32) * history_every
                 windows = conv_windows(seen, jnp.broadcast_to(ends, (b, ends.shape[0])), hist)
-                history = GDNHistory(windows.reshape(b, -1, hk, width, hist).astype(conv1.dtype), history)
+                history = DeltaRuleHistory(windows.reshape(b, -1, hk, width, hist).astype(conv1.dtype), history)
         return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec, history
 
-    def _run(self, mixed: jax.Array, g: jax.Array, beta: jax.Array, state: GDNState | None,
+    def _run(self, mixed: jax.Array, g: jax.Array, beta: jax.Array, state: DeltaRuleState | None,
              segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None):
         """The conv and the delta rule from the projections: mixed
         [B, T, HK, dk + dk + G dv] (q, k, v grouped per key head), g and
@@ -201,14 +204,14 @@ class DeltaRuleMixer(nnx.Module):
             core, mixed, self._group_channels(self.conv_weight[...], 0), g, beta, conv_state,
             None if state is None else state.recurrent, starts, lengths, num_key_heads=self.hk,
             kernel_size=self.width, history=history_every is not None)
-        return o, conv_state, rec, None if history is None else GDNHistory(*history)
+        return o, conv_state, rec, None if history is None else DeltaRuleHistory(*history)
 
-    def _new_state(self, state: GDNState, conv_state, rec, history) -> GDNState:
+    def _new_state(self, state: DeltaRuleState, conv_state, rec, history) -> DeltaRuleState:
         assert conv_state is not None and rec is not None  # a state in, a state out
         if history is not None:
-            history = GDNHistory(self._ungroup_channels(history.conv, 2).astype(state.conv.dtype),
+            history = DeltaRuleHistory(self._ungroup_channels(history.conv, 2).astype(state.conv.dtype),
                                  history.recurrent)
-        return GDNState(self._ungroup_channels(conv_state, 1).astype(state.conv.dtype), rec, history)
+        return DeltaRuleState(self._ungroup_channels(conv_state, 1).astype(state.conv.dtype), rec, history)
 
 
 class GatedDeltaNet(DeltaRuleMixer):
@@ -244,9 +247,9 @@ class GatedDeltaNet(DeltaRuleMixer):
         self.norm_weight = nnx.Param(jnp.ones((self.dv,), param_dtype))
         self.out_proj = linear(self.hv * self.dv, h, dtype, param_dtype, std, rngs)
 
-    def __call__(self, x: jax.Array, state: GDNState | None = None, segments: jax.Array | None = None,
+    def __call__(self, x: jax.Array, state: DeltaRuleState | None = None, segments: jax.Array | None = None,
                  lengths: jax.Array | None = None, history_every: int | None = None,
-                 ) -> tuple[jax.Array, GDNState | None]:
+                 ) -> tuple[jax.Array, DeltaRuleState | None]:
         """x [B, T, hidden]. With a state: continue from it and return the new
         one; T == 1 takes the decode path (conv update + recurrent op). With
         segments [B, T] (the document of each token of a packed row), the

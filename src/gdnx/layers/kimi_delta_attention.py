@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from gdnx.layers.gated_deltanet import DeltaRuleMixer, GDNState
+from gdnx.layers.gated_deltanet import DeltaRuleMixer, DeltaRuleState
 from gdnx.layers.linear import linear
 from gdnx.layers.lora import Linear
-from gdnx.ops import gated_rmsnorm, kda_gate
-from gdnx.ops.gated_delta_rule.options import DeltaRuleOptions
+from gdnx.ops import chunk_kda, gated_rmsnorm, kda_gate, recurrent_kda
+from gdnx.ops.delta_rule.options import DeltaRuleOptions
 from gdnx.parallel.gdn import GATE, OUT
 from gdnx.parallel.rules import HIDDEN, constrain, out_sharding
 
@@ -42,6 +42,9 @@ def _project(x: jax.Array, direct: Linear | None, low: Linear | None, high: Line
 class KimiDeltaAttention(DeltaRuleMixer):
     """KDA mixer: projections, causal conv, the per-channel gated delta
     rule (settings in `op`), sigmoid-gated RMSNorm, output projection."""
+
+    chunk_op = staticmethod(chunk_kda)
+    recurrent_op = staticmethod(recurrent_kda)
 
     def __init__(self, hidden_size: int, *, num_heads: int, head_dim: int, conv_kernel_size: int, norm_eps: float,
                  op: DeltaRuleOptions, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
@@ -75,9 +78,9 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.norm_weight = nnx.Param(jnp.ones((d,), param_dtype))
         self.out_proj = linear(num_heads * d, h, dtype, param_dtype, std, rngs)
 
-    def __call__(self, x: jax.Array, state: GDNState | None = None, segments: jax.Array | None = None,
+    def __call__(self, x: jax.Array, state: DeltaRuleState | None = None, segments: jax.Array | None = None,
                  lengths: jax.Array | None = None, history_every: int | None = None,
-                 ) -> tuple[jax.Array, GDNState | None]:
+                 ) -> tuple[jax.Array, DeltaRuleState | None]:
         """As GatedDeltaNet.__call__."""
         b, t, _ = x.shape
         h, d = self.hv, self.dk

@@ -12,14 +12,14 @@ import jax.numpy as jnp
 
 from gdnx.config.schema import ModelConfig
 from gdnx.layers.attention import KVCache, RingCache
-from gdnx.layers.gated_deltanet import GDNState
+from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.layers.latent_attention import LatentCache
 from gdnx.parallel.params import head_units
 from gdnx.parallel.rules import constrain
 
 
 class Cache(NamedTuple):
-    # KVCache, RingCache, LatentCache or GDNState, one per layer; a scanned model's: one per position
+    # KVCache, RingCache, LatentCache or DeltaRuleState, one per layer; a scanned model's: one per position
     # in its cycle (stacked over the repeats, leading dim), then one per
     # layer after the last full cycle
     layers: tuple
@@ -93,7 +93,7 @@ def place_cache(cache: Cache, cfg: ModelConfig, row_axes: tuple[int, ...]) -> Ca
 
     def one(entry, axis):
         lead = ("layers",) * axis
-        if isinstance(entry, GDNState):
+        if isinstance(entry, DeltaRuleState):
             # the conv state's channels are stored in the checkpoint's [q | k | v] order, which a split over
             # key heads would cut across: kept whole per row
             return entry._replace(conv=place(entry.conv, (*lead, "batch", None, None)),

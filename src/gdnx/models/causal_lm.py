@@ -34,7 +34,7 @@ from jax.typing import DTypeLike
 from gdnx.config.schema import KDA_FAMILIES, ModelConfig
 from gdnx.layers.attention import GatedAttention, HeadNormedAttention, KVCache, NormedAttention, RingCache, Rope
 from gdnx.layers.documents import document_positions
-from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, GDNState
+from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, DeltaRuleState
 from gdnx.layers.kimi_delta_attention import KimiDeltaAttention
 from gdnx.layers.latent_attention import LatentAttention, LatentCache
 from gdnx.layers.linear import linear
@@ -45,7 +45,7 @@ from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.adapters import add_adapters
 from gdnx.models.cache import Cache
-from gdnx.ops.gated_delta_rule.options import KERNEL_PLATFORMS, RESIDUAL_NAMES, DeltaRuleOptions
+from gdnx.ops.delta_rule.options import KERNEL_PLATFORMS, RESIDUAL_NAMES, DeltaRuleOptions
 from gdnx.parallel.params import shardings
 from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
 
@@ -74,7 +74,7 @@ OLMO_GATED_NORM_EPS = 1e-5
 # latent attention's norms (on the query and key/value latents) have a fixed eps
 LATENT_NORM_EPS = 1e-6
 Mixer = GatedDeltaNet | KimiDeltaAttention | GatedAttention | NormedAttention | HeadNormedAttention | LatentAttention
-LayerCache = KVCache | RingCache | LatentCache | GDNState
+LayerCache = KVCache | RingCache | LatentCache | DeltaRuleState
 
 
 class DecoderLayer(nnx.Module):
@@ -141,7 +141,7 @@ class DecoderLayer(nnx.Module):
              ) -> tuple[jax.Array, LayerCache | None]:
         # the model builds each layer's cache entry for its mixer
         if isinstance(self.mixer, DeltaRuleMixer):
-            assert cache is None or isinstance(cache, GDNState)
+            assert cache is None or isinstance(cache, DeltaRuleState)
             return self.mixer(x, cache, segments, lengths, history_every)
         if isinstance(self.mixer, LatentAttention):
             assert cache is None or isinstance(cache, LatentCache)
@@ -332,7 +332,7 @@ class CausalLM(nnx.Module):
         lengths [B] counts each row's real tokens (the rest is padding that
         leaves every state as it was and is not added to the cache length),
         and history_every keeps the GDN layers' states after every that many
-        tokens in their new state's history (GDNState.history)."""
+        tokens in their new state's history (DeltaRuleState.history)."""
         if not hasattr(tokens, "ndim") or tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens: expected integer token ids [B, T], got "
                             f"{getattr(tokens, 'dtype', type(tokens).__name__)} {getattr(tokens, 'shape', '')}")

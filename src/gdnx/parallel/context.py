@@ -30,12 +30,13 @@ the shard holding its last token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
+from gdnx.ops import causal_conv1d
 from gdnx.ops.causal_conv1d import cross_document_terms
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -153,27 +154,22 @@ def _packed_conv(x, weight, axis, initial_state, output_final_state, cu):
     return y, (pk.pick_final(final, axis) if output_final_state else None)
 
 
-def _op(g):
-    """The chunked op of the gate's shape: KDA's for a per-channel one."""
-    return chunk_kda if g.ndim == 4 else chunk_gated_delta_rule
-
-
-def context_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *, axis: str,
-                             initial_state: jax.Array | None = None, output_final_state: bool = False,
-                             cu_seqlens: jax.Array | None = None, **op_kw: Any,
-                             ) -> tuple[jax.Array, jax.Array | None]:
-    """chunk_gated_delta_rule, or chunk_kda for a per-channel g
-    [B, T, HV, K], over a sequence split on `axis` (same arguments, local
-    shards of [B, T, ...]; cu_seqlens global). Returns (o, final state of
-    the whole sequence(s) or None)."""
+def context_delta_rule(op: Callable, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                       axis: str, initial_state: jax.Array | None = None, output_final_state: bool = False,
+                       cu_seqlens: jax.Array | None = None, **op_kw: Any,
+                       ) -> tuple[jax.Array, jax.Array | None]:
+    """A chunked delta-rule op (`op`: chunk_gated_delta_rule, or chunk_kda
+    with its per-channel g [B, T, HV, K]) over a sequence split on `axis`
+    (the op's arguments, local shards of [B, T, ...]; cu_seqlens global).
+    Returns (o, final state of the whole sequence(s) or None)."""
     if cu_seqlens is not None:
-        return _packed_delta_rule(q, k, v, g, beta, axis, initial_state, output_final_state, cu_seqlens, op_kw)
+        return _packed_delta_rule(op, q, k, v, g, beta, axis, initial_state, output_final_state, cu_seqlens, op_kw)
     b, _, hv, dv = v.shape
     dk = q.shape[-1]
     state_dtype = jnp.dtype(op_kw.get("state_dtype", jnp.float32))
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=state_dtype), (b, hv, dk, dk))
     wide_h0 = jnp.concatenate([jnp.zeros((b, hv, dk, dv), state_dtype), eye], axis=-1)
-    o_wide, s_wide = _op(g)(q, k, _widen(v, dk), g, beta, initial_state=wide_h0, output_final_state=True,
+    o_wide, s_wide = op(q, k, _widen(v, dk), g, beta, initial_state=wide_h0, output_final_state=True,
                             **op_kw)[:2]
     assert s_wide is not None  # asked for
     s0 = jnp.zeros((b, hv, dk, dv), state_dtype) if initial_state is None else initial_state.astype(state_dtype)
@@ -181,7 +177,7 @@ def context_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Ar
     return _outputs(o_wide, dv, s_in), (final if output_final_state else None)
 
 
-def _packed_delta_rule(q, k, v, g, beta, axis, initial_state, output_final_state, cu, op_kw):
+def _packed_delta_rule(op, q, k, v, g, beta, axis, initial_state, output_final_state, cu, op_kw):
     hv, dv = v.shape[2:]
     dk = q.shape[-1]
     n_seq = cu.shape[0] - 1
@@ -192,7 +188,7 @@ def _packed_delta_rule(q, k, v, g, beta, axis, initial_state, output_final_state
     carried = jnp.concatenate([jnp.zeros((hv, dk, dv), state_dtype),
                                jnp.broadcast_to(jnp.eye(dk, dtype=state_dtype), (hv, dk, dk))], axis=-1)
     wide_h0 = wide_h0.at[pk.first].set(jnp.where(pk.continues, carried, wide_h0[pk.first]))
-    o_wide, s_wide = _op(g)(q, k, _widen(v, dk), g, beta, initial_state=wide_h0, output_final_state=True,
+    o_wide, s_wide = op(q, k, _widen(v, dk), g, beta, initial_state=wide_h0, output_final_state=True,
                             cu_seqlens=pk.local, **op_kw)
     passed = s_wide[pk.last]
     s_in, _ = _fold(passed[..., dv:], passed[..., :dv], jnp.zeros((hv, dk, dv), state_dtype), axis)

@@ -43,7 +43,7 @@ from flax import nnx
 from gdnx.distributed import fetch
 from gdnx.errors import FieldError
 from gdnx.layers.attention import RingCache
-from gdnx.layers.gated_deltanet import GDNState
+from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.models.cache import row_axes
 from gdnx.parallel.params import shard
 from gdnx.parallel.rules import MESH_AXES
@@ -150,8 +150,8 @@ def engine_shapes(cfg: Any, max_length: int, block_size: int | None, draft: int)
 
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-# XLA:CPU maps each compiled kernel's code into the process (about 1,200 maps for one prefill program of an
-# 8-layer model); past Linux's vm.max_map_count it aborts. Warming up stops with this many maps left.
+# XLA:CPU maps each compiled kernel's code into the process (maps per program: docs/benchmarks.md); past
+# Linux's vm.max_map_count it aborts. Warming up stops with this many maps left.
 MAPS_MARGIN = 8000
 
 
@@ -299,7 +299,7 @@ class Engine:
         # a sliding window's ring keeps the drafts a verify pass may take back beyond its window
         self.rollback = draft
         self._slots = self._empty_slots()
-        is_state = tuple(isinstance(entry, GDNState) for entry in self._slots.cache.layers)
+        is_state = tuple(isinstance(entry, DeltaRuleState) for entry in self._slots.cache.layers)
         rings = tuple(entry.ring if isinstance(entry, RingCache) else None for entry in self._slots.cache.layers)
         self.scheduler = Scheduler(Layout(max_slots, block_size, self.buckets, self.capacity, max_prefill_batch,
                                           batch_invariant, self._static.row_axes, is_state, rings),

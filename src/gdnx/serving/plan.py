@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gdnx.config.schema import Config
 from gdnx.models import CausalLM
 from gdnx.models.cache import row_axes
-from gdnx.ops.gated_delta_rule.tiles import compile_target
+from gdnx.ops.delta_rule.tiles import compile_target
 from gdnx.parallel import make_mesh, shardings
 from gdnx.plan import (HBM_BYTES, abstract, compile_within, for_target, generation, topology_devices,
                        xla_flops)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gdnx.layers.attention import RingCache
-from gdnx.layers.gated_deltanet import GDNState
+from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.loss import position_scores
 from gdnx.models.cache import Cache, place_cache
 from gdnx.parallel.rules import constrain
@@ -72,9 +72,10 @@ def _keep_inactive(static: Static, new: Cache, old: Cache, active) -> Cache:
     Its attention cache only gains an entry at its length, which its next
     prefill block overwrites."""
     def keep(axis, n, o):
-        if not isinstance(n, GDNState):
+        if not isinstance(n, DeltaRuleState):
             return n
-        return GDNState(_where_rows(active, n.conv, o.conv, axis), _where_rows(active, n.recurrent, o.recurrent, axis))
+        return DeltaRuleState(_where_rows(active, n.conv, o.conv, axis),
+                              _where_rows(active, n.recurrent, o.recurrent, axis))
     return Cache(_map_entries(keep, static, new.layers, old.layers), jnp.where(active, new.length, old.length))
 
 
@@ -88,7 +89,7 @@ def _map_entries(fn, static: Static, *entries):
 
 def _strip(entry):
     """The entry without what a call returned beside it (GDN states' history, a ring's fresh keys)."""
-    if isinstance(entry, GDNState):
+    if isinstance(entry, DeltaRuleState):
         return entry._replace(history=None)
     return entry._replace(fresh=None) if isinstance(entry, RingCache) else entry
 
@@ -135,7 +136,7 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
 
     def take(axis, entry):
         entry = jax.tree.map(lambda x: _take(x, rows, axis), entry)
-        if isinstance(entry, GDNState):  # a row not restored from the prefix cache starts from zero states
+        if isinstance(entry, DeltaRuleState):  # a row not restored from the prefix cache starts from zero states
             entry = jax.tree.map(lambda x: _where_rows(fresh, jnp.zeros_like(x), x, axis), entry)
         return entry
 
@@ -153,7 +154,7 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
     snapshot = None
     if history_every is not None:
         def snap(axis, entry):
-            if isinstance(entry, GDNState):
+            if isinstance(entry, DeltaRuleState):
                 assert entry.history is not None
                 return entry.history.conv, entry.history.recurrent
             if isinstance(entry, RingCache):  # this call's own keys and values
@@ -281,11 +282,11 @@ def verify(state: nnx.State, slots: Slots, active: jax.Array, drafts: jax.Array,
     lp = jax.tree.map(lambda x: x.reshape(s, k + 1, *x.shape[1:]), flat)
 
     def select(axis, entry):
-        if not isinstance(entry, GDNState):
+        if not isinstance(entry, DeltaRuleState):
             return _strip(entry)
         assert entry.history is not None
         pick = jax.vmap(lambda h, i: h[:, i] if axis else h[i], in_axes=(axis, 0), out_axes=axis)
-        return GDNState(pick(entry.history.conv, a), pick(entry.history.recurrent, a))
+        return DeltaRuleState(pick(entry.history.conv, a), pick(entry.history.recurrent, a))
 
     cache = _keep_inactive(static, Cache(_map_entries(select, static, out.cache.layers), slots.cache.length + a + 1),
                            slots.cache, active)

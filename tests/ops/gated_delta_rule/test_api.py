@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gdnx.ops import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from tests.ops.gated_delta_rule.cases import Case, make_inputs
+from tests.ops.delta_rule.cases import Case, make_inputs
 
 
 @pytest.fixture
@@ -89,9 +89,9 @@ def test_options_object_is_the_keywords(args):
     """DeltaRuleOptions carries the keywords' settings (the same program and
     result); given with a changed keyword it is refused, naming both; every
     implementation the options name has an entry in the op's table."""
-    from gdnx.ops.gated_delta_rule import DeltaRuleOptions
+    from gdnx.ops.delta_rule import DeltaRuleOptions
     from gdnx.ops.gated_delta_rule.api import IMPLEMENTATIONS
-    from gdnx.ops.gated_delta_rule.options import CHUNK_IMPLEMENTATIONS, DEFAULTS, KERNEL_PLATFORMS
+    from gdnx.ops.delta_rule.options import CHUNK_IMPLEMENTATIONS, DEFAULTS, KERNEL_PLATFORMS
 
     opts = DeltaRuleOptions(implementation="xla", chunk_size=16, residuals="recompute")
     o_opts, _ = call(args, options=opts)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from gdnx.ops import chunk_gated_delta_rule
-from tests.ops.gated_delta_rule.cases import Case, make_inputs
+from tests.ops.delta_rule.cases import Case, make_inputs
 from gdnx.measure import relative_error
 
 HAND_WRITTEN = ["xla", "pallas_tpu", "pallas_gpu"]

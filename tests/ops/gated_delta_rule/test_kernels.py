@@ -7,22 +7,21 @@ cover what the kernels add: head dims of both sizes, K != V, packed
 sequences with an empty one, an initial state, fused l2norm, bfloat16
 inputs, gates at the edges, beta up to 2, and both residual policies.
 Tolerances as in helpers.py (bfloat16 gradients: 2e-2). The tests are the
-shared contract (contract.py) with these cases; the KDA kernels (per-channel
-gates) run it with cases of their own: hard gates per token and per
-channel, and the rest as above.
+shared kernel contract (delta_rule/contract.py) with these cases; KDA's
+kernels run it with cases of their own (tests/ops/kda/test_kernels.py).
 """
 
 import pytest
 
 from gdnx.ops import chunk_gated_delta_rule
-from gdnx.ops.gated_delta_rule import GpuTiles, TpuTiles
-from gdnx.ops.gated_delta_rule.api import default_chunk_implementation
-from tests.ops.gated_delta_rule.cases import Case, by_name, make_inputs
-from tests.ops.gated_delta_rule.contract import ImplementationContract
+from gdnx.ops.delta_rule import GpuTiles, TpuTiles
+from gdnx.ops.delta_rule.dispatch import default_implementation
+from gdnx.ops.gated_delta_rule.api import IMPLEMENTATIONS
+from tests.ops.delta_rule.cases import Case, by_name, make_inputs
+from tests.ops.delta_rule.contract import KERNELS, KernelContract
 
 pytestmark = pytest.mark.usefixtures("x64")  # float64 references
 
-KERNELS = ["pallas_tpu", "pallas_gpu"]
 KERNEL_CASES = [
     Case("k64_T100_c32", t=100, dk=64, dv=64, chunk=32),
     Case("k64_v128_packed_l2", b=1, t=130, dk=64, dv=128, chunk=32, cu_seqlens=(0, 5, 5, 70, 130), l2norm=True),
@@ -33,63 +32,26 @@ KERNEL_CASES = [
 ]
 
 
-KDA_KERNEL_CASES = [
-    Case("kda_k64_T100_c32", t=100, dk=64, dv=64, chunk=32, per_channel=True),
-    Case("kda_k64_v128_packed_l2", b=1, t=130, dk=64, dv=128, chunk=32, cu_seqlens=(0, 5, 5, 70, 130), l2norm=True,
-         per_channel=True),
-    Case("kda_k128_v64_bf16_l2", b=1, t=128, dk=128, dv=64, chunk=64, dtype="bfloat16", l2norm=True,
-         per_channel=True),
-    Case("kda_bursts_c64", b=1, t=128, dk=64, dv=64, chunk=64, gates="bursts", per_channel=True),
-    Case("kda_channels_c16", b=1, t=48, dk=64, dv=64, chunk=16, gates="channels", h0=False, beta_max=2.0,
-         per_channel=True),
-]
-
-
-class KernelContract(ImplementationContract):
-    """What both kernels run: the small cases, both residual policies,
-    bfloat16 products, and the backward against xla's."""
+class GdnKernelContract(KernelContract):
     cases = KERNEL_CASES
     recompute_cases = by_name(KERNEL_CASES, "k64_v128_packed_l2", "k128_v64_bf16_l2")
-    matmul_bf16 = True
-    gradient_peer = "xla"
 
 
-class TestPallasTpu(KernelContract):
+class TestPallasTpu(GdnKernelContract):
     implementation = "pallas_tpu"
     tiles = [TpuTiles(head_tile=2)]  # two key heads per grid step
 
 
-class TestKdaPallasTpu(KernelContract):
-    implementation = "pallas_tpu"
-    per_channel = True
-    cases = KDA_KERNEL_CASES
-    recompute_cases = by_name(KDA_KERNEL_CASES, "kda_k64_v128_packed_l2", "kda_k128_v64_bf16_l2")
-    tiles = [TpuTiles(head_tile=2)]
-
-
-class TestPallasGpu(KernelContract):
+class TestPallasGpu(GdnKernelContract):
     implementation = "pallas_gpu"
     # every block size off its default
     tiles = [GpuTiles(block_k=32, block_v=32, output_block_v=16, state_block_k=16, state_block_v=32, num_warps=4)]
 
 
-class TestKdaPallasGpu(TestKdaPallasTpu):
-    """The TPU class's cases but the plain one (its algebra is the same
-    kda_math; these cover the GPU kernels' padding, K blocks and phases)."""
-    implementation = "pallas_gpu"
-    cases = by_name(KDA_KERNEL_CASES, "kda_k64_v128_packed_l2", "kda_k128_v64_bf16_l2", "kda_bursts_c64",
-                    "kda_channels_c16")
-    recompute_cases = by_name(KDA_KERNEL_CASES, "kda_k64_v128_packed_l2")
-    tiles = TestPallasGpu.tiles
-
-
 def test_auto_selection_by_platform():
-    assert default_chunk_implementation("tpu") == "pallas_tpu"
-    assert default_chunk_implementation("gpu") == "pallas_gpu"
-    assert default_chunk_implementation("cpu") == "xla"
-    assert default_chunk_implementation("tpu", per_channel=True) == "pallas_tpu"
-    assert default_chunk_implementation("gpu", per_channel=True) == "pallas_gpu"
-    assert default_chunk_implementation("cpu", per_channel=True) == "xla"
+    assert default_implementation(IMPLEMENTATIONS, "tpu") == "pallas_tpu"
+    assert default_implementation(IMPLEMENTATIONS, "gpu") == "pallas_gpu"
+    assert default_implementation(IMPLEMENTATIONS, "cpu") == "xla"
 
 
 def test_kernel_limits_are_named():

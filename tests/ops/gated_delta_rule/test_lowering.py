@@ -17,7 +17,7 @@ import pytest
 from jax import export
 
 from gdnx.ops import chunk_gated_delta_rule
-from gdnx.ops.gated_delta_rule.pallas_gpu import TRITON_CUSTOM_CALL_TARGETS
+from gdnx.ops.delta_rule.triton import TRITON_CUSTOM_CALL_TARGETS
 
 PLATFORMS = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
 FORWARD_KERNELS = {"tpu": 1, "cuda": 3}

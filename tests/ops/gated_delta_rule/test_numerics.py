@@ -11,9 +11,9 @@ import pytest
 
 from gdnx.measure import relative_error
 from gdnx.ops import chunk_gated_delta_rule
-from tests.ops.gated_delta_rule.cases import CASES, Case, by_name, make_inputs
-from tests.ops.gated_delta_rule.contract import ImplementationContract
-from tests.ops.gated_delta_rule.helpers import NAMES, check_against_oracle, run_op, run_oracle
+from tests.ops.delta_rule.cases import CASES, Case, by_name, make_inputs
+from tests.ops.delta_rule.contract import ImplementationContract
+from tests.ops.delta_rule.helpers import NAMES, check_against_oracle, run_op, run_oracle
 
 pytestmark = pytest.mark.usefixtures("x64")
 
@@ -55,15 +55,16 @@ def test_float64_algebra_is_exact(chunk):
 
 def test_hand_written_vjp_matches_autodiff():
     """The custom VJP against plain autodiff of the very same forward."""
-    from gdnx.ops.gated_delta_rule.xla import chunk_gated_delta_rule_xla
+    from gdnx.ops.delta_rule import xla
+    from gdnx.ops.gated_delta_rule.math import VARIANT
 
     case = Case("vjp", b=1, t=90, chunk=32, cu_seqlens=(0, 30, 30, 90))
     q, k, v, g, beta, h0 = (x.astype(jnp.float64) for x in make_inputs(case))
     cu = jnp.asarray(case.cu_seqlens, jnp.int32)
 
     def loss(hand_written, *xs):
-        o, f = chunk_gated_delta_rule_xla(
-            *xs, cu_seqlens=cu, chunk_size=32, scale=0.3, state_dtype=jnp.float64,
+        o, f = xla.run(
+            VARIANT, *xs, cu_seqlens=cu, chunk_size=32, scale=0.3, state_dtype=jnp.float64,
             decay_dtype=jnp.float64, hand_written_vjp=hand_written)
         return jnp.sum(jnp.sin(o)) + jnp.sum(f * f)
 

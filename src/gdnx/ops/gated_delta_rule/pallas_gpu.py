@@ -41,150 +41,33 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from gdnx.ops.gated_delta_rule import chunk_math, pallas_common
-from gdnx.ops.gated_delta_rule.backend import Backend
-from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions
-from gdnx.ops.gated_delta_rule.tiles import GpuTiles
-
-# Custom-call targets of a Triton kernel (the name moved between JAX
-# versions). jax.export refuses them unless told: they carry no
-# compatibility guarantee, so export for the GPU you will run on.
-TRITON_CUSTOM_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def _pad(x, axis, to):
-    pads = [(0, 0)] * x.ndim
-    pads[axis] = (0, to - x.shape[axis])
-    return jnp.pad(x, pads)
-
-
-class Layout:
-    """Padded sizes and the block specs of the three grid shapes.
-
-    Key-head arrays are [NC, R, HK, rows, cols], value-head arrays
-    [NC, R, HK, G, rows, cols]; `key=True` picks the key head of the
-    program's value head.
-    """
-
-    def __init__(self, q, v, num_seqs, tiles: GpuTiles):
-        self.nc, self.rows, self.hk, self.c, self.k_dim = q.shape
-        self.grp, self.v_dim = v.shape[3], v.shape[5]
-        self.kp, self.vp = _pow2(self.k_dim), _pow2(self.v_dim)
-        self.bk, self.bv = min(tiles.block_k, self.kp), min(tiles.block_v, self.vp)
-        self.sbk, self.sbv = min(tiles.state_block_k, self.kp), min(tiles.state_block_v, self.vp)
-        self.obv = min(tiles.output_block_v, self.vp)
-        self.nob, self.snvb = self.vp // self.obv, self.vp // self.sbv
-        self.num_seqs = num_seqs
-
-    # chunk-parallel, one program per (chunk, row, value head)
-    @property
-    def head_grid(self):
-        return (self.nc, self.rows, self.hk * self.grp)
-
-    def head_spec(self, rows, cols, key=False):
-        g = self.grp
-        if key:
-            return pl.BlockSpec((1, 1, 1, rows, cols), lambda c, r, h: (c, r, h // g, 0, 0))
-        return pl.BlockSpec((1, 1, 1, 1, rows, cols), lambda c, r, h: (c, r, h // g, h % g, 0, 0))
-
-    # chunk-parallel, one program per (chunk, row, value head, V block)
-    @property
-    def block_grid(self):
-        return (self.nc, self.rows, self.hk * self.grp * self.nob)
-
-    def block_spec(self, rows, cols, key=False, v_blocked=True):
-        g, n = self.grp, self.nob
-        if key:
-            return pl.BlockSpec((1, 1, 1, rows, cols), lambda c, r, x: (c, r, x // n // g, 0, 0))
-        return pl.BlockSpec((1, 1, 1, 1, rows, cols),
-                            lambda c, r, x: (c, r, x // n // g, x // n % g, 0, x % n if v_blocked else 0))
-
-    # sequential, one program per (row, value head, V block), all chunks of the row
-    @property
-    def seq_grid(self):
-        return (self.rows, self.hk * self.grp, self.snvb)
-
-    def seq_spec(self, rows, cols, key=False, v_blocked=True):
-        g, nc = self.grp, self.nc
-        if key:
-            return pl.BlockSpec((nc, 1, 1, rows, cols), lambda r, h, vb: (0, r, h // g, 0, 0))
-        return pl.BlockSpec((nc, 1, 1, 1, rows, cols),
-                            lambda r, h, vb: (0, r, h // g, h % g, 0, vb if v_blocked else 0))
-
-    def seq_state_spec(self):
-        g = self.grp
-        return pl.BlockSpec((self.num_seqs, 1, 1, self.kp, self.sbv), lambda r, h, vb: (0, h // g, h % g, 0, vb))
-
-    def flag_spec(self):
-        return pl.BlockSpec((self.nc, 1), lambda r, h, vb: (0, r))
-
-    def pad_keys(self, x):
-        return _pad(x, -1, self.kp)
-
-    def pad_values(self, x):
-        return _pad(x, -1, self.vp)
-
-    def pad_state(self, x):
-        return _pad(_pad(x, -1, self.vp), -2, self.kp)
-
-
-# Float32 products on the GPU: three TF32 tensor-core passes per product
-# (a = hi + lo, a b ~ hi hi + hi lo + lo hi), relative error ~2^-22, instead
-# of Triton's "ieee" FMA loops, whose code made one backward take 100 s to
-# compile. Interpret mode keeps exact float32 (the CPU has no TF32).
-FLOAT32_PRODUCTS = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-
-
-def on_hardware(opts, interpret: bool):
-    if interpret or opts.matmul_dtype is not None or opts.state_dtype != jnp.float32:
-        return opts
-    return opts._replace(matmul_dtype=FLOAT32_PRODUCTS)
-
-
-def norm_rows(x, opts):
-    """[NC, R, HK, C, K] q or k -> [NC, R, HK, 1, C]: the l2norm scale of
-    every row (ones without l2norm), in the accumulation dtype."""
-    if not opts.use_qk_l2norm:
-        return jnp.ones(x.shape[:3] + (1, x.shape[3]), opts.state_dtype)
-    return jnp.swapaxes(chunk_math.l2norm_scale(x.astype(opts.state_dtype)), -1, -2)
-
-
-def launch(kernel, *, grid, in_specs, out_specs, out_shape, tiles: GpuTiles, interpret: bool, flops: int, exps: int,
-          args, num_warps: int | None = None):
-    """pallas_call at the tiles' warps (num_warps: this kernel's own) and stages."""
-    outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
-    return pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or tiles.num_warps, num_stages=tiles.num_stages),
-        interpret=interpret, cost_estimate=pallas_common.cost(flops, exps, list(args) + list(outs)),
-    )(*args)
-
+from gdnx.ops.delta_rule import pallas, primitives
+from gdnx.ops.delta_rule.backend import Backend
+from gdnx.ops.delta_rule.chunked import ChunkFlags, ChunkOptions
+from gdnx.ops.delta_rule.costs import matmul_flops
+from gdnx.ops.delta_rule.tiles import GpuTiles
+from gdnx.ops.delta_rule.triton import (
+    FLOAT32_PRODUCTS,
+    Layout,
+    as_operand,
+    block_cols,
+    block_ds,
+    each_block,
+    launch,
+    loop_blocks,
+    norm_rows,
+    on_hardware,
+)
+from gdnx.ops.gated_delta_rule import math as chunk_math
 
 def _costs(lay) -> tuple[int, dict[str, int], int]:
     """(value head chunks, chunk_flops at the padded dims, exps per decay pass)."""
     heads = lay.nc * lay.rows * lay.hk * lay.grp
-    return heads, pallas_common.chunk_flops(lay.c, lay.kp, lay.vp), pallas_common.transcendentals(lay.c)
+    return heads, chunk_math.chunk_flops(lay.c, lay.kp, lay.vp), chunk_math.transcendentals(lay.c, lay.kp)
 
 
 # --- blocks inside a kernel ------------------------------------------------
-
-def block_ds(i, size):
-    """Block i of `size` along an axis (i a Python int or a loop index)."""
-    if isinstance(i, int):
-        return pl.ds(i * size, size)
-    return pl.ds(pl.multiple_of(i * size, size), size)
-
-
-def block_cols(idx, i, size):
-    """Index of column block i of the [rows, cols] tile at idx."""
-    return idx + (slice(None), block_ds(i, size))
-
 
 def _keys(ref, idx, kb, bk, scale_col, opts):
     """Column block kb of q or k at idx, in the accumulation dtype, its rows
@@ -194,24 +77,10 @@ def _keys(ref, idx, kb, bk, scale_col, opts):
     return x if scale_col is None else x * scale_col
 
 
-def loop_blocks(n, body, init):
-    """fori_loop over n blocks; the kernel holds one block's code."""
-    return jax.lax.fori_loop(0, n, body, init)
-
-
-def each_block(n, body):
-    """body(i) for i < n, in a loop, for its stores."""
-    def step(i, carry):
-        body(i)
-        return carry
-
-    jax.lax.fori_loop(0, n, step, jnp.int32(0))
-
-
 def _decays(g_ref, idx, opts):
     # A float32 FMA dot of the segment sums holds a C-long row and column
     # per output in registers (255 registers and spills at C = 64); three
-    # bfloat16 passes are as exact (see chunk_math.segment_sums).
+    # bfloat16 passes are as exact (see primitives.segment_sums).
     return chunk_math.decays(g_ref[idx], state_dtype=opts.state_dtype, decay_dtype=opts.decay_dtype,
                              split_segments=opts.decay_dtype == jnp.float32)
 
@@ -222,22 +91,15 @@ def _bf16_products(opts) -> bool:
     return opts.matmul_dtype in (None, FLOAT32_PRODUCTS) or opts.matmul_dtype == jnp.bfloat16
 
 
-def as_operand(x, opts):
-    """An input block as it enters products: bfloat16 as loaded (with a
-    float32 factor, `chunk_math.dot` takes exact bfloat16 passes), any other
-    dtype in the accumulation dtype."""
-    return x if x.dtype == jnp.bfloat16 else x.astype(opts.state_dtype)
-
-
 def _dot(x, y, contract, opts):
     """dot_general in the accumulation dtype: two bfloat16 operands in one
-    pass when `_bf16_products`, anything else through `chunk_math.dot`."""
+    pass when `_bf16_products`, anything else through `primitives.dot`."""
     if x.dtype == y.dtype == jnp.bfloat16:
         if _bf16_products(opts):
             return jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=opts.state_dtype)
-        # chunk_math.dot accumulates two operands of one dtype in that dtype
+        # primitives.dot accumulates two operands of one dtype in that dtype
         x, y = x.astype(opts.state_dtype), y.astype(opts.state_dtype)
-    return chunk_math.dot(x, y, contract, opts.matmul_dtype)
+    return primitives.dot(x, y, contract, opts.matmul_dtype)
 
 
 def _key_products(x_ref, y_ref, rx_ref, ry_ref, bk, opts):
@@ -251,7 +113,7 @@ def _key_products(x_ref, y_ref, rx_ref, ry_ref, bk, opts):
 
     c = x_ref.shape[-2]
     xy = loop_blocks(x_ref.shape[-1] // bk, block, jnp.zeros((c, c), opts.state_dtype))
-    return chunk_math.row_to_col(rx_ref[key]) * xy * ry_ref[key]
+    return primitives.row_to_col(rx_ref[key]) * xy * ry_ref[key]
 
 
 def _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk):
@@ -261,12 +123,12 @@ def _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk):
 
 def _key_dot(ref, idx, kb, bk, b, contract, opts):
     """dot_general of q's or k's raw column block kb with a float32 b."""
-    return chunk_math.dot(as_operand(ref[block_cols(idx, kb, bk)], opts), b, contract, opts.matmul_dtype)
+    return primitives.dot(as_operand(ref[block_cols(idx, kb, bk)], opts), b, contract, opts.matmul_dtype)
 
 
 def _state_times(ref, idx, state, bk, opts):
     """sum over K blocks of ref[idx][:, block] @ state[block]: [C, BV]."""
-    return sum(chunk_math.mm(ref[block_cols(idx, kb, bk)].astype(opts.state_dtype), s, matmul_dtype=opts.matmul_dtype)
+    return sum(primitives.mm(ref[block_cols(idx, kb, bk)].astype(opts.state_dtype), s, matmul_dtype=opts.matmul_dtype)
                for kb, s in enumerate(state))
 
 
@@ -276,9 +138,9 @@ def _prepare_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, *refs, opts, bk, bv, giv
     """U, W (and the inverse, unless given) of one value head's chunk."""
     acc = opts.state_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    rk = chunk_math.row_to_col(rk_ref[key])
+    rk = primitives.row_to_col(rk_ref[key])
     dec = _decays(g_ref, head, opts)
-    beta = chunk_math.row_to_col(b_ref[head].astype(acc))
+    beta = primitives.row_to_col(b_ref[head].astype(acc))
     nkb = k_ref.shape[-1] // bk
     if given_inverse:
         tinv_ref, u_ref, w_ref = refs
@@ -287,7 +149,7 @@ def _prepare_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, *refs, opts, bk, bv, giv
         u_ref, w_ref, tinv_ref = refs
 
         kk = _key_products(k_ref, k_ref, rk_ref, rk_ref, bk, opts)
-        tinv = chunk_math.chunk_inverse(kk, beta, dec, inverse=chunk_math.unit_lower_inverse_loop)
+        tinv = chunk_math.chunk_inverse(kk, beta, dec, inverse=primitives.unit_lower_inverse_loop)
         tinv_ref[head] = tinv
 
     def u_block(vb):
@@ -317,7 +179,7 @@ def _state_kernel(reset_ref, seq_ref, last_ref, k_ref, rk_ref, w_ref, u_ref, g_r
         state = tuple(jnp.where(reset, h0_ref[rows((seq, 0, 0), kb)].astype(acc), s) for kb, s in enumerate(state))
         for kb, s in enumerate(state):
             states_ref[rows((c, 0, 0, 0), kb)] = s
-        rk = chunk_math.row_to_col(rk_ref[c, 0, 0])
+        rk = primitives.row_to_col(rk_ref[c, 0, 0])
         dec = _decays(g_ref, (c, 0, 0, 0), opts)
         vn = u_ref[c, 0, 0, 0] - _state_times(w_ref, (c, 0, 0, 0), state, bk, opts)
         vn_ref[c, 0, 0, 0] = vn
@@ -342,14 +204,14 @@ def _output_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, states_ref, vn_ref, o_re
     key, head = (0, 0, 0), (0, 0, 0, 0)
     dec = _decays(g_ref, head, opts)
     p = _output_mix(q_ref, k_ref, rq_ref, rk_ref, dec, opts, bk)
-    rq = chunk_math.row_to_col(rq_ref[key])
+    rq = primitives.row_to_col(rq_ref[key])
 
     def qs_block(kb, qs):
         # (rq q) S = rq (q S): the raw query block enters the product
         return qs + _key_dot(q_ref, key, kb, bk, states_ref[head + (block_ds(kb, bk), slice(None))], ((1,), (0,)), opts)
 
     qs = loop_blocks(q_ref.shape[-1] // bk, qs_block, jnp.zeros(o_ref.shape[-2:], opts.state_dtype))
-    o = (opts.scale * dec.eg * rq) * qs + chunk_math.mm(p, vn_ref[head], matmul_dtype=opts.matmul_dtype)
+    o = (opts.scale * dec.eg * rq) * qs + primitives.mm(p, vn_ref[head], matmul_dtype=opts.matmul_dtype)
     o_ref[head] = o.astype(o_ref.dtype)
 
 
@@ -420,11 +282,11 @@ def _dv_local_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, do_ref, u_ref, w_ref, 
     """P^T dO (the part of dVn that needs no dS) and Vn = U - W S."""
     head = (0, 0, 0, 0)
     p = _output_mix(q_ref, k_ref, rq_ref, rk_ref, _decays(g_ref, head, opts), opts, bk)
-    dvl_ref[head] = chunk_math.mm_tn(p, as_operand(do_ref[head], opts), matmul_dtype=opts.matmul_dtype)
+    dvl_ref[head] = primitives.mm_tn(p, as_operand(do_ref[head], opts), matmul_dtype=opts.matmul_dtype)
 
     def ws_block(kb, ws):
         w = w_ref[block_cols(head, kb, bk)]
-        return ws + chunk_math.mm(w, states_ref[head + (block_ds(kb, bk), slice(None))], matmul_dtype=opts.matmul_dtype)
+        return ws + primitives.mm(w, states_ref[head + (block_ds(kb, bk), slice(None))], matmul_dtype=opts.matmul_dtype)
 
     vn_ref[head] = u_ref[head] - loop_blocks(w_ref.shape[-1] // bk, ws_block, jnp.zeros(vn_ref.shape[-2:],
                                                                                      opts.state_dtype))
@@ -458,7 +320,7 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w
         rk = jnp.transpose(rk_ref[key])
         dec = _decays(g_ref, head, opts)
         # the l2norm scales multiply the [C, BV] factors, not the key blocks
-        k_ds_t = sum(chunk_math.dot(s, as_operand(k_ref[block_cols(key, kb, bk)], opts), ((1,), (1,)), opts.matmul_dtype)
+        k_ds_t = sum(primitives.dot(s, as_operand(k_ref[block_cols(key, kb, bk)], opts), ((1,), (1,)), opts.matmul_dtype)
                      for kb, s in enumerate(dstate_t))
         dvn = dvl_ref[head] + (rk * dec.ek) * jnp.transpose(k_ds_t)
         dvn_ref[head] = dvn
@@ -469,9 +331,9 @@ def _dstate_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, rq_ref, rk_ref, w
         eg_row = jnp.exp(jax.lax.cumsum(g_ref[head].astype(opts.decay_dtype), axis=1)).astype(acc)
         eq_do_t = jnp.transpose(jnp.transpose(rq_ref[key] * opts.scale * eg_row) * do_ref[head].astype(acc))
         dstate_in_t = tuple(
-            chunk_math.dot(eq_do_t, as_operand(q_ref[block_cols(key, kb, bk)], opts), ((1,), (0,)), opts.matmul_dtype)
+            primitives.dot(eq_do_t, as_operand(q_ref[block_cols(key, kb, bk)], opts), ((1,), (0,)), opts.matmul_dtype)
             + dec.gamma * s
-            - chunk_math.mm(dvn_t, w_ref[block_cols(head, kb, bk)], matmul_dtype=opts.matmul_dtype)
+            - primitives.mm(dvn_t, w_ref[block_cols(head, kb, bk)], matmul_dtype=opts.matmul_dtype)
             for kb, s in enumerate(dstate_t))
 
         @pl.when(reset)
@@ -495,9 +357,9 @@ def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u
     """
     acc = opts.state_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    rq, rk = chunk_math.row_to_col(rq_ref[key]), chunk_math.row_to_col(rk_ref[key])
+    rq, rk = primitives.row_to_col(rq_ref[key]), primitives.row_to_col(rk_ref[key])
     dec = _decays(g_ref, head, opts)
-    beta = chunk_math.row_to_col(b_ref[head].astype(acc))
+    beta = primitives.row_to_col(b_ref[head].astype(acc))
     tinv = tinv_ref[head]
     c = q_ref.shape[-2]
     nkb, nvb = q_ref.shape[-1] // bk, v_ref.shape[-1] // bv
@@ -537,8 +399,8 @@ def _grads_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u
                                              jnp.zeros((1, 1), acc)))
     terms = chunk_math.gate_terms(dec, beta, vsums._replace(dbv_u=zeros_cc), ksums, dgamma, scale=opts.scale)
     da_ref[head] = terms.da
-    dbeta_ref[head] = chunk_math.col_to_row(terms.dbeta)
-    dgcum_ref[head] = chunk_math.col_to_row(terms.dgcum)
+    dbeta_ref[head] = primitives.col_to_row(terms.dbeta)
+    dgcum_ref[head] = primitives.col_to_row(terms.dgcum)
 
 
 def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_ref, dbeta_ref, dgcum_ref, dqv_ref,
@@ -546,14 +408,14 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
     """dg, dbeta, and dq, dk with the QK^T, KK^T terms added."""
     acc = opts.state_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
-    rq = chunk_math.row_to_col(rq_ref[key])
+    rq = primitives.row_to_col(rq_ref[key])
     dec = _decays(g_ref, head, opts)
-    beta = chunk_math.row_to_col(b_ref[head].astype(acc))
+    beta = primitives.row_to_col(b_ref[head].astype(acc))
     nkb = q_ref.shape[-1] // bk
     qk = _key_products(q_ref, k_ref, rq_ref, rk_ref, bk, opts)
     kk = _key_products(k_ref, k_ref, rk_ref, rk_ref, bk, opts)
-    terms = chunk_math.GateTerms(da=da_ref[head], dp=dp_ref[head], dbeta=chunk_math.row_to_col(dbeta_ref[head]),
-                                 dgcum=chunk_math.row_to_col(dgcum_ref[head]))
+    terms = chunk_math.GateTerms(da=da_ref[head], dp=dp_ref[head], dbeta=primitives.row_to_col(dbeta_ref[head]),
+                                 dgcum=primitives.row_to_col(dgcum_ref[head]))
     gg = chunk_math.gate_grads(qk, kk, dec, beta, terms, scale=opts.scale)
     dg_ref[head] = gg.dg.astype(dg_ref.dtype)
     db_ref[head] = gg.dbeta.astype(db_ref.dtype)
@@ -563,7 +425,7 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
     # enter exact bfloat16 passes. Products in bfloat16: scaled key blocks,
     # rounded, and two [C, C] factors, not three (fewer registers).
     if opts.matmul_dtype == jnp.bfloat16:
-        rk = chunk_math.row_to_col(rk_ref[key])
+        rk = primitives.row_to_col(rk_ref[key])
 
         def key_block(kb):
             cols = block_cols(head, kb, bk)
@@ -601,7 +463,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     sbv = lay.sbv
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     heads, f, exps = _costs(lay)
-    mm = pallas_common.matmul_flops
+    mm = matmul_flops
     cv, ck, cc = (jax.ShapeDtypeStruct(shape + dims, acc) for dims in ((c, vp), (c, kp), (c, c)))
     keys = [lay.block_spec(c, kp, key=True)] * 2 + [lay.block_spec(1, c, key=True)] * 2
     dvl, vn = launch(functools.partial(_dv_local_kernel, opts=opts, bk=bk), grid=lay.block_grid,
@@ -645,5 +507,6 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     return (dq.sum(3)[..., :k_dim], dk.sum(3)[..., :k_dim], dv[..., :v_dim], dg, dbeta, dh0[..., :k_dim, :v_dim])
 
 
-BACKEND = Backend("pallas_gpu", platform="gpu", forward=forward, backward=backward, tiles=GpuTiles,
-                  check_shapes=functools.partial(pallas_common.check_dims, "pallas_gpu"), fold_batch=True)
+BACKEND = Backend("pallas_gpu", variant=chunk_math.VARIANT, platform="gpu", forward=forward, backward=backward,
+                  tiles=GpuTiles,
+                  check_shapes=functools.partial(pallas.check_dims, "pallas_gpu"), fold_batch=True)

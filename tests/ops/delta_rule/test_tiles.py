@@ -4,8 +4,8 @@ what the op is given (numerics at non-default tiles: test_kernels.py)."""
 import pytest
 
 from gdnx.ops import chunk_gated_delta_rule
-from gdnx.ops.gated_delta_rule import GpuTiles, TpuTiles, tiles_for
-from tests.ops.gated_delta_rule.cases import Case, make_inputs
+from gdnx.ops.delta_rule import GpuTiles, TpuTiles, tiles_for
+from tests.ops.delta_rule.cases import Case, make_inputs
 
 
 def test_tiles_are_checked():
@@ -26,7 +26,7 @@ def test_tiles_are_checked():
 
 def test_tiles_table_falls_back_off_target():
     """On the CPU both kernels take their fallback entries."""
-    from gdnx.ops.gated_delta_rule.tiles import GPU_FALLBACK, TPU_FALLBACK
+    from gdnx.ops.delta_rule.tiles import GPU_FALLBACK, TPU_FALLBACK
 
     assert tiles_for("pallas_gpu") == GPU_FALLBACK and tiles_for("pallas_tpu") == TPU_FALLBACK
 
@@ -40,7 +40,7 @@ def test_table_entry_is_fitted_to_the_key_heads_of_the_call():
 
     import jax.numpy as jnp
 
-    from gdnx.ops.gated_delta_rule.tiles import choose_tiles, compile_target
+    from gdnx.ops.delta_rule.tiles import choose_tiles, compile_target
 
     v5p = types.SimpleNamespace(platform="tpu", device_kind="TPU v5")
     with compile_target(v5p):  # type: ignore[arg-type]

@@ -31,9 +31,6 @@ class GateParams:
     dt_bias: jax.Array | None = None
     lower_bound: float | None = None
 
-    def arrays(self) -> tuple:
-        return (self.A_log, self.dt_bias)
-
 
 def check_gate(shape: tuple[int, ...], A_log: jax.Array, dt_bias: jax.Array | None,
                lower_bound: float | None) -> GateParams:

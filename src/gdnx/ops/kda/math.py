@@ -1,8 +1,8 @@
 """Intra-chunk algebra of Kimi Delta Attention (KDA): the gated delta rule
 with one log decay per key channel, g [C, K] in a chunk.
 
-One value head's chunk, as in chunk_math (whose inverses, row helpers and
-matmuls it uses), with decays that are diagonal matrices over K:
+One value head's chunk, as in the gated delta rule's algebra, written in the
+shared tile primitives (delta_rule/primitives.py), with decays that are diagonal matrices over K:
 
     D_ijc = exp(sum_{j < l <= i} g_lc)                 i >= j, per channel c
     A  = strict_tril(beta_i sum_c k_ic k_jc D_ijc)      T = (I + A)^-1
@@ -49,17 +49,20 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gdnx.ops.gated_delta_rule.chunk_math import (
+from gdnx.ops.delta_rule.costs import matmul_flops, value_flops
+from gdnx.ops.delta_rule.primitives import (
     HIGHEST,
+    col_to_row,
     exact_dot,
     iotas,
     mm,
     mm_nt,
     mm_tn,
     row_to_col,
-    col_to_row,
     unit_lower_inverse,
+    unit_lower_inverse_loop,
 )
+from gdnx.ops.delta_rule.variant import Variant
 
 
 def num_levels(c: int) -> int:
@@ -75,7 +78,7 @@ def level_mask(c: int, bit: int):
 
 def _segment_sums(mask, g, split: bool):
     """mask [C, C] (0/1) times g [C, K]: sums of gates over segments, each of
-    terms of one sign. split: as three exact bfloat16 passes (chunk_math.
+    terms of one sign. split: as three exact bfloat16 passes (primitives.
     segment_sums), for a GPU kernel's registers."""
     m = mask.astype(g.dtype)
     if split:
@@ -213,7 +216,7 @@ def chunk_terms(q, k, v, g, beta, *, scale, decay_dtype, tinv=None, inverse=unit
 
     q, k [C, K] and v [C, V] in the accumulation dtype; g [C, K] and beta
     [1, C] in any float dtype. Pass `tinv` (a saved (I + A)^-1) to skip the
-    inverse. `inverse` is one of chunk_math's and `bits` one of this
+    inverse. `inverse` is one of primitives' and `bits` one of this
     module's loops over bits (the kernels take the loops)."""
     acc = q.dtype
     # unrolled (XLA): every bit's factors formed once, shared by the pairwise products
@@ -314,3 +317,49 @@ def value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_out, *, scale,
     dbeta = (jnp.sum(v * dbv, axis=1, keepdims=True) + jnp.sum(dec.eg * k * dx, axis=1, keepdims=True)
              + jnp.sum(da * mkk, axis=1, keepdims=True))
     return ValueHeadGrads(dq=dq, dk=dk, dv=dv, dg=dg, dbeta=col_to_row(dbeta), dstate_in=dstate_in)
+
+
+def chunk_flops(c: int, dk: int, dv: int) -> dict[str, int]:
+    """Analytic FLOPs per chunk and value head by part: costs.value_flops
+    (the same products on the value side) and
+
+    decays         the 0/1 matmuls of the gate segment sums (2 per bit of
+                   the chunk position but the lowest, G and the suffix)
+    pairs          KK^T and QK^T with the decays, one masked matmul per bit each
+    pairs_bwd      their adjoints (4 per bit) and KK^T again
+
+    no key-head parts (every product depends on the value head's gates)."""
+    bits = num_levels(c)
+    return {**value_flops(c, dk, dv), "decays": 2 * bits * matmul_flops(c, c, dk),
+            "pairs": 2 * bits * matmul_flops(c, dk, c), "pairs_bwd": 5 * bits * matmul_flops(c, dk, c)}
+
+
+def transcendentals(c: int, dk: int) -> int:
+    """exp of the decay factors per chunk and value head: two [C, K] per
+    bit of the chunk position, exp(G), exp(G_last - G), exp(G_last)."""
+    return (2 * num_levels(c) + 2) * c * dk + dk
+
+
+def extra_vmem(c: int, dk: int) -> int:
+    """Bytes a TPU grid step holds for the per-channel algebra beyond the
+    shared blocks: the decay factors of every level, [C, K] float32 each."""
+    return (2 * num_levels(c) + 3) * c * dk * 4
+
+
+def _forward(q, k, v, g, beta, shared, state, *, looped: bool, **algebra):
+    if looped:
+        return value_head_forward(q, k, v, g, beta, state, inverse=unit_lower_inverse_loop, bits=looped_bits,
+                                  **algebra)
+    return value_head_forward(q, k, v, g, beta, state, **algebra)
+
+
+def _backward(q, k, v, g, beta, shared, tinv, state, do, dstate_out, *, looped: bool, **algebra):
+    bits = looped_bits if looped else unrolled_bits
+    return value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_out, bits=bits, **algebra), ()
+
+
+VARIANT = Variant(
+    name="kda", gate="channel", value_head_forward=_forward, value_head_backward=_backward,
+    chunk_flops=chunk_flops, forward_parts=("decays", "pairs", "prepare", "state", "output"),
+    backward_parts=("decays", "pairs_bwd", "prepare", "state_bwd", "grads"), transcendentals=transcendentals,
+    extra_vmem=extra_vmem)

@@ -1,4 +1,4 @@
-"""Chunked gated delta rule in plain JAX: a scan over chunks, hand-written VJP.
+"""A chunked delta-rule op in plain JAX: a scan over chunks, hand-written VJP.
 
 Forward: one scan over chunks; each step does the chunk's state-free algebra
 (gate cumsums, QK^T, KK^T, the inverse, U, W) and the state update, carrying
@@ -14,10 +14,10 @@ per token and value head, saves the substitution). Everything else (gates,
 QK^T, KK^T, U, W, Vn) is recomputed with a few batched matmuls.
 
 It runs behind the custom VJP of `chunked` that every chunked
-implementation shares (residual policies, l2norm, packed sequences). KDA
-(`KDA_BACKEND`) walks the same scans with kda_math's per-value-head
-algebra: its gate blocks are [C, K] per value head, so QK^T and KK^T are
-no longer shared by a key head's group.
+implementation shares (residual policies, l2norm, packed sequences), and
+walks any Variant's chunk algebra (variant.py): the gated delta rule's
+shares QK^T and KK^T over a key head's group, KDA's (gate blocks [C, K]
+per value head) forms every product per value head.
 Residual bytes per token beyond the inputs, float32 state:
     save:      HV * (K * V / C + C) * 4   (HV=32, K=V=128, C=64: 40 KiB)
     recompute: 0
@@ -25,16 +25,16 @@ Residual bytes per token beyond the inputs, float32 state:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from gdnx.ops.gated_delta_rule import chunk_math, chunked, kda_math
-from gdnx.ops.gated_delta_rule.backend import Backend
-from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions, select
-from gdnx.ops.gated_delta_rule.options import DEFAULTS
+from gdnx.ops.delta_rule import chunked
+from gdnx.ops.delta_rule.backend import Backend
+from gdnx.ops.delta_rule.chunked import ChunkFlags, ChunkOptions, select
+from gdnx.ops.delta_rule.options import DEFAULTS
+from gdnx.ops.delta_rule.variant import Variant
 
 
 def _keys(fn):
@@ -48,56 +48,50 @@ def _values(fn, in_axes):
     return jax.vmap(jax.vmap(jax.vmap(fn, in_axes=in_axes)))
 
 
-def _head_forward(opts: ChunkOptions, per_channel: bool):
+def _shared(variant: Variant, opts: ChunkOptions, qa, ka):
+    """The products a key head's group shares (none for some variants)."""
+    if variant.key_products is None:
+        return ()
+    return _keys(functools.partial(variant.key_products, matmul_dtype=opts.matmul_dtype))(qa, ka)
+
+
+def _head_forward(variant: Variant, opts: ChunkOptions):
     """fn(q, k, v, g, beta, state) -> (o, new state, tinv) of a chunk, over rows,
-    key heads and value heads: GDN's algebra, or KDA's (per-channel gates,
-    no products shared by a key head's group)."""
-    if per_channel:
-        return _values(functools.partial(kda_math.value_head_forward, **opts.algebra()), (None, None, 0, 0, 0, 0))
-    key_products = functools.partial(chunk_math.key_products, matmul_dtype=opts.matmul_dtype)
-    fwd = _values(functools.partial(chunk_math.value_head_forward, **opts.algebra()),
-                  (None, None, 0, 0, 0, None, None, 0))
+    key heads and value heads."""
+    fwd = _values(functools.partial(variant.value_head_forward, looped=False, **opts.algebra()),
+                  (None, None, 0, 0, 0, None, 0))
 
     def run(qa, ka, v, g, beta, state):
-        qk, kk = _keys(key_products)(qa, ka)
-        return fwd(qa, ka, v, g, beta, qk, kk, state)
+        return fwd(qa, ka, v, g, beta, _shared(variant, opts, qa, ka), state)
 
     return run
 
 
-def _head_backward(opts: ChunkOptions, per_channel: bool):
+def _head_backward(variant: Variant, opts: ChunkOptions):
     """fn(q, k, v, g, beta, tinv, state, do, dstate_out) -> (dq, dk, dv, dg,
     dbeta, dstate_in) of a chunk, dq and dk summed over each key head's group."""
-    if per_channel:
-        bwd = _values(functools.partial(kda_math.value_head_backward, **opts.algebra()),
-                      (None, None, 0, 0, 0, 0, 0, 0, 0))
-
-        def run_kda(*args):
-            vg = bwd(*args)
-            return vg.dq.sum(2), vg.dk.sum(2), vg.dv, vg.dg, vg.dbeta, vg.dstate_in
-
-        return run_kda
-    key_products = functools.partial(chunk_math.key_products, matmul_dtype=opts.matmul_dtype)
-    key_products_bwd = functools.partial(chunk_math.key_products_bwd, matmul_dtype=opts.matmul_dtype)
-    bwd = _values(functools.partial(chunk_math.value_head_backward, **opts.algebra()),
-                  (None, None, 0, 0, 0, None, None, 0, 0, 0, 0))
+    bwd = _values(functools.partial(variant.value_head_backward, looped=False, **opts.algebra()),
+                  (None, None, 0, 0, 0, None, 0, 0, 0, 0))
 
     def run(qa, ka, v, g, beta, tinv, state, do, dstate_out):
-        qk, kk = _keys(key_products)(qa, ka)
-        vg = bwd(qa, ka, v, g, beta, qk, kk, tinv, state, do, dstate_out)
-        dq_k, dk_k = _keys(key_products_bwd)(qa, ka, vg.dqk.sum(2), vg.dkk.sum(2))
-        return vg.dq.sum(2) + dq_k, vg.dk.sum(2) + dk_k, vg.dv, vg.dg, vg.dbeta, vg.dstate_in
+        vg, dshared = bwd(qa, ka, v, g, beta, _shared(variant, opts, qa, ka), tinv, state, do, dstate_out)
+        dq, dk = vg.dq.sum(2), vg.dk.sum(2)
+        if variant.key_products_bwd is not None:
+            key_bwd = functools.partial(variant.key_products_bwd, matmul_dtype=opts.matmul_dtype)
+            dq_k, dk_k = _keys(key_bwd)(qa, ka, *(d.sum(2) for d in dshared))
+            dq, dk = dq + dq_k, dk + dk_k
+        return dq, dk, vg.dv, vg.dg, vg.dbeta, vg.dstate_in
 
     return run
 
 
-def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool,
-            per_channel: bool = False):
+def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, variant: Variant, opts: ChunkOptions,
+            save_residuals: bool):
     """Forward over chunk blocks: (o, final), plus the incoming state of every
     chunk and the chunk inverses when `save_residuals`."""
     reset, seq, last = flags.reset != 0, flags.seq, flags.last != 0
     acc = opts.state_dtype
-    head_forward = _head_forward(opts, per_channel)
+    head_forward = _head_forward(variant, opts)
 
     def body(carry, xs):
         state, final = carry
@@ -112,13 +106,13 @@ def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save
     return (ys[0], final) + tuple(ys[1:])
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions,
-             per_channel: bool = False):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, variant: Variant,
+             opts: ChunkOptions):
     """Reverse scan carrying dS; each chunk's input gradients in the same step."""
     reset, seq, last = flags.reset != 0, flags.seq, flags.last != 0
     acc = opts.state_dtype
     dfinal = dfinal.astype(acc)
-    head_backward = _head_backward(opts, per_channel)
+    head_backward = _head_backward(variant, opts)
 
     def body(carry, xs):
         dstate, dh0 = carry
@@ -136,20 +130,19 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     return dq, dk, dv, dg, dbeta, dh0
 
 
-BACKEND = Backend("xla", forward=forward, backward=backward)
-# KDA (per-channel gates, g blocks [C, K]): the same scans over kda_math
-KDA_BACKEND = dataclasses.replace(BACKEND, forward=functools.partial(forward, per_channel=True),
-                                  backward=functools.partial(backward, per_channel=True))
+def backend(variant: Variant) -> Backend:
+    """The XLA implementation of `variant`'s op."""
+    return Backend("xla", variant=variant, forward=functools.partial(forward, variant=variant),
+                   backward=functools.partial(backward, variant=variant))
 
 
-def chunk_gated_delta_rule_xla(q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
-                               use_qk_l2norm=False, residuals=DEFAULTS.residuals, matmul_dtype=None,
-                               hand_written_vjp=True):
+def run(variant: Variant, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size, scale, state_dtype, decay_dtype,
+        use_qk_l2norm=False, residuals=DEFAULTS.residuals, matmul_dtype=None, hand_written_vjp=True):
     """Validated inputs in, (o [B, T, HV, V] in q's dtype, final [N, HV, K, V]) out.
 
     hand_written_vjp=False differentiates the same forward with plain
     autodiff: the baseline the benchmark and the gradient tests compare with.
     """
-    return chunked.run(BACKEND, q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size, scale=scale,
-                       state_dtype=state_dtype, decay_dtype=decay_dtype, use_qk_l2norm=use_qk_l2norm,
+    return chunked.run(backend(variant), q, k, v, g, beta, h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                       scale=scale, state_dtype=state_dtype, decay_dtype=decay_dtype, use_qk_l2norm=use_qk_l2norm,
                        residuals=residuals, matmul_dtype=matmul_dtype, hand_written_vjp=hand_written_vjp)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import jax
 from jax.typing import DTypeLike
 
-from gdnx.ops.gated_delta_rule.api import call, chunk_options, recurrent_options
-from gdnx.ops.gated_delta_rule.gates import check_gate
-from gdnx.ops.gated_delta_rule.options import (
+from gdnx.ops.delta_rule.backend import Backend
+from gdnx.ops.delta_rule.dispatch import Gate, call, chunk_options, implementations, recurrent_options
+from gdnx.ops.delta_rule.options import (
     CHUNK_IMPLEMENTATIONS,
     DEFAULTS,
     RECURRENT_IMPLEMENTATIONS,
@@ -28,10 +28,16 @@ from gdnx.ops.gated_delta_rule.options import (
     Implementation,
     ResidualPolicy,
 )
-from gdnx.ops.gated_delta_rule.tiles import GpuTiles, TpuTiles
+from gdnx.ops.delta_rule.tiles import GpuTiles, TpuTiles
+from gdnx.ops.kda import pallas_gpu
+from gdnx.ops.kda.gates import check_gate, kda_gate
+from gdnx.ops.kda.math import VARIANT
+
+# the op's table: the gated delta rule's implementations, with KDA's chunk algebra
+IMPLEMENTATIONS: dict[str, Backend] = implementations(VARIANT, pallas_gpu.BACKEND)
 
 
-def _gate(g, A_log, dt_bias, lower_bound):
+def _gate(g, A_log, dt_bias, lower_bound) -> Gate | None:
     if A_log is None:
         for name, x in (("dt_bias", dt_bias), ("lower_bound", lower_bound)):
             if x is not None:
@@ -39,7 +45,8 @@ def _gate(g, A_log, dt_bias, lower_bound):
         return None
     if not hasattr(g, "shape"):
         return None  # the op's own check of g says what is wrong
-    return check_gate(tuple(g.shape), A_log, dt_bias, lower_bound)
+    params = check_gate(tuple(g.shape), A_log, dt_bias, lower_bound)
+    return Gate(kda_gate, (params.A_log, params.dt_bias), (("lower_bound", params.lower_bound),))
 
 
 def chunk_kda(
@@ -76,10 +83,11 @@ def chunk_kda(
     opts = chunk_options(options, output_chunk_states, implementation=implementation, chunk_size=chunk_size,
                          state_dtype=state_dtype, decay_dtype=decay_dtype, residuals=residuals,
                          matmul_dtype=matmul_dtype, interpret=interpret)
-    return call(CHUNK_IMPLEMENTATIONS, "chunk_kda", opts, q, k, v, g, beta, scale=scale,
-                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                use_qk_l2norm=use_qk_l2norm, tiles=tiles, history="chunks" if output_chunk_states else None,
-                per_channel=True, gate=_gate(g, A_log, dt_bias, lower_bound))
+    return call(VARIANT, IMPLEMENTATIONS, CHUNK_IMPLEMENTATIONS, "chunk_kda", opts, q, k, v, g, beta,
+                scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                tiles=tiles, history="chunks" if output_chunk_states else None,
+                gate=_gate(g, A_log, dt_bias, lower_bound))
 
 
 def recurrent_kda(
@@ -98,7 +106,8 @@ def recurrent_kda(
     cu_seqlens).
     """
     opts = recurrent_options(implementation, state_dtype, decay_dtype, output_token_states)
-    return call(RECURRENT_IMPLEMENTATIONS, "recurrent_kda", opts, q, k, v, g, beta, scale=scale,
-                initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                use_qk_l2norm=use_qk_l2norm, tiles=None, history="tokens" if output_token_states else None,
-                per_channel=True, gate=_gate(g, A_log, dt_bias, lower_bound))
+    return call(VARIANT, IMPLEMENTATIONS, RECURRENT_IMPLEMENTATIONS, "recurrent_kda", opts, q, k, v, g, beta,
+                scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                tiles=None, history="tokens" if output_token_states else None,
+                gate=_gate(g, A_log, dt_bias, lower_bound))

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 from gdnx.measure import relative_error
-from tests.ops.gated_delta_rule.cases import Case, make_inputs
-from tests.ops.gated_delta_rule.helpers import NAMES, check_against_oracle, chunk_op, run_oracle
+from tests.ops.delta_rule.cases import Case, make_inputs
+from tests.ops.delta_rule.helpers import NAMES, check_against_oracle, chunk_op, run_oracle
 
 
 def over(attribute: str):
@@ -113,3 +113,14 @@ class ImplementationContract:
     def test_tiles(self, case):
         """Tiles off the default entry (K = V = 64: several blocks of each kind)."""
         check_against_oracle(self.case("tiles", b=1, t=40, dk=64, dv=64, chunk=16), self.implementation, tiles=case)
+
+
+KERNELS = ["pallas_tpu", "pallas_gpu"]
+
+
+class KernelContract(ImplementationContract):
+    """What both kernels of either op run: its small cases (set by the
+    subclass), both residual policies, bfloat16 products, and the backward
+    against xla's."""
+    matmul_bf16 = True
+    gradient_peer = "xla"

@@ -1,6 +1,6 @@
 """KDA (chunk_kda, recurrent_kda): the xla implementation and the token
-recurrence (the kernels: test_kernels.py) against the float64 oracle through the shared contract
-(contract.py), and what the per-channel gate adds: exactness for any
+recurrence (the kernels: test_kernels.py here) against the float64 oracle through the shared contract
+(tests/ops/delta_rule/contract.py), and what the per-channel gate adds: exactness for any
 g <= 0 at every chunk size, the hand-written VJP against autodiff of the
 same forward, GDN as the case of a gate equal across K, the gate functions
 and their gradients, decode, and the errors (metric and tolerances:
@@ -13,9 +13,9 @@ import pytest
 
 from gdnx.measure import relative_error
 from gdnx.ops import chunk_gated_delta_rule, chunk_kda, kda_gate, recurrent_kda
-from tests.ops.gated_delta_rule.cases import KDA_CASES, Case, by_name, make_inputs
-from tests.ops.gated_delta_rule.contract import ImplementationContract
-from tests.ops.gated_delta_rule.helpers import NAMES, check_against_oracle
+from tests.ops.delta_rule.cases import KDA_CASES, Case, by_name, make_inputs
+from tests.ops.delta_rule.contract import ImplementationContract
+from tests.ops.delta_rule.helpers import NAMES, check_against_oracle
 
 pytestmark = pytest.mark.usefixtures("x64")
 
@@ -52,15 +52,16 @@ def test_float64_algebra_is_exact():
 
 def test_hand_written_vjp_matches_autodiff():
     """The custom VJP against plain autodiff of the very same forward."""
-    from gdnx.ops.gated_delta_rule import chunked, xla
+    from gdnx.ops.delta_rule import xla
+    from gdnx.ops.kda.math import VARIANT
 
     case = Case("vjp", b=1, t=90, chunk=32, cu_seqlens=(0, 30, 30, 90), per_channel=True)
     q, k, v, g, beta, h0 = (x.astype(jnp.float64) for x in make_inputs(case))
     cu = jnp.asarray(case.cu_seqlens, jnp.int32)
 
     def loss(hand_written, *xs):
-        o, f = chunked.run(xla.KDA_BACKEND, *xs, cu_seqlens=cu, chunk_size=32, scale=0.3, state_dtype=jnp.float64,
-                           decay_dtype=jnp.float64, use_qk_l2norm=False, hand_written_vjp=hand_written)
+        o, f = xla.run(VARIANT, *xs, cu_seqlens=cu, chunk_size=32, scale=0.3, state_dtype=jnp.float64,
+                       decay_dtype=jnp.float64, use_qk_l2norm=False, hand_written_vjp=hand_written)
         return jnp.sum(jnp.sin(o)) + jnp.sum(f * f)
 
     a = jax.grad(lambda *xs: loss(True, *xs), argnums=range(6))(q, k, v, g, beta, h0)

@@ -13,9 +13,10 @@ chunked.py:
 where knobs are a kernel's `interpret` and `tiles` (none for XLA). A
 backend that is not chunked (the token recurrence) gives the whole op as
 `run(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype, decay_dtype)`
-and is differentiated by autodiff. The op's table (api.IMPLEMENTATIONS)
+and is differentiated by autodiff. Each op's table (its api.IMPLEMENTATIONS)
 holds one record per implementation; a new backend is a module that
-defines its record and one line there.
+defines its record (or a function of the Variant that builds it) and one
+line there.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from gdnx.ops.gated_delta_rule.options import RESIDUAL_POLICIES, Implementation, ResidualPolicy
+from gdnx.ops.delta_rule.options import RESIDUAL_POLICIES, Implementation, ResidualPolicy
+from gdnx.ops.delta_rule.variant import Variant
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Backend:
     name: Implementation
+    # the chunk algebra a chunked backend runs (variant.py); None: the token
+    # recurrence, which runs every variant
+    variant: Variant | None = None
     # the platform it is written for ("tpu", "gpu"; None: any, through XLA)
     platform: str | None = None
     forward: Callable | None = None
@@ -47,6 +52,8 @@ class Backend:
     def __post_init__(self):
         if (self.forward is None) != (self.backward is None) or (self.forward is None) == (self.run is None):
             raise ValueError(f"backend {self.name!r}: give forward and backward (chunked) or run, not both")
+        if (self.forward is None) != (self.variant is None):
+            raise ValueError(f"backend {self.name!r}: a chunked backend names its variant, the recurrence none")
 
     @property
     def chunked(self) -> bool:

@@ -1,4 +1,4 @@
-"""Chunked gated delta rule as Pallas Mosaic TPU kernels.
+"""A chunked delta-rule op as Pallas Mosaic TPU kernels, for any Variant.
 
 Grid (row, head tile, chunk): rows and head tiles are parallel, chunks are
 sequential ("arbitrary") and the float32 state of the tile's value heads
@@ -12,10 +12,10 @@ the chunk's sequence index.
 Every block keeps its last two dims whole ((C, K), (C, V), (1, C), (K, V),
 (C, C)), so any head dim and any chunk size satisfy the (8, 128) rule.
 
-The same kernels run KDA (per-channel gates, `per_channel=True`): the gate
-blocks are [C, K] per value head and each value head runs kda_math's
-chunk algebra (its pairwise products per value head, so no QK^T, KK^T
-shared by the key head's group).
+Each value head runs the Variant's chunk algebra in its looped forms; the
+products a key head's group shares (the gated delta rule's QK^T, KK^T) are
+formed once per key head, and a gate per channel (KDA) comes in [C, K]
+blocks per value head.
 
 VMEM budget per grid step (`vmem_bytes`), head tile of HT key heads with G
 value heads each, inputs of b bytes, float32 state, double-buffered blocks:
@@ -34,8 +34,8 @@ passes 32 MiB is refused with an error that says so.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,30 +43,36 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 
-from gdnx.ops.gated_delta_rule import chunk_math, kda_math, pallas_common
-from gdnx.ops.gated_delta_rule.backend import Backend
-from gdnx.ops.gated_delta_rule.chunked import ChunkFlags
-from gdnx.ops.gated_delta_rule.tiles import TpuTiles
+from gdnx.ops.delta_rule import pallas
+from gdnx.ops.delta_rule.backend import Backend
+from gdnx.ops.delta_rule.chunked import ChunkFlags
+from gdnx.ops.delta_rule.tiles import TpuTiles
+from gdnx.ops.delta_rule.variant import Gate, Variant
 
 MIN_VMEM_LIMIT = 16 * 2**20
 MAX_VMEM_LIMIT = 64 * 2**20
 MAX_VMEM_BUDGET = 32 * 2**20
 
 
-def vmem_bytes(head_tile, grp, c, k_dim, v_dim, in_bytes, save_residuals, per_channel=False):
+def vmem_bytes(variant: Variant, head_tile, grp, c, k_dim, v_dim, in_bytes, save_residuals):
     per_tile = 2 * head_tile * (2 * c * k_dim * in_bytes
                                 + grp * (2 * c * v_dim * in_bytes + 4 * c * 4 + 2 * k_dim * v_dim * 4))
     scratch = head_tile * grp * k_dim * v_dim * 4
     residuals = 2 * head_tile * grp * (k_dim * v_dim * 4 + c * c * 4) if save_residuals else 0
-    temporaries = (8 * c * c + 4 * c * max(k_dim, v_dim)) * 4
-    if per_channel:
+    temporaries = (8 * c * c + 4 * c * max(k_dim, v_dim)) * 4 + variant.extra_vmem(c, k_dim)
+    if variant.gate == "channel":  # float32 [C, K] gate blocks
         per_tile += 2 * head_tile * grp * c * k_dim * 4
-        temporaries += (2 * kda_math.num_levels(c) + 3) * c * k_dim * 4
     return per_tile + scratch + residuals + temporaries
 
 
+def _shared(variant: Variant, q, k, opts):
+    if variant.key_products is None:
+        return ()
+    return variant.key_products(q, k, matmul_dtype=opts.matmul_dtype)
+
+
 def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref, *rest,
-                rows, head_tile, grp, opts, save_residuals, per_channel):
+                variant: Variant, rows, head_tile, grp, opts, save_residuals):
     *residual_refs, state_ref = rest
     state_dtype = opts.state_dtype
     idx = pl.program_id(2) * rows + pl.program_id(0)
@@ -77,18 +83,12 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
     for i in range(head_tile):
         q, k = opts.keys(q_ref[0, 0, i]), opts.keys(k_ref[0, 0, i])
-        if not per_channel:
-            qk, kk = chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)
+        shared = _shared(variant, q, k, opts)
         for j in range(grp):
             state = state_ref[i, j]
             v, g, beta = v_ref[0, 0, i, j].astype(state_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j]
-            if per_channel:
-                o, new_state, tinv = kda_math.value_head_forward(
-                    q, k, v, g, beta, state, inverse=chunk_math.unit_lower_inverse_loop, bits=kda_math.looped_bits,
-                    **opts.algebra())
-            else:
-                o, new_state, tinv = chunk_math.value_head_forward(
-                    q, k, v, g, beta, qk, kk, state, inverse=chunk_math.unit_lower_inverse_loop, **opts.algebra())
+            o, new_state, tinv = variant.value_head_forward(q, k, v, g, beta, shared, state, looped=True,
+                                                            **opts.algebra())
             o_ref[0, 0, i, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs
@@ -103,7 +103,7 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
 def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, states_ref, do_ref,
                 dfinal_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dstate_ref, *,
-                rows, num_chunks, head_tile, grp, opts, per_channel):
+                variant: Variant, rows, num_chunks, head_tile, grp, opts):
     state_dtype = opts.state_dtype
     step = pl.program_id(2)
     idx = (num_chunks - 1 - step) * rows + pl.program_id(0)
@@ -118,27 +118,24 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
     for i in range(head_tile):
         q, k = opts.keys(q_ref[0, 0, i]), opts.keys(k_ref[0, 0, i])
-        if not per_channel:
-            qk, kk = chunk_math.key_products(q, k, matmul_dtype=opts.matmul_dtype)
-        dq = dk = dqk = dkk = 0.0
+        shared = _shared(variant, q, k, opts)
+        dq: Any = 0.0
+        dk: Any = 0.0
+        dshared: tuple = ()
         for j in range(grp):
             v, g, beta = v_ref[0, 0, i, j].astype(state_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j]
             tinv, state = tinv_ref[0, 0, i, j].astype(state_dtype), states_ref[0, 0, i, j].astype(state_dtype)
             do = do_ref[0, 0, i, j].astype(state_dtype)
-            if per_channel:
-                vg = kda_math.value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_ref[i, j],
-                                                  bits=kda_math.looped_bits, **opts.algebra())
-            else:
-                vg = chunk_math.value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_ref[i, j],
-                                                    **opts.algebra())
-                dqk, dkk = dqk + vg.dqk, dkk + vg.dkk
+            vg, ds = variant.value_head_backward(q, k, v, g, beta, shared, tinv, state, do, dstate_ref[i, j],
+                                                 looped=True, **opts.algebra())
+            dshared = ds if j == 0 else tuple(a + b for a, b in zip(dshared, ds))
             dv_ref[0, 0, i, j] = vg.dv.astype(dv_ref.dtype)
             dg_ref[0, 0, i, j] = vg.dg.astype(dg_ref.dtype)
             db_ref[0, 0, i, j] = vg.dbeta.astype(db_ref.dtype)
             dstate_ref[i, j] = vg.dstate_in
             dq, dk = dq + vg.dq, dk + vg.dk
-        if not per_channel:
-            dq_k, dk_k = chunk_math.key_products_bwd(q, k, dqk, dkk, matmul_dtype=opts.matmul_dtype)
+        if variant.key_products_bwd is not None:
+            dq_k, dk_k = variant.key_products_bwd(q, k, *dshared, matmul_dtype=opts.matmul_dtype)
             dq, dk = dq + dq_k, dk + dk_k
         dq_ref[0, 0, i] = dq.astype(dq_ref.dtype)
         dk_ref[0, 0, i] = dk.astype(dk_ref.dtype)
@@ -153,7 +150,7 @@ class _Specs:
     """Block specs over the chunk layout for a grid (row, head tile, step);
     chunk = step forward, or num_chunks - 1 - step in reverse."""
 
-    def __init__(self, q, v, rows, head_tile, reverse, per_channel):
+    def __init__(self, q, v, rows, head_tile, reverse, gate: Gate):
         nc, _, _, c, k_dim = q.shape
         grp, v_dim = v.shape[3], v.shape[5]
         ht = head_tile
@@ -173,25 +170,19 @@ class _Specs:
         self.keys = pl.BlockSpec((1, 1, ht, c, k_dim), per_key_head)
         self.values = pl.BlockSpec((1, 1, ht, grp, c, v_dim), per_chunk)
         self.rows = pl.BlockSpec((1, 1, ht, grp, 1, c), per_chunk)
-        self.gates = pl.BlockSpec((1, 1, ht, grp, c, k_dim), per_chunk) if per_channel else self.rows
+        self.gates = pl.BlockSpec((1, 1, ht, grp, c, k_dim), per_chunk) if gate == "channel" else self.rows
         self.sequence_state = pl.BlockSpec((1, ht, grp, k_dim, v_dim), per_sequence)
         self.chunk_state = pl.BlockSpec((1, 1, ht, grp, k_dim, v_dim), per_chunk)
         self.inverse = pl.BlockSpec((1, 1, ht, grp, c, c), per_chunk)
 
 
-def _cost(grid, head_tile, grp, c, k_dim, v_dim, parts, key_parts, arrays, per_channel):
+def _cost(variant: Variant, grid, head_tile, grp, c, k_dim, v_dim, parts, key_parts, arrays):
     """Estimate over the grid: per step, the key head parts once per key head
     of the tile and the value head parts once per value head."""
     steps = grid[0] * grid[1] * grid[2] * head_tile
-    if per_channel:
-        f = pallas_common.kda_chunk_flops(c, k_dim, v_dim)
-        exps = pallas_common.kda_transcendentals(c, k_dim)
-        parts = ("decays", "pairs_bwd" if "grads" in parts else "pairs") + tuple(parts)
-    else:
-        f = pallas_common.chunk_flops(c, k_dim, v_dim)
-        exps = pallas_common.transcendentals(c)
-    flops = steps * (sum(f[p] for p in key_parts) + grp * sum(f[p] for p in parts))
-    return pallas_common.cost(flops, steps * grp * exps, arrays)
+    f = variant.chunk_flops(c, k_dim, v_dim)
+    flops = steps * (sum(f.get(p, 0) for p in key_parts) + grp * sum(f[p] for p in parts))
+    return pallas.cost(flops, steps * grp * variant.transcendentals(c, k_dim), arrays)
 
 
 def _call(kernel, *, grid, in_specs, out_specs, out_shape, scratch, budget, head_tile, interpret, cost,
@@ -229,51 +220,50 @@ def _check_tile(hk, head_tile):
         raise ValueError(f"head_tile={head_tile} must divide the key heads HK={hk}")
 
 
-def forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, interpret: bool, tiles: TpuTiles,
-            per_channel: bool = False):
+def forward(q, k, v, g, beta, h0, flags, *, variant: Variant, opts, save_residuals, interpret: bool,
+            tiles: TpuTiles):
     head_tile = tiles.head_tile
     nc, rows, hk, c, k_dim = q.shape
     grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
-    sp = _Specs(q, v, rows, head_tile, reverse=False, per_channel=per_channel)
+    sp = _Specs(q, v, rows, head_tile, reverse=False, gate=variant.gate)
     out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)]
     out_specs = [sp.values, sp.sequence_state]
     if save_residuals:
         out_shape += [jax.ShapeDtypeStruct((nc, rows, hk, grp, k_dim, v_dim), h0.dtype),
                       jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), opts.state_dtype)]
         out_specs += [sp.chunk_state, sp.inverse]
-    kernel = functools.partial(_fwd_kernel, rows=rows, head_tile=head_tile, grp=grp, opts=opts,
-                               save_residuals=save_residuals, per_channel=per_channel)
+    kernel = functools.partial(_fwd_kernel, variant=variant, rows=rows, head_tile=head_tile, grp=grp, opts=opts,
+                               save_residuals=save_residuals)
     grid = (rows, hk // head_tile, nc)
-    cost = _cost(grid, head_tile, grp, c, k_dim, v_dim, ("prepare", "state", "output"), ("key_products",),
-                 (q, k, v, g, beta, h0, *out_shape), per_channel)
+    cost = _cost(variant, grid, head_tile, grp, c, k_dim, v_dim, variant.forward_parts, ("key_products",),
+                 (q, k, v, g, beta, h0, *out_shape))
     return _call(kernel, grid=grid, in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.sequence_state],
                  out_specs=out_specs, out_shape=out_shape,
                  scratch=[pltpu.VMEM((head_tile, grp, k_dim, v_dim), opts.state_dtype)],
-                 budget=vmem_bytes(head_tile, grp, c, k_dim, v_dim, q.dtype.itemsize, save_residuals, per_channel),
+                 budget=vmem_bytes(variant, head_tile, grp, c, k_dim, v_dim, q.dtype.itemsize, save_residuals),
                  head_tile=head_tile, interpret=interpret, cost=cost, flags=flags, args=(q, k, v, g, beta, h0))
 
 
-def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpret: bool, tiles: TpuTiles,
-             per_channel: bool = False):
+def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, variant: Variant, opts, interpret: bool,
+             tiles: TpuTiles):
     head_tile = tiles.head_tile
     nc, rows, hk, c, k_dim = q.shape
     grp, v_dim = v.shape[3], v.shape[5]
     _check_tile(hk, head_tile)
-    sp = _Specs(q, v, rows, head_tile, reverse=True, per_channel=per_channel)
+    sp = _Specs(q, v, rows, head_tile, reverse=True, gate=variant.gate)
     state_dtype = opts.state_dtype
     out_shape = [jax.ShapeDtypeStruct(q.shape, state_dtype), jax.ShapeDtypeStruct(k.shape, state_dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
                  jax.ShapeDtypeStruct(beta.shape, beta.dtype), jax.ShapeDtypeStruct(dfinal.shape, state_dtype)]
     out_specs = [sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.sequence_state]
-    kernel = functools.partial(_bwd_kernel, rows=rows, num_chunks=nc, head_tile=head_tile, grp=grp, opts=opts,
-                               per_channel=per_channel)
+    kernel = functools.partial(_bwd_kernel, variant=variant, rows=rows, num_chunks=nc, head_tile=head_tile,
+                               grp=grp, opts=opts)
     # Inputs, residuals and cotangents in, gradients out: about twice the forward's blocks.
-    budget = 2 * vmem_bytes(head_tile, grp, c, k_dim, v_dim, max(q.dtype.itemsize, 4), True, per_channel)
+    budget = 2 * vmem_bytes(variant, head_tile, grp, c, k_dim, v_dim, max(q.dtype.itemsize, 4), True)
     grid = (rows, hk // head_tile, nc)
-    cost = _cost(grid, head_tile, grp, c, k_dim, v_dim, ("prepare", "state_bwd", "grads"),
-                 ("key_products", "key_grads"),
-                 (q, k, v, g, beta, tinv, states, do, dfinal, *out_shape), per_channel)
+    cost = _cost(variant, grid, head_tile, grp, c, k_dim, v_dim, variant.backward_parts,
+                 ("key_products", "key_grads"), (q, k, v, g, beta, tinv, states, do, dfinal, *out_shape))
     return _call(kernel, grid=grid,
                  in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.inverse, sp.chunk_state, sp.values,
                            sp.sequence_state],
@@ -283,7 +273,8 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, opts, interpr
                  args=(q, k, v, g, beta, tinv, states, do, dfinal))
 
 
-BACKEND = Backend("pallas_tpu", platform="tpu", forward=forward, backward=backward, tiles=TpuTiles,
-                  check_shapes=functools.partial(pallas_common.check_dims, "pallas_tpu"), fold_batch=True)
-KDA_BACKEND = dataclasses.replace(BACKEND, forward=functools.partial(forward, per_channel=True),
-                                  backward=functools.partial(backward, per_channel=True))
+def backend(variant: Variant) -> Backend:
+    """The TPU kernels of `variant`'s op."""
+    return Backend("pallas_tpu", variant=variant, platform="tpu", forward=functools.partial(forward, variant=variant),
+                   backward=functools.partial(backward, variant=variant), tiles=TpuTiles,
+                   check_shapes=functools.partial(pallas.check_dims, "pallas_tpu"), fold_batch=True)

@@ -1,8 +1,8 @@
 """Chunked KDA as Pallas GPU kernels (Triton lowering), in phases.
 
-GDN's GPU layout (pallas_gpu.py: grids, padding to powers of two, float32
-products as three TF32 passes, l2norm scales applied to the loaded key
-blocks) with KDA's per-channel chunk algebra (kda_math). Every decay is
+The gated delta rule's GPU layout (delta_rule/triton.py: grids, padding to
+powers of two, float32 products as three TF32 passes, l2norm scales applied
+to the loaded key blocks) with KDA's per-channel chunk algebra (kda/math.py). Every decay is
 per key channel, so the chunk-parallel kernels walk K in blocks of BK
 columns and form each block's decay factors themselves; what is summed over
 K (the pairwise products, dA) is carried as [C, C].
@@ -22,9 +22,8 @@ The prepare kernel writes scale q exp(G), k exp(G_last - G) [C, K] and P
 [C, C] for the later phases, so that only it forms the pairwise products
 in the forward. The sequential kernels carry the [K, BV] state as K/BK
 blocks. The gradients take two kernels, the sums over V and K first, so
-that neither holds the other's tiles (one kernel spilled up to 2.8 KB per
-thread); both run at the tiles' num_warps, not GDN's grads_num_warps (at 8
-warps they spill least). dq and dk come out per value head and are summed
+that neither holds the other's tiles; both run at the tiles' num_warps, not
+the gated delta rule's grads_num_warps (where they spill least). dq and dk come out per value head and are summed
 over each key head's group outside the kernels.
 Registers and spills per kernel and target: docs/benchmarks.md.
 """
@@ -37,11 +36,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gdnx.ops.gated_delta_rule import chunk_math, kda_math, pallas_common
-from gdnx.ops.gated_delta_rule.backend import Backend
-from gdnx.ops.gated_delta_rule.chunk_math import col_to_row, iotas, mm, mm_nt, mm_tn, row_to_col
-from gdnx.ops.gated_delta_rule.chunked import ChunkFlags, ChunkOptions
-from gdnx.ops.gated_delta_rule.pallas_gpu import (
+from gdnx.ops.delta_rule import pallas
+from gdnx.ops.delta_rule.backend import Backend
+from gdnx.ops.delta_rule.chunked import ChunkFlags, ChunkOptions
+from gdnx.ops.delta_rule.costs import matmul_flops
+from gdnx.ops.delta_rule.primitives import col_to_row, iotas, mm, mm_nt, mm_tn, row_to_col, unit_lower_inverse_loop
+from gdnx.ops.delta_rule.tiles import GpuTiles
+from gdnx.ops.delta_rule.triton import (
     Layout,
     as_operand,
     block_cols,
@@ -52,7 +53,7 @@ from gdnx.ops.gated_delta_rule.pallas_gpu import (
     norm_rows,
     on_hardware,
 )
-from gdnx.ops.gated_delta_rule.tiles import GpuTiles
+from gdnx.ops.kda import math as kda_math
 
 
 def _split(opts) -> bool:
@@ -83,8 +84,7 @@ def _gamma_col(g, opts):
 
 def _costs(lay) -> tuple[int, dict[str, int], int]:
     heads = lay.nc * lay.rows * lay.hk * lay.grp
-    return heads, pallas_common.kda_chunk_flops(lay.c, lay.kp, lay.vp), pallas_common.kda_transcendentals(lay.c,
-                                                                                                         lay.kp)
+    return heads, kda_math.chunk_flops(lay.c, lay.kp, lay.vp), kda_math.transcendentals(lay.c, lay.kp)
 
 
 # --- forward ---------------------------------------------------------------
@@ -117,7 +117,7 @@ def _prepare_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, *refs, op
     if given_inverse:
         tinv = tinv_ref[head]
     else:
-        tinv = chunk_math.unit_lower_inverse_loop(beta * akk)
+        tinv = unit_lower_inverse_loop(beta * akk)
         tinv_ref[head] = tinv
 
     def u_block(vb):
@@ -390,7 +390,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     c, kp, vp, obv, sbv = lay.c, lay.kp, lay.vp, lay.obv, lay.sbv
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     heads, f, exps = _costs(lay)
-    mmf = pallas_common.matmul_flops
+    mmf = matmul_flops
     cv = jax.ShapeDtypeStruct(shape + (c, vp), acc)
     dvl, vn = launch(functools.partial(_dv_local_kernel, opts=opts), grid=lay.block_grid,
                      in_specs=[lay.block_spec(c, c, v_blocked=False), lay.block_spec(c, obv), lay.block_spec(c, obv),
@@ -431,5 +431,6 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
             dh0[..., :k_dim, :v_dim])
 
 
-KDA_BACKEND = Backend("pallas_gpu", platform="gpu", forward=forward, backward=backward, tiles=GpuTiles,
-                      check_shapes=functools.partial(pallas_common.check_dims, "pallas_gpu"), fold_batch=True)
+BACKEND = Backend("pallas_gpu", variant=kda_math.VARIANT, platform="gpu", forward=forward, backward=backward,
+                  tiles=GpuTiles,
+                      check_shapes=functools.partial(pallas.check_dims, "pallas_gpu"), fold_batch=True)

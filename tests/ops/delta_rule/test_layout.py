@@ -1,7 +1,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from gdnx.ops.gated_delta_rule.layout import from_slots, make_plan, to_slots
+from gdnx.ops.delta_rule.layout import from_slots, make_plan, to_slots
 
 
 def test_plain_plan_pads_the_end():

@@ -1,33 +1,16 @@
+"""The gated delta rule's chunk algebra (gated_delta_rule/math.py) against float64
+references: masked decays and the backward's parts summed over blocks."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gdnx.measure import relative_error
-from gdnx.ops.gated_delta_rule import chunk_math
+from gdnx.ops.delta_rule import primitives
+from gdnx.ops.gated_delta_rule import math as chunk_math
 
 pytestmark = pytest.mark.usefixtures("x64")  # float64 references
-
-
-@pytest.mark.parametrize("inverse", [chunk_math.unit_lower_inverse, chunk_math.unit_lower_inverse_loop])
-@pytest.mark.parametrize("c", [16, 32, 64, 128])
-def test_unit_lower_inverse_is_exact(inverse, c):
-    rng = np.random.default_rng(c)
-    a = np.tril(rng.standard_normal((3, c, c)) * 0.3, -1)
-    inv = np.asarray(jax.jit(jax.vmap(inverse))(jnp.asarray(a)))
-    ref = np.linalg.inv(np.eye(c) + a)
-    # Relative error of the inverse itself: float64 rounding only. A sign
-    # error or a dropped term in any block is O(1).
-    assert np.linalg.norm(inv - ref) / np.linalg.norm(ref) < 1e-12
-    assert np.all(np.triu(inv, 1) == 0) and np.allclose(np.diagonal(inv, axis1=-2, axis2=-1), 1)
-
-
-def test_row_col_round_trip():
-    x = jnp.arange(8.0)[None, :]
-    col = chunk_math.row_to_col(x)
-    assert col.shape == (8, 1)
-    np.testing.assert_array_equal(col[:, 0], x[0])
-    np.testing.assert_array_equal(chunk_math.col_to_row(col), x)
 
 
 def test_decay_is_masked_before_exp():
@@ -41,23 +24,6 @@ def test_decay_is_masked_before_exp():
     assert np.all(np.isfinite(prep.dec.dm)) and np.all(np.triu(np.asarray(prep.dec.dm), 1) == 0)
     np.testing.assert_allclose(np.diagonal(np.asarray(prep.dec.dm)), 1.0)
     np.testing.assert_allclose(prep.dec.gcum[:, 0], -100.0 * np.arange(1, c + 1))
-
-
-@pytest.mark.parametrize("split", [False, True], ids=["float32", "bf16_parts"])
-@pytest.mark.parametrize("c", [16, 64])
-def test_segment_sums_do_not_cancel(c, split):
-    """Entry (i, j) is sum_{j < l <= i} g_l to float32 rounding of that sum
-    itself, however large the cumulative sums before the segment; also as
-    three bfloat16 passes (the GPU kernels' form)."""
-    rng = np.random.default_rng(c)
-    g = rng.uniform(-69.0, -31.0, size=(1, c))
-    g[rng.random(g.shape) < 0.5] = 0.0
-    g[0, :4] = rng.uniform(-1e-3, 0.0, size=4)  # small gates keep their low bits too
-    seg = np.asarray(chunk_math.segment_sums(jnp.asarray(g, jnp.float32), split=split), np.float64)
-    cum = np.concatenate([[0.0], np.cumsum(g[0])])
-    ref = np.tril(cum[1:, None] - cum[None, 1:])
-    scale = np.maximum(np.abs(ref), 1.0)
-    assert np.max(np.abs(seg - ref) / scale) < 1e-6
 
 
 def test_backward_parts_add_up_over_blocks():
@@ -102,23 +68,3 @@ def test_backward_parts_add_up_over_blocks():
     np.testing.assert_allclose(dgamma, ss_all.dgamma, rtol=1e-10)
     for x, y in zip(ks, ks_all):
         np.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("exact", [0, 1])
-def test_a_bfloat16_operand_with_a_float32_one_is_exact(exact):
-    """`dot` of a raw bfloat16 block and a float32 factor (products in
-    float32) takes `exact_dot`'s three bfloat16 passes: as accurate as a
-    float32 product (relative error <= 1e-6 against float64, where float32
-    rounding of 64-term sums measures ~1e-7), in either operand order."""
-    rng = np.random.default_rng(0)
-    raw = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
-    f32 = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
-    a, b = (raw, f32) if exact == 0 else (f32, raw)
-    want = np.asarray(a, np.float64).T @ np.asarray(b, np.float64)
-    got = chunk_math.dot(a, b, ((0,), (0,)))
-    assert got.dtype == jnp.float32
-    assert relative_error(got, want) <= 1e-6
-    # a single bfloat16 pass over the float32 factor would be ~1e-3 off
-    single = jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (((0,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-    assert relative_error(single, want) > 1e-4

@@ -32,7 +32,7 @@ import pytest
 
 from gdnx import aot
 from gdnx.ops import chunk_gated_delta_rule, chunk_kda
-from gdnx.ops.gated_delta_rule import tiles_for
+from gdnx.ops.delta_rule import tiles_for
 
 pytestmark = pytest.mark.deviceless
 
@@ -148,11 +148,13 @@ def test_compiles_for_tpu_v4(program):
 def test_tpu_cost_analysis_sees_the_kernels(name):
     """XLA's cost analysis of the compiled program counts the kernels' declared
     FLOPs: within 10% of the analytic count of the chunk algebra (GDN's, KDA's)."""
-    from gdnx.ops.gated_delta_rule.pallas_common import op_flops
+    from gdnx.ops.delta_rule.costs import op_flops
+    from gdnx.ops.gated_delta_rule.math import VARIANT as GDN
+    from gdnx.ops.kda.math import VARIANT as KDA_VARIANT
 
     p = next(x for x in PROGRAMS + KDA_PROGRAMS if x.name == name)
     fn, args = build(p, "tpu_v5e")
     flops = jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
-    fwd, bwd = op_flops(p.b, p.t, p.hk, p.hv, p.dim, p.dim, per_channel=p.per_channel)
+    fwd, bwd = op_flops(KDA_VARIANT if p.per_channel else GDN, p.b, p.t, p.hk, p.hv, p.dim, p.dim)
     expected = fwd + bwd if p.grad else fwd  # with grad, the forward kernel runs as well
     assert abs(flops - expected) <= 0.1 * expected, (flops, expected)

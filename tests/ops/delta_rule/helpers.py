@@ -26,8 +26,8 @@ import numpy as np
 
 from gdnx.measure import relative_error
 from gdnx.ops import chunk_gated_delta_rule, chunk_kda
-from tests.ops.gated_delta_rule.cases import Case, make_inputs
-from tests.ops.gated_delta_rule.oracle import oracle, oracle_packed
+from tests.ops.delta_rule.cases import Case, make_inputs
+from tests.ops.delta_rule.oracle import oracle, oracle_packed
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float64": 1e-10}
 FLOOR = 1e-6

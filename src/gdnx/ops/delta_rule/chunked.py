@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from gdnx.ops.gated_delta_rule import chunk_math
-from gdnx.ops.gated_delta_rule.backend import Backend
-from gdnx.ops.gated_delta_rule.layout import ChunkPlan, from_slots, make_plan, to_slots
-from gdnx.ops.gated_delta_rule.options import DEFAULTS, RESIDUAL_NAMES, ResidualPolicy
+from gdnx.ops.delta_rule import primitives
+from gdnx.ops.delta_rule.backend import Backend
+from gdnx.ops.delta_rule.layout import ChunkPlan, from_slots, make_plan, to_slots
+from gdnx.ops.delta_rule.options import DEFAULTS, RESIDUAL_NAMES, ResidualPolicy
+from gdnx.ops.delta_rule.variant import Gate
 
 
 class ChunkOptions(NamedTuple):
@@ -38,16 +39,16 @@ class ChunkOptions(NamedTuple):
     state_dtype: jnp.dtype          # the state and every accumulation
     decay_dtype: jnp.dtype          # gate sums and decay factors
     residuals: ResidualPolicy = DEFAULTS.residuals
-    matmul_dtype: jnp.dtype | jax.lax.DotAlgorithmPreset | None = None  # see chunk_math
+    matmul_dtype: jnp.dtype | jax.lax.DotAlgorithmPreset | None = None  # see primitives.dot
     use_qk_l2norm: bool = False     # normalise q, k inside
 
     def keys(self, x):
         """q or k of a chunk in the accumulation dtype, normalised when l2norm."""
         x = x.astype(self.state_dtype)
-        return chunk_math.l2norm(x) if self.use_qk_l2norm else x
+        return primitives.l2norm(x) if self.use_qk_l2norm else x
 
     def algebra(self) -> dict:
-        """Keyword arguments of the chunk_math value-head functions."""
+        """Keyword arguments of a Variant's value-head functions."""
         return dict(scale=self.scale, decay_dtype=self.decay_dtype, matmul_dtype=self.matmul_dtype)
 
 
@@ -80,9 +81,10 @@ def finite_gates(g, decay_dtype):
     return jnp.maximum(g, jnp.asarray(floor, g.dtype))
 
 
-def to_blocks(q, k, v, g, beta, plan: ChunkPlan) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """[R, T, H, D] inputs -> [NC, R, HK, (G,) C, D] chunk blocks; a gate
-    [R, T, HV] becomes rows [NC, R, HK, G, 1, C], a per-channel gate
+def to_blocks(q, k, v, g, beta, plan: ChunkPlan,
+              gate: Gate) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """[R, T, H, D] inputs -> [NC, R, HK, (G,) C, D] chunk blocks; a gate per
+    head [R, T, HV] becomes rows [NC, R, HK, G, 1, C], a gate per channel
     [R, T, HV, K] blocks [NC, R, HK, G, C, K]."""
     r, _, hk, k_dim = q.shape
     hv = v.shape[2]
@@ -98,8 +100,8 @@ def to_blocks(q, k, v, g, beta, plan: ChunkPlan) -> tuple[jax.Array, jax.Array, 
     def gate_blocks(x):  # rows [1, C], as the chunk algebra takes them
         return to_slots(x, plan).reshape(r, nc, c, hk, grp).transpose(1, 0, 3, 4, 2)[..., None, :]
 
-    # a per-channel gate (KDA, [R, T, HV, K]) is laid out as the values: [C, K] blocks
-    gb = value_blocks(g) if g.ndim == 4 else gate_blocks(g)
+    # a gate per channel is laid out as the values: [C, K] blocks
+    gb = value_blocks(g) if gate == "channel" else gate_blocks(g)
     return qk_blocks(q), qk_blocks(k), value_blocks(v), gb, gate_blocks(beta)
 
 
@@ -193,7 +195,7 @@ def _chunk_scan_bwd(backend: Backend, opts: ChunkOptions, res, cts):
     dq, dk, dv, dg, dbeta, dh0 = fn(q, k, v, g, beta, tinv, states, do, dfinal, *flags)
     if opts.use_qk_l2norm:
         def l2(a, b):
-            return chunk_math.l2norm(a.astype(opts.state_dtype)), chunk_math.l2norm(b.astype(opts.state_dtype))
+            return primitives.l2norm(a.astype(opts.state_dtype)), primitives.l2norm(b.astype(opts.state_dtype))
 
         dq, dk = jax.vjp(l2, q, k)[1]((dq.astype(opts.state_dtype), dk.astype(opts.state_dtype)))
     # An empty packed sequence passes h0 straight to its final state.
@@ -236,7 +238,8 @@ def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, 
     # The VJP returns dh0 in the accumulation dtype, so h0 comes in in it.
     h0b = h0.astype(opts.state_dtype).reshape(h0.shape[0], hk, hv // hk, k_dim, v_dim)
     flags = _flags(plan)
-    blocks = to_blocks(q, k, v, finite_gates(g, opts.decay_dtype), beta, plan)
+    assert backend.variant is not None  # chunked
+    blocks = to_blocks(q, k, v, finite_gates(g, opts.decay_dtype), beta, plan, backend.variant.gate)
     if chunk_states:
         assert cu_seqlens is None  # checked by the public op
         o, final, states, _ = _forward(backend, *blocks, jax.lax.stop_gradient(h0b), flags, plan.nonempty, opts,

@@ -1,7 +1,8 @@
 """The op's vocabulary, with no kernel behind it: implementation names,
 chunk sizes, residual policies, and `DeltaRuleOptions`, the settings a
-model fixes once. Every default of the op is written here. Config and
-models import this module; the kernels are imported only by api.py.
+model fixes once, for every delta-rule op. Every default of the ops is
+written here. Config and models import this module; the kernels are
+imported only by each op's api.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class DeltaRuleOptions:
     op's defaults: keyword arguments of `chunk_gated_delta_rule` (the
     recurrent op takes the two dtypes). The op checks them at each call."""
 
-    implementation: Implementation | None = None  # None: by platform (api.default_chunk_implementation)
+    implementation: Implementation | None = None  # None: by platform (dispatch.default_implementation)
     chunk_size: int = 64
     state_dtype: DTypeLike = "float32"
     decay_dtype: DTypeLike = "float32"

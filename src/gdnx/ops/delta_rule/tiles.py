@@ -21,7 +21,7 @@ from typing import Literal, overload
 
 import jax
 
-from gdnx.ops.gated_delta_rule.options import KERNEL_PLATFORMS
+from gdnx.ops.delta_rule.options import KERNEL_PLATFORMS
 
 
 @dataclasses.dataclass(frozen=True)

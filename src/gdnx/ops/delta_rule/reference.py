@@ -1,4 +1,4 @@
-"""Token-by-token gated delta rule: decode steps, and the readable definition.
+"""The delta rule token by token: decode steps, and the readable definition.
 
     S_t = exp(g_t) S_{t-1} + k_t (x) beta_t (v_t - (exp(g_t) S_{t-1})^T k_t)
     o_t = scale S_t^T q_t
@@ -15,13 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gdnx.ops.gated_delta_rule.backend import Backend
-from gdnx.ops.gated_delta_rule.layout import from_slots, make_plan, to_slots
+from gdnx.ops.delta_rule.backend import Backend
+from gdnx.ops.delta_rule.layout import from_slots, make_plan, to_slots
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype, decay_dtype,
+def recurrent_reference(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype, decay_dtype,
                                          token_states: bool = False):
     """(o, final), and with token_states (no cu_seqlens) the state after
     every token [B, T, HV, K, V]."""
@@ -65,4 +65,4 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, h0, *, cu_seqlens, sc
     return out
 
 
-BACKEND = Backend("reference", run=recurrent_gated_delta_rule_reference)
+BACKEND = Backend("reference", run=recurrent_reference)
