@@ -129,7 +129,7 @@ def main():
     import jax
 
     from gdnx import aot
-    from tests.ops.delta_rule.test_compile import COMPILE_TARGETS, KDA_PROGRAMS, PROGRAMS, build
+    from tests.ops.delta_rule.programs import COMPILE_TARGETS, KDA_PROGRAMS, PROGRAMS, build
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", nargs="*", default=list(COMPILE_TARGETS))
@@ -172,7 +172,7 @@ def one(target: str, name: str, dump: str):
     import jax
 
     from gdnx import aot
-    from tests.ops.delta_rule.test_compile import KDA_PROGRAMS, PROGRAMS, build
+    from tests.ops.delta_rule.programs import KDA_PROGRAMS, PROGRAMS, build
 
     fn, args = build(next(x for x in PROGRAMS + KDA_PROGRAMS if x.name == name), target)
     t0 = time.perf_counter()

@@ -41,7 +41,7 @@ print(ran, (maps() - m0) / ran, time.perf_counter() - t0)
 
 def checkpoint(where: Path) -> Path:
     sys.path.insert(0, str(ROOT))
-    from tests.hf_models import random_hf_model, write_chat_tokenizer
+    from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer
 
     path = where / "model"
     random_hf_model("qwen3_5").save_pretrained(path)

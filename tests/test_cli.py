@@ -17,17 +17,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from gdnx.cli import main
-from tests.hf_models import VOCAB, hf_and_gdnx
+from tests.helpers.hf_models import VOCAB, hf_and_gdnx
 from tests.helpers.configs import SMALL_RUN
-
-
-def _error(capsys, argv) -> str:
-    """The one error line of a refused command (a progress bar may precede it)."""
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    lines = [line for line in err.splitlines() if line.startswith("gdnx ")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
+from tests.helpers.cli import refused
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -50,7 +42,7 @@ def _error(capsys, argv) -> str:
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)
-    assert _error(capsys, argv).startswith(expected)
+    assert refused(capsys, argv).startswith(expected)
     assert not (tmp_path / "runs").exists()  # nothing written for a refused run
 
 
@@ -59,7 +51,7 @@ def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path
     assert main(["train", "tiny", *SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", out]) == 0
     capsys.readouterr()
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "model.hidden_size=48", "train.steps=3", out])
+    err = refused(capsys, ["train", "tiny", *SMALL_RUN, "model.hidden_size=48", "train.steps=3", out])
     assert "holds checkpoints of another config" in err and "model.hidden_size: 32 there, 48 here" in err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
@@ -67,7 +59,7 @@ def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "1 17 2 18 1", "--max-new-tokens", "3"]) == 0
     printed = capsys.readouterr().out.split()
     assert len(printed) == 3 and all(0 <= int(t) < 32 for t in printed)
-    err = _error(capsys, ["generate", "--checkpoint", str(tmp_path), "--prompt", "hello"])
+    err = refused(capsys, ["generate", "--checkpoint", str(tmp_path), "--prompt", "hello"])
     assert "--prompt: this model was trained on MQAR" in err
     # the same prompt through the engine, beside another: the same greedy tokens
     src, res = tmp_path / "gen" / "prompts.jsonl", tmp_path / "gen" / "results.jsonl"
@@ -115,11 +107,11 @@ def test_train_on_a_text_file(tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().err  # the evaluation line of a text run
     assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "line 3", "--max-new-tokens", "4"]) == 0
     capsys.readouterr()
-    err = _error(capsys, ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x", "model.scan_layers=false"])
+    err = refused(capsys, ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x", "model.scan_layers=false"])
     assert err.startswith("gdnx generate: error: model.scan_layers: a gdnx run's checkpoint restores in"), err
     # the text changed under a run with checkpoints: refused, not re-tokenized and resumed on other data
     data.write_text(data.read_text() + "\n" + json.dumps({"text": "one more line"}))
-    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "data.source=text", f"data.path={data}", "model.vocab_size=256",
+    err = refused(capsys, ["train", "tiny", *SMALL_RUN, "data.source=text", f"data.path={data}", "model.vocab_size=256",
                           "train.steps=4", f"train.out_dir={tmp_path / 'run'}"])
     assert "data.path: " in err and "changed since" in err and "restore it, or use another train.out_dir" in err
     # shards from gdnx prepare: generate finds their tokenizer
@@ -129,7 +121,7 @@ def test_train_on_a_text_file(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "run3"), "--prompt", "line", "--max-new-tokens", "4"]) == 0
     capsys.readouterr()
     (tmp_path / "bad.jsonl").write_text("not json\n")
-    err = _error(capsys, ["train", "tiny", "data.source=text", f"data.path={tmp_path / 'bad.jsonl'}",
+    err = refused(capsys, ["train", "tiny", "data.source=text", f"data.path={tmp_path / 'bad.jsonl'}",
                           f"train.out_dir={tmp_path / 'run2'}"])
     assert "line 1: expected a JSON object" in err
 
@@ -161,7 +153,7 @@ def test_train_and_generate_each_family(capsys, tmp_path, family):
         theirs = hf(torch.tensor(toks)).logits.numpy()
     ours = load_run(tmp_path).model(jnp.asarray(toks, jnp.int32))
     assert relative_error(ours, theirs) <= 1e-4
-    assert "--out " in _error(capsys, ["export", str(tmp_path), "--out", str(tmp_path / "hf")])  # not empty
+    assert "--out " in refused(capsys, ["export", str(tmp_path), "--out", str(tmp_path / "hf")])  # not empty
 
 
 def _tokenizer(path):
@@ -175,18 +167,18 @@ def test_every_data_and_file_mistake_is_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = ["train", "tiny", *SMALL_RUN, "data.source=text", "model.vocab_size=256"]
     (tmp_path / "num.jsonl").write_text('{"text": 5}\n')
-    assert 'line 1: "text" is a int, expected a string' in _error(capsys, [*text, "data.path=num.jsonl"])
+    assert 'line 1: "text" is a int, expected a string' in refused(capsys, [*text, "data.path=num.jsonl"])
     (tmp_path / "bin.jsonl").write_bytes(b'{"text": "\xff\xfe"}\n')
-    assert "bin.jsonl line 1: not UTF-8 text (byte 10)" in _error(capsys, [*text, "data.path=bin.jsonl"])
+    assert "bin.jsonl line 1: not UTF-8 text (byte 10)" in refused(capsys, [*text, "data.path=bin.jsonl"])
     (tmp_path / "ok.txt").write_text("some text " * 20)
     (tmp_path / "tokenizer.json").write_text("{not json")
-    err = _error(capsys, [*text, "data.path=ok.txt", "data.tokenizer=tokenizer.json"])
+    err = refused(capsys, [*text, "data.path=ok.txt", "data.tokenizer=tokenizer.json"])
     assert "data.tokenizer: " in err and "is not a readable tokenizer.json" in err
     (tmp_path / "afile").write_text("x")
-    assert "train.out_dir" in _error(capsys, ["train", "tiny", *SMALL_RUN, "train.out_dir=afile"])
+    assert "train.out_dir" in refused(capsys, ["train", "tiny", *SMALL_RUN, "train.out_dir=afile"])
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
-    err = _error(capsys, ["train", "tiny", *SMALL_RUN, f"train.out_dir={tmp_path / 'new'}"])
+    err = refused(capsys, ["train", "tiny", *SMALL_RUN, f"train.out_dir={tmp_path / 'new'}"])
     assert f"{tmp_path} is not writable" in err
 
 
@@ -200,37 +192,37 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_bind_the_out_dir
     out = f"train.out_dir={tmp_path}"
     with monkeypatch.context() as m:
         m.setattr(loop.Trainer, "step", exhausted)
-        assert "out of memory" in _error(capsys, ["train", "tiny", *SMALL_RUN, "train.steps=3", out])
+        assert "out of memory" in refused(capsys, ["train", "tiny", *SMALL_RUN, "train.steps=3", out])
     assert (tmp_path / "config.json").is_file()
     assert main(["train", "tiny", *SMALL_RUN, "data.seq_len=36", "train.steps=3", out]) == 0
 
 
 def test_every_config_and_size_mistake_is_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert "train.learning_rate: Input should be a finite number" in _error(
+    assert "train.learning_rate: Input should be a finite number" in refused(
         capsys, ["train", "tiny", "train.learning_rate=.inf"])
-    assert "train.steps: expected a number, got true" in _error(capsys, ["train", "tiny", "train.steps=true"])
+    assert "train.steps: expected a number, got true" in refused(capsys, ["train", "tiny", "train.steps=true"])
     # the base config holds the full-size defaults: refused before anything is built
-    err = _error(capsys, ["train", "base"])
+    err = refused(capsys, ["train", "base"])
     assert "79.7B parameters need about" in err and "is a base for a run on a slice" in err
     assert not (tmp_path / "runs").exists()
     # a very deep stack is counted, not built: refused at once (building 100000 layers took hours)
     start = time.monotonic()
-    err = _error(capsys, ["train", "base", "model.num_hidden_layers=100000", "model.layer_types=null"])
+    err = refused(capsys, ["train", "base", "model.num_hidden_layers=100000", "model.layer_types=null"])
     assert "164692.4B parameters need about" in err and time.monotonic() - start < 30
 
 
 def test_resume_refuses_a_change_that_alters_results_and_records_the_others(capsys, tmp_path):
     out = f"train.out_dir={tmp_path}"
     assert main(["train", "tiny", *SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", out]) == 0
-    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "train.batch_size=8", "train.steps=4", out])
+    err = refused(capsys, ["train", "tiny", *SMALL_RUN, "train.batch_size=8", "train.steps=4", out])
     assert "train.batch_size: 4 there, 8 here" in err
     saved = (tmp_path / "config.json").read_text()
     (tmp_path / "config.json").write_text("{corrupt")
-    assert "config.json: not valid JSON" in _error(capsys, ["train", "tiny", *SMALL_RUN, "train.steps=4", out])
+    assert "config.json: not valid JSON" in refused(capsys, ["train", "tiny", *SMALL_RUN, "train.steps=4", out])
     # no config.json beside the checkpoints: refused in one line, and nothing overwritten
     (tmp_path / "config.json").unlink()
-    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "model.hidden_size=48", "train.steps=4", out])
+    err = refused(capsys, ["train", "tiny", *SMALL_RUN, "model.hidden_size=48", "train.steps=4", out])
     assert "holds checkpoints but no config.json" in err and not (tmp_path / "config.json").exists()
     (tmp_path / "config.json").write_text(saved)
     capsys.readouterr()
@@ -249,31 +241,31 @@ def test_every_generate_mistake_is_one_line(capsys, tmp_path):
     assert main(["train", "tiny", *SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", f"train.out_dir={run}"]) == 0
     capsys.readouterr()
     gen = ["generate", "--checkpoint", str(run), "--prompt", "1 2 3"]
-    err = _error(capsys, [*gen, "--max-new-tokens", str(10 ** 12)])
+    err = refused(capsys, [*gen, "--max-new-tokens", str(10 ** 12)])
     assert "--max-new-tokens: the prompt's 3 tokens + 1000000000000 exceed the model's 262144 positions" in err
     import gdnx.training.loop as loop
 
     with pytest.MonkeyPatch.context() as patch:  # a device too small: generate's own advice, not training's
         patch.setattr(loop, "memory_capacity", lambda devices: 1000)
-        err = _error(capsys, [*gen, "--max-new-tokens", "8"])
+        err = refused(capsys, [*gen, "--max-new-tokens", "8"])
     assert "--max-new-tokens: 11 tokens need" in err and "the prompt's pass" in err and "--max-new-tokens" in err
     assert "shorten the prompt" in err and "train.grad_accum_steps" not in err
-    assert "model.hidden_size: generate takes overrides of the model.gdn_* fields" in _error(
+    assert "model.hidden_size: generate takes overrides of the model.gdn_* fields" in refused(
         capsys, [*gen, "model.hidden_size=48"])
     (run / "config.json").write_text("{corrupt")
-    assert "config.json is not a gdnx run config" in _error(capsys, gen)
+    assert "config.json is not a gdnx run config" in refused(capsys, gen)
 
     hf = tmp_path / "hf"
     hf_and_gdnx(hf, "qwen3_next")
     _tokenizer(hf / "tokenizer.json")
     capsys.readouterr()
-    err = _error(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1 \ud800"])
+    err = refused(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1 \ud800"])
     assert err.startswith("gdnx generate: error: --prompt: cannot be encoded")
     weights = hf / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    assert "not a readable safetensors file" in _error(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1"])
+    assert "not a readable safetensors file" in refused(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1"])
     (hf / "config.json").write_text("{corrupt")
-    assert "config.json: not valid JSON" in _error(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1"])
+    assert "config.json: not valid JSON" in refused(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1"])
 
 
 def test_distributed_on_a_plain_host_and_out_of_memory_are_one_line(capsys, tmp_path, monkeypatch):
@@ -287,13 +279,13 @@ def test_distributed_on_a_plain_host_and_out_of_memory_are_one_line(capsys, tmp_
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "--distributed: the distributed runtime did not start" in done.stderr
     # a bad option is refused before any process starts
-    assert "--process-id: expected 0 <= id < --num-processes (2), got 5" in _error(
+    assert "--process-id: expected 0 <= id < --num-processes (2), got 5" in refused(
         capsys, ["train", "--num-processes", "2", "--process-id", "5"])
 
     def exhausted(*a, **k):
         raise MemoryError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0TiB")
     monkeypatch.setattr(train_module.Trainer, "step", exhausted)
-    err = _error(capsys, ["train", "tiny", *SMALL_RUN, f"train.out_dir={tmp_path}"])
+    err = refused(capsys, ["train", "tiny", *SMALL_RUN, f"train.out_dir={tmp_path}"])
     assert "out of memory" in err and "train.grad_accum_steps" in err and "model.remat_policy=full" in err
 
 
@@ -306,7 +298,7 @@ def test_plan_without_libtpu_says_what_to_install(capsys):
         pytest.skip("libtpu is installed here")
     except ImportError:
         pass
-    err = _error(capsys, ["plan", "tiny", "--topology", "v5p:2x2x1"])
+    err = refused(capsys, ["plan", "tiny", "--topology", "v5p:2x2x1"])
     assert "libtpu cannot describe it" in err and "pip install 'jax[tpu]==" in err
 
 
@@ -328,7 +320,7 @@ def test_every_fine_tuning_mistake_is_one_line(capsys, tmp_path):
     without a base, SFT examples the data or template refuse, an export of
     the wrong form: one line naming the field or line, exit 2; over-long
     examples are counted in the log."""
-    from tests.hf_models import random_hf_model, write_chat_tokenizer
+    from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer
 
     hf = tmp_path / "hf"
     random_hf_model("qwen3_5").save_pretrained(hf)
@@ -340,18 +332,18 @@ def test_every_fine_tuning_mistake_is_one_line(capsys, tmp_path):
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    err = _error(capsys, [*ft, f"model.init_from={llama}", f"data.path={tmp_path / 'ok.jsonl'}"])
+    err = refused(capsys, [*ft, f"model.init_from={llama}", f"data.path={tmp_path / 'ok.jsonl'}"])
     assert "model.init_from" in err and "model_type 'llama' is not a GDN hybrid gdnx builds" in err
-    err = _error(capsys, [*ft, "model.hidden_size=64", f"data.path={tmp_path / 'ok.jsonl'}"])
+    err = refused(capsys, [*ft, "model.hidden_size=64", f"data.path={tmp_path / 'ok.jsonl'}"])
     assert "model.hidden_size: 64 in the config, 32 in the checkpoint" in err
-    err = _error(capsys, ["train", "tiny", "train.lora.rank=4"])
+    err = refused(capsys, ["train", "tiny", "train.lora.rank=4"])
     assert "train.lora: adapters train on a frozen base; set model.init_from" in err
     bad = {"fields.jsonl": ({"question": "w1"}, 'line 1: expected {"messages": [...]}'),
            "role.jsonl": ({"messages": [{"role": "tool", "content": "w1"}, {"role": "assistant", "content": "w2"}]},
                           "line 1: the chat template refused the messages: unknown role tool")}
     for name, (example, message) in bad.items():
         (tmp_path / name).write_text(json.dumps(example) + "\n")
-        err = _error(capsys, [*ft, f"data.path={tmp_path / name}", f"train.out_dir={tmp_path / name}.run"])
+        err = refused(capsys, [*ft, f"data.path={tmp_path / name}", f"train.out_dir={tmp_path / name}.run"])
         assert err.startswith("gdnx train: error: data.path: ") and message in err, err
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -359,7 +351,7 @@ def test_every_fine_tuning_mistake_is_one_line(capsys, tmp_path):
         (bare / f).write_bytes((hf / f).read_bytes())
     (bare / "tokenizer.json").write_bytes((hf / "tokenizer.json").read_bytes())
     (tmp_path / "chat.jsonl").write_text(json.dumps(bad["role.jsonl"][0]).replace("tool", "user") + "\n")
-    err = _error(capsys, [*ft, f"model.init_from={bare}", f"data.path={tmp_path / 'chat.jsonl'}",
+    err = refused(capsys, [*ft, f"model.init_from={bare}", f"data.path={tmp_path / 'chat.jsonl'}",
                           f"train.out_dir={tmp_path / 'bare.run'}"])
     assert "no chat template" in err
     long = [{"prompt": " ".join(["w9"] * 30), "completion": " w8"}] + ok
@@ -367,18 +359,18 @@ def test_every_fine_tuning_mistake_is_one_line(capsys, tmp_path):
     assert main([*ft, f"data.path={tmp_path / 'long.jsonl'}", "data.val_fraction=0"]) == 0
     assert "1 of the 21 training examples are longer than data.seq_len + 1 = 17 tokens: dropped" in \
         " ".join(capsys.readouterr().err.split())  # as one line, however the console wrapped it
-    err = _error(capsys, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--adapter"])
+    err = refused(capsys, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--adapter"])
     assert "--adapter: the run trained every weight (no train.lora)" in err
 
 
 def test_what_a_run_cannot_hold_or_write_is_refused_before_training(tmp_path, capsys):
     """A batch larger than the machine (before JAX allocates it), and a
     `checkpoints` that is a file in the out_dir (before the first step)."""
-    err = _error(capsys, ["train", "tiny", "train.batch_size=1000000000", f"train.out_dir={tmp_path / 'big'}"])
+    err = refused(capsys, ["train", "tiny", "train.batch_size=1000000000", f"train.out_dir={tmp_path / 'big'}"])
     assert "train.batch_size: 1000000000 rows of" in err and "lower train.batch_size" in err
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoints").write_text("not a directory")
-    err = _error(capsys, ["train", "tiny", *SMALL_RUN, "train.steps=4", f"train.out_dir={tmp_path / 'run'}"])
+    err = refused(capsys, ["train", "tiny", *SMALL_RUN, "train.steps=4", f"train.out_dir={tmp_path / 'run'}"])
     assert "checkpoints there is a file" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

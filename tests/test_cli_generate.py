@@ -9,8 +9,8 @@ import pytest
 
 from gdnx.cli import main
 from gdnx.generate import generate
-from tests.hf_models import VOCAB, word_checkpoint, words
-from tests.test_cli import _error
+from tests.helpers.hf_models import VOCAB, word_checkpoint, words
+from tests.helpers.cli import refused
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_prompts_file_results_in_order(checkpoint, tmp_path, capsys):
 def test_each_prompts_file_mistake_is_one_line(checkpoint, tmp_path, capsys, line, match):
     src = tmp_path / "p.jsonl"
     src.write_text(line + "\n")
-    err = _error(capsys, ["generate", "--checkpoint", str(checkpoint[0]), "--prompts-file", str(src), "--out",
+    err = refused(capsys, ["generate", "--checkpoint", str(checkpoint[0]), "--prompts-file", str(src), "--out",
                           str(tmp_path / "o.jsonl"), "--max-length", "10"])
     assert match in err, err
     assert not (tmp_path / "o.jsonl").exists()
@@ -67,13 +67,13 @@ def test_out_goes_with_prompts_file(checkpoint, tmp_path, capsys):
     src = tmp_path / "p.jsonl"
     src.write_text('{"prompt": "w1"}\n')
     base = ["generate", "--checkpoint", str(checkpoint[0])]
-    assert "--out: --prompts-file writes" in _error(capsys, base + ["--prompts-file", str(src)])
-    assert "--out: applies to --prompts-file" in _error(capsys, base + ["--prompt", "w1", "--out", "x"])
-    assert "--prompts-file: no such file" in _error(capsys, base + ["--prompts-file", "nope", "--out", "x"])
-    assert "--max-slots: expected an integer >= 1" in _error(capsys, base + ["--prompts-file", str(src), "--out",
+    assert "--out: --prompts-file writes" in refused(capsys, base + ["--prompts-file", str(src)])
+    assert "--out: applies to --prompts-file" in refused(capsys, base + ["--prompt", "w1", "--out", "x"])
+    assert "--prompts-file: no such file" in refused(capsys, base + ["--prompts-file", "nope", "--out", "x"])
+    assert "--max-slots: expected an integer >= 1" in refused(capsys, base + ["--prompts-file", str(src), "--out",
                                                                              str(tmp_path / "o"), "--max-slots", "0"])
     # an engine field's refusal names the flag typed (the engine's field is prefix_cache_bytes)
-    assert "--prefix-cache-mb: expected a non-negative integer" in _error(
+    assert "--prefix-cache-mb: expected a non-negative integer" in refused(
         capsys, base + ["--prompts-file", str(src), "--out", str(tmp_path / "o"), "--prefix-cache-mb", "-1"])
 
 
@@ -85,7 +85,7 @@ def test_out_is_checked_before_the_model_loads(tmp_path, capsys, out, match):
     (tmp_path / "dir").mkdir()
     (tmp_path / "file").write_text("")
     # the checkpoint does not exist: --out is refused first
-    err = _error(capsys, ["generate", "--checkpoint", str(tmp_path / "none"), "--prompts-file", str(src),
+    err = refused(capsys, ["generate", "--checkpoint", str(tmp_path / "none"), "--prompts-file", str(src),
                           "--out", str(tmp_path / out)])
     assert err.startswith("gdnx generate: error: --out:") and match in err, err
 
@@ -99,7 +99,7 @@ def test_more_prompts_file_mistakes_are_one_line(tmp_path, capsys, content, flag
     src = tmp_path / "p.jsonl"
     src.write_bytes(content)
     what = ["--prompt", "w1"] if "--resume" in flags else ["--prompts-file", str(src), "--out", str(tmp_path / "o")]
-    err = _error(capsys, ["generate", "--checkpoint", str(tmp_path), *what, *flags])
+    err = refused(capsys, ["generate", "--checkpoint", str(tmp_path), *what, *flags])
     assert match in err, err
 
 
@@ -159,8 +159,8 @@ def test_prompts_file_lines_take_an_output_constraint(tmp_path, capsys):
 
     import jsonschema
 
-    from tests.hf_models import BPE_VOCAB, random_hf_model, write_bpe_tokenizer
-    from tests.serving.test_grammar import SCHEMA
+    from tests.helpers.hf_models import BPE_VOCAB, random_hf_model, write_bpe_tokenizer
+    from tests.helpers.serving import SCHEMA
 
     path = tmp_path / "bpe"
     random_hf_model("qwen3_5", vocab_size=BPE_VOCAB, eos_token_id=0).save_pretrained(path)
@@ -178,7 +178,7 @@ def test_prompts_file_lines_take_an_output_constraint(tmp_path, capsys):
     assert re.fullmatch("[0-9]{3}", got[1]["completion"])
     capsys.readouterr()
     src.write_text(json.dumps({"prompt": "a", "structured_outputs": {"regex": "("}}) + "\n")
-    err = _error(capsys, ["generate", "--checkpoint", str(path), *flags])
+    err = refused(capsys, ["generate", "--checkpoint", str(path), *flags])
     assert "line 1: structured_outputs.regex: not a valid regex" in err, err
 
 

@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from tests.hf_models import random_hf_model, write_chat_tokenizer
-from tests.test_cli import _error
+from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer
+from tests.helpers.cli import refused
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        err = _error(capsys, ["serve", "--checkpoint", str(tmp_path / "none"), "--port", str(port)])
+        err = refused(capsys, ["serve", "--checkpoint", str(tmp_path / "none"), "--port", str(port)])
     assert f"--port: cannot listen on 127.0.0.1:{port}" in err
 
 
@@ -37,12 +37,12 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
     (["model.hidden_size=8"], "model.hidden_size: serve takes overrides of the model.gdn_* fields"),
 ])
 def test_each_bad_flag_is_one_line(checkpoint, capsys, flags, match):
-    err = _error(capsys, ["serve", "--checkpoint", str(checkpoint), "--port", "0", *flags])
+    err = refused(capsys, ["serve", "--checkpoint", str(checkpoint), "--port", "0", *flags])
     assert match in err, err
 
 
 def test_a_missing_checkpoint_is_one_line(tmp_path, capsys):
-    err = _error(capsys, ["serve", "--checkpoint", str(tmp_path / "none"), "--port", "0"])
+    err = refused(capsys, ["serve", "--checkpoint", str(tmp_path / "none"), "--port", "0"])
     assert "--checkpoint: no such directory" in err
 
 

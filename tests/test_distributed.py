@@ -331,7 +331,7 @@ def test_two_processes_load_a_hugging_face_directory_sharded_and_save_the_same_b
     """Each process reads its devices' parts of the files (fsdp=4 x tensor=2
     over two processes of 4 devices); saving gathers each tensor and
     process 0 writes: the bytes of a single-process save."""
-    from tests.hf_models import random_hf_model
+    from tests.helpers.hf_models import random_hf_model
 
     random_hf_model("qwen3_5_moe").save_pretrained(tmp_path / "hf")
     port = free_port()

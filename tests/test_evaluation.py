@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from gdnx.cli import main
-from tests.hf_models import random_hf_model, sentence, word, write_chat_tokenizer
-from tests.test_cli import _error
+from tests.helpers.cli import refused
+from tests.helpers.evaluation import first_logprob, read_samples, write_model_and_tasks
 
 lm_eval = pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.xdist_group("evaluation")  # one worker builds the checkpoint and the reference
@@ -23,55 +23,7 @@ TASKS = "tiny_mc,tiny_ppl,tiny_gen"
 def setup(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_DATASETS_OFFLINE", "1")  # the tasks' data are local files
-        yield _write(tmp_path_factory.mktemp("eval"))
-
-
-def _write(root):
-    """A tiny checkpoint with a word-level tokenizer, and three local tasks."""
-    path = root / "model"
-    random_hf_model("qwen3_5", scale=5.0).save_pretrained(path)
-    write_chat_tokenizer(path)
-    rng = np.random.default_rng(0)
-    tasks = root / "tasks"
-    tasks.mkdir()
-    with open(tasks / "mc.jsonl", "w") as f:
-        for _ in range(6):
-            choices = [sentence(rng, int(rng.integers(1, 4))) for _ in range(3)]
-            f.write(json.dumps({"question": sentence(rng, int(rng.integers(3, 40))), "choices": choices,
-                                "answer": int(rng.integers(0, 3))}) + "\n")
-    with open(tasks / "text.jsonl", "w") as f:
-        for n in (5, 30, 90):  # the last one longer than a scoring bucket's first size
-            f.write(json.dumps({"text": sentence(rng, n)}) + "\n")
-    with open(tasks / "gen.jsonl", "w") as f:
-        for _ in range(3):
-            f.write(json.dumps({"question": sentence(rng, 8), "answer": word(9)}) + "\n")
-    common = "test_split: test\ndataset_path: json\n"
-    (tasks / "tiny_mc.yaml").write_text(
-        f"task: tiny_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'mc.jsonl'}\n"
-        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
-    (tasks / "tiny_ppl.yaml").write_text(
-        f"task: tiny_ppl\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'text.jsonl'}\n"
-        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
-        "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
-    (tasks / "tiny_gen.yaml").write_text(
-        f"task: tiny_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {tasks / 'gen.jsonl'}\n"
-        "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: ['w7']\n  max_gen_toks: 6\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
-    return path, tasks
-
-
-def _samples(out_dir, task) -> list[dict]:
-    files = sorted(out_dir.rglob(f"samples_{task}_*.jsonl"))
-    assert len(files) == 1, files
-    return [json.loads(x) for x in files[0].read_text().splitlines()]
-
-
-def _logprob(resp) -> float:
-    while isinstance(resp, (list, tuple)):
-        resp = resp[0]
-    return float(resp)
+        yield write_model_and_tasks(tmp_path_factory.mktemp("eval"))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +50,7 @@ def _same_numbers(results: dict, samples: dict, ref: dict, tasks: list[str]) -> 
                 continue
             # resps: per request [[logprob, greedy]] (multiple choice) or [logprob] (rolling); a samples
             # file holds them as lm-eval writes them (strings)
-            lg, lw = (np.asarray([_logprob(r) for r in x["resps"]], np.float64) for x in (g, w))
+            lg, lw = (np.asarray([first_logprob(r) for r in x["resps"]], np.float64) for x in (g, w))
             np.testing.assert_allclose(lg, lw, rtol=1e-4)
             if task == "tiny_mc":
                 assert [str(r[0][1]) for r in g["resps"]] == [str(bool(r[0][1])) for r in w["resps"]]
@@ -115,7 +67,7 @@ def test_gdnx_eval_gives_lm_evals_hf_numbers(setup, reference, tmp_path, capsys)
     table = capsys.readouterr().out
     assert "tiny_mc" in table and "acc" in table and "word_perplexity" in table
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
-    samples = {task: _samples(out, task) for task in TASKS.split(",")}
+    samples = {task: read_samples(out, task) for task in TASKS.split(",")}
     _same_numbers(results, samples, reference, TASKS.split(","))
 
 
@@ -141,7 +93,7 @@ def test_gdnx_eval_on_two_processes_gives_the_same_numbers(setup, reference, tmp
     assert [p.returncode for p in procs] == [0, 0], done
     assert "tiny_mc" in done[0][0] and done[1][0] == ""
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
-    samples = {task: _samples(out, task) for task in TASKS.split(",")}
+    samples = {task: read_samples(out, task) for task in TASKS.split(",")}
     _same_numbers(results, samples, reference, TASKS.split(","))
 
 
@@ -151,7 +103,7 @@ def test_lm_evals_api_backends_against_gdnx_serve(setup, reference):
     local-chat-completions backend (generation, the checkpoint's chat
     template): the hf backend's texts with the chat template applied."""
     from lm_eval.tasks import TaskManager
-    from tests.serving.test_server import Server
+    from tests.helpers.serving import Server
 
     path, tasks = setup
     manager = TaskManager(include_path=str(tasks))
@@ -194,7 +146,7 @@ def test_each_eval_mistake_is_one_line(setup, capsys, flags, match):
     flags = [x.format(dir=path) for x in flags]
     if "--include-path" not in flags:
         flags = [*flags, "--include-path", str(tasks)]
-    assert match in _error(capsys, ["eval", "--checkpoint", str(path), *flags])
+    assert match in refused(capsys, ["eval", "--checkpoint", str(path), *flags])
 
 
 def test_a_task_of_local_files_that_names_none_is_one_line(setup, tmp_path, capsys):
@@ -203,7 +155,7 @@ def test_a_task_of_local_files_that_names_none_is_one_line(setup, tmp_path, caps
     (tmp_path / "nofiles.yaml").write_text("task: nofiles\ndataset_path: json\ntest_split: test\n"
                                           "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
                                           "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n")
-    err = _error(capsys, ["eval", "--checkpoint", str(setup[0]), "--tasks", "nofiles", "--include-path",
+    err = refused(capsys, ["eval", "--checkpoint", str(setup[0]), "--tasks", "nofiles", "--include-path",
                           str(tmp_path)])
     assert "--tasks: task 'nofiles'" in err and "give dataset_kwargs.data_files" in err, err
 

@@ -123,3 +123,18 @@ def test_no_command_module_imports_another():
     for name, deps in graph.items():
         if name not in cli and name != "gdnx.__main__":
             assert not deps & cli, (name, deps & cli)
+
+
+def test_no_test_module_imports_another():
+    """Tests share code through helper modules (tests/helpers, a
+    directory's helpers), never by importing another test module."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [(str(path.relative_to(tests)), n) for n in names
+                      if n.startswith("tests.") and n.rpartition(".")[2].startswith("test_")]
+    assert not found, found
+

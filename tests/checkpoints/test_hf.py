@@ -17,7 +17,7 @@ from gdnx.checkpoints.hf_config import hf_config_from_model, model_config_from_h
 from gdnx.config import ModelConfig
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
-from tests.hf_models import hf_and_gdnx, hf_logits, tokens
+from tests.helpers.hf_models import hf_and_gdnx, hf_logits, tokens
 
 
 def test_round_trip_through_transformers(tmp_path):

@@ -14,7 +14,7 @@ from gdnx.cli import main
 from gdnx.config import load_config
 from gdnx.training import train
 from tests.helpers.configs import SMALL_RUN
-from tests.training.test_loop import _params
+from tests.helpers.checkpoints import saved_params
 
 
 def _config(out, steps, **kw):
@@ -45,7 +45,7 @@ def _no_manifest(out):
 def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
     train(_config(out, 9))
-    return _params(out)
+    return saved_params(out)
 
 
 @pytest.mark.parametrize("harm", ["flip", "truncate", "no_manifest"])
@@ -66,7 +66,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, c
     err = capsys.readouterr().err
     assert "the checkpoint at step 6 is damaged" in err and "resumed from the checkpoint at step 3" in err
     assert (tmp_path / "damaged" / "6").is_dir()
-    step, params = _params(tmp_path)
+    step, params = saved_params(tmp_path)
     assert step == straight[0] == 9
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(straight[1]), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -100,7 +100,7 @@ def test_an_unfinished_first_checkpoint_starts_over(tmp_path, capsys, straight):
     err = capsys.readouterr().err
     assert "step 3 is damaged: it has no checksum manifest" in err and "starts from step 0" in err
     assert "resumed from" not in err and (tmp_path / "damaged" / "3").is_dir()
-    step, params = _params(tmp_path)
+    step, params = saved_params(tmp_path)
     assert step == straight[0] == 9
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(straight[1]), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -137,7 +137,7 @@ def test_keeping_one_checkpoint_never_leaves_none_intact(tmp_path, capsys, strai
     assert "step 6 is damaged: it has no checksum manifest" in err and "resumed from the checkpoint at step 3" in err
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["9"]
     assert sorted(p.name for p in (tmp_path / "checksums").iterdir()) == ["9.json"]
-    step, params = _params(tmp_path)
+    step, params = saved_params(tmp_path)
     assert step == straight[0] == 9
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(straight[1]), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gdnx.data.chat import ChatTemplate
-from tests.hf_models import write_chat_tokenizer
+from tests.helpers.hf_models import write_chat_tokenizer
 
 CONVERSATION = [{"role": "system", "content": "w10 w11"}, {"role": "user", "content": "w20 w21 w22"},
                 {"role": "assistant", "content": "w30 w31"}, {"role": "user", "content": "w40"},

@@ -9,7 +9,7 @@ import pytest
 
 from gdnx.data.sft import ExampleEncoder, ExampleRows, prepare_sft
 from gdnx.data.tokens import TokenShards, host_batch
-from tests.hf_models import write_chat_tokenizer
+from tests.helpers.hf_models import write_chat_tokenizer
 
 
 def _write(path, examples):

@@ -9,7 +9,7 @@ import torch
 
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.measure import relative_error
-from tests.hf_models import hf_and_gdnx
+from tests.helpers.hf_models import hf_and_gdnx
 
 TOL = 1e-5
 T = 45

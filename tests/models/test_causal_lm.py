@@ -13,8 +13,8 @@ from gdnx.config import ModelConfig, load_config
 from gdnx.measure import relative_error
 from gdnx.models import Cache, CausalLM
 from gdnx.models.causal_lm import parameter_count
-from gdnx.stacking import layer_paths
 from tests.helpers.configs import KIMI, LARA, LING, MOE, TINY_HYBRID
+from tests.helpers.models import unrolled_view
 
 TINY = {**TINY_HYBRID, **MOE}
 
@@ -184,16 +184,6 @@ def test_packed_documents_match_each_document_alone(implementation, family):
     # the second row: the reversed tokens cut at the same boundaries
     assert relative_error(packed[1, :7], alone(model, row[:, ::-1][:, :7])[0]) <= 1e-5
     assert relative_error(packed[1, 7:27], alone(model, row[:, ::-1][:, 7:27])[0]) <= 1e-5
-
-
-def unrolled_view(model: CausalLM) -> dict[tuple, jax.Array]:
-    """A model's parameters by their unrolled paths ("layers", i, ...),
-    scanned or not (gdnx.stacking.layer_paths)."""
-    out = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        paths, stacked = layer_paths(model.config, path)
-        out.update((q, var[i] if stacked else var[...]) for i, q in enumerate(paths))
-    return out
 
 
 # 8 layers: a dense GDN layer first (the head), two repeats of (GDN MoE,

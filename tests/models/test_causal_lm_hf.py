@@ -22,7 +22,7 @@ from gdnx.generate import generate
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import parameter_count
-from tests.hf_models import KINDS, _BASE, hf_and_gdnx, hf_logits, random_hf_model, tokens
+from tests.helpers.hf_models import KINDS, _BASE, hf_and_gdnx, hf_logits, random_hf_model, tokens
 
 TOL = 1e-4
 

@@ -12,8 +12,8 @@ import pytest
 
 from gdnx.cli import main
 from gdnx.generate import generate
-from tests.hf_models import VOCAB, word_checkpoint, words
-from tests.test_cli import _error
+from tests.helpers.hf_models import VOCAB, word_checkpoint, words
+from tests.helpers.cli import refused
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_a_mesh_the_command_cannot_use_is_one_line(checkpoint, tmp_path, capsys,
     path, _ = checkpoint
     src = tmp_path / "prompts.jsonl"
     src.write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
-    line = _error(capsys, ["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--out",
+    line = refused(capsys, ["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--out",
                            str(tmp_path / "out.jsonl"), "--max-new-tokens", "2", "parallel.data=1", *overrides])
     assert re.search(match, line), line
 
@@ -62,17 +62,17 @@ def test_eval_on_a_mesh_gives_the_one_device_numbers(tmp_path, capsys):
     """gdnx eval with parallel.*: the scoring on a data x tensor mesh gives
     one device's per-sample log-likelihoods (1e-5 relative, float32)."""
     pytest.importorskip("lm_eval")
-    from tests.test_evaluation import _logprob, _samples, _write
+    from tests.helpers.evaluation import first_logprob, read_samples, write_model_and_tasks
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_DATASETS_OFFLINE", "1")
-        path, tasks = _write(tmp_path)
+        path, tasks = write_model_and_tasks(tmp_path)
         got = {}
         for name, overrides in (("one", []), ("mesh", ["parallel.data=2", "parallel.tensor=4"])):
             assert main(["eval", "--checkpoint", str(path), "--tasks", "tiny_mc,tiny_ppl", "--include-path",
                          str(tasks), "--batch-size", "4", "--output-path", str(tmp_path / name), "--log-samples",
                          *overrides]) == 0
-            got[name] = {t: [_logprob(r) for s in _samples(tmp_path / name, t) for r in s["resps"]]
+            got[name] = {t: [first_logprob(r) for s in read_samples(tmp_path / name, t) for r in s["resps"]]
                          for t in ("tiny_mc", "tiny_ppl")}
     capsys.readouterr()
     for task in ("tiny_mc", "tiny_ppl"):

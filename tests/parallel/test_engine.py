@@ -15,7 +15,7 @@ from gdnx.config.loading import load_config
 from gdnx.models import CausalLM
 from gdnx.serving import Engine, SamplingParams
 from tests.parallel.helpers import mesh
-from tests.parallel.test_model import FAMILIES, MODEL
+from tests.parallel.helpers import FAMILIES, MODEL
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
 SETTINGS = dict(max_slots=4, max_length=64, block_size=16, decode_steps=4, prefix_cache_bytes=1 << 24)

@@ -13,7 +13,7 @@ import pytest
 from gdnx.config.loading import load_config
 from gdnx.training import Trainer
 from tests.parallel.helpers import mesh
-from tests.parallel.test_model import MODEL
+from tests.parallel.helpers import MODEL
 
 
 @pytest.mark.parametrize("mode", ["auto", "explicit"])

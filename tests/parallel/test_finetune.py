@@ -14,7 +14,7 @@ import pytest
 from gdnx.training import Trainer
 from gdnx.training.init_from import load_train_config
 from tests.parallel.helpers import mesh
-from tests.parallel.test_sharded_training import losses, max_relative
+from tests.parallel.helpers import losses, max_relative
 
 # one worker builds the checkpoint (a transformers save in a child process) for both cases
 pytestmark = pytest.mark.xdist_group("finetune")
@@ -26,11 +26,11 @@ def checkpoint(tmp_path_factory) -> Path:
     this one stays without torch) with a chat tokenizer, and SFT examples."""
     root = tmp_path_factory.mktemp("finetune")
     script = ("import json, sys, numpy as np\n"
-              "from tests.hf_models import random_hf_model, write_chat_tokenizer\n"
-              "from tests.training.test_init_from import _copy_examples\n"
+              "from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer\n"
+              "from tests.helpers.data import copy_examples\n"
               "random_hf_model('qwen3_5').save_pretrained(sys.argv[1] + '/hf')\n"
               "write_chat_tokenizer(sys.argv[1] + '/hf')\n"
-              "lines = [json.dumps(e) for e in _copy_examples(120, np.random.default_rng(2))]\n"
+              "lines = [json.dumps(e) for e in copy_examples(120, np.random.default_rng(2))]\n"
               "open(sys.argv[1] + '/sft.jsonl', 'w').write('\\n'.join(lines) + '\\n')\n")
     subprocess.run([sys.executable, "-c", script, str(root)], check=True, timeout=300,
                    cwd=Path(__file__).resolve().parents[2])

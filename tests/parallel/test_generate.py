@@ -18,7 +18,7 @@ from gdnx.models.cache import Cache
 from gdnx.parallel import shard
 from gdnx.measure import relative_error
 from tests.parallel.helpers import MESHES, mesh, worst_relative_error
-from tests.parallel.test_model import FAMILIES, MODEL
+from tests.parallel.helpers import FAMILIES, MODEL
 
 TOL = 1e-5
 
@@ -61,7 +61,7 @@ def test_scanned_generation_on_a_mesh_matches_the_unrolled_stack(mode, name):
     """Prefill into the stacked cache and greedy decoding with the scanned
     model on a mesh: the unrolled model's logits (1e-6 relative, float32),
     cache (per layer) and tokens."""
-    from tests.parallel.test_model import SCANNED
+    from tests.parallel.helpers import SCANNED
 
     prompt = jax.random.randint(jax.random.key(3), (8, 16), 0, 256, jnp.int32)
     m = mesh(mode, **MESHES[name])

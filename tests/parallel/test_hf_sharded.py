@@ -28,7 +28,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """A tiny random model of each family saved by transformers. torch is
     loaded in a child process: this process (XLA's compiler) stays without it."""
     root = tmp_path_factory.mktemp("hf")
-    script = ("import sys; from tests.hf_models import random_hf_model\n"
+    script = ("import sys; from tests.helpers.hf_models import random_hf_model\n"
               "for kind in sys.argv[2:]: random_hf_model(kind).save_pretrained(f'{sys.argv[1]}/{kind}')")
     subprocess.run([sys.executable, "-c", script, str(root), *KINDS], check=True, timeout=300,
                    cwd=Path(__file__).resolve().parents[2])

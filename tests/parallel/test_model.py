@@ -23,19 +23,10 @@ from gdnx.parallel import shard, spec
 from gdnx.training import loss_and_metrics
 from gdnx.measure import relative_error
 from tests.parallel.helpers import MESHES, mesh, worst_relative_error
+from tests.parallel.helpers import FAMILIES, MODEL, SCANNED
 
 TOL = 1e-5
 B, T = 8, 32
-MODEL = ["model.vocab_size=256", "model.hidden_size=64", "model.num_hidden_layers=3",
-         "model.layer_types=[linear_attention, full_attention, linear_attention]",
-         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=16",
-         "model.linear_num_key_heads=4", "model.linear_num_value_heads=8", "model.linear_key_head_dim=16",
-         "model.linear_value_head_dim=16", "model.intermediate_size=64", "model.num_experts=4",
-         "model.num_experts_per_tok=2", "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=32",
-         "model.mlp_only_layers=[0]", "model.router_aux_loss_coef=0.01", "model.tie_word_embeddings=false",
-         "model.gdn_chunk_size=16"]
-
-
 def model_config(implementation: str):
     return load_config("tiny", MODEL + [f"model.gdn_implementation={implementation}"]).model
 
@@ -99,31 +90,6 @@ def test_sharded_loss_and_grads_match_one_device(implementation, mode, name, b):
     assert err <= TOL, f"{name} {mode}: gradient {where} rel. error {err:.2e}"
 
 
-# the other families' own paths: Qwen3.5 with GVA groups of 3 (a key head's
-# three value heads stay on its tensor shard), OLMo Hybrid (q/k norms across
-# the heads of a tensor-sharded projection, post-norm attention, beta in [0,
-# 2]), Kimi Linear (KDA heads over tensor and its per-channel gates over
-# context, latent attention's heads over tensor, the grouped sigmoid
-# router), Ling 3 (RoPE on the latent attention's rope part, the head gate)
-FAMILIES = {
-    "kimi_linear": ["model.family=kimi_linear", "model.rope_theta=null", "model.linear_num_value_heads=4",
-                    "model.num_key_value_heads=4", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-                    "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.n_group=2", "model.topk_group=1",
-                    "model.routed_scaling_factor=2.0"],
-    # Lara 4 Mini: a sliding window of 8 (of 32 tokens) under context, q/k normed per head
-    "lara_mini": ["model.family=lara_mini", "model.sliding_window=8", "model.partial_rotary_factor=1.0",
-                  "model.layer_types=[linear_attention, sliding_attention, full_attention]", "model.mlp_only_layers=[]"],
-    # Ling 3: latent attention with RoPE under context, its head gate and KDA's bounded gate over tensor
-    "bailing_hybrid": ["model.family=bailing_hybrid", "model.rope_theta=10000.0", "model.linear_num_value_heads=4",
-                       "model.num_key_value_heads=4", "model.kv_lora_rank=16", "model.q_lora_rank=8",
-                       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
-                       "model.linear_gate_lower_bound=-5.0", "model.swiglu_limits=[0, 0.5, 0.7]"],
-    "qwen3_5_gva3": ["model.family=qwen3_5", "model.linear_num_value_heads=12"],
-    "olmo_hybrid": ["model.family=olmo_hybrid", "model.num_experts=0", "model.linear_allow_neg_eigval=true",
-                    "model.partial_rotary_factor=1.0"],
-}
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_setup(request):
     cfg = load_config("tiny", MODEL + FAMILIES[request.param] + ["model.gdn_implementation=xla"]).model
@@ -168,18 +134,12 @@ def test_packed_documents_under_context_parallelism(mode, name):
     assert relative_error(got, ref) <= TOL
 
 
-# 7 layers: two repeats of (GDN dense, GDN MoE, attention MoE), one GDN left over
-SCANNED = ["model.num_hidden_layers=7", "model.mlp_only_layers=[0, 3, 6]",
-           "model.layer_types=[" + ", ".join(["linear_attention", "linear_attention", "full_attention"] * 2
-                                             + ["linear_attention"]) + "]"]
-
-
 @pytest.mark.parametrize("mode,name", [("explicit", "data2_fsdp2_tensor2"), ("auto", "context4_tensor2")])
 def test_scanned_layers_on_a_mesh_match_the_unrolled_stack(mode, name):
     """On the mesh, the scanned model's loss and gradients equal the unrolled
     model's: 1e-6 relative over the whole gradient, 1e-5 per leaf (float32;
     a leaf of tiny entries loses relative precision)."""
-    from tests.models.test_causal_lm import unrolled_view
+    from tests.helpers.models import unrolled_view
 
     m = mesh(mode, **MESHES[name])
     out = {}

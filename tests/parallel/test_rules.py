@@ -10,7 +10,7 @@ from gdnx.config.schema import ParallelConfig
 from gdnx.models import CausalLM
 from gdnx.parallel import constrain, mesh_shape, shardings, spec
 from tests.parallel.helpers import mesh
-from tests.parallel.test_model import MODEL
+from tests.parallel.helpers import MODEL
 
 
 def test_spec_splits_batch_over_data_and_fsdp_and_heads_over_tensor():

@@ -13,28 +13,13 @@ from gdnx.measure import relative_error
 from gdnx.training import Trainer, train
 from tests.parallel.helpers import mesh
 from tests.helpers.configs import SMALL_RUN
+from tests.parallel.helpers import losses, max_relative
 
 # 4 key heads so that tensor=2 splits them; batch 8 over data=4
 SHARDABLE = SMALL_RUN + ["model.linear_num_key_heads=4", "model.linear_num_value_heads=4",
                      "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "train.batch_size=8",
                      "model.gdn_chunk_size=16"]
 
-
-
-def max_relative(got, ref) -> float:
-    """The largest per-step relative difference of two loss curves."""
-    got, ref = np.asarray(got), np.asarray(ref)
-    return float(np.max(np.abs(got - ref) / np.abs(ref)))
-
-def losses(trainer, steps=3):
-    """The losses of the trainer's first steps (its prefetch thread closed after)."""
-    params, opt = trainer.params, trainer.init_opt_state(trainer.params)
-    out = []
-    for s in range(steps):
-        params, opt, metrics = trainer.step(params, opt, jnp.int32(s))
-        out.append(float(metrics["loss"]))
-    trainer.close()
-    return np.array(out)
 
 
 def test_sharded_steps_and_gradient_accumulation_give_the_single_device_losses():
@@ -84,7 +69,7 @@ def test_scanned_training_on_a_mesh_matches_the_unrolled_stack():
     (1e-6 relative over all parameters, float32; measured 2e-8). Weight
     decay and the optimizer's moments see each stacked parameter as its
     layers' (norms undecayed, moments sharded as the parameters)."""
-    from tests.models.test_causal_lm import unrolled_view
+    from tests.helpers.models import unrolled_view
 
     m = mesh("explicit", data=2, tensor=2, context=2)
     out = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gdnx.serving import Engine, SamplingParams
-from tests.hf_models import KINDS, hf_and_gdnx, tokens
+from tests.helpers.hf_models import KINDS, hf_and_gdnx, tokens
 
 
 @pytest.mark.parametrize("kind,scanned", [(kind, False) for kind in KINDS] + [("qwen3_5", True)])

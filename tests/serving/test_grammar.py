@@ -21,14 +21,10 @@ from gdnx.serving.grammar import Grammars
 from gdnx.serving.params import Structured
 from gdnx.errors import FieldError
 from tests.helpers.configs import TINY_HYBRID
-from tests.hf_models import BPE_VOCAB, write_bpe_tokenizer
+from tests.helpers.hf_models import BPE_VOCAB, write_bpe_tokenizer
+from tests.helpers.serving import SCHEMA
 
 pytestmark = pytest.mark.xdist_group("grammar")
-
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n"],
-          "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
-                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

@@ -13,7 +13,7 @@ import pytest
 from gdnx.data.text import HFTokenizer
 from gdnx.serving.grammar import Grammars, words
 from gdnx.serving.parsers import TOOL_FORMATS, Splitter, split_whole
-from tests.hf_models import write_bpe_tokenizer
+from tests.helpers.hf_models import write_bpe_tokenizer
 
 HERMES, KIMI, OLMO = (TOOL_FORMATS[n] for n in ("hermes", "kimi_k2", "olmo3"))
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

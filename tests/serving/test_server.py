@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import socket
-import subprocess
 import threading
 import time
 
@@ -23,67 +21,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.helpers.processes import cpu_env, gdnx, stop
-from tests.hf_models import SPECIAL, ROLE_WORDS, VOCAB, random_hf_model, word, write_chat_tokenizer
+from tests.helpers.hf_models import SPECIAL, ROLE_WORDS, VOCAB, random_hf_model, word, write_chat_tokenizer
+from tests.helpers.serving import KEY, Server
 
 # one worker runs this module: one server process for its tests
 pytestmark = pytest.mark.xdist_group("server")
 
-KEY = "test-key"
 FIRST_WORD = len(SPECIAL) + len(ROLE_WORDS)   # ids below are special tokens and role words
-START_S = 240                                  # a server's start: import, load, compile (cold cache, 2 cores)
 MAX_BYTES = 2_000_000                          # the module server's --max-request-bytes
 TIMEOUT_S = 5                                  # its --request-timeout
-
-
-class Server:
-    """`gdnx serve` in a subprocess; its URL read from its stderr."""
-
-    def __init__(self, checkpoint, *flags: str, env: dict | None = None):
-        cmd = gdnx("serve", "--checkpoint", str(checkpoint), "--port", "0", "--served-model-name", "tiny", *flags,
-                   "model.gdn_chunk_size=16")
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=cpu_env(**(env or {})))
-        self.lines: list[str] = []
-        self.url: str | None = None
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stderr is not None
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                if (m := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)) and self.url is None:
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait(START_S)
-        if self.url is None:
-            self.stop()
-            raise AssertionError("gdnx serve did not start:\n" + "".join(self.lines))
-        deadline = time.monotonic() + 60
-        while True:  # listening once the lifespan has started the engine
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and self.proc.poll() is None, "".join(self.lines)
-            time.sleep(0.1)
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120, **kw)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {k: float(v) for k, v in re.findall(r"^(gdnx_\w+) (\S+)$", text, re.M)}
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM (the server drains), then SIGKILL past `timeout`; its status."""
-        return stop(self.proc, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,8 @@ from gdnx.serving.metrics import Metrics
 from gdnx.serving.parsers import TOOL_FORMATS
 from gdnx.serving.server import Served, create_app
 from tests.helpers.configs import TINY_HYBRID
-from tests.hf_models import BPE_VOCAB, write_bpe_tokenizer
-from tests.serving.test_grammar import SCHEMA
+from tests.helpers.hf_models import BPE_VOCAB, write_bpe_tokenizer
+from tests.helpers.serving import SCHEMA
 
 pytestmark = pytest.mark.xdist_group("grammar")
 

@@ -24,7 +24,7 @@ from gdnx.serving import Engine, SamplingParams
 from gdnx.serving.spmd import Leader, follow
 from tests.helpers.configs import TINY_HYBRID
 from tests.helpers.processes import LIMIT_S, cpu_env, free_port, gdnx
-from tests.hf_models import VOCAB, word_checkpoint, words
+from tests.helpers.hf_models import VOCAB, word_checkpoint, words
 
 
 class _Memory:

@@ -18,17 +18,8 @@ from gdnx.training import build_trainer
 from gdnx.training.loop import EVAL_BATCHES
 from gdnx.training.init_from import load_train_config
 from gdnx.training.step import loss_and_metrics
-from tests.hf_models import random_hf_model, write_chat_tokenizer
-
-
-def _copy_examples(n, rng):
-    """Completions that copy the prompt: something a few steps can learn."""
-    out = []
-    for i in range(n):
-        words = " ".join(f"w{int(x)}" for x in rng.integers(6, 97, int(rng.integers(2, 7))))
-        out.append({"messages": [{"role": "user", "content": words}, {"role": "assistant", "content": words}]}
-                   if i % 2 else {"prompt": words, "completion": " " + words})
-    return out
+from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer
+from tests.helpers.data import copy_examples
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +30,7 @@ def checkpoint(tmp_path_factory):
     hf = random_hf_model("qwen3_5")
     hf.save_pretrained(root / "hf")
     write_chat_tokenizer(root / "hf")
-    examples = _copy_examples(200, np.random.default_rng(0))
+    examples = copy_examples(200, np.random.default_rng(0))
     (root / "sft.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
     return root, hf
 

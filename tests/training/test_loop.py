@@ -12,22 +12,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from gdnx.config import load_config
 from gdnx.training import Trainer, train
 from tests.helpers.configs import SMALL_RUN
 from tests.helpers.processes import Processes, gdnx
+from tests.helpers.checkpoints import saved_params
 
-
-
-def _params(out: Path):
-    manager = ocp.CheckpointManager(out.resolve() / "checkpoints")
-    step = manager.latest_step()
-    tree = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
-    manager.close()
-    return step, tree["params"]
 
 
 def test_train_writes_metrics_plot_and_checkpoints(tmp_path):
@@ -73,7 +65,7 @@ def test_sigterm_saves_the_step_reached_and_the_resume_matches_an_uninterrupted_
     assert resumed.returncode == 0, out
     assert reached == 9 or f"resumed from the checkpoint at step {reached}" in out
     assert straight.wait(timeout=600) == 0
-    (s1, p1), (s2, p2) = _params(tmp_path / "straight"), _params(tmp_path / "stopped")
+    (s1, p1), (s2, p2) = saved_params(tmp_path / "straight"), saved_params(tmp_path / "stopped")
     assert s1 == s2 == 9
     flat1, flat2 = (jax_leaves(p) for p in (p1, p2))
     for a, b in zip(flat1, flat2, strict=True):
@@ -141,7 +133,7 @@ def test_non_finite_steps_do_not_update_and_stop_the_run(tmp_path, capsys, monke
     assert f"the last good checkpoint is step 3 in {tmp_path}" in lines[0]
     rows = _strict_json_lines(tmp_path / "metrics.jsonl")
     assert rows and all(r["loss"] is None and r["skipped"] == 1.0 for r in rows if r["split"] == "train")
-    step, params = _params(tmp_path)
+    step, params = saved_params(tmp_path)
     init = Trainer(load_config("tiny", SMALL_RUN + [f"train.out_dir={tmp_path}"])).params
     assert step == 3
     for a, b in zip(jax_leaves(params), jax_leaves(init), strict=True):
@@ -162,7 +154,7 @@ def test_a_run_with_some_non_finite_steps_goes_on(tmp_path, capsys, monkeypatch)
     result = train(load_config("tiny", SMALL_RUN + ["train.steps=12", f"train.out_dir={tmp_path}"]))
     assert result["step"] == 12
     assert "parameters not updated" in capsys.readouterr().err
-    assert all(np.isfinite(x).all() for x in jax_leaves(_params(tmp_path)[1]))
+    assert all(np.isfinite(x).all() for x in jax_leaves(saved_params(tmp_path)[1]))
 
 
 def _interrupted(procs: Processes, out: Path, steps: int, kills: list[float]) -> subprocess.Popen:
@@ -189,7 +181,7 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(tmp_path, process
     out, _ = last.communicate(timeout=600)
     assert last.returncode == 0, out
     assert straight.wait(timeout=600) == 0
-    (s1, p1), (s2, p2) = _params(tmp_path / "straight"), _params(tmp_path / "killed")
+    (s1, p1), (s2, p2) = saved_params(tmp_path / "straight"), saved_params(tmp_path / "killed")
     assert s1 == s2 == 12
     for a, b in zip(jax_leaves(p1), jax_leaves(p2), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -217,7 +209,7 @@ def test_a_full_disk_stops_cleanly_and_the_run_resumes(tmp_path, processes):
     resumed = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     assert straight.wait(timeout=600) == 0
-    for a, b in zip(jax_leaves(_params(tmp_path / "run")[1]), jax_leaves(_params(tmp_path / "straight")[1]),
+    for a, b in zip(jax_leaves(saved_params(tmp_path / "run")[1]), jax_leaves(saved_params(tmp_path / "straight")[1]),
                     strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -271,7 +263,7 @@ def test_a_corpus_ten_times_larger_takes_no_more_memory_and_resumes_bit_identica
     killed.wait()
     assert subprocess.run(args(tmp_path / "killed", 9), env=env, capture_output=True).returncode == 0
     assert straight.wait(timeout=600) == 0
-    for a, b in zip(jax_leaves(_params(tmp_path / "straight")[1]), jax_leaves(_params(tmp_path / "killed")[1]),
+    for a, b in zip(jax_leaves(saved_params(tmp_path / "straight")[1]), jax_leaves(saved_params(tmp_path / "killed")[1]),
                     strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -290,7 +282,7 @@ def test_training_with_gradient_accumulation_tracks_the_whole_batch(tmp_path):
                                            "train.warmup_steps=0", "train.eval_every=0",
                                            f"train.out_dir={tmp_path / str(n)}"])
         train(cfg)
-        params[n] = jax_leaves(_params(tmp_path / str(n))[1])
+        params[n] = jax_leaves(saved_params(tmp_path / str(n))[1])
     flat = [np.concatenate([np.ravel(x) for x in params[n]]) for n in (4, 1)]
     assert relative_error(*flat) <= 1e-5
     for a, b in zip(params[4], params[1], strict=True):
@@ -308,7 +300,7 @@ def test_bfloat16_activations_track_the_float32_run(tmp_path):
         train(load_config("tiny", SMALL_RUN + ["train.steps=100", "train.eval_every=0", "train.log_every=5",
                                            f"model.dtype={dtype}", f"train.out_dir={out}"]))
         losses[dtype] = np.array([r["loss"] for r in _strict_json_lines(out / "metrics.jsonl")])
-        assert all(x.dtype == np.float32 for x in jax_leaves(_params(out)[1]))
+        assert all(x.dtype == np.float32 for x in jax_leaves(saved_params(out)[1]))
     full, mixed = losses["float32"], losses["bfloat16"]
     assert full[-1] < full[0] - 0.3  # it learns: the comparison is not between two flat lines
     gap = np.abs(mixed - full) / full

@@ -22,8 +22,8 @@ from gdnx.models import CausalLM
 from gdnx.runs import load_run
 from gdnx.training import build_trainer
 from gdnx.training.init_from import load_train_config
-from tests.hf_models import hf_logits, random_hf_model, tokens, write_chat_tokenizer
-from tests.training.test_init_from import _copy_examples
+from tests.helpers.hf_models import hf_logits, random_hf_model, tokens, write_chat_tokenizer
+from tests.helpers.data import copy_examples
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def bases(tmp_path_factory):
                  "lara_mini"):
         random_hf_model(kind).save_pretrained(root / kind)
         write_chat_tokenizer(root / kind)
-    (root / "sft.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _copy_examples(120,
+    (root / "sft.jsonl").write_text("".join(json.dumps(e) + "\n" for e in copy_examples(120,
                                                                                          np.random.default_rng(1))))
     return root
 

@@ -1,13 +1,10 @@
 """The gated delta rule's chunk algebra (gated_delta_rule/math.py) against float64
 references: masked decays and the backward's parts summed over blocks."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdnx.measure import relative_error
-from gdnx.ops.delta_rule import primitives
 from gdnx.ops.gated_delta_rule import math as chunk_math
 
 pytestmark = pytest.mark.usefixtures("x64")  # float64 references
