@@ -29,10 +29,11 @@ VARIANTS = {"defaults": "", "fusion emitters off": "--xla_cpu_use_fusion_emitter
 MEASURE = """
 import sys, time
 from pathlib import Path
-from gdnx.loading import EngineSettings, build_engine, load
+from gdnx.loading import build_engine, load
+from gdnx.serving import EngineConfig
 def maps(): return sum(1 for _ in open("/proc/self/maps"))
 found = load(Path(sys.argv[1]), [], "serve")
-engine = build_engine(found, EngineSettings(max_slots=int(sys.argv[2]), max_length=int(sys.argv[3])))
+engine = build_engine(found, EngineConfig(max_slots=int(sys.argv[2]), max_length=int(sys.argv[3])))
 m0, t0 = maps(), time.perf_counter()
 ran = engine.warm_up(prefill=True)
 print(ran, (maps() - m0) / ran, time.perf_counter() - t0)

@@ -33,7 +33,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
     (["--port", "70000"], "--port: expected 0 (any free port) to 65535"),
     (["--max-length", "100000"], "--max-length: 100000 exceeds the model's"),
     (["--speculative", "-1"], "--speculative: expected a non-negative integer"),
-    (["--max-prefill-batch", "9"], "--max-prefill-batch: expected an integer in [1, max_slots=8]"),
+    (["--max-prefill-batch", "9"], "--max-prefill-batch: expected an integer in [1, --max-slots=8]"),
     (["model.hidden_size=8"], "model.hidden_size: serve takes overrides of the model.gdn_* fields"),
 ])
 def test_each_bad_flag_is_one_line(checkpoint, capsys, flags, match):

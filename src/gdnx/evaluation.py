@@ -168,7 +168,8 @@ class GdnxLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        from gdnx.loading import EngineSettings, build_engine
+        from gdnx.loading import build_engine
+        from gdnx.serving import EngineConfig
         from gdnx.serving import SamplingParams
         from gdnx.serving.offline import run_to_completion
 
@@ -187,8 +188,8 @@ class GdnxLM(TemplateLM):
         if not todo:
             return []
         need = max(len(ids) + p.max_tokens for ids, p in todo)
-        engine = build_engine(self.loaded, EngineSettings(max_slots=self.batch_size,
-                                                          max_length=min(need, self.max_length)))
+        engine = build_engine(self.loaded, EngineConfig(max_slots=self.batch_size,
+                                                        max_length=min(need, self.max_length)))
         results: dict[int, str] = {}
         bar = self._bar(len(todo), "generate_until", disable_tqdm)
         for done in run_to_completion(engine, todo):

@@ -3,14 +3,15 @@ Hugging Face directory, `model.*` overrides and the engine's settings
 become a model, its tokenizer, its chat template and an Engine.
 `gdnx generate` and `gdnx serve` both load through here.
 
-Engine settings arrive as fields (max_slots, prefix_cache_bytes, ...);
-ENGINE_FLAGS names the command-line flag of each, so a refused field is
-reported as the flag the user typed.
+Engine settings arrive as an EngineConfig (gdnx.serving.config);
+ENGINE_FLAGS names the command-line flag of each field, so a refused field
+is reported as the flag the user typed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from gdnx.errors import FieldError
 
 # the command-line flag of each engine field (a refusal names the flag)
 ENGINE_FLAGS = {"max_slots": "--max-slots", "max_length": "--max-length", "prefix_cache_bytes": "--prefix-cache-mb",
-                "speculative": "--speculative", "batch_invariant": "--batch-invariant",
+                "draft_tokens": "--speculative", "batch_invariant": "--batch-invariant",
                 "decode_steps": "--decode-steps", "max_logprobs": "--max-logprobs", "mesh": "parallel",
                 "max_prefill_batch": "--max-prefill-batch"}
 
@@ -184,49 +185,47 @@ def _chat_eos(loaded: Loaded, chat: Any) -> int | None:
     return None if found is None else int(found)
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineSettings:
-    """The engine fields a command sets (ENGINE_FLAGS names their flags)."""
-    max_slots: int = 8
-    max_length: int = 4096
-    prefix_cache_bytes: int = 0
-    speculative: int = 0          # n-gram draft tokens per step (0: off)
-    batch_invariant: bool = False
-    decode_steps: int = 8
-    max_logprobs: int = 20
-    max_prefill_batch: int | None = None  # None: max_slots
+def engine_config(**fields: Any) -> Any:
+    """An EngineConfig from a command's flags; a refused value is a
+    ConfigError naming its flag."""
+    from gdnx.serving.config import EngineConfig
+
+    try:
+        for name in ("draft_tokens", "prefix_cache_bytes"):
+            if fields.get(name, 0) < 0:  # the flag's own value (MiB for the prefix cache) is what was wrong
+                raise FieldError(name, "expected a non-negative integer")
+        return EngineConfig(**fields)
+    except FieldError as e:
+        raise flag_error(e) from None
 
 
-def build_engine(loaded: Loaded, settings: EngineSettings, chat: Any = None) -> Any:
-    """The Engine for a loaded model. A refused setting is a ConfigError
-    naming its flag."""
-    from gdnx.serving import Engine, NgramDrafter
+def build_engine(loaded: Loaded, settings: Any, chat: Any = None) -> Any:
+    """The Engine for a loaded model and an EngineConfig. A refused setting
+    is a ConfigError naming its flag."""
+    from gdnx.serving import Engine
     from gdnx.serving.grammar import Grammars
 
     if settings.max_length > loaded.max_positions:
         raise ConfigError(f"--max-length: {settings.max_length} exceeds the model's {loaded.max_positions} positions "
                           "(max_position_embeddings)")
     try:
-        for name in ("speculative", "prefix_cache_bytes"):
-            if getattr(settings, name) < 0:  # the flag's own value (MiB for the prefix cache) is what was wrong
-                raise FieldError(name, "expected a non-negative integer")
         eos = eos_ids(loaded, chat)
         tok = getattr(loaded.tokenizer, "tok", None)  # a tokenizer.json's: structured outputs follow its vocabulary
         # a constrained output ends with the chat template's end of turn when there is one, else the config's eos
         end = _chat_eos(loaded, chat)
         grammars = Grammars(tok.to_str(), loaded.model.config.vocab_size, end if end is not None else eos[0]) \
             if tok is not None and eos else None
-        return Engine(loaded.model, max_slots=settings.max_slots, max_length=settings.max_length,
-                      prefix_cache_bytes=settings.prefix_cache_bytes, decode_steps=settings.decode_steps,
-                      speculative=NgramDrafter(settings.speculative) if settings.speculative else None,
-                      batch_invariant=settings.batch_invariant, tokenizer=loaded.tokenizer,
-                      max_logprobs=settings.max_logprobs, eos_token_ids=eos, mesh=loaded.mesh,
-                      max_prefill_batch=settings.max_prefill_batch, grammars=grammars)
+        return Engine(loaded.model, settings, tokenizer=loaded.tokenizer, eos_token_ids=eos, mesh=loaded.mesh,
+                      grammars=grammars)
     except FieldError as e:
         raise flag_error(e) from None
 
 
 def flag_error(e: FieldError) -> ConfigError:
-    """An engine field's refusal as the flag a user typed."""
+    """An engine field's refusal as the flag a user typed (fields named in
+    its detail too)."""
     flag = ENGINE_FLAGS.get(e.field, e.field)
-    return ConfigError(f"{flag}: {e.detail}")
+    detail = e.detail
+    for field, other in ENGINE_FLAGS.items():
+        detail = re.sub(rf"\b{field}=", f"{other}=", detail)
+    return ConfigError(f"{flag}: {detail}")

@@ -66,7 +66,7 @@ def test_the_sharded_engine_gives_the_one_device_tokens(family, mode, axes):
     ref, _, _ = _run(model)
     first, again, engine = _run(model, mesh=mesh(mode, **axes))
     assert engine.stats.cached_tokens > 0 and engine.stats.verify_calls > 0
-    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(engine._state))
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(engine.runner.state))
     for a, b, r in zip(first, again, ref, strict=True):
         assert a.tokens == b.tokens == r.tokens
         for got in (a, b):
@@ -87,7 +87,7 @@ def test_batch_invariance_on_a_mesh():
     for a, b in zip(together, alone, strict=True):
         assert a.tokens == b.tokens
         np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
-    placed = jax.tree.leaves(engine._slots.cache)
+    placed = jax.tree.leaves(engine.runner.slots.cache)
     assert any(not x.sharding.is_fully_replicated for x in placed)
 
 

@@ -8,6 +8,7 @@ import pytest
 from gdnx.config import load_config
 from gdnx.models import CausalLM
 from gdnx.models.cache import cache_bytes
+from gdnx.serving import EngineConfig
 from gdnx.serving.plan import serve_plan
 
 pytestmark = pytest.mark.deviceless
@@ -24,8 +25,9 @@ SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_atte
 ])
 def test_the_engines_programs_compile_for_a_slice(topology, axes, speculative, prefill):
     config = load_config("tiny", SMALL + axes)
-    p = serve_plan(config, topology, max_slots=4, max_length=256, speculative=speculative, decode_steps=2,
-                   max_prefill_batch=prefill, prefix_cache=prefill is None)  # the second without its snapshots
+    engine = EngineConfig(max_slots=4, max_length=256, draft_tokens=speculative, decode_steps=2,
+                          max_prefill_batch=prefill)
+    p = serve_plan(config, topology, engine, prefix_cache=prefill is None)  # the second without its snapshots
     assert p.chips == 4 and p.fits
     assert (p.max_prefill_batch, p.prefill_follows_slots) == ((4, True) if prefill is None else (prefill, False))
     assert set(p.temp_bytes) == {"prefill", "decode"} | ({"verify"} if speculative else set())
@@ -40,8 +42,8 @@ def test_the_engines_programs_compile_for_a_slice(topology, axes, speculative, p
 
 def test_the_engines_programs_compile_for_the_gpus_of_a_h100_host():
     """The CUDA plugin's target of 4 H100s: the Triton kernels in the prefill."""
-    p = serve_plan(load_config("tiny", SMALL + ["parallel.data=1", "parallel.tensor=4"]), "h100:4", max_slots=4,
-                   max_length=256, speculative=2, decode_steps=2)
+    p = serve_plan(load_config("tiny", SMALL + ["parallel.data=1", "parallel.tensor=4"]), "h100:4",
+                   EngineConfig(max_slots=4, max_length=256, draft_tokens=2, decode_steps=2))
     assert p.chips == 4 and p.fits and p.hbm_bytes == 80 * 2 ** 30
     assert p.kernel_calls > 0 and set(p.temp_bytes) == {"prefill", "decode", "verify"}
 
@@ -57,7 +59,7 @@ def test_decode_flops_against_xla_on_an_unrolled_model():
             "model.num_hidden_layers=4", "model.layer_types=null", "model.full_attention_interval=4",
             "model.num_attention_heads=4", "model.head_dim=64", "model.vocab_size=4096", "model.scan_layers=false",
             "parallel.data=1", "parallel.tensor=4"]
-    p = serve_plan(load_config("tiny", over), "v5e:2x2", max_slots=8, max_length=1024, decode_steps=1)
+    p = serve_plan(load_config("tiny", over), "v5e:2x2", EngineConfig(max_slots=8, max_length=1024, decode_steps=1))
     ratio = p.xla_flops["decode"] * p.chips / p.decode_flops
     assert 1.0 <= ratio <= 2.0, ratio
 
@@ -69,7 +71,8 @@ def test_too_many_slots_do_not_fit():
     over = ["parallel.data=1", "parallel.tensor=4", "model.num_hidden_layers=4", "model.layer_types=null",
             "model.full_attention_interval=2", "model.max_position_embeddings=8192"]
     try:
-        p = serve_plan(load_config("tiny", over), "v5e:2x2", max_slots=4096, max_length=8192, decode_steps=1)
+        p = serve_plan(load_config("tiny", over), "v5e:2x2",
+                       EngineConfig(max_slots=4096, max_length=8192, decode_steps=1))
     except ValueError as e:  # libtpu refuses the program as it compiles
         assert "does NOT fit" in str(e) and "--max-slots" in str(e)
     else:

@@ -259,7 +259,7 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gdnx.distributed import PREEMPTED_STATUS
-    from gdnx.loading import EngineSettings, build_engine
+    from gdnx.loading import build_engine, engine_config
     from gdnx.serving import SamplingParams
     from gdnx.serving.offline import Finished, run_to_completion
 
@@ -283,9 +283,9 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
         requests.append((ids, params, where))
     need = max(len(ids) + p.max_tokens for ids, p, _ in requests)
     max_length = need if args.max_length is None else args.max_length
-    engine = build_engine(found, EngineSettings(
+    engine = build_engine(found, engine_config(
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
-        speculative=args.speculative, batch_invariant=args.batch_invariant,
+        draft_tokens=args.speculative, batch_invariant=args.batch_invariant,
         max_prefill_batch=args.max_prefill_batch))
     for ids, params, where in requests:  # every line is checked before any runs
         try:

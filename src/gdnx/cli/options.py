@@ -7,20 +7,23 @@ import argparse
 from typing import TYPE_CHECKING
 
 from gdnx.config.loading import ConfigError
+from gdnx.serving.config import EngineConfig
 
 if TYPE_CHECKING:
     from gdnx.distributed import ProcessGroup
 
 
 def engine_options(group: argparse._ActionsContainer, max_length_default: str, prefix_cache_mb: int) -> None:
-    """The batched engine's settings (generate --prompts-file, serve)."""
-    group.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default 8)")
+    """The batched engine's settings (generate --prompts-file, serve), with EngineConfig's defaults."""
+    default = EngineConfig()
+    group.add_argument("--max-slots", type=int, default=default.max_slots,
+                       help=f"requests decoded together (default {default.max_slots})")
     group.add_argument("--max-length", type=int, default=None,
                        help=f"prompt + generated tokens per request (default: {max_length_default})")
     group.add_argument("--prefix-cache-mb", type=int, default=prefix_cache_mb,
                        help=f"host memory for the prefix cache of shared prompt blocks (default {prefix_cache_mb}"
                             + ("; 0: off)" if prefix_cache_mb else ": off)"))
-    group.add_argument("--speculative", type=int, default=0, metavar="K",
+    group.add_argument("--speculative", type=int, default=default.draft_tokens, metavar="K",
                        help="n-gram (prompt lookup) speculative decoding with K draft tokens (default 0: off)")
     group.add_argument("--batch-invariant", action="store_true",
                        help="each result bit-identical whatever else is batched with it (prefills block by block)")

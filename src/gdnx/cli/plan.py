@@ -4,6 +4,7 @@ TPU slice or GPUs from this host: bytes per device, whether they fit, compile ti
 from __future__ import annotations
 
 from gdnx.config.loading import ConfigError, bundled_names
+from gdnx.serving.config import EngineConfig
 
 
 def add_parser(sub) -> None:
@@ -24,12 +25,15 @@ def add_parser(sub) -> None:
                          help="compile the engine's prefill, decode and verify programs (gdnx serve's) instead of a "
                               "train step: bytes per chip for the weights, the slots and the temporaries, the most "
                               "slots that fit, FLOPs per decode step")
-    serving.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default 8)")
-    serving.add_argument("--max-length", type=int, default=4096,
-                         help="prompt + generated tokens per request (default 4096)")
-    serving.add_argument("--speculative", type=int, default=0, metavar="K",
+    default = EngineConfig()
+    serving.add_argument("--max-slots", type=int, default=default.max_slots,
+                         help=f"requests decoded together (default {default.max_slots})")
+    serving.add_argument("--max-length", type=int, default=default.max_length,
+                         help=f"prompt + generated tokens per request (default {default.max_length})")
+    serving.add_argument("--speculative", type=int, default=default.draft_tokens, metavar="K",
                          help="draft tokens per verify pass (default 0: no verify program)")
-    serving.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per decode call (default 8)")
+    serving.add_argument("--decode-steps", type=int, default=default.decode_steps,
+                         help=f"tokens per slot per decode call (default {default.decode_steps})")
     serving.add_argument("--max-prefill-batch", type=int, default=None, metavar="N",
                          help="prompts prefilled together, at most (default: --max-slots)")
     serving.add_argument("--prefix-cache-mb", type=int, default=1024,
@@ -40,6 +44,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> None:
     from gdnx.config import load_config
+    from gdnx.loading import engine_config
     from gdnx.plan import describe, plan
 
     config = load_config(args.config, list(args.overrides))
@@ -50,11 +55,10 @@ def run(args) -> None:
             from gdnx.serving.plan import describe as describe_serving
             from gdnx.serving.plan import serve_plan
 
-            print(describe_serving(serve_plan(config, args.topology, max_slots=args.max_slots,
-                                              max_length=args.max_length, speculative=args.speculative,
-                                              decode_steps=args.decode_steps,
-                                              max_prefill_batch=args.max_prefill_batch,
-                                              prefix_cache=args.prefix_cache_mb > 0)))
+            engine = engine_config(max_slots=args.max_slots, max_length=args.max_length,
+                                   draft_tokens=args.speculative, decode_steps=args.decode_steps,
+                                   max_prefill_batch=args.max_prefill_batch)
+            print(describe_serving(serve_plan(config, args.topology, engine, prefix_cache=args.prefix_cache_mb > 0)))
             return
         result = plan(config, args.topology)
     except ValueError as e:  # the topology, the mesh, a model field or an engine setting

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from gdnx.cli.options import distributed_options, engine_options
 from gdnx.config.loading import ConfigError
+from gdnx.serving.config import EngineConfig
 
 API_KEY_ENV = "GDNX_API_KEY"
 # the context a server gives each request when --max-length is not given (at most the model's positions)
-DEFAULT_MAX_LENGTH = 4096
+DEFAULT_MAX_LENGTH = EngineConfig().max_length
 LISTEN_BACKLOG = 2048
 STOP_WAIT_S = 60  # how long process 0, stopping, waits for the others to read the word
 
@@ -38,8 +39,9 @@ def add_parser(sub) -> None:
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on /v1 routes (or set GDNX_API_KEY)")
     engine_options(serve, "the model's positions, at most 4096", 1024)
-    serve.add_argument("--decode-steps", type=int, default=8,
-                       help="tokens per slot per decode round trip (default 8; fewer: smoother streams)")
+    serve.add_argument("--decode-steps", type=int, default=EngineConfig().decode_steps,
+                       help=f"tokens per slot per decode round trip (default {EngineConfig().decode_steps}; fewer: "
+                            "smoother streams)")
     serve.add_argument("--max-queue", type=int, default=256,
                        help="requests that may wait for a slot; more are answered 503 at once (default 256)")
     serve.add_argument("--grace", type=int, default=30, metavar="SECONDS",
@@ -138,9 +140,9 @@ def _start(args):
     loaded checkpoint, its chat template, max_length)."""
     from gdnx.distributed import agree
     from gdnx.errors import FieldError
-    from gdnx.loading import EngineSettings, build_engine, chat_template, load
+    from gdnx.loading import build_engine, chat_template, engine_config, load
     from gdnx.serving import EngineStats
-    from gdnx.serving.engine import TooManyPrograms
+    from gdnx.serving.runner import TooManyPrograms
     from gdnx.serving.protocol import MAX_LOGPROBS
 
     path = Path(args.checkpoint)
@@ -156,9 +158,9 @@ def _start(args):
     found = load(path, list(args.overrides), "serve")
     chat = chat_template(found, "serve")  # none: chat completions are refused, completions served
     max_length = min(found.max_positions, DEFAULT_MAX_LENGTH) if args.max_length is None else args.max_length
-    engine = build_engine(found, EngineSettings(
+    engine = build_engine(found, engine_config(
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
-        speculative=args.speculative, batch_invariant=args.batch_invariant, decode_steps=args.decode_steps,
+        draft_tokens=args.speculative, batch_invariant=args.batch_invariant, decode_steps=args.decode_steps,
         max_logprobs=MAX_LOGPROBS, max_prefill_batch=args.max_prefill_batch), chat)
     what = "every program" if args.warm_up == "all" else "the decode steps"
     print(f"gdnx serve: loaded {found.description}; compiling {what} (--warm-up {args.warm_up})", file=sys.stderr,

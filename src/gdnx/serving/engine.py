@@ -11,11 +11,14 @@ slot), `decode_steps` tokens per host round trip. It leaves on its stop
 condition and its slot takes the next request. Every shape a program sees
 is fixed by the engine's settings (docs/serving.md counts them).
 
-The work is split by job: the Scheduler (gdnx.serving.scheduler) holds the
-requests and decides what runs where; the compiled programs
-(gdnx.serving.programs) run it; each request's Output
-(gdnx.serving.output) takes its tokens, detokenizes them and checks its
-stop conditions. Engine.step joins the three.
+The work is split by job: the settings are one EngineConfig
+(gdnx.serving.config); the Scheduler (gdnx.serving.scheduler) holds the
+requests and decides what runs where; the ModelRunner
+(gdnx.serving.runner) runs the compiled programs (gdnx.serving.programs)
+on the device state; each request's Output (gdnx.serving.output) takes its
+tokens, detokenizes them and checks its stop conditions. Engine.step joins
+them: it builds each program's batch from the scheduler's choice and gives
+the results to the requests.
 
 Batch invariance: a row's computation never mixes with another row's,
 every slot runs the same program, a prompt's bucket (and so its padding)
@@ -27,34 +30,28 @@ bit-identical whatever shares the engine with it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import weakref
 from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from gdnx.distributed import fetch
 from gdnx.errors import FieldError
 from gdnx.layers.attention import RingCache
 from gdnx.layers.gated_deltanet import DeltaRuleState
-from gdnx.models.cache import row_axes
-from gdnx.parallel.params import shard
 from gdnx.parallel.rules import MESH_AXES
-from gdnx.serving import grammar, offline, programs
-from gdnx.serving.drafter import Drafter
+from gdnx.serving import grammar, offline
+from gdnx.serving.config import EngineConfig
+from gdnx.serving.drafter import Drafter, NgramDrafter
 from gdnx.serving.grammar import Grammars
 from gdnx.serving.offline import RequestFailed
 from gdnx.serving.output import Output
 from gdnx.serving.params import Completion, SamplingParams
 from gdnx.serving.prefix_cache import PrefixCache
 from gdnx.serving.request import Request, RequestStatus
+from gdnx.serving.runner import DecodeBatch, ModelRunner, PrefillBatch, VerifyBatch
 from gdnx.serving.sampling import MAX_STOP_IDS, SlotParams
 from gdnx.serving.scheduler import Layout, Scheduler
 
@@ -134,83 +131,15 @@ class _StepResults:
         return out
 
 
-class EngineShapes(NamedTuple):
-    block_size: int       # tokens per prefix-cache block
-    padded_length: int    # max_length rounded up to a block: the longest prefill bucket
-    capacity: int         # tokens each slot's cache holds
-
-
-def engine_shapes(cfg: Any, max_length: int, block_size: int | None, draft: int) -> EngineShapes:
-    """The shapes an engine's settings fix (block_size None: 4 of the model's chunks)."""
-    block = 4 * cfg.gdn_chunk_size if block_size is None else block_size
-    padded = -(-max_length // block) * block
-    # the cache holds a padded prompt's last bucket and a verify pass's drafts past max_length
-    return EngineShapes(block, padded, padded + draft + 1)
-
-
-_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-# XLA:CPU maps each compiled kernel's code into the process (maps per program: docs/benchmarks.md); past
-# Linux's vm.max_map_count it aborts. Warming up stops with this many maps left.
-MAPS_MARGIN = 8000
-
-
-class TooManyPrograms(RuntimeError):
-    """Compiling another program could pass the host's limit of memory maps."""
-
-
-def memory_maps() -> tuple[int, int] | None:
-    """(memory maps this process holds, the host's limit) on Linux, else None."""
-    try:
-        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
-        with open("/proc/self/maps") as maps:
-            return sum(1 for _ in maps), limit
-    except (OSError, ValueError):
-        return None
-
-
-def _buckets(block: int, limit: int, smallest: int | None = None) -> tuple[int, ...]:
-    """Doubling from `smallest` while under `block`, then from `block`, up to `limit`."""
-    out, n = [], block if smallest is None else smallest
-    while n < min(block, limit):
-        out.append(n)
-        n *= 2
-    n = block
-    while n < limit:
-        out.append(n)
-        n *= 2
-    return (*out, limit)
-
-
 class Engine:
     """Generate for many requests at once with one model.
 
     model: a gdnx CausalLM (any family).
-    mesh: a jax.sharding.Mesh with gdnx's axes (gdnx.parallel.make_mesh):
-      the weights placed as training places them, each slot's state split
-      with its layer's heads over `tensor` and the slots over `data` and
-      `fsdp`, every program run on it (as an Auto mesh: XLA places what
-      the programs do not state; `context` must be 1). None: the model's
-      own placement.
-    max_slots: requests decoded together (the decode batch).
-    max_length: prompt + generated tokens per request (the cache per slot).
-    prefix_cache_bytes: host memory for the prefix cache (0: off).
-    speculative: a Drafter (e.g. NgramDrafter) to propose tokens verified
-      in one pass; None decodes plainly.
-    block_size: tokens per prefix-cache block (a multiple of the model's
-      gdn_chunk_size; default 4 chunks). Prefill buckets double from the
-      chunk size up to a block, then from the block up to max_length.
-    decode_steps: tokens per slot per host round trip of the decode loop.
-    max_prefill_batch: prompts of one bucket prefilled together, at most
-      (power-of-two batches up to it; default max_slots).
-    max_logprobs: the most top-N log-probabilities a request may ask for.
-    tokenizer: anything with decode(ids) -> str; needed for stop strings
-      and Completion.text.
-    eos_token_ids: end-of-sequence tokens (default: the model config's).
-    keep_logits: also return every generated token's logits
-      (Completion.logits; for checks, it moves [slots, steps, vocab] per
-      round trip).
-    batch_invariant: a request's tokens and logits are bit-identical
+    config: the engine's settings (EngineConfig; its fields may also be
+      given as keywords, which replace config's): max_slots, max_length,
+      prefix_cache_bytes, block_size, decode_steps, max_prefill_batch,
+      max_logprobs, draft_tokens, batch_invariant, keep_logits, seed.
+      batch_invariant: a request's tokens and logits are bit-identical
       whatever else runs, whichever slot it gets and whether its prefix was
       cached. XLA picks a matmul's and a reduction's blocking by the whole
       operand's shape, so a row's bits can change with the number of rows
@@ -220,7 +149,18 @@ class Engine:
       (docs/benchmarks.md measures it); with a drafter, every step is a
       verify pass, drafts or not. Off: prompts are prefilled whole in
       length buckets (same tokens; logits equal to float rounding).
-    seed: the generator of the seeds of requests that give none.
+    mesh: a jax.sharding.Mesh with gdnx's axes (gdnx.parallel.make_mesh):
+      the weights placed as training places them, each slot's state split
+      with its layer's heads over `tensor` and the slots over `data` and
+      `fsdp`, every program run on it (as an Auto mesh: XLA places what
+      the programs do not state; `context` must be 1). None: the model's
+      own placement.
+    speculative: a Drafter (e.g. NgramDrafter) to propose tokens verified
+      in one pass; None: an NgramDrafter of config.draft_tokens, or plain
+      decoding when that is 0.
+    tokenizer: anything with decode(ids) -> str; needed for stop strings
+      and Completion.text.
+    eos_token_ids: end-of-sequence tokens (default: the model config's).
     grammars: gdnx.serving.grammar.Grammars for the tokenizer, needed by
       requests with a `structured` constraint (each constrained token is
       drawn in a decode call of its own, the host computing the allowed
@@ -228,29 +168,23 @@ class Engine:
       mode).
     """
 
-    def __init__(self, model: Any, *, max_slots: int = 8, max_length: int = 2048, prefix_cache_bytes: int = 0,
-                 speculative: Drafter | None = None, block_size: int | None = None, decode_steps: int = 8,
-                 max_prefill_batch: int | None = None, max_logprobs: int = 5, tokenizer: Detokenizer | None = None,
-                 eos_token_ids: Sequence[int] | None = None, keep_logits: bool = False, batch_invariant: bool = False,
-                 seed: int = 0, mesh: jax.sharding.Mesh | None = None, grammars: Grammars | None = None):
+    def __init__(self, model: Any, config: EngineConfig | None = None, *, mesh: jax.sharding.Mesh | None = None,
+                 speculative: Drafter | None = None, tokenizer: Detokenizer | None = None,
+                 eos_token_ids: Sequence[int] | None = None, grammars: Grammars | None = None, **fields: Any):
+        if config is not None and not isinstance(config, EngineConfig):
+            raise FieldError("config", f"expected an EngineConfig or None, got {type(config).__name__}")
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"Engine: unknown setting {unknown[0]!r} (EngineConfig's fields)")
+        config = EngineConfig(**fields) if config is None else dataclasses.replace(config, **fields)
         cfg = model.config
-        chunk = cfg.gdn_chunk_size
-        block_size = 4 * chunk if block_size is None else block_size
-        for name, value, low in (("max_slots", max_slots, 1), ("max_length", max_length, 2),
-                                 ("prefix_cache_bytes", prefix_cache_bytes, 0), ("block_size", block_size, 1),
-                                 ("decode_steps", decode_steps, 1), ("max_logprobs", max_logprobs, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise FieldError(name, f"expected an integer >= {low}, got {value!r}")
-        if block_size % chunk:
-            raise FieldError("block_size", f"expected a multiple of the model's gdn_chunk_size {chunk}, "
-                             f"got {block_size}")
-        max_prefill_batch = max_slots if max_prefill_batch is None else max_prefill_batch
-        if not isinstance(max_prefill_batch, int) or not 1 <= max_prefill_batch <= max_slots:
-            raise FieldError("max_prefill_batch", f"expected an integer in [1, max_slots={max_slots}], "
-                             f"got {max_prefill_batch!r}")
         if speculative is not None and not isinstance(speculative, Drafter):
             raise FieldError("speculative", "expected a Drafter (propose(tokens), num_tokens) or None, "
                              f"got {type(speculative).__name__}")
+        if speculative is not None and config.draft_tokens:
+            raise FieldError("draft_tokens", "given together with a drafter (speculative); give one")
+        if speculative is None and config.draft_tokens:
+            speculative = NgramDrafter(config.draft_tokens)
         if mesh is not None and (not isinstance(mesh, jax.sharding.Mesh)
                                  or not set(mesh.axis_names) <= set(MESH_AXES)):
             raise FieldError("mesh", f"expected a jax.sharding.Mesh over axes among {MESH_AXES} "
@@ -266,46 +200,42 @@ class Engine:
         if eos_token_ids is None:
             eos = cfg.eos_token_id
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        self.model, self.mesh = model, mesh
-        self.max_slots, self.max_length = max_slots, max_length
-        self.block_size, self.decode_steps = block_size, decode_steps
-        self.max_prefill_batch, self.max_logprobs = max_prefill_batch, max_logprobs
-        self.tokenizer, self.speculative = tokenizer, speculative
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.keep_logits, self.batch_invariant = keep_logits, batch_invariant
-        self.grammars = grammars
         draft = speculative.num_tokens if speculative is not None else 0
-        shapes = engine_shapes(cfg, max_length, block_size, draft)
-        self.padded_length, self.capacity = shapes.padded_length, shapes.capacity
-        # prefill buckets: the chunk size doubling up to a block, then block_size doubling up to max_length
-        # rounded up to a block (a short prompt is not padded to a whole block), none past the first that
-        # holds max_length (no prompt is longer)
-        every = _buckets(block_size, self.padded_length, chunk)
-        self.buckets = tuple(b for i, b in enumerate(every) if i == 0 or every[i - 1] < max_length)
-        # decode batches: the first 1, 2, 4, ... slots, as few as hold every running request (one shape in
-        # batch-invariant mode)
-        self.decode_rows = (max_slots,) if batch_invariant else _buckets(1, max_slots)
+        self.config, self.shapes = config, config.shapes(cfg, draft)
+        self.model, self.mesh = model, mesh
+        self.tokenizer, self.speculative, self.grammars = tokenizer, speculative, grammars
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.stats = EngineStats()
-        graphdef, self._state = nnx.split(model)
-        if mesh is not None:
-            self._state = shard(self._state, cfg, mesh)
-        # engines on one model with the same settings share compiled programs
-        shared = _PROGRAMS.setdefault(model, {})
-        key = (self.eos_token_ids, max_logprobs, keep_logits)
-        if key not in shared:
-            static = programs.Static(graphdef, cfg, row_axes(model), *key)
-            shared[key] = (static, programs.compile_programs(static))
-        self._static, self._programs = shared[key]
         # a sliding window's ring keeps the drafts a verify pass may take back beyond its window
-        self.rollback = draft
-        self._slots = self._empty_slots()
-        is_state = tuple(isinstance(entry, DeltaRuleState) for entry in self._slots.cache.layers)
-        rings = tuple(entry.ring if isinstance(entry, RingCache) else None for entry in self._slots.cache.layers)
-        self.scheduler = Scheduler(Layout(max_slots, block_size, self.buckets, self.capacity, max_prefill_batch,
-                                          batch_invariant, self._static.row_axes, is_state, rings),
-                                   prefix_cache_bytes)
+        self.runner = ModelRunner(model, config, self.shapes, mesh=mesh, eos_token_ids=self.eos_token_ids,
+                                  rollback=draft, prefix_cache=config.prefix_cache_bytes > 0)
+        layers = self.runner.slots.cache.layers
+        is_state = tuple(isinstance(entry, DeltaRuleState) for entry in layers)
+        rings = tuple(entry.ring if isinstance(entry, RingCache) else None for entry in layers)
+        self.scheduler = Scheduler(Layout(config.max_slots, self.shapes.block_size, self.shapes.buckets,
+                                          self.shapes.capacity, config.prefill_rows, config.batch_invariant,
+                                          self.runner.static.row_axes, is_state, rings),
+                                   config.prefix_cache_bytes)
         self._next_id = 0
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(config.seed)
+
+    @property
+    def max_slots(self) -> int:
+        return self.config.max_slots
+
+    @property
+    def max_length(self) -> int:
+        return self.config.max_length
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The prefill lengths."""
+        return self.shapes.buckets
+
+    @property
+    def decode_rows(self) -> tuple[int, ...]:
+        """The decode batch sizes."""
+        return self.shapes.decode_rows
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -333,8 +263,9 @@ class Engine:
             raise FieldError("top_k", f"expected at most the vocabulary's {vocab} tokens (0: all), got {params.top_k}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name)
-            if n is not None and n > self.max_logprobs:
-                raise FieldError(name, f"expected at most the engine's max_logprobs={self.max_logprobs}, got {n}")
+            if n is not None and n > self.config.max_logprobs:
+                raise FieldError(name, f"expected at most the engine's max_logprobs={self.config.max_logprobs}, "
+                                 f"got {n}")
         if params.stop and self.tokenizer is None:
             raise FieldError("stop", "stop strings are matched on text; give the engine a tokenizer")
         if len(params.stop_token_ids) > MAX_STOP_IDS:
@@ -346,7 +277,7 @@ class Engine:
             if self.grammars is None:
                 raise FieldError(field, "structured outputs need the engine's grammars (a checkpoint with a "
                                  "tokenizer.json)")
-            if self.batch_invariant:
+            if self.config.batch_invariant:
                 raise FieldError(field, "structured outputs are not available in batch-invariant mode")
             self.grammars.grammar(params.structured)  # compiled and checked now, kept for the request
         return ids
@@ -398,59 +329,10 @@ class Engine:
         counts them)."""
         if self.scheduler.running:
             raise RuntimeError("warm_up: requests are running; call it before adding any")
-        vocab = self.model.config.vocab_size
-        idle = np.zeros(self.max_slots, bool)
-        ran = 0
-        for rows in self.decode_rows:
-            self._room_for_code(ran)
-            self._run_decode(idle, rows)
-            ran += 1
-            if self.grammars is not None:  # a constrained request's one-token steps
-                self._run_decode(idle, rows, grammar.masks([None] * self.max_slots, vocab))
-                ran += 1
-        if self.speculative is not None:
-            k = self.speculative.num_tokens
-            self._run_verify(idle, np.zeros((self.max_slots, k), np.int32), np.zeros(self.max_slots, np.int32))
-            ran += 1
-        if not prefill:
-            jax.block_until_ready(self._slots)
-            return ran
-        if self.batch_invariant:
-            shapes = [(self.max_prefill_batch, self.block_size)]
-        else:
-            batches = [1 << i for i in range(self.max_prefill_batch.bit_length())]
-            shapes = [(b, length) for length in self.buckets for b in batches]
-        for rows, length in shapes:
-            for targets in (None, np.zeros((rows, length), np.int32)):
-                self._room_for_code(ran)
-                with self._on_mesh():
-                    self._slots, _ = self._programs.prefill(
-                        self._state, self._slots, np.full(rows, self.max_slots, np.int32),
-                        np.zeros((rows, length), np.int32), np.zeros(rows, np.int32), np.ones(rows, np.int32),
-                        SlotParams.rows([SamplingParams()] * rows, [0] * rows), np.zeros((rows, vocab), bool),
-                        targets, grammar.masks([None] * rows, vocab), history_every=self._history(length))
-                ran += 1
-        if self.prefix_cache is not None:  # a hit's states written into an idle slot
-            parts = tuple(tuple(np.zeros(np.delete(x.shape, axis), x.dtype) for x in entry[:2])
-                          for entry, axis in zip(self._slots.cache.layers, self._static.row_axes, strict=True))
-            with self._on_mesh():
-                self._slots = self._programs.restore(self._slots, jnp.int32(0), parts)
-            ran += 1
-        jax.block_until_ready(self._slots)  # dispatch is asynchronous: done means run, not queued
-        return ran
-
-    def _room_for_code(self, ran: int) -> None:
-        """Raise TooManyPrograms, on CPU, when the process nears the host's
-        limit of memory maps (XLA would abort mid-compile)."""
-        if jax.default_backend() != "cpu" or (maps := memory_maps()) is None:
-            return
-        used, limit = maps
-        if limit - used < MAPS_MARGIN:
-            raise TooManyPrograms(
-                f"after {ran} programs this process holds {used:,} of the host's {limit:,} memory maps "
-                "(vm.max_map_count; XLA:CPU maps each compiled kernel and aborts past the limit): compile fewer "
-                "programs (warm_up(prefill=False), gdnx serve --warm-up decode; a smaller max_slots or "
-                "max_length) or raise vm.max_map_count")
+        ran = self.runner.warm_up(prefill=prefill, constrained=self.grammars is not None,
+                                  draft=0 if self.speculative is None else self.speculative.num_tokens)
+        self.stats.programs.update(ran)
+        return len(ran)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -499,7 +381,7 @@ class Engine:
         are returned) and rebuild the slots' state, whose buffers the failed
         call may have consumed; waiting requests stay queued."""
         dropped = [r.id for r in self.scheduler.reset(error)]
-        self._slots = self._empty_slots()
+        self.runner.reset()
         return dropped
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -540,27 +422,9 @@ class Engine:
 
     # ---- running the programs -------------------------------------------------------------------------------
 
-    def _on_mesh(self) -> contextlib.AbstractContextManager:
-        """The context the programs run in: the engine's mesh, if any."""
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
-
-    def _empty_slots(self) -> programs.Slots:
-        def make():
-            return programs.empty_slots(self.model, self.max_slots, self.capacity, self.rollback)
-        if self.mesh is None:
-            return make()
-        with self._on_mesh():  # created in place, each array in its layout
-            return jax.jit(lambda: programs.place(self._static, make()))()
-
-    def _history(self, length: int) -> int | None:
-        """The prefill's state snapshots for the prefix cache: every block of
-        a bucket of whole blocks (a shorter bucket holds no block to keep)."""
-        return self.block_size if self.prefix_cache is not None and length % self.block_size == 0 else None
-
     def _restore(self, req: Request, layers: tuple) -> None:
         """Write a request's cached prefix into its slot."""
-        with self._on_mesh():
-            self._slots = self._programs.restore(self._slots, jnp.int32(req.held_slot), layers)
+        self.runner.restore(req.held_slot, layers)
         self.stats.programs.add(("restore", ()))
         self.stats.cached_tokens += req.cached
 
@@ -569,7 +433,7 @@ class Engine:
         `length` tokens; a request whose prompt is then done draws its first
         token and starts decoding."""
         vocab = self.model.config.vocab_size
-        rows = self.max_prefill_batch if self.batch_invariant else len(group)
+        rows = self.config.prefill_rows if self.config.batch_invariant else len(group)
         tokens = np.zeros((rows, length), np.int32)
         seen = np.zeros((rows, vocab), bool)
         starts = np.zeros(rows, np.int32)
@@ -591,13 +455,9 @@ class Engine:
                                  [r.seed for r, _ in group] + [0] * (rows - len(group)))
         # the first token each constrained request may draw (every token for the others: one program for both)
         allowed = grammar.masks([req.matcher for req, _ in group] + [None] * (rows - len(group)), vocab)
-        with self._on_mesh():
-            self._slots, out = self._programs.prefill(self._state, self._slots, slots, tokens, starts, lengths,
-                                                      params, seen, targets, allowed,
-                                                      history_every=self._history(length))
-        self.stats.programs.add(("prefill", (rows, length)))
+        got = self.runner.prefill(PrefillBatch(slots, tokens, starts, lengths, params, seen, targets, allowed))
+        self.stats.programs.add(("prefill", (rows, length) + (("prompt logprobs",) if targets is not None else ())))
         self.stats.prefill_calls += 1
-        got = fetch(out)
         if got.snapshot is not None:
             self.scheduler.store(group, got.snapshot, lengths)
         for i, (req, start) in enumerate(group):
@@ -611,23 +471,6 @@ class Engine:
                 self._emit(req, [int(got.tokens[i])], got.logprobs, i,
                            None if got.logits is None else got.logits[i][None], results)
 
-    def _run_decode(self, active: np.ndarray, rows: int, allowed: np.ndarray | None = None):
-        """The decode program over the first `rows` slots (recorded among the
-        compiled programs); with `allowed` (constrained rows), one token."""
-        steps = self.decode_steps if allowed is None else 1
-        with self._on_mesh():
-            self._slots, step = self._programs.decode(self._state, self._slots, active, allowed, steps=steps,
-                                                      rows=rows)
-        self.stats.programs.add(("decode", (rows, steps) if allowed is None else (rows, steps, "constrained")))
-        return step
-
-    def _run_verify(self, active: np.ndarray, drafts: np.ndarray, counts: np.ndarray):
-        """The verify program over every slot (recorded among the compiled programs)."""
-        with self._on_mesh():
-            self._slots, out = self._programs.verify(self._state, self._slots, active, drafts, counts)
-        self.stats.programs.add(("verify", drafts.shape))
-        return out
-
     def _decode(self, results: _StepResults) -> None:
         active = self.scheduler.active()
         used = int(np.flatnonzero(active)[-1]) + 1
@@ -638,9 +481,11 @@ class Engine:
             for req in decoding:
                 matchers[req.held_slot] = req.matcher
             allowed = grammar.masks(matchers, self.model.config.vocab_size)
-        step = self._run_decode(active, next(r for r in self.decode_rows if r >= used), allowed)
+        rows = next(r for r in self.decode_rows if r >= used)
+        steps = self.config.decode_steps if allowed is None else 1
+        got = self.runner.decode(DecodeBatch(active, allowed, rows, steps))
+        self.stats.programs.add(("decode", (rows, steps) if allowed is None else (rows, steps, "constrained")))
         self.stats.decode_calls += 1
-        got = fetch(step)
         for req in decoding:
             slot = req.held_slot
             logits = None if got.logits is None else got.logits[slot]
@@ -665,14 +510,14 @@ class Engine:
             counts[req.held_slot] = len(proposal)
         # batch-invariant: every token from a verify pass (a plain decode step computes in another
         # shape, and whether another slot has drafts must not change a request's program)
-        if not counts.any() and not self.batch_invariant:
+        if not counts.any() and not self.config.batch_invariant:
             return None
         return drafts, counts
 
     def _verify(self, drafts: np.ndarray, counts: np.ndarray, results: _StepResults) -> None:
-        out = self._run_verify(self.scheduler.active(), drafts, counts)
+        got = self.runner.verify(VerifyBatch(self.scheduler.active(), drafts, counts))
+        self.stats.programs.add(("verify", drafts.shape))
         self.stats.verify_calls += 1
-        got = fetch(out)
         self.stats.drafted_tokens += int(counts.sum())
         for req in self.scheduler.decoding():
             slot = req.held_slot

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -36,9 +37,8 @@ from gdnx.parallel import make_mesh, shardings
 from gdnx.plan import (HBM_BYTES, abstract, compile_within, for_target, generation, topology_devices,
                        xla_flops)
 from gdnx.serving import programs
-from gdnx.serving.engine import engine_shapes
-from gdnx.serving.params import SamplingParams
-from gdnx.serving.sampling import SlotParams
+from gdnx.serving.config import EngineConfig
+from gdnx.serving.runner import DecodeBatch, PrefillBatch, VerifyBatch, lower
 from gdnx.stacking import layer_ndim
 
 PROGRAMS = ("prefill", "decode", "verify")
@@ -153,28 +153,20 @@ def _compile(lowered: Any, what: str, topology: str) -> Any:
                                    "--max-prefill-batch or --max-length, or shard over more chips (parallel.tensor)")
 
 
-def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int, speculative: int = 0,
-               decode_steps: int = 8, max_prefill_batch: int | None = None, prefix_cache: bool = True,
+def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_cache: bool = True,
                logprobs: int = 0) -> ServePlan:
     """Compile the engine's prefill, decode and verify programs for
-    `topology` (a TPU slice, or NAME:N GPUs) with config's model and parallel sections
-    (max_prefill_batch None: max_slots, as the engine takes it;
+    `topology` (a TPU slice, or NAME:N GPUs) with config's model and parallel
+    sections and the engine's settings (`engine`: max_slots, max_length,
+    max_prefill_batch, decode_steps, draft_tokens, block_size), the very
+    programs and batch shapes an Engine runs (runner.py's batches).
     prefix_cache: the prefill keeps the states at block ends, as an engine
-    with a prefix cache has it do)."""
-    for name, value, low in (("max_slots", max_slots, 1), ("max_length", max_length, 2),
-                             ("speculative", speculative, 0), ("decode_steps", decode_steps, 1)):
-        if value < low:
-            raise ValueError(f"--{name.replace('_', '-')}: expected an integer >= {low}, got {value}")
-    follows = max_prefill_batch is None
-    prefill_rows = max_slots if max_prefill_batch is None else max_prefill_batch
-    if not 1 <= prefill_rows <= max_slots:
-        raise ValueError(f"--max-prefill-batch: expected an integer in [1, --max-slots={max_slots}], got "
-                         f"{prefill_rows}")
+    with a prefix cache has it do; logprobs: the top-N computed per token."""
     devices, hbm, kind = _target(topology)
     cfg = config.model
-    if max_length > cfg.max_position_embeddings:
-        raise ValueError(f"--max-length: {max_length} exceeds the model's {cfg.max_position_embeddings} positions "
-                         "(max_position_embeddings)")
+    if engine.max_length > cfg.max_position_embeddings:
+        raise ValueError(f"--max-length: {engine.max_length} exceeds the model's {cfg.max_position_embeddings} "
+                         "positions (max_position_embeddings)")
     cfg = for_target(cfg, kind)
     if config.parallel.context != 1:
         raise ValueError(f"parallel.context: the engine splits heads and slots, not sequences: expected 1, got "
@@ -186,17 +178,21 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
         warnings.simplefilter("ignore", UserWarning)  # "kernel on CPU": compiled for TPU here, not run
         model = nnx.eval_shape(lambda: CausalLM(cfg))
     graphdef, state = nnx.split(model)
-    flops = decode_flops(cfg, nnx.state(model, nnx.Param), max_slots, max_length)
+    s, pr, k = engine.max_slots, engine.prefill_rows, engine.draft_tokens
+    flops = decode_flops(cfg, nnx.state(model, nnx.Param), s, engine.max_length)
     state = abstract(state, shardings(state, cfg, mesh))
-    shapes = engine_shapes(cfg, max_length, None, speculative)
+    shapes = engine.shapes(cfg)
     static = programs.Static(graphdef, cfg, row_axes(model), (), logprobs, False)
     compiled_programs = programs.compile_programs(static)
     replicated = NamedSharding(mesh, PartitionSpec())
 
-    def host(shape, dtype):  # an input the engine sends from the host (whole on every chip)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+    def host(x):  # an input the engine sends from the host (whole on every chip)
+        return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated)
 
-    s, pr, length, k = max_slots, prefill_rows, shapes.padded_length, speculative
+    batches: dict[str, PrefillBatch | DecodeBatch | VerifyBatch] = {"prefill": PrefillBatch.idle(pr, shapes.padded_length, max_slots=s, vocab=cfg.vocab_size),
+               "decode": DecodeBatch.idle(s, max_slots=s, steps=engine.decode_steps),
+               "verify": VerifyBatch.idle(max_slots=s, draft=k)}
+    history = shapes.block_size if prefix_cache else None
     compile_s: dict[str, float] = {}
     temp: dict[str, int] = {}
     cost: dict[str, float] = {}
@@ -205,23 +201,12 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
         make = jax.jit(lambda: programs.place(static, programs.empty_slots(model, s, shapes.capacity, k)))
         slot_shapes = jax.eval_shape(make)
         slots = abstract(slot_shapes, _compile(make.lower(), "slot state", topology).output_shardings)
-        prefill_params = jax.tree.map(lambda x: host(x.shape, x.dtype),
-                                      SlotParams.rows([SamplingParams()] * pr, [0] * pr))
-        rows = {
-            "prefill": lambda: compiled_programs.prefill.lower(
-                state, slots, host((pr,), jnp.int32), host((pr, length), jnp.int32), host((pr,), jnp.int32),
-                host((pr,), jnp.int32), prefill_params, host((pr, cfg.vocab_size), jnp.bool_), None,
-                history_every=shapes.block_size if prefix_cache else None),
-            "decode": lambda: compiled_programs.decode.lower(state, slots, host((s,), jnp.bool_), steps=decode_steps,
-                                                             rows=s),
-            "verify": lambda: compiled_programs.verify.lower(state, slots, host((s,), jnp.bool_),
-                                                             host((s, k), jnp.int32), host((s,), jnp.int32)),
-        }
         for name in PROGRAMS:
             if name == "verify" and not k:
                 continue
             t0 = time.perf_counter()
-            compiled = _compile(rows[name](), f"{name} program", topology)
+            lowered = lower(compiled_programs, state, slots, batches[name], history, host)
+            compiled = _compile(lowered, f"{name} program", topology)
             compile_s[name] = time.perf_counter() - t0
             memory = compiled.memory_analysis()
             assert memory is not None  # TPU executables report it
@@ -231,9 +216,9 @@ def serve_plan(config: Config, topology: str, *, max_slots: int, max_length: int
                 text = compiled.as_text() or ""
                 kernels = text.count("tpu_custom_call") + text.count("__gpu$xla.gpu.triton")
     return ServePlan(topology, len(devices), dict(mesh.shape),
-                     sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), s, max_length,
-                     pr, follows, prefix_cache, shapes.capacity, k, _per_chip(state), _per_chip(slots), temp,
-                     compile_s, cost, flops, hbm, kernels)
+                     sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), s,
+                     engine.max_length, pr, engine.max_prefill_batch is None, prefix_cache, shapes.capacity, k,
+                     _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels)
 
 
 def describe(p: ServePlan) -> str:

@@ -1,0 +1,249 @@
+"""The model runner: what the engine runs its programs with, apart from
+what it decides to run.
+
+`ModelRunner` holds the device state (the weights, placed on the mesh if
+there is one), the compiled programs (shared by engines on one model with
+the same settings), the slot state every program donates to the next, the
+warm-up and the guard against the host's limit of memory maps. Each
+program takes one batch record (`PrefillBatch`, `DecodeBatch`,
+`VerifyBatch`; a prefix-cache hit goes through `restore`) and returns its
+results fetched to the host. The same records, built `idle`, are what the
+warm-up runs and what `gdnx plan --serve` compiles for another machine, so
+each program's signature is written once, here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gdnx.distributed import fetch
+from gdnx.models.cache import row_axes
+from gdnx.parallel.params import shard
+from gdnx.serving import grammar, programs
+from gdnx.serving.config import EngineConfig, EngineShapes
+from gdnx.serving.params import SamplingParams
+from gdnx.serving.sampling import SlotParams
+
+# XLA:CPU maps each compiled kernel's code into the process (maps per program: docs/benchmarks.md); past
+# Linux's vm.max_map_count it aborts. Warming up stops with this many maps left.
+MAPS_MARGIN = 8000
+
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class TooManyPrograms(RuntimeError):
+    """Compiling another program could pass the host's limit of memory maps."""
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the host's limit) on Linux, else None."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps), limit
+    except (OSError, ValueError):
+        return None
+
+
+class PrefillBatch(NamedTuple):
+    """One prefill call: P prompts' tokens from their starts, right-padded
+    to a length bucket L (the prefill program's arguments, in order)."""
+    rows: np.ndarray            # int32 [P]: each row's slot (max_slots: a padding row, it writes nowhere)
+    tokens: np.ndarray          # int32 [P, L]
+    starts: np.ndarray          # int32 [P]: where each row's tokens start in its prompt
+    lengths: np.ndarray         # int32 [P]: each row's real tokens
+    params: SlotParams          # [P] each
+    seen: np.ndarray            # bool [P, V]: each row's prompt tokens
+    targets: np.ndarray | None  # int32 [P, L]: the next prompt token, when some row scores its prompt
+    allowed: np.ndarray         # int32 [P, W]: the first token each row may draw (sampling.allow)
+
+    @classmethod
+    def idle(cls, rows: int, length: int, *, max_slots: int, vocab: int, targets: bool = False) -> PrefillBatch:
+        """A batch of padding rows (they write nowhere), for the warm-up and the plan."""
+        return cls(np.full(rows, max_slots, np.int32), np.zeros((rows, length), np.int32), np.zeros(rows, np.int32),
+                   np.ones(rows, np.int32), SlotParams.rows([SamplingParams()] * rows, [0] * rows),
+                   np.zeros((rows, vocab), bool), np.zeros((rows, length), np.int32) if targets else None,
+                   grammar.masks([None] * rows, vocab))
+
+
+class DecodeBatch(NamedTuple):
+    """One decode call over the first `rows` slots: `steps` tokens each, or
+    one token with `allowed` (constrained rows)."""
+    active: np.ndarray          # bool [S]: the slots decoding (the others keep their state)
+    allowed: np.ndarray | None  # int32 [S, W]
+    rows: int
+    steps: int
+
+    @classmethod
+    def idle(cls, rows: int, *, max_slots: int, steps: int, vocab: int | None = None) -> DecodeBatch:
+        """No slot decoding; with `vocab`, the constrained form (one token)."""
+        allowed = None if vocab is None else grammar.masks([None] * max_slots, vocab)
+        return cls(np.zeros(max_slots, bool), allowed, rows, 1 if vocab is not None else steps)
+
+
+class VerifyBatch(NamedTuple):
+    """One speculative pass over every slot: the last token and K drafts."""
+    active: np.ndarray          # bool [S]
+    drafts: np.ndarray          # int32 [S, K]
+    counts: np.ndarray          # int32 [S]: each slot's real drafts
+
+    @classmethod
+    def idle(cls, *, max_slots: int, draft: int) -> VerifyBatch:
+        return cls(np.zeros(max_slots, bool), np.zeros((max_slots, draft), np.int32), np.zeros(max_slots, np.int32))
+
+
+def lower(compiled: programs.Programs, state: Any, slots: Any, batch: PrefillBatch | DecodeBatch | VerifyBatch,
+          history_every: int | None = None, host: Any = None) -> Any:
+    """compiled's program for `batch`, lowered (for another machine: `host`
+    turns each array into the abstract one that machine gets)."""
+    host = host or (lambda x: x)
+    if isinstance(batch, PrefillBatch):
+        return compiled.prefill.lower(state, slots, *jax.tree.map(host, tuple(batch)), history_every=history_every)
+    if isinstance(batch, DecodeBatch):
+        return compiled.decode.lower(state, slots, host(batch.active), jax.tree.map(host, batch.allowed),
+                                     steps=batch.steps, rows=batch.rows)
+    return compiled.verify.lower(state, slots, *(host(x) for x in batch))
+
+
+class ModelRunner:
+    """Runs an engine's programs on its device state.
+
+    model: a gdnx CausalLM; config: the engine's settings; shapes: what they
+    fix for the model (EngineConfig.shapes); mesh: a Mesh with gdnx's axes
+    (context 1) or None; eos_token_ids: the tokens that end a request;
+    rollback: a sliding window's extra room for drafts a verify pass takes
+    back; prefix_cache: the prefill also returns the states at block ends.
+    """
+
+    def __init__(self, model: Any, config: EngineConfig, shapes: EngineShapes, *, mesh: jax.sharding.Mesh | None,
+                 eos_token_ids: tuple[int, ...], rollback: int, prefix_cache: bool):
+        cfg = model.config
+        self.model, self.config, self.shapes, self.mesh = model, config, shapes, mesh
+        self.rollback, self.prefix_cache = rollback, prefix_cache
+        self.vocab = cfg.vocab_size
+        graphdef, self.state = nnx.split(model)
+        if mesh is not None:
+            self.state = shard(self.state, cfg, mesh)
+        # engines on one model with the same settings share compiled programs
+        shared = _PROGRAMS.setdefault(model, {})
+        key = (eos_token_ids, config.max_logprobs, config.keep_logits)
+        if key not in shared:
+            static = programs.Static(graphdef, cfg, row_axes(model), *key)
+            shared[key] = (static, programs.compile_programs(static))
+        self.static, self.programs = shared[key]
+        self.slots = self.empty_slots()
+
+    # ---- the programs ---------------------------------------------------------------------------------------
+
+    def on_mesh(self) -> contextlib.AbstractContextManager:
+        """The context the programs run in: the runner's mesh, if any."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def empty_slots(self) -> programs.Slots:
+        def make():
+            return programs.empty_slots(self.model, self.config.max_slots, self.shapes.capacity, self.rollback)
+        if self.mesh is None:
+            return make()
+        with self.on_mesh():  # created in place, each array in its layout
+            return jax.jit(lambda: programs.place(self.static, make()))()
+
+    def reset(self) -> None:
+        """Fresh slot state (after a failed call, whose buffers it may have consumed)."""
+        self.slots = self.empty_slots()
+
+    def history_every(self, length: int) -> int | None:
+        """The prefill's state snapshots for the prefix cache: every block of
+        a bucket of whole blocks (a shorter bucket holds no block to keep)."""
+        block = self.shapes.block_size
+        return block if self.prefix_cache and length % block == 0 else None
+
+    def _prefill(self, batch: PrefillBatch) -> Any:
+        with self.on_mesh():
+            self.slots, out = self.programs.prefill(self.state, self.slots, *batch,
+                                                    history_every=self.history_every(batch.tokens.shape[1]))
+        return out
+
+    def _decode(self, batch: DecodeBatch) -> Any:
+        with self.on_mesh():
+            self.slots, step = self.programs.decode(self.state, self.slots, batch.active, batch.allowed,
+                                                    steps=batch.steps, rows=batch.rows)
+        return step
+
+    def _verify(self, batch: VerifyBatch) -> Any:
+        with self.on_mesh():
+            self.slots, out = self.programs.verify(self.state, self.slots, *batch)
+        return out
+
+    def prefill(self, batch: PrefillBatch) -> programs.PrefillOut:
+        return fetch(self._prefill(batch))
+
+    def decode(self, batch: DecodeBatch) -> programs.Step:
+        return fetch(self._decode(batch))
+
+    def verify(self, batch: VerifyBatch) -> programs.Verified:
+        return fetch(self._verify(batch))
+
+    def restore(self, slot: int, layers: tuple) -> None:
+        """Write a prefix-cache hit's states into `slot`."""
+        with self.on_mesh():
+            self.slots = self.programs.restore(self.slots, jnp.int32(slot), layers)
+
+    # ---- warm-up --------------------------------------------------------------------------------------------
+
+    def warm_up(self, *, prefill: bool, constrained: bool, draft: int) -> list[tuple[str, tuple]]:
+        """Compile and run every program on idle slots (rows that write
+        nowhere): each decode batch size, plain and (constrained) one token,
+        the verify pass with `draft` tokens, and with `prefill` every
+        prefill shape with and without prompt targets and the prefix
+        cache's restore. Returns once they have run (dispatch is
+        asynchronous): (name, shape) of each program run, as the engine's
+        stats name them."""
+        c, s = self.config, self.shapes
+        ran: list[tuple[str, tuple]] = []
+        for rows in s.decode_rows:
+            self.room_for_code(len(ran))
+            self._decode(DecodeBatch.idle(rows, max_slots=c.max_slots, steps=c.decode_steps))
+            ran.append(("decode", (rows, c.decode_steps)))
+            if constrained:  # a constrained request's one-token steps
+                self._decode(DecodeBatch.idle(rows, max_slots=c.max_slots, steps=1, vocab=self.vocab))
+                ran.append(("decode", (rows, 1, "constrained")))
+        if draft:
+            self._verify(VerifyBatch.idle(max_slots=c.max_slots, draft=draft))
+            ran.append(("verify", (c.max_slots, draft)))
+        if prefill:
+            lengths = (s.block_size,) if c.batch_invariant else s.buckets
+            for length in lengths:
+                for rows in s.prefill_batches:
+                    for targets in (False, True):
+                        self.room_for_code(len(ran))
+                        self._prefill(PrefillBatch.idle(rows, length, max_slots=c.max_slots, vocab=self.vocab,
+                                                        targets=targets))
+                        ran.append(("prefill", (rows, length) + (("prompt logprobs",) if targets else ())))
+            if self.prefix_cache:  # a hit's states written into an idle slot
+                parts = tuple(tuple(np.zeros(np.delete(x.shape, axis), x.dtype) for x in entry[:2])
+                              for entry, axis in zip(self.slots.cache.layers, self.static.row_axes, strict=True))
+                self.restore(0, parts)
+                ran.append(("restore", ()))
+        jax.block_until_ready(self.slots)  # dispatch is asynchronous: done means run, not queued
+        return ran
+
+    def room_for_code(self, ran: int) -> None:
+        """Raise TooManyPrograms, on CPU, when the process nears the host's
+        limit of memory maps (XLA would abort mid-compile)."""
+        if jax.default_backend() != "cpu" or (maps := memory_maps()) is None:
+            return
+        used, limit = maps
+        if limit - used < MAPS_MARGIN:
+            raise TooManyPrograms(
+                f"after {ran} programs this process holds {used:,} of the host's {limit:,} memory maps "
+                "(vm.max_map_count; XLA:CPU maps each compiled kernel and aborts past the limit): compile fewer "
+                "programs (warm_up(prefill=False), gdnx serve --warm-up decode; a smaller max_slots or "
+                "max_length) or raise vm.max_map_count")
