@@ -14,6 +14,7 @@ from gdnx.models.cache import Cache
 from gdnx.models.causal_lm import CausalLM
 from gdnx.parallel.rules import constrain
 from gdnx.errors import FieldError
+from gdnx.serving.sampling import truncated
 
 
 def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_p: float = 1.0) -> jax.Array:
@@ -23,13 +24,10 @@ def sample(logits: jax.Array, key: jax.Array, *, temperature: float = 0.0, top_p
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
-    if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # keep a token while the mass before it is < top_p (the top token always stays)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        cutoff = jnp.min(jnp.where(before < top_p, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    if top_p < 1.0:  # the engine's filter (gdnx.serving.sampling), top_p alone
+        rows = logits.shape[0]
+        logits = truncated(logits, jnp.zeros(rows, jnp.int32), jnp.full(rows, top_p, jnp.float32),
+                           jnp.zeros(rows, jnp.float32))
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

@@ -116,3 +116,16 @@ def test_finish_frees_the_slot(reason):
     r.output.add(1)
     s.finish(r, reason)
     assert r.status is S.FINISHED and r.completion.finish_reason == reason and s.running == 0 and s.can_admit is False
+
+
+def test_a_server_step_stops_after_the_prefill_of_arrivals_but_never_twice_in_a_row():
+    s = _scheduler(slots=2)
+    assert s.step_decodes()                  # nothing waits: decode
+    s.add(_request(0))
+    assert not s.step_decodes()              # an arrival and a free slot: prefill only
+    s.admit()
+    s.add(_request(1))
+    assert s.step_decodes()                  # another arrival: the running one decodes first
+    assert not s.step_decodes()              # then the arrival's prefill alone
+    s.admit()
+    assert s.step_decodes() and s.step_decodes()   # every slot taken: decode

@@ -55,6 +55,7 @@ def run_generate(args) -> int:
     from gdnx.training.loop import memory_capacity
 
     from gdnx.generate import check_sampling, generate, prefill_bytes
+    from gdnx.serving.output import IncrementalDetokenizer
 
     try:
         check_sampling(args.temperature, args.top_p, args.max_new_tokens)
@@ -110,24 +111,20 @@ def run_generate(args) -> int:
     shows = jax.process_index() == 0
     if shows:
         print(f"loaded {loaded}; prompt of {len(ids)} tokens", file=sys.stderr)
-    out: list[int] = []
-    shown = ""
+    # the engine's incremental detokenizer: a window of tokens per step, a multi-byte character once complete
+    text = IncrementalDetokenizer(tok.decode)
 
     def stream(tok_step):
-        nonlocal shown
-        out.append(int(tok_step[0]))
-        text = tok.decode(out)
-        # a multi-byte character shows once complete
-        if shows and not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(shown):])
+        new = text.add([int(tok_step[0])])
+        if shows and new:
+            sys.stdout.write(new)
             sys.stdout.flush()
-            shown = text
 
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         generate(model, jnp.asarray([ids], jnp.int32), args.max_new_tokens, temperature=args.temperature,
                  top_p=args.top_p, seed=args.seed, on_token=stream)
     if shows:
-        sys.stdout.write("\n")
+        sys.stdout.write(text.flush() + "\n")
     return 0
 
 

@@ -6,12 +6,12 @@ unfinished and sleeps on the queue otherwise."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 from gdnx.distributed import peer_failure, peer_lost
 from gdnx.serving.engine import Engine, Event
@@ -63,6 +63,30 @@ class Handle:
                 return
 
 
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    handle: Handle
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    handle: Handle
+
+
+@dataclasses.dataclass(frozen=True)
+class _EndAll:
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+# what the server's threads ask of the engine's thread
+_Command = _Add | _Abort | _EndAll | _Stop
+
+
 class AsyncEngine:
     """engine: the Engine, or the Leader of one over several processes
     (used only from its own thread once started). max_queue: requests that
@@ -76,7 +100,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine | Leader, metrics: Metrics, max_queue: int):
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
         self.lost: str | None = None
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._handles: dict[int, Handle] = {}     # by engine request id (engine thread only)
         self._in_flight = 0                        # submitted, not yet ended (the event loop's count)
         self._live: set[Handle] = set()            # the same requests (under the lock)
@@ -89,7 +113,7 @@ class AsyncEngine:
     def stop(self) -> None:
         """Drop what is left and end the thread (left alone once the run is
         lost: it may wait in a collective that never ends)."""
-        self._commands.put(("stop", None))
+        self._commands.put(_Stop())
         if self.lost is None:
             self._thread.join()
 
@@ -132,7 +156,7 @@ class AsyncEngine:
             handles = [Handle(loop, prompt, params) for prompt, params in requests]
             self._live.update(handles)
         for h in handles:
-            self._commands.put(("add", h))
+            self._commands.put(_Add(h))
         return handles
 
     @property
@@ -152,18 +176,17 @@ class AsyncEngine:
             self._in_flight -= 1
             self._live.discard(handle)
         if not finished:
-            self._commands.put(("abort", handle))
+            self._commands.put(_Abort(handle))
 
     def end_all(self, why: str) -> None:
         """End every request in flight with an EngineError (streams send it
         as an error event, then [DONE]); the engine keeps running."""
-        self._commands.put(("end_all", why))
+        self._commands.put(_EndAll(why))
 
     # ---- the engine thread ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
         engine = self.engine
-        prefilled = False
         while True:
             try:
                 # idle: sleep until a command comes
@@ -171,49 +194,46 @@ class AsyncEngine:
             except queue.Empty:
                 command = None
             while command is not None:
-                if not self._apply(*command):
+                if not self._apply(command):
                     return
                 try:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
             if engine.has_unfinished():
-                # new requests' first tokens go out before the others' next round trip; never two
-                # prefill-only steps in a row, so arrivals cannot stall the running requests
-                prefill_only = engine.can_admit and not prefilled
-                self._step(decode=not prefill_only)
-                prefilled = prefill_only
+                self._step(decode=engine.scheduler.step_decodes())
                 if self.lost is not None:
                     return
             self._gauges()
 
-    def _apply(self, what: str, handle: Any) -> bool:
-        if what == "stop":
-            for h in self._handles.values():
-                h._put(EngineError("the server is shutting down"))
-            if isinstance(self.engine, Leader):
-                self.engine.stop()
-            return False
-        if what == "end_all":
-            for rid, h in list(self._handles.items()):
-                self.engine.abort(rid)
-                self.metrics.failed.inc()
-                h._put(EngineError(handle))
-            self._handles.clear()
-            return True
-        if what == "add":
-            try:
-                handle.request_id = self.engine.add_request(handle.prompt, handle.params)
-            except ValueError as e:  # checked before submit; a failure here is the engine's
-                handle._put(EngineError(str(e)))
-                return True
-            self._handles[handle.request_id] = handle
-            self.metrics.requests.inc()
-            self.metrics.prompt_tokens.inc(len(handle.prompt))
-        elif what == "abort" and handle.request_id in self._handles:
-            self.engine.abort(handle.request_id)
-            del self._handles[handle.request_id]
-            self.metrics.aborted.inc()
+    def _apply(self, command: _Command) -> bool:
+        """Do what a command asks; False: the thread ends."""
+        match command:
+            case _Stop():
+                for h in self._handles.values():
+                    h._put(EngineError("the server is shutting down"))
+                if isinstance(self.engine, Leader):
+                    self.engine.stop()
+                return False
+            case _EndAll(why):
+                for rid, h in list(self._handles.items()):
+                    self.engine.abort(rid)
+                    self.metrics.failed.inc()
+                    h._put(EngineError(why))
+                self._handles.clear()
+            case _Add(handle):
+                try:
+                    handle.request_id = self.engine.add_request(handle.prompt, handle.params)
+                except ValueError as e:  # checked before submit; a failure here is the engine's
+                    handle._put(EngineError(str(e)))
+                    return True
+                self._handles[handle.request_id] = handle
+                self.metrics.requests.inc()
+                self.metrics.prompt_tokens.inc(len(handle.prompt))
+            case _Abort(handle) if handle.request_id in self._handles:
+                self.engine.abort(handle.request_id)
+                del self._handles[handle.request_id]
+                self.metrics.aborted.inc()
         return True
 
     def _step(self, decode: bool) -> None:

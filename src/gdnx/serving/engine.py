@@ -46,7 +46,6 @@ from gdnx.serving import grammar, offline
 from gdnx.serving.config import EngineConfig
 from gdnx.serving.drafter import Drafter, NgramDrafter
 from gdnx.serving.grammar import Grammars
-from gdnx.serving.offline import RequestFailed
 from gdnx.serving.output import Output
 from gdnx.serving.params import Completion, SamplingParams
 from gdnx.serving.prefix_cache import PrefixCache
@@ -389,14 +388,7 @@ class Engine:
         """Run these requests (and any already queued) to the end, yielding
         (request id, new tokens) as they come; ids are in prompt order from
         the first one returned by add_request."""
-        for prompt, p in zip(prompts, self._params_list(prompts, params), strict=True):
-            self.add_request(prompt, p)
-        while self.has_unfinished():
-            for event in self.step():
-                if event.error is not None:
-                    raise RequestFailed(f"request {event.request_id}: {event.error}")
-                if event.tokens:
-                    yield event.request_id, event.tokens
+        return offline.stream(self, list(zip(prompts, self._params_list(prompts, params), strict=True)))
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:

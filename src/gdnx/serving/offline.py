@@ -1,6 +1,6 @@
 """Running a list of requests to the end on an engine: the one loop behind
-`Engine.generate`, `gdnx generate --prompts-file` and `gdnx eval`'s
-generation. A request that fails is reported where its result would have
+`Engine.generate`, `Engine.stream`, `gdnx generate --prompts-file` and
+`gdnx eval`'s generation. A request that fails is reported where its result would have
 been, never skipped."""
 
 from __future__ import annotations
@@ -49,6 +49,20 @@ def run_to_completion(engine: Steps, requests: Sequence[tuple[Sequence[int], Sam
             if event.request_id not in index_of or (event.error is None and event.completion is None):
                 continue
             yield Finished(index_of.pop(event.request_id), event.request_id, event.completion, event.error)
+
+
+def stream(engine: Steps, requests: Sequence[tuple[Sequence[int], SamplingParams]]) -> Iterator[tuple[int, list[int]]]:
+    """Queue `requests` and run the engine (with anything already queued) to
+    the end, yielding (request id, new tokens) as they come; a failure
+    raises RequestFailed naming its request."""
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        for event in engine.step():
+            if event.error is not None:
+                raise RequestFailed(f"request {event.request_id}: {event.error}")
+            if event.tokens:
+                yield event.request_id, event.tokens
 
 
 def generate(engine: Steps, requests: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Completion]:

@@ -121,25 +121,32 @@ def allow(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(bits == 1, logits, -jnp.inf)
 
 
-def filtered(logits: jax.Array, p: SlotParams) -> jax.Array:
-    """Adjusted logits [S, V] divided by the temperature and cut by top_k,
-    top_p and min_p (-inf outside): the distribution a row draws from.
-    Rows at temperature 0 are left at temperature 1 (they take the argmax)."""
-    t = jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
-    z = logits / t
+def truncated(z: jax.Array, top_k: Arrays, top_p: Arrays, min_p: Arrays) -> jax.Array:
+    """Logits [S, V] (already divided by the temperature) cut by each row's
+    top_k (0: off), top_p and min_p (0: off), -inf outside: the tokens a
+    row may draw. The one place these filters are written (the engine's
+    draws and gdnx.generate's)."""
     vocab = z.shape[-1]
     ranked = -jnp.sort(-z, axis=-1)
-    k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, vocab), vocab)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(ranked, (k - 1)[:, None], axis=-1)
     ranked = jnp.where(jnp.arange(vocab)[None] < k[:, None], ranked, -jnp.inf)
     probs = jax.nn.softmax(ranked, axis=-1)
     # keep a token while the mass before it is below top_p (the top token always stays)
     before = jnp.cumsum(probs, axis=-1) - probs
-    cutoff = jnp.min(jnp.where(before < p.top_p[:, None], ranked, jnp.inf), axis=-1, keepdims=True)
+    cutoff = jnp.min(jnp.where(before < top_p[:, None], ranked, jnp.inf), axis=-1, keepdims=True)
     top = ranked[:, :1]
-    floor = top + jnp.log(jnp.maximum(p.min_p, 1e-30))[:, None]
-    keep = (z >= kth) & (z >= cutoff) & ((p.min_p[:, None] == 0) | (z >= floor))
+    floor = top + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
+    keep = (z >= kth) & (z >= cutoff) & ((min_p[:, None] == 0) | (z >= floor))
     return jnp.where(keep, z, -jnp.inf)
+
+
+def filtered(logits: jax.Array, p: SlotParams) -> jax.Array:
+    """Adjusted logits [S, V] divided by the temperature and `truncated` by
+    the rows' top_k, top_p and min_p: the distribution a row draws from.
+    Rows at temperature 0 are left at temperature 1 (they take the argmax)."""
+    t = jnp.where(p.temperature > 0, p.temperature, 1.0)[:, None]
+    return truncated(logits / t, p.top_k, p.top_p, p.min_p)
 
 
 def draw(logits: jax.Array, p: SlotParams, keys: jax.Array) -> jax.Array:

@@ -54,6 +54,7 @@ class Scheduler:
         self._free = list(range(layout.max_slots))   # a heap
         self._slots: dict[int, Request] = {}           # PREFILLING and RUNNING requests by slot
         self._requests: dict[int, Request] = {}        # every request not yet done, by id
+        self._prefill_only = False                      # the last step chosen by `step_decodes` was prefill only
 
     # ---- what is where ------------------------------------------------------------------------------------
 
@@ -76,6 +77,15 @@ class Scheduler:
     def can_admit(self) -> bool:
         """Some request waits and a slot is free."""
         return bool(self._waiting and self._free)
+
+    def step_decodes(self) -> bool:
+        """A server's choice for its next step: whether it decodes after
+        admitting. While requests wait for a free slot, a step may stop
+        after their prefill, so their first tokens go out before the
+        running requests' next round trip; never two such steps in a row,
+        so arrivals cannot stall the running requests."""
+        self._prefill_only = self.can_admit and not self._prefill_only
+        return not self._prefill_only
 
     def in_slots(self, status: RequestStatus | None = None) -> list[Request]:
         """The requests holding slots (of one status), by slot."""

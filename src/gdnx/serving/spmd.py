@@ -44,6 +44,37 @@ KEEP = 64
 POLL_S = 2.0  # a follower's longest wait for the next message between checks of its own stop
 
 
+@dataclasses.dataclass(frozen=True)
+class Add:
+    """A request the leader's engine took, with the id it gave it (and its seed in params)."""
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    request_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    decode: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Reset:
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Message = Add | Abort | Step | Reset | Stop
+
+
 class Channel(Protocol):
     """Numbered messages from the leader to every follower."""
 
@@ -142,7 +173,7 @@ class Leader:
 
     def __init__(self, engine: Engine, channel: Channel):
         self.engine, self._channel = engine, channel
-        self._pending: list[tuple] = []
+        self._pending: list[Message] = []
         self._sent = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -153,26 +184,26 @@ class Leader:
         if params.seed is None:  # the leader draws it: the followers take the same
             params = dataclasses.replace(params, seed=self.engine.draw_seed())
         rid = self.engine.add_request(prompt, params)
-        self._pending.append(("add", rid, list(prompt), params))
+        self._pending.append(Add(rid, list(prompt), params))
         return rid
 
     def abort(self, request_id: int) -> None:
         self.engine.abort(request_id)
-        self._pending.append(("abort", request_id))
+        self._pending.append(Abort(request_id))
 
     def step(self, decode: bool = True) -> list[Event]:
-        self._publish(("step", decode))
+        self._publish(Step(decode))
         return self.engine.step(decode)
 
     def reset_running(self, error: str = "the engine failed a step") -> list[int]:
-        self._publish(("reset", error))
+        self._publish(Reset(error))
         return self.engine.reset_running(error)
 
     def stop(self) -> None:
         """Tell the followers to end (the server is stopping)."""
-        self._publish(("stop",))
+        self._publish(Stop())
 
-    def _publish(self, last: tuple) -> None:
+    def _publish(self, last: Message) -> None:
         self._channel.publish(self._sent, pickle.dumps([*self._pending, last]))
         self._pending.clear()
         if self._sent >= KEEP:
@@ -189,20 +220,21 @@ def follow(engine: Engine, channel: Channel) -> None:
         got = channel.receive(n, POLL_S)
         if got is None:
             continue
-        for command in pickle.loads(got):
-            what = command[0]
-            if what == "add":
-                _, rid, prompt, params = command
-                mine = engine.add_request(prompt, params)
-                if mine != rid:
-                    raise RuntimeError(f"this process's engine gave request {rid} the id {mine}: the processes "
-                                       "of the run diverged (started with different settings or checkpoints?)")
-            elif what == "abort":
-                engine.abort(command[1])
-            elif what == "step":
-                engine.step(command[1])
-            elif what == "reset":
-                engine.reset_running(command[1])
-            elif what == "stop":
-                return
+        message: Message
+        for message in pickle.loads(got):
+            match message:
+                case Add(request_id, prompt, params):
+                    mine = engine.add_request(prompt, params)
+                    if mine != request_id:
+                        raise RuntimeError(f"this process's engine gave request {request_id} the id {mine}: the "
+                                           "processes of the run diverged (started with different settings or "
+                                           "checkpoints?)")
+                case Abort(request_id):
+                    engine.abort(request_id)
+                case Step(decode):
+                    engine.step(decode)
+                case Reset(error):
+                    engine.reset_running(error)
+                case Stop():
+                    return
         n += 1
