@@ -46,7 +46,7 @@ from gdnx.serving import grammar, offline
 from gdnx.serving.config import EngineConfig
 from gdnx.serving.drafter import Drafter, NgramDrafter
 from gdnx.serving.grammar import Grammars
-from gdnx.serving.output import Output
+from gdnx.serving.output import Output, unpack_logprobs
 from gdnx.serving.params import Completion, SamplingParams
 from gdnx.serving.prefix_cache import PrefixCache
 from gdnx.serving.request import Request, RequestStatus
@@ -455,10 +455,9 @@ class Engine:
         for i, (req, start) in enumerate(group):
             wanted = req.params.prompt_logprobs
             if wanted is not None and got.prompt is not None:  # positions whose next token is the prompt's
-                for j in range(min(int(lengths[i]), len(req.prompt) - 1 - start)):
-                    req.prompt_logprobs.append((float(got.prompt.chosen[i, j]), {
-                        int(t): float(v) for t, v in zip(got.prompt.top_ids[i, j, :wanted],
-                                                         got.prompt.top[i, j, :wanted])}))
+                req.prompt_logprobs += unpack_logprobs(got.prompt.chosen[i], got.prompt.top_ids[i],
+                                                       got.prompt.top[i], wanted,
+                                                       min(int(lengths[i]), len(req.prompt) - 1 - start))
             if self.scheduler.prefilled(req, int(lengths[i])):
                 self._emit(req, [int(got.tokens[i])], got.logprobs, i,
                            None if got.logits is None else got.logits[i][None], results)
@@ -525,10 +524,8 @@ class Engine:
     def _emit(self, req: Request, new: list[int], lp, row: int, logits, results: _StepResults) -> None:
         """Give a request its new tokens up to its stop condition."""
         p = req.params
-        if p.logprobs is not None:  # this row's: [n] and [n, N] (a prefill gives one token: [] and [N])
-            chosen, ids, top = (np.asarray(x[row]) for x in lp)
-            if chosen.ndim == 0:
-                chosen, ids, top = chosen[None], ids[None], top[None]
+        kept = None if p.logprobs is None else unpack_logprobs(lp.chosen[row], lp.top_ids[row], lp.top[row],
+                                                               p.logprobs, len(new))
         got = results.tokens(req)
         reason = None
         for j, tok in enumerate(new):
@@ -543,11 +540,8 @@ class Engine:
                 self._fail(req, f"the output constraint ({where}) refused token {tok}: {first}", results)
                 return
             got.append(tok)
-            if p.logprobs is not None:
-                # a token a constraint (or min_tokens) ruled out has -inf: not a candidate, left out
-                req.logprobs.append((float(chosen[j]), {int(i): float(v) for i, v in
-                                                        zip(ids[j][:p.logprobs], top[j][:p.logprobs])
-                                                        if v > -np.inf}))
+            if kept is not None:
+                req.logprobs.append(kept[j])
             if logits is not None:
                 req.logits.append(np.asarray(logits[j]))
             self.stats.generated_tokens += 1

@@ -18,6 +18,9 @@ then is part of the text.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 from gdnx.serving.params import FinishReason, SamplingParams
 
@@ -57,6 +60,21 @@ class IncrementalDetokenizer:
             return ""
         self._prefix, self._read = self._read, len(self.ids)
         return text[len(before):] if text.startswith(before) else text
+
+
+TokenLogprob = tuple[float, dict[int, float]]
+
+
+def unpack_logprobs(chosen: Any, top_ids: Any, top: Any, n: int, count: int) -> list[TokenLogprob]:
+    """One row's log-probabilities as a request keeps them, for its first
+    `count` tokens: (the token's, its top n as {id: logprob}). chosen [T],
+    top_ids and top [T, N] (a single token's: [] and [N]). A token a
+    constraint or min_tokens ruled out has -inf: not a candidate, left out."""
+    chosen, top_ids, top = (np.asarray(x) for x in (chosen, top_ids, top))
+    if chosen.ndim == 0:
+        chosen, top_ids, top = chosen[None], top_ids[None], top[None]
+    return [(float(chosen[j]), {int(i): float(v) for i, v in zip(top_ids[j][:n], top[j][:n]) if v > -np.inf})
+            for j in range(count)]
 
 
 def find_stop(text: str, added: int, stops: Sequence[str]) -> int | None:

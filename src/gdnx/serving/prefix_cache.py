@@ -17,10 +17,20 @@ import collections
 import dataclasses
 import hashlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 Key = bytes
+
+
+class CacheEntries(NamedTuple):
+    """How the model's cache entries sit in the engine's slot state."""
+    row_axes: tuple[int, ...]      # per entry: the axis of its rows (1 in a scanned cycle's stack)
+    # per entry: a GDN or KDA (conv, recurrent) state, else attention's (k, v) or (latent, rope)
+    is_state: tuple[bool, ...]
+    rings: tuple[int | None, ...]  # per entry: a sliding window's ring size (position p at slot p % ring), else None
+    capacity: int                  # tokens a slot's cache holds
 
 
 @dataclasses.dataclass
@@ -36,9 +46,15 @@ class Block:
 
 
 class PrefixCache:
-    def __init__(self, capacity_bytes: int, block_size: int):
+    """Blocks of model states in host memory, and the arrays they become:
+    a hit's states for a slot (`slot_layers`), a prefill's snapshots as
+    blocks (`store`). entries: how the slot state holds each cache entry
+    (None: keys and matching only)."""
+
+    def __init__(self, capacity_bytes: int, block_size: int, entries: CacheEntries | None = None):
         self.capacity = capacity_bytes
         self.block_size = block_size
+        self.entries = entries
         self._blocks: collections.OrderedDict[Key, Block] = collections.OrderedDict()
         self.bytes = 0
         self.hits = self.lookups = 0  # blocks found / blocks looked up
@@ -84,3 +100,57 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def slot_layers(self, blocks: list[Block]) -> tuple:
+        """The arrays a slot gets from hit blocks (the prompt's first ones):
+        per cache entry, a GDN or KDA layer's (conv, recurrent) at the last
+        block's end, an attention layer's two parts of every block at their
+        positions (the slots of a ring), each without the row axis."""
+        entries = self.entries
+        assert entries is not None  # an engine's cache knows its entries
+        start = len(blocks) * self.block_size
+        layers = []
+        for i, axis in enumerate(entries.row_axes):
+            a, b = blocks[-1].layers[i]
+            if entries.is_state[i]:
+                layers.append((a, b))
+                continue
+            ring = entries.rings[i] if entries.rings else None
+
+            def whole(j: int, part: np.ndarray) -> np.ndarray:
+                shape = list(part.shape)
+                shape[axis] = entries.capacity if ring is None else ring
+                out = np.zeros(shape, part.dtype)
+                seen = np.concatenate([blk.layers[i][j] for blk in blocks], axis=axis)
+                if ring is None:
+                    out[(slice(None),) * axis + (slice(0, start),)] = seen
+                else:  # the last `ring` positions, position p at slot p % ring
+                    kept = np.arange(max(0, start - ring), start)
+                    out[(slice(None),) * axis + (kept % ring,)] = np.take(seen, kept, axis=axis)
+                return out
+            layers.append((whole(0, a), whole(1, b)))
+        return tuple(layers)
+
+    def store(self, prompt: Sequence[int], row: int, start: int, length: int, snapshot: tuple) -> None:
+        """Keep the blocks a prefill call completed for one prompt: its row
+        `row` of the call's snapshot (per cache entry, the per-block states
+        or the call's keys and values), which covered [start, start + length)."""
+        assert self.entries is not None
+        bs = self.block_size
+        first, end = start // bs, (start + length) // bs
+        keys = self.keys(prompt, end)
+        for j in range(first, end):
+            if keys[j] in self:
+                continue
+            local = j - first
+            layers = []
+            for e, axis in enumerate(self.entries.row_axes):
+                a, b = snapshot[e]
+                pick = (slice(None),) * axis + (row,)
+                a, b = a[pick], b[pick]
+                if self.entries.is_state[e]:
+                    at = (slice(None),) * axis + (local,)
+                else:
+                    at = (slice(None),) * axis + (slice(local * bs, (local + 1) * bs),)
+                layers.append((np.array(a[at]), np.array(b[at])))
+            self.put(keys[j], Block(tuple(prompt[j * bs:(j + 1) * bs]), layers))

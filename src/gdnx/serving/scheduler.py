@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gdnx.serving.params import FinishReason
-from gdnx.serving.prefix_cache import Block, PrefixCache
+from gdnx.serving.prefix_cache import CacheEntries, PrefixCache
 from gdnx.serving.request import Request, RequestStatus
 
 
@@ -49,7 +49,8 @@ PrefillGroup = tuple[list[tuple[Request, int]], int]   # (request, start) pairs 
 class Scheduler:
     def __init__(self, layout: Layout, prefix_cache_bytes: int):
         self.layout = layout
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, layout.block_size) if prefix_cache_bytes else None
+        entries = CacheEntries(layout.row_axes, layout.is_state, layout.rings, layout.capacity)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, layout.block_size, entries) if prefix_cache_bytes else None
         self._waiting: collections.deque[Request] = collections.deque()
         self._free = list(range(layout.max_slots))   # a heap
         self._slots: dict[int, Request] = {}           # PREFILLING and RUNNING requests by slot
@@ -201,52 +202,14 @@ class Scheduler:
             blocks.pop()
         if not blocks:
             return None
-        start = len(blocks) * lay.block_size
-        layers = []
-        for i, axis in enumerate(lay.row_axes):
-            a, b = blocks[-1].layers[i]
-            if lay.is_state[i]:
-                layers.append((a, b))
-            else:  # the attention cache's two parts of every hit block, at their positions (slots of a ring)
-                ring = lay.rings[i] if lay.rings else None
-
-                def whole(j: int, part: np.ndarray) -> np.ndarray:
-                    shape = list(part.shape)
-                    shape[axis] = lay.capacity if ring is None else ring
-                    out = np.zeros(shape, part.dtype)
-                    seen = np.concatenate([blk.layers[i][j] for blk in blocks], axis=axis)
-                    if ring is None:
-                        out[(slice(None),) * axis + (slice(0, start),)] = seen
-                    else:  # the last `ring` positions, position p at slot p % ring
-                        kept = np.arange(max(0, start - ring), start)
-                        out[(slice(None),) * axis + (kept % ring,)] = np.take(seen, kept, axis=axis)
-                    return out
-                layers.append((whole(0, a), whole(1, b)))
-        req.progress = req.cached = start
-        return tuple(layers)
+        req.progress = req.cached = len(blocks) * lay.block_size
+        return cache.slot_layers(blocks)
 
     def store(self, group: list[tuple[Request, int]], snapshot: tuple, lengths: np.ndarray) -> None:
         """Put the blocks a prefill call completed into the prefix cache
         (snapshot: per cache entry, the call's per-block states or keys and
         values, rows in the group's order)."""
-        cache, bs = self.prefix_cache, self.layout.block_size
-        if cache is None:
+        if self.prefix_cache is None:
             return
         for i, (req, start) in enumerate(group):
-            first, end = start // bs, (start + int(lengths[i])) // bs
-            keys = cache.keys(req.prompt, end)
-            for j in range(first, end):
-                if keys[j] in cache:
-                    continue
-                local = j - first
-                layers = []
-                for e, axis in enumerate(self.layout.row_axes):
-                    a, b = snapshot[e]
-                    pick = (slice(None),) * axis + (i,)
-                    a, b = a[pick], b[pick]
-                    if self.layout.is_state[e]:
-                        at = (slice(None),) * axis + (local,)
-                    else:
-                        at = (slice(None),) * axis + (slice(local * bs, (local + 1) * bs),)
-                    layers.append((np.array(a[at]), np.array(b[at])))
-                cache.put(keys[j], Block(tuple(req.prompt[j * bs:(j + 1) * bs]), layers))
+            self.prefix_cache.store(req.prompt, i, start, int(lengths[i]), snapshot)
