@@ -39,7 +39,7 @@ def main() -> None:
     from flax import nnx  # noqa: PLC0415
     from jax.sharding import NamedSharding  # noqa: PLC0415
 
-    from gdnx.config.loading import load_config  # noqa: PLC0415
+    from gdnx.config.reading import load_config  # noqa: PLC0415
     from gdnx.config.schema import ParallelConfig  # noqa: PLC0415
     from gdnx.measure import median_ms  # noqa: PLC0415
     from gdnx.models import CausalLM  # noqa: PLC0415

@@ -78,7 +78,7 @@ def main() -> None:
     from lm_eval.tasks import TaskManager
 
     from gdnx.evaluation import GdnxLM
-    from gdnx.loading import load
+    from gdnx.inference import load
 
     root = Path(tempfile.mkdtemp(prefix="gdnx-eval-bench-"))
     checkpoint(root / "model")

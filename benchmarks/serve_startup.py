@@ -29,7 +29,7 @@ VARIANTS = {"defaults": "", "fusion emitters off": "--xla_cpu_use_fusion_emitter
 MEASURE = """
 import sys, time
 from pathlib import Path
-from gdnx.loading import build_engine, load
+from gdnx.inference import build_engine, load
 from gdnx.serving import EngineConfig
 def maps(): return sum(1 for _ in open("/proc/self/maps"))
 found = load(Path(sys.argv[1]), [], "serve")

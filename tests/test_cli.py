@@ -291,7 +291,7 @@ def test_distributed_on_a_plain_host_and_out_of_memory_are_one_line(capsys, tmp_
 
 def test_plan_without_libtpu_says_what_to_install(capsys):
     """This environment has no libtpu (the deviceless tests run where it is:
-    tests/test_plan.py)."""
+    tests/test_train_plan.py)."""
     pytest.importorskip("jax")
     try:
         import libtpu  # noqa: F401

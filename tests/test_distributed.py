@@ -22,7 +22,7 @@ import pytest
 
 from flax import nnx
 
-from gdnx.loading import load
+from gdnx.inference import load
 from gdnx.distributed import PEER_LOST_STATUS, PREEMPTED_STATUS, StopSignals, process_group
 from tests.helpers.processes import LIMIT_S, Processes, cpu_env, free_port, gdnx
 

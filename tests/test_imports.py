@@ -111,7 +111,7 @@ def test_checkpoints_know_the_model_by_interface():
 def test_no_command_module_imports_another():
     """gdnx.cli (the entry point) assembles the commands, one module each
     in gdnx.cli; those share the options of gdnx.cli.options and the
-    library (gdnx.loading), never importing one another or gdnx.cli, and
+    library (gdnx.inference), never importing one another or gdnx.cli, and
     nothing in the library imports a CLI module (`python -m gdnx` runs gdnx.cli)."""
     graph = import_graph()
     cli = {name for name in graph if name == "gdnx.cli" or name.startswith("gdnx.cli.")}

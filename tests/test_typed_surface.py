@@ -12,7 +12,7 @@ import gdnx
 # Modules whose public names are the user's API; the kernels' and the chunk
 # algebra's internals are typed where they meet it (the op's signature).
 SURFACE = ("gdnx.ops", "gdnx.layers", "gdnx.models", "gdnx.config", "gdnx.checkpoints", "gdnx.training",
-           "gdnx.generate", "gdnx.parallel", "gdnx.data", "gdnx.aot", "gdnx.measure", "gdnx.plan", "gdnx.loss",
+           "gdnx.generate", "gdnx.parallel", "gdnx.data", "gdnx.aot", "gdnx.measure", "gdnx.train_plan", "gdnx.loss",
            "gdnx.serving")
 INTERNAL = ("gdnx.ops.gated_delta_rule.math", "gdnx.ops.gated_delta_rule.pallas_gpu", "gdnx.ops.kda.math",
             "gdnx.ops.kda.pallas_gpu", "gdnx.ops.delta_rule.xla", "gdnx.ops.delta_rule.chunked",

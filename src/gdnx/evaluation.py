@@ -71,7 +71,7 @@ def _pack(lengths: list[int], batch: int, limit: int) -> list[tuple[int, list[li
 
 
 class GdnxLM(TemplateLM):
-    """A gdnx model (gdnx.loading.Loaded: the model, its tokenizer and mesh)
+    """A gdnx model (gdnx.inference.Loaded: the model, its tokenizer and mesh)
     as lm-eval's language model. batch_size: rows per scoring call and
     requests generated together. chat: the checkpoint's chat template
     (gdnx.data.chat.ChatTemplate) for --apply-chat-template."""
@@ -168,7 +168,7 @@ class GdnxLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        from gdnx.loading import build_engine
+        from gdnx.inference import build_engine
         from gdnx.serving import EngineConfig
         from gdnx.serving import SamplingParams
         from gdnx.serving.offline import run_to_completion

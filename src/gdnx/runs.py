@@ -10,7 +10,7 @@ from typing import NamedTuple
 from flax import nnx
 
 from gdnx.checkpoints.orbax import CONFIG_FILE, check_base, load_params
-from gdnx.config.loading import build_config
+from gdnx.config.reading import build_config
 from gdnx.config.schema import Config
 from gdnx.models import CausalLM
 from gdnx.models.adapters import adapter_spec

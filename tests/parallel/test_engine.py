@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from gdnx.config.loading import load_config
+from gdnx.config.reading import load_config
 from gdnx.models import CausalLM
 from gdnx.serving import Engine, SamplingParams
 from tests.parallel.helpers import mesh

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gdnx.config.loading import load_config
+from gdnx.config.reading import load_config
 from gdnx.training import Trainer
 from tests.parallel.helpers import mesh
 from tests.parallel.helpers import MODEL

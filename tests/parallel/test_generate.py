@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdnx.config.loading import load_config
+from gdnx.config.reading import load_config
 from gdnx.generate import generate
 from gdnx.models import CausalLM
 from gdnx.models.cache import Cache

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from gdnx.config.loading import load_config
+from gdnx.config.reading import load_config
 from gdnx.data import Batch
 from gdnx.models import CausalLM
 from gdnx.parallel import shard, spec

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gdnx.config.loading import load_config
+from gdnx.config.reading import load_config
 from gdnx.models import CausalLM
 from gdnx.parallel import shardings
 from gdnx.parallel.params import _TABLE, _names, logical_axes

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gdnx.config.loading import load_config
+from gdnx.config.reading import load_config
 from gdnx.config.schema import ParallelConfig
 from gdnx.models import CausalLM
 from gdnx.parallel import constrain, mesh_shape, shardings, spec

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gdnx.config.loading import load_config
+from gdnx.config.reading import load_config
 from gdnx.measure import relative_error
 from gdnx.training import Trainer, train
 from tests.parallel.helpers import mesh

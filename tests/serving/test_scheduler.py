@@ -10,15 +10,15 @@ from gdnx.serving.output import Output
 from gdnx.serving.params import SamplingParams
 from gdnx.serving.prefix_cache import Block, PrefixCache
 from gdnx.serving.request import Request, RequestStatus
-from gdnx.serving.scheduler import Layout, Scheduler
+from gdnx.serving.scheduler import SlotPlan, Scheduler
 
 S = RequestStatus
 
 
 def _scheduler(slots=2, batch_invariant=False) -> Scheduler:
-    layout = Layout(max_slots=slots, block_size=4, buckets=(4, 8, 16), capacity=17, max_prefill_batch=slots,
+    plan = SlotPlan(max_slots=slots, block_size=4, buckets=(4, 8, 16), capacity=17, max_prefill_batch=slots,
                     batch_invariant=batch_invariant, row_axes=(0,), is_state=(True,))
-    return Scheduler(layout, 0)
+    return Scheduler(plan, 0)
 
 
 def _request(i: int, length: int = 3) -> Request:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from flax import nnx
 
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 from gdnx.data.source import Batch
 from gdnx.training import build_trainer
 from gdnx.training.loop import EVAL_BATCHES

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gdnx.config import load_config
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 from gdnx.training import train
 from tests.helpers.configs import SMALL_RUN
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pydantic
 
-from gdnx.config.loading import format_validation_error
+from gdnx.config.reading import format_validation_error
 from gdnx.config.schema import ModelConfig
 
 # Architecture fields with the same name and meaning on both sides, per family.

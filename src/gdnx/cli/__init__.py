@@ -21,7 +21,7 @@ import sys
 from gdnx import __version__
 from gdnx.cli import bench, eval, export, generate, plan, prepare, serve, train
 from gdnx.cli.options import process_group, start_distributed, wants_distributed
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 
 # OSErrors that come from the machine or the user's files, not from gdnx
 _USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         hint = MEMORY_HINT
         if args.command == "generate":
-            from gdnx.loading import MEMORY_HINT as hint
+            from gdnx.inference import MEMORY_HINT as hint
         say(f"error: out of memory ({str(e).splitlines()[0][:160]}); {hint}")
         return _refused()
 

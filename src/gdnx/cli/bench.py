@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 
 
 def add_parser(sub) -> None:

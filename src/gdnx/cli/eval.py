@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 from gdnx.signals import handled
 from gdnx.cli.options import distributed_options
 
@@ -106,7 +106,7 @@ def _evaluate(args, tasks: list[str], manager, interrupt: _Interrupt) -> None:
     from lm_eval.utils import make_table
 
     from gdnx.evaluation import GdnxLM
-    from gdnx.loading import chat_template, load
+    from gdnx.inference import chat_template, load
 
     loaded = load(Path(args.checkpoint), list(args.overrides), "eval")
     chat = chat_template(loaded, "eval") if args.apply_chat_template else None

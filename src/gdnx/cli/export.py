@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 
 
 def add_parser(sub) -> None:

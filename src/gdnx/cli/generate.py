@@ -7,7 +7,7 @@ import contextlib
 import sys
 from pathlib import Path
 
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 from gdnx.errors import FieldError
 from gdnx.cli.options import distributed_options, engine_options
 
@@ -50,7 +50,7 @@ def run_generate(args) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
-    from gdnx.loading import MEMORY_HINT, load
+    from gdnx.inference import MEMORY_HINT, load
     from gdnx.models.cache import cache_bytes
     from gdnx.training.loop import memory_capacity
 
@@ -96,7 +96,7 @@ def run_generate(args) -> int:
     if len(ids) + args.max_new_tokens > limit:
         raise ConfigError(f"--max-new-tokens: the prompt's {len(ids)} tokens + {args.max_new_tokens} exceed the "
                           f"model's {limit} positions (max_position_embeddings)")
-    mesh = found.mesh  # the weights are on it (gdnx.loading.load)
+    mesh = found.mesh  # the weights are on it (gdnx.inference.load)
     total = len(ids) + args.max_new_tokens
     # per device: its share of the weights; the cache and the prompt's pass counted whole (an upper bound)
     cache, prefill = cache_bytes(model, total), prefill_bytes(model, len(ids), total)
@@ -256,7 +256,7 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gdnx.distributed import PREEMPTED_STATUS
-    from gdnx.loading import build_engine, engine_config
+    from gdnx.inference import build_engine, engine_config
     from gdnx.serving import SamplingParams
     from gdnx.serving.offline import Finished, run_to_completion
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 from gdnx.serving.config import EngineConfig
 
 if TYPE_CHECKING:

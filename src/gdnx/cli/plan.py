@@ -3,7 +3,7 @@ TPU slice or GPUs from this host: bytes per device, whether they fit, compile ti
 
 from __future__ import annotations
 
-from gdnx.config.loading import ConfigError, bundled_names
+from gdnx.config.reading import ConfigError, bundled_names
 from gdnx.serving.config import EngineConfig
 
 
@@ -44,8 +44,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> None:
     from gdnx.config import load_config
-    from gdnx.loading import engine_config
-    from gdnx.plan import describe, plan
+    from gdnx.inference import engine_config
+    from gdnx.train_plan import describe, plan
 
     config = load_config(args.config, list(args.overrides))
     try:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from gdnx.cli.options import distributed_options, engine_options
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 from gdnx.serving.config import EngineConfig
 
 API_KEY_ENV = "GDNX_API_KEY"
@@ -140,7 +140,7 @@ def _start(args):
     loaded checkpoint, its chat template, max_length)."""
     from gdnx.distributed import agree
     from gdnx.errors import FieldError
-    from gdnx.loading import build_engine, chat_template, engine_config, load
+    from gdnx.inference import build_engine, chat_template, engine_config, load
     from gdnx.serving import EngineStats
     from gdnx.serving.runner import TooManyPrograms
     from gdnx.serving.protocol import MAX_LOGPROBS

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gdnx.cli.options import distributed_options
-from gdnx.config.loading import DEFAULT_CONFIG, ConfigError, bundled_names
+from gdnx.config.reading import DEFAULT_CONFIG, ConfigError, bundled_names
 
 
 def add_parser(sub) -> None:

@@ -211,6 +211,17 @@ def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
                           "machine has neither; leave it unset (interpret mode on CPU)")
 
 
+def for_target(model_cfg: Any, platform: str) -> Any:
+    """The model config as the target runs it: `auto` takes the Pallas
+    kernel the platform ("tpu" or "cuda") would pick, compiled rather than
+    interpreted; refused when the config cannot run there."""
+    if model_cfg.gdn_implementation == "auto":
+        kernel = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
+        model_cfg = model_cfg.model_copy(update={"gdn_implementation": kernel, "gdn_interpret": False})
+    check_platform(model_cfg, platform)
+    return model_cfg
+
+
 def _run_layer(layer, *args):
     return layer(*args)
 

@@ -17,10 +17,11 @@ if TYPE_CHECKING:
     from gdnx.serving.drafter import Drafter, NgramDrafter
     from gdnx.serving.engine import Engine, EngineStats, Event
     from gdnx.serving.offline import RequestFailed
-    from gdnx.serving.params import Completion, SamplingParams
+    from gdnx.serving.output import Completion
+    from gdnx.serving.params import SamplingParams
 
 _LAZY = {"Drafter": "drafter", "NgramDrafter": "drafter", "Engine": "engine", "EngineStats": "engine",
-         "Event": "engine", "RequestFailed": "offline", "Completion": "params", "SamplingParams": "params"}
+         "Event": "engine", "RequestFailed": "offline", "Completion": "output", "SamplingParams": "params"}
 
 __all__ = ["Completion", "Drafter", "Engine", "EngineConfig", "EngineStats", "Event", "NgramDrafter",
            "RequestFailed", "SamplingParams"]

@@ -46,13 +46,13 @@ from gdnx.serving import grammar, offline
 from gdnx.serving.config import EngineConfig
 from gdnx.serving.drafter import Drafter, NgramDrafter
 from gdnx.serving.grammar import Grammars
-from gdnx.serving.output import Output, unpack_logprobs
-from gdnx.serving.params import Completion, SamplingParams
+from gdnx.serving.output import Completion, Output, unpack_logprobs
+from gdnx.serving.params import SamplingParams
 from gdnx.serving.prefix_cache import PrefixCache
 from gdnx.serving.request import Request, RequestStatus
 from gdnx.serving.runner import DecodeBatch, ModelRunner, PrefillBatch, VerifyBatch
 from gdnx.serving.sampling import MAX_STOP_IDS, SlotParams
-from gdnx.serving.scheduler import Layout, Scheduler
+from gdnx.serving.scheduler import SlotPlan, Scheduler
 
 
 _log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class Engine:
         layers = self.runner.slots.cache.layers
         is_state = tuple(isinstance(entry, DeltaRuleState) for entry in layers)
         rings = tuple(entry.ring if isinstance(entry, RingCache) else None for entry in layers)
-        self.scheduler = Scheduler(Layout(config.max_slots, self.shapes.block_size, self.shapes.buckets,
+        self.scheduler = Scheduler(SlotPlan(config.max_slots, self.shapes.block_size, self.shapes.buckets,
                                           self.shapes.capacity, config.prefill_rows, config.batch_invariant,
                                           self.runner.static.row_axes, is_state, rings),
                                    config.prefix_cache_bytes)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from gdnx.serving.params import Completion, SamplingParams
+from gdnx.serving.output import Completion
+from gdnx.serving.params import SamplingParams
 
 
 class RequestFailed(RuntimeError):

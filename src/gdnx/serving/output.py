@@ -17,6 +17,7 @@ then is part of the text.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,6 +64,27 @@ class IncrementalDetokenizer:
 
 
 TokenLogprob = tuple[float, dict[int, float]]
+
+
+@dataclasses.dataclass
+class Completion:
+    """One request's result. tokens: the generated ids (a stop token
+    included, text after a stop string not); finish_reason "stop" (end of
+    sequence, a stop token or string) or "length" (max_tokens, or the
+    engine's max_length); text: the detokenized tokens, cut before a stop
+    string (with a tokenizer); logprobs: per token, (its logprob, the top-N
+    as {id: logprob}) when asked; prompt_logprobs: the same for each prompt
+    token after the first (the model's own, unadjusted) when asked; logits
+    [n, vocab] float32 when the engine keeps them (keep_logits)."""
+
+    tokens: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int = 0
+    text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    logits: np.ndarray | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def unpack_logprobs(chosen: Any, top_ids: Any, top: Any, n: int, count: int) -> list[TokenLogprob]:

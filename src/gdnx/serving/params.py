@@ -1,4 +1,5 @@
-"""What a request asks for (SamplingParams) and what it gets (Completion)."""
+"""What a request asks for: SamplingParams (and the FinishReason its output
+ends with; the output itself is gdnx.serving.output's Completion)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import math
 import numbers
 from typing import Literal
 
-import numpy as np
 
 from gdnx.errors import FieldError
 
@@ -133,24 +133,3 @@ class SamplingParams:
 
 
 FinishReason = Literal["stop", "length"]
-
-
-@dataclasses.dataclass
-class Completion:
-    """One request's result. tokens: the generated ids (a stop token
-    included, text after a stop string not); finish_reason "stop" (end of
-    sequence, a stop token or string) or "length" (max_tokens, or the
-    engine's max_length); text: the detokenized tokens, cut before a stop
-    string (with a tokenizer); logprobs: per token, (its logprob, the top-N
-    as {id: logprob}) when asked; prompt_logprobs: the same for each prompt
-    token after the first (the model's own, unadjusted) when asked; logits
-    [n, vocab] float32 when the engine keeps them (keep_logits)."""
-
-    tokens: list[int]
-    finish_reason: FinishReason
-    prompt_tokens: int
-    cached_tokens: int = 0
-    text: str | None = None
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
-    logits: np.ndarray | None = None
-    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None

@@ -31,11 +31,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gdnx.config.schema import Config
 from gdnx.models import CausalLM
+from gdnx.models.causal_lm import for_target
 from gdnx.models.cache import row_axes
 from gdnx.ops.delta_rule.tiles import compile_target
 from gdnx.parallel import make_mesh, shardings
-from gdnx.plan import (HBM_BYTES, abstract, compile_within, for_target, generation, topology_devices,
-                       xla_flops)
+from gdnx.aot import HBM_BYTES, abstract, compile_within, generation, topology_devices, xla_flops
 from gdnx.serving import programs
 from gdnx.serving.config import EngineConfig
 from gdnx.serving.runner import DecodeBatch, PrefillBatch, VerifyBatch, lower

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from gdnx.serving.output import Output
-from gdnx.serving.params import Completion, FinishReason, SamplingParams
+from gdnx.serving.output import Completion
+from gdnx.serving.params import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):

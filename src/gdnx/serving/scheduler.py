@@ -24,7 +24,7 @@ from gdnx.serving.request import Request, RequestStatus
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class SlotPlan:
     """The engine's shapes the scheduler plans with."""
     max_slots: int
     block_size: int
@@ -47,12 +47,12 @@ PrefillGroup = tuple[list[tuple[Request, int]], int]   # (request, start) pairs 
 
 
 class Scheduler:
-    def __init__(self, layout: Layout, prefix_cache_bytes: int):
-        self.layout = layout
-        entries = CacheEntries(layout.row_axes, layout.is_state, layout.rings, layout.capacity)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, layout.block_size, entries) if prefix_cache_bytes else None
+    def __init__(self, plan: SlotPlan, prefix_cache_bytes: int):
+        self.plan = plan
+        entries = CacheEntries(plan.row_axes, plan.is_state, plan.rings, plan.capacity)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, plan.block_size, entries) if prefix_cache_bytes else None
         self._waiting: collections.deque[Request] = collections.deque()
-        self._free = list(range(layout.max_slots))   # a heap
+        self._free = list(range(plan.max_slots))   # a heap
         self._slots: dict[int, Request] = {}           # PREFILLING and RUNNING requests by slot
         self._requests: dict[int, Request] = {}        # every request not yet done, by id
         self._prefill_only = False                      # the last step chosen by `step_decodes` was prefill only
@@ -97,7 +97,7 @@ class Scheduler:
 
     def active(self) -> np.ndarray:
         """bool [max_slots]: the slots whose request decodes."""
-        mask = np.zeros(self.layout.max_slots, bool)
+        mask = np.zeros(self.plan.max_slots, bool)
         for r in self.decoding():
             mask[r.held_slot] = True
         return mask
@@ -159,19 +159,19 @@ class Scheduler:
         """The prefill calls of this step: in batch-invariant mode one block
         of up to max_prefill_batch prompts (a fixed shape), else every
         prompt whole, grouped by length bucket in power-of-two batches."""
-        lay = self.layout
+        plan = self.plan
         pending = self.in_slots(RequestStatus.PREFILLING)
         if not pending:
             return []
-        if lay.batch_invariant:
-            return [([(r, r.progress) for r in pending[:lay.max_prefill_batch]], lay.block_size)]
+        if plan.batch_invariant:
+            return [([(r, r.progress) for r in pending[:plan.max_prefill_batch]], plan.block_size)]
         groups: dict[int, list[tuple[Request, int]]] = collections.defaultdict(list)
         for req in pending:
-            groups[lay.bucket(len(req.prompt) - req.progress)].append((req, req.progress))
+            groups[plan.bucket(len(req.prompt) - req.progress)].append((req, req.progress))
         out = []
         for length, group in sorted(groups.items()):
             while group:
-                size = 1 << (min(len(group), lay.max_prefill_batch).bit_length() - 1)
+                size = 1 << (min(len(group), plan.max_prefill_batch).bit_length() - 1)
                 out.append((group[:size], length))
                 group = group[size:]
         return out
@@ -190,19 +190,19 @@ class Scheduler:
     def _match(self, req: Request) -> tuple | None:
         """The arrays a request's slot gets from its cached prefix, or None
         (sets the request's progress and cached count)."""
-        lay, cache = self.layout, self.prefix_cache
+        plan, cache = self.plan, self.prefix_cache
         if cache is None or req.params.prompt_logprobs is not None:  # every prompt token's logits are wanted
             return None
         # at least one prompt token is prefilled (its logits draw the first token)
-        blocks = cache.match(req.prompt, (len(req.prompt) - 1) // lay.block_size)
+        blocks = cache.match(req.prompt, (len(req.prompt) - 1) // plan.block_size)
         # the rest's bucket must fit in the cache: past its end, recompute some cached blocks instead
-        while blocks and not lay.batch_invariant and (
-                len(blocks) * lay.block_size + lay.bucket(len(req.prompt) - len(blocks) * lay.block_size)
-                > lay.buckets[-1]):
+        while blocks and not plan.batch_invariant and (
+                len(blocks) * plan.block_size + plan.bucket(len(req.prompt) - len(blocks) * plan.block_size)
+                > plan.buckets[-1]):
             blocks.pop()
         if not blocks:
             return None
-        req.progress = req.cached = len(blocks) * lay.block_size
+        req.progress = req.cached = len(blocks) * plan.block_size
         return cache.slot_layers(blocks)
 
     def store(self, group: list[tuple[Request, int]], snapshot: tuple, lengths: np.ndarray) -> None:

@@ -30,7 +30,8 @@ from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from gdnx.serving.async_engine import AsyncEngine, EngineError, Handle, Overloaded, TooLarge
-from gdnx.serving.params import Completion, SamplingParams
+from gdnx.serving.output import Completion
+from gdnx.serving.params import SamplingParams
 from gdnx.serving.parsers import THINK_OPEN, TOOL_FORMATS, TOOL_PARSERS, Splitter, ToolFormat, split_whole
 from gdnx.data.chat import ReservedVariable
 from gdnx.errors import FieldError

@@ -26,7 +26,7 @@ from gdnx.checkpoints.hf import load_params as load_hf_params
 from gdnx.checkpoints.hf import read_config as read_hf_config
 from gdnx.checkpoints.orbax import CONFIG_FILE, is_run
 from gdnx.checkpoints.orbax import load_params as load_run_params
-from gdnx.config.loading import ConfigError, build_config, read_config_data, resolve_paths
+from gdnx.config.reading import ConfigError, build_config, read_config_data, resolve_paths
 from gdnx.config.schema import Config, ModelConfig
 from gdnx.data.source import run_tokenizer
 from gdnx.models import CausalLM

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from gdnx.config.loading import ConfigError
+from gdnx.config.reading import ConfigError
 from gdnx.config.schema import Config
 from gdnx.files import atomic_write_text
 

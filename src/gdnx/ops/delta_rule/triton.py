@@ -34,7 +34,7 @@ def pad(x, axis, to):
     return jnp.pad(x, pads)
 
 
-class Layout:
+class GridLayout:
     """Padded sizes and the block specs of the three grid shapes.
 
     Key-head arrays are [NC, R, HK, rows, cols], value-head arrays

@@ -49,7 +49,7 @@ from gdnx.ops.delta_rule.costs import matmul_flops
 from gdnx.ops.delta_rule.tiles import GpuTiles
 from gdnx.ops.delta_rule.triton import (
     FLOAT32_PRODUCTS,
-    Layout,
+    GridLayout,
     as_operand,
     block_cols,
     block_ds,
@@ -241,7 +241,7 @@ def _prepare(lay, k, rk, v, g, beta, tinv, opts, tiles, interpret):
 
 def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool, interpret: bool,
             tiles: GpuTiles):
-    lay = Layout(q, v, h0.shape[0], tiles)
+    lay = GridLayout(q, v, h0.shape[0], tiles)
     opts = on_hardware(opts, interpret)
     acc = opts.state_dtype
     rq, rk = norm_rows(q, opts), norm_rows(k, opts)
@@ -450,7 +450,7 @@ def _gate_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, da_ref, dp_re
 
 def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions, interpret: bool,
              tiles: GpuTiles):
-    lay = Layout(q, v, dfinal.shape[0], tiles)
+    lay = GridLayout(q, v, dfinal.shape[0], tiles)
     opts = on_hardware(opts, interpret)
     acc = opts.state_dtype
     rq, rk = norm_rows(q, opts), norm_rows(k, opts)

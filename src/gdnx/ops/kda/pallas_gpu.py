@@ -43,7 +43,7 @@ from gdnx.ops.delta_rule.costs import matmul_flops
 from gdnx.ops.delta_rule.primitives import col_to_row, iotas, mm, mm_nt, mm_tn, row_to_col, unit_lower_inverse_loop
 from gdnx.ops.delta_rule.tiles import GpuTiles
 from gdnx.ops.delta_rule.triton import (
-    Layout,
+    GridLayout,
     as_operand,
     block_cols,
     block_ds,
@@ -207,7 +207,7 @@ def _pad_inputs(lay, q, k, v, g):
 
 def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, opts: ChunkOptions, save_residuals: bool, interpret: bool,
             tiles: GpuTiles):
-    lay = Layout(q, v, h0.shape[0], tiles)
+    lay = GridLayout(q, v, h0.shape[0], tiles)
     opts = on_hardware(opts, interpret)
     acc = opts.state_dtype
     rq, rk = norm_rows(q, opts), norm_rows(k, opts)
@@ -378,7 +378,7 @@ def _key_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, vn_ref, states
 
 def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions, interpret: bool,
              tiles: GpuTiles):
-    lay = Layout(q, v, dfinal.shape[0], tiles)
+    lay = GridLayout(q, v, dfinal.shape[0], tiles)
     opts = on_hardware(opts, interpret)
     acc = opts.state_dtype
     rq, rk = norm_rows(q, opts), norm_rows(k, opts)

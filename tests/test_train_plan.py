@@ -5,7 +5,7 @@ installs libtpu there), marked `deviceless`."""
 import pytest
 
 from gdnx.config import load_config
-from gdnx.plan import plan
+from gdnx.train_plan import plan
 
 pytestmark = pytest.mark.deviceless
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gdnx.config.loading import ConfigError, apply_overrides
+from gdnx.config.reading import ConfigError, apply_overrides
 from gdnx.errors import FieldError
 
 # the command-line flag of each engine field (a refusal names the flag)

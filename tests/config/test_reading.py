@@ -3,7 +3,7 @@
 import pytest
 
 from gdnx.config import ConfigError, bundled_names, load_config
-from gdnx.config.loading import DEFAULT_CONFIG
+from gdnx.config.reading import DEFAULT_CONFIG
 
 
 def test_bundled_configs_validate():

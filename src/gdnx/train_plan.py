@@ -23,17 +23,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from gdnx.aot import HBM_BYTES, abstract, compile_within, generation, topology_devices, xla_flops
 from gdnx.config.schema import Config
 from gdnx.data.source import Batch
 from gdnx.models import CausalLM
-from gdnx.models.causal_lm import check_platform
+from gdnx.models.causal_lm import for_target
 from gdnx.ops.delta_rule.tiles import compile_target
 from gdnx.parallel import make_mesh, shardings, spec
 from gdnx.stacking import layer_ndim
 from gdnx.training.step import make_optimizer, make_step_fn
 
-# HBM per chip, bytes (Google Cloud's published figures)
-HBM_BYTES = {"v4": 32 * 2 ** 30, "v5e": 16 * 2 ** 30, "v5p": 95 * 2 ** 30, "v6e": 32 * 2 ** 30}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,65 +96,6 @@ def model_flops(config: Config, params: Any) -> float:
         per_head += 8 * max(1, (c - 1).bit_length()) * c * k
     gdn = 3 * kinds.count("linear_attention") * m.linear_num_value_heads * per_head
     return float(tokens * (6 * matmul + attention + gdn))
-
-
-def generation(topology: str) -> str:
-    """"v5p" from "v5p:4x4x4", with the topology checked."""
-    name, _, shape = topology.partition(":")
-    if name not in HBM_BYTES or not shape or not all(d.isdigit() and int(d) > 0 for d in shape.split("x")):
-        raise ValueError(f"--topology: expected <generation>:<shape> with a generation of "
-                         f"{', '.join(HBM_BYTES)} (e.g. v5p:2x2x1, v5e:4x4), got {topology!r}")
-    return name
-
-
-def topology_devices(topology: str) -> list[jax.Device]:
-    from jax.experimental import topologies
-
-    generation(topology)
-    try:
-        devices = list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
-        # a mesh takes one device per chip (megacore); libtpu lists a v4 chip's two TensorCores apart
-        return [d for d in devices if getattr(d, "core_on_chip", 0) == 0]
-    except Exception as e:  # no libtpu, a shape libtpu refuses, libtpu held by another process
-        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        hint = (f"; gdnx plan needs libtpu: pip install 'jax[tpu]=={jax.__version__}'"
-                if "not installed" in first else "")
-        raise ValueError(f"--topology {topology}: libtpu cannot describe it ({first}){hint}") from None
-
-
-def abstract(tree: Any, placements: Any) -> Any:
-    """Shapes and dtypes of `tree` placed by `placements` (what `lower` takes for a target not attached)."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, placements)
-
-
-def for_target(model_cfg: Any, platform: str) -> Any:
-    """The model config as the target runs it: `auto` takes the Pallas
-    kernel the platform ("tpu" or "cuda") would pick, compiled rather than
-    interpreted; refused when the config cannot run there."""
-    if model_cfg.gdn_implementation == "auto":
-        kernel = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
-        model_cfg = model_cfg.model_copy(update={"gdn_implementation": kernel, "gdn_interpret": False})
-    check_platform(model_cfg, platform)
-    return model_cfg
-
-
-def compile_within(lowered: Any, refusal: str) -> Any:
-    """The compiled program; a compiler's refusal of one whose buffers
-    overflow a chip's memory (RESOURCE_EXHAUSTED) as a ValueError:
-    `refusal` with the compiler's line in it ({} marks where)."""
-    try:
-        return lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise ValueError(refusal.format(str(e).splitlines()[0][:300])) from None
-
-
-def xla_flops(compiled: Any) -> float:
-    """XLA's cost analysis of a compiled program: its FLOPs (0 where the target reports none)."""
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float((cost or {}).get("flops", 0.0))
 
 
 def plan(config: Config, topology: str) -> Plan:
