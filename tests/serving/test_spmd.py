@@ -42,6 +42,9 @@ class _Memory:
     def drop(self, n):
         del self.messages[n]
 
+    def has(self, n):
+        return n in self.messages
+
 
 class _Recording:
     """An engine whose steps' events are kept."""
@@ -96,6 +99,71 @@ def test_a_follower_whose_engine_diverges_stops():
     follower.add_request([4], SamplingParams(max_tokens=1))  # one request more than the leader's: ids differ
     with pytest.raises(RuntimeError, match="the processes of the run diverged"):
         follow(follower, channel)
+
+
+def test_a_follower_about_to_run_another_step_stops():
+    """Each step carries the leader's scheduler digest: a follower whose
+    engine scheduled otherwise (here: fewer slots, one request left
+    waiting) stops at the next step, before running anything different."""
+    model = CausalLM(ModelConfig(**TINY_HYBRID), seed=1)
+    channel = _Memory()
+    leader = Leader(Engine(model, max_slots=2, max_length=64, block_size=16), channel)
+    for prompt in ([1, 2, 3], [4, 5]):
+        leader.add_request(prompt, SamplingParams(max_tokens=4))
+    leader.step()
+    leader.step()
+    follower = Engine(model, max_slots=1, max_length=64, block_size=16)
+    with pytest.raises(RuntimeError, match=r"about to run another step than process 0's \(message 1\)"):
+        follow(follower, channel)
+
+
+def test_a_follower_past_the_replay_window_says_so():
+    from gdnx.serving.spmd import KEEP
+
+    model = CausalLM(ModelConfig(**TINY_HYBRID), seed=1)
+    channel = _Memory()
+    leader = Leader(Engine(model, max_slots=2, max_length=64, block_size=16), channel)
+    for _ in range(KEEP + 1):  # steps of an idle engine: cheap, and each one message
+        leader.step()
+    with pytest.raises(RuntimeError, match=f"fell more than {KEEP} messages behind process 0 \\(message 0 is gone"):
+        follow(Engine(model, max_slots=2, max_length=64, block_size=16), channel)
+
+
+def test_a_step_that_fails_on_every_process_ends_alike():
+    """The leader's step fails (the server then resets the running requests
+    and goes on); the follower's same step fails too, is left to the
+    leader's word, and the reset it replays leaves both engines alike: the
+    same tokens after it."""
+    model = CausalLM(ModelConfig(**TINY_HYBRID), seed=1)
+    settings = dict(max_slots=2, max_length=64, block_size=16, decode_steps=2)
+
+    def failing_once(engine):
+        real, calls = engine.runner.decode, []
+
+        def decode(batch):
+            calls.append(batch)
+            if len(calls) == 2:
+                raise RuntimeError("injected")
+            return real(batch)
+        engine.runner.decode = decode
+        return engine
+
+    channel = _Memory()
+    leader = Leader(failing_once(Engine(model, **settings)), channel)
+    leader.add_request([1, 2, 3], SamplingParams(max_tokens=8))
+    led = []
+    with pytest.raises(RuntimeError, match="injected"):
+        while leader.has_unfinished():
+            led += leader.step()
+    assert leader.reset_running("a step failed") == [0]
+    leader.add_request([4, 5], SamplingParams(max_tokens=3))
+    while leader.has_unfinished():
+        led += leader.step()
+    leader.stop()
+    follower = _Recording(failing_once(Engine(model, **settings)))
+    follow(follower, channel)
+    assert [(e.request_id, e.tokens) for e in follower.events] == [(e.request_id, e.tokens) for e in led]
+    assert any(e.request_id == 1 and e.completion is not None for e in led)
 
 
 # --- gdnx serve as 2 processes x 4 CPU devices ---------------------------------------------------------------------

@@ -28,7 +28,7 @@ def engine_options(group: argparse._ActionsContainer, max_length_default: str, p
     group.add_argument("--batch-invariant", action="store_true",
                        help="each result bit-identical whatever else is batched with it (prefills block by block)")
     group.add_argument("--max-prefill-batch", type=int, default=None, metavar="N",
-                       help="prompts prefilled together, at most (default: --max-slots); fewer bound the prefill's "
+                       help="prompts prefilled together, at most (default: --max-slots, at most 8); fewer bound the prefill's "
                             "memory (gdnx plan --serve measures it)")
 
 

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
     serving.add_argument("--decode-steps", type=int, default=default.decode_steps,
                          help=f"tokens per slot per decode call (default {default.decode_steps})")
     serving.add_argument("--max-prefill-batch", type=int, default=None, metavar="N",
-                         help="prompts prefilled together, at most (default: --max-slots)")
+                         help="prompts prefilled together, at most (default: --max-slots, at most 8)")
     serving.add_argument("--prefix-cache-mb", type=int, default=1024,
                          help="as gdnx serve's (default 1024; 0: off): with a prefix cache the prefill also returns "
                               "the states at block ends")

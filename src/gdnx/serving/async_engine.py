@@ -201,7 +201,7 @@ class AsyncEngine:
                 except queue.Empty:
                     command = None
             if engine.has_unfinished():
-                self._step(decode=engine.scheduler.step_decodes())
+                self._step(decode=engine.step_decodes())
                 if self.lost is not None:
                     return
             self._gauges()

@@ -38,6 +38,8 @@ def doubling(block: int, limit: int, smallest: int | None = None) -> tuple[int, 
     return (*out, limit)
 
 
+DEFAULT_PREFILL_BATCH = 8
+
 _MINIMA = {"max_slots": 1, "max_length": 2, "prefix_cache_bytes": 0, "decode_steps": 1, "max_logprobs": 0,
            "draft_tokens": 0}
 
@@ -54,7 +56,9 @@ class EngineConfig:
       chunk size up to a block, then from the block up to max_length.
     decode_steps: tokens per slot per host round trip of the decode loop.
     max_prefill_batch: prompts of one bucket prefilled together, at most
-      (power-of-two batches up to it; None: max_slots).
+      (power-of-two batches up to it; None: max_slots, at most
+      DEFAULT_PREFILL_BATCH: each batch size is a program per length bucket
+      to compile, and 8 prompts of a bucket already fill a prefill call).
     max_logprobs: the most top-N log-probabilities a request may ask for.
     draft_tokens: n-gram (prompt lookup) draft tokens per verify pass
       (0: none; an engine given its own drafter takes that one's).
@@ -98,7 +102,9 @@ class EngineConfig:
     @property
     def prefill_rows(self) -> int:
         """Prompts per prefill call, at most."""
-        return self.max_slots if self.max_prefill_batch is None else self.max_prefill_batch
+        if self.max_prefill_batch is None:
+            return min(self.max_slots, DEFAULT_PREFILL_BATCH)
+        return self.max_prefill_batch
 
     def shapes(self, model_config: Any, draft: int | None = None) -> EngineShapes:
         """The shapes these settings fix for a model (draft: the drafter's

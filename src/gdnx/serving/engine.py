@@ -375,6 +375,10 @@ class Engine:
                 self._decode(results)
         return results.events()
 
+    def step_decodes(self) -> bool:
+        """A server's choice for its next step (Scheduler.step_decodes)."""
+        return self.scheduler.step_decodes()
+
     def reset_running(self, error: str = "the engine failed a step") -> list[int]:
         """After a step raised: fail the requests holding slots (their ids
         are returned) and rebuild the slots' state, whose buffers the failed

@@ -217,7 +217,7 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
                 kernels = text.count("tpu_custom_call") + text.count("__gpu$xla.gpu.triton")
     return ServePlan(topology, len(devices), dict(mesh.shape),
                      sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), s,
-                     engine.max_length, pr, engine.max_prefill_batch is None, prefix_cache, shapes.capacity, k,
+                     engine.max_length, pr, engine.max_prefill_batch is None and pr == s, prefix_cache, shapes.capacity, k,
                      _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels)
 
 

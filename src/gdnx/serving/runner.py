@@ -220,13 +220,14 @@ class ModelRunner:
             ran.append(("verify", (c.max_slots, draft)))
         if prefill:
             lengths = (s.block_size,) if c.batch_invariant else s.buckets
+            # a prompt that scores itself is prefilled alone (the scheduler's rule), or in the one fixed shape
+            scoring = s.prefill_batches if c.batch_invariant else (1,)
             for length in lengths:
-                for rows in s.prefill_batches:
-                    for targets in (False, True):
-                        self.room_for_code(len(ran))
-                        self._prefill(PrefillBatch.idle(rows, length, max_slots=c.max_slots, vocab=self.vocab,
-                                                        targets=targets))
-                        ran.append(("prefill", (rows, length) + (("prompt logprobs",) if targets else ())))
+                for rows, targets in [(rows, False) for rows in s.prefill_batches] + [(rows, True) for rows in scoring]:
+                    self.room_for_code(len(ran))
+                    self._prefill(PrefillBatch.idle(rows, length, max_slots=c.max_slots, vocab=self.vocab,
+                                                    targets=targets))
+                    ran.append(("prefill", (rows, length) + (("prompt logprobs",) if targets else ())))
             if self.prefix_cache:  # a hit's states written into an idle slot
                 parts = tuple(tuple(np.zeros(np.delete(x.shape, axis), x.dtype) for x in entry[:2])
                               for entry, axis in zip(self.slots.cache.layers, self.static.row_axes, strict=True))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import heapq
 from collections.abc import Sequence
 
@@ -78,6 +79,14 @@ class Scheduler:
     def can_admit(self) -> bool:
         """Some request waits and a slot is free."""
         return bool(self._waiting and self._free)
+
+    def digest(self) -> str:
+        """A short digest of what the next step will run from: the waiting
+        requests and, per slot, its request, state, prompt progress and
+        tokens so far (two schedulers that agree on it make the same step)."""
+        state = ([r.id for r in self._waiting],
+                 [(slot, r.id, r.status.value, r.progress, len(r.tokens)) for slot, r in sorted(self._slots.items())])
+        return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
 
     def step_decodes(self) -> bool:
         """A server's choice for its next step: whether it decodes after
@@ -158,20 +167,23 @@ class Scheduler:
     def prefill_groups(self) -> list[PrefillGroup]:
         """The prefill calls of this step: in batch-invariant mode one block
         of up to max_prefill_batch prompts (a fixed shape), else every
-        prompt whole, grouped by length bucket in power-of-two batches."""
+        prompt whole, grouped by length bucket in power-of-two batches; a
+        prompt that asks for its own logprobs is prefilled alone (the
+        scoring program is compiled for one row per bucket only)."""
         plan = self.plan
         pending = self.in_slots(RequestStatus.PREFILLING)
         if not pending:
             return []
         if plan.batch_invariant:
             return [([(r, r.progress) for r in pending[:plan.max_prefill_batch]], plan.block_size)]
-        groups: dict[int, list[tuple[Request, int]]] = collections.defaultdict(list)
+        groups: dict[tuple[int, bool], list[tuple[Request, int]]] = collections.defaultdict(list)
         for req in pending:
-            groups[plan.bucket(len(req.prompt) - req.progress)].append((req, req.progress))
+            scores = req.params.prompt_logprobs is not None
+            groups[(plan.bucket(len(req.prompt) - req.progress), scores)].append((req, req.progress))
         out = []
-        for length, group in sorted(groups.items()):
+        for (length, scores), group in sorted(groups.items()):
             while group:
-                size = 1 << (min(len(group), plan.max_prefill_batch).bit_length() - 1)
+                size = 1 if scores else 1 << (min(len(group), plan.max_prefill_batch).bit_length() - 1)
                 out.append((group[:size], length))
                 group = group[size:]
         return out

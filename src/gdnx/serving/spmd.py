@@ -14,7 +14,12 @@ divergence stops the run rather than computing something else.
 
 Messages travel over JAX's distributed runtime (its key-value store, served
 by process 0's coordinator), not a device collective: a follower may wait
-for hours while the server is idle.
+for hours while the server is idle. Each step carries a digest of what the
+leader's scheduler is about to run; a follower whose own differs stops
+rather than run something else. A step that fails on the follower is left
+to the leader's word: the leader's same step fails alike and it sends
+the reset that follows; a follower so far behind that a message it needs
+has left the store (the last KEEP are kept) stops, saying so.
 
 A lost process: each follower also holds a TCP connection to the leader
 (Links), which the kernel closes when either process dies, so the other
@@ -27,16 +32,19 @@ runtime's heartbeat (--heartbeat-timeout), which ends the others.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
-from gdnx.distributed import PeerLost, runtime_client, runtime_failure
-from gdnx.serving.engine import Engine, Event
+from gdnx.distributed import PeerLost, peer_failure, runtime_client, runtime_failure
+from gdnx.serving.engine import Engine, EngineStats, Event
 from gdnx.serving.params import SamplingParams
+
+log = logging.getLogger("gdnx.serve")
 
 # a message stays in the store this many messages after its own: every step with work runs programs whose
 # collectives make the followers keep pace, so none is ever this far behind
@@ -60,6 +68,7 @@ class Abort:
 @dataclasses.dataclass(frozen=True)
 class Step:
     decode: bool
+    digest: str     # the leader scheduler's digest before the step (Scheduler.digest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +95,10 @@ class Channel(Protocol):
 
     def drop(self, n: int) -> None: ...
 
+    def has(self, n: int) -> bool:
+        """Whether message n is in the channel now (no wait)."""
+        ...
+
 
 class RuntimeChannel:
     """Messages in the distributed runtime's key-value store."""
@@ -107,6 +120,13 @@ class RuntimeChannel:
 
     def drop(self, n: int) -> None:
         self._client.key_value_delete(f"{self._prefix}{n}")
+
+    def has(self, n: int) -> bool:
+        try:
+            self._client.key_value_try_get_bytes(f"{self._prefix}{n}")
+            return True
+        except Exception:  # the runtime's NOT_FOUND (or the coordinator gone: the next receive says which)
+            return False
 
 
 def _listen() -> socket.socket:
@@ -167,17 +187,43 @@ class Links:
 
 
 class Leader:
-    """The leader's Engine: what the server calls (requests, aborts, steps)
-    is done here and published for the followers. Reading attributes
-    passes through to the engine."""
+    """The leader's Engine, as the server drives it: what changes the
+    requests or steps (add_request, abort, step, reset_running, stop) is
+    done here and published for the followers; the rest reads the leader's
+    engine. Nothing else of the engine is reachable through it."""
 
     def __init__(self, engine: Engine, channel: Channel):
         self.engine, self._channel = engine, channel
         self._pending: list[Message] = []
         self._sent = 0
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+    # what the server reads
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
+        return self.engine.check(prompt, params)
+
+    @property
+    def max_slots(self) -> int:
+        return self.engine.max_slots
+
+    @property
+    def running(self) -> int:
+        return self.engine.running
+
+    @property
+    def waiting(self) -> int:
+        return self.engine.waiting
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step_decodes(self) -> bool:
+        return self.engine.step_decodes()
+
+    # what changes the run, published
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None) -> int:
         params = SamplingParams() if params is None else params
@@ -192,7 +238,7 @@ class Leader:
         self._pending.append(Abort(request_id))
 
     def step(self, decode: bool = True) -> list[Event]:
-        self._publish(Step(decode))
+        self._publish(Step(decode, self.engine.scheduler.digest()))
         return self.engine.step(decode)
 
     def reset_running(self, error: str = "the engine failed a step") -> list[int]:
@@ -214,11 +260,14 @@ class Leader:
 def follow(engine: Engine, channel: Channel) -> None:
     """Run the leader's messages on this process's engine until it says
     stop. Raises PeerLost when the leader is gone, RuntimeError when this
-    engine diverges."""
+    engine diverges or falls out of the replay window."""
     n = 0
     while True:
         got = channel.receive(n, POLL_S)
         if got is None:
+            if channel.has(n + KEEP):  # the leader dropped message n when it sent n + KEEP
+                raise RuntimeError(f"this process fell more than {KEEP} messages behind process 0 (message {n} "
+                                   "is gone): it cannot replay the run")
             continue
         message: Message
         for message in pickle.loads(got):
@@ -231,8 +280,16 @@ def follow(engine: Engine, channel: Channel) -> None:
                                            "checkpoints?)")
                 case Abort(request_id):
                     engine.abort(request_id)
-                case Step(decode):
-                    engine.step(decode)
+                case Step(decode, digest):
+                    if engine.scheduler.digest() != digest:
+                        raise RuntimeError(f"this process's engine is about to run another step than process 0's "
+                                           f"(message {n}): the processes of the run diverged")
+                    try:
+                        engine.step(decode)
+                    except Exception as e:  # as the leader's: its same step fails alike and a Reset follows
+                        if peer_failure(e) is not None:
+                            raise
+                        log.exception("this process failed a step; process 0's next message says how it ends")
                 case Reset(error):
                     engine.reset_running(error)
                 case Stop():
