@@ -95,6 +95,15 @@ def test_overrides_and_load_errors(tmp_path):
     (bad / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
     with pytest.raises(ValueError, match=r"missing weights: lm_head.weight"):
         CausalLM.from_pretrained(bad)
+    # a layer of another kind than the file's: named as config.json's layer_types
+    cfg = json.loads((tmp_path / "in" / "config.json").read_text())
+    cfg["layer_types"] = ["full_attention"] + cfg.get("layer_types", ["linear_attention"] * 4)[1:]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    save_file(hf_state_dict(model), bad / "model.safetensors")
+    with pytest.raises(ValueError, match=r"the file's model.layers.0 holds linear_attn.\* where this config's layer 0 "
+                                         r"is 'full_attention': config.json's layer_types"):
+        CausalLM.from_pretrained(bad)
+    (bad / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
     # weights that are not weights: integers, booleans, NaN
     full = {k: np.asarray(v) for k, v in hf_state_dict(model).items()}
     key = "model.layers.0.input_layernorm.weight"

@@ -277,6 +277,25 @@ def _hf_config(directory: Path) -> dict:
     return read_json_object(config_file)
 
 
+def _layer_kind_hint(cfg: ModelConfig, reader: _Reader, missing: list[str], prefix: str) -> str:
+    """Where a layer's weights are of another kind than the config's
+    layer_types says (a config mistake that surfaces as missing weights),
+    the field to look at."""
+    pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.(\w+)\.")
+    wanted: dict[int, set[str]] = {}
+    for key in missing:
+        if m := pattern.match(key):
+            wanted.setdefault(int(m.group(1)), set()).add(m.group(2))
+    for i, parts in sorted(wanted.items()):
+        held = {m.group(2) for k in reader.weight_map if (m := pattern.match(k)) and int(m.group(1)) == i}
+        other = sorted(held - parts - {"mlp", "input_layernorm", "post_attention_layernorm"})
+        if other and i < len(cfg.resolved_layer_types):
+            return (f"; the file's {prefix}layers.{i} holds {', '.join(o + '.*' for o in other)} where this config's "
+                    f"layer {i} is {cfg.resolved_layer_types[i]!r}: config.json's layer_types (or its attention "
+                    "interval) does not match the weights")
+    return ""
+
+
 def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
                 placement: Callable[[Any, ModelConfig], Any] | None = None) -> nnx.State:
     """The directory's weights as the parameters `params` (abstract: the
@@ -303,7 +322,8 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
             missing.append(str(e.args[0]))
     if missing:
         raise ValueError(f"{directory}: missing weights: {', '.join(missing[:8])}"
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                         + _layer_kind_hint(cfg, reader, missing, prefix))
     unused = [k for k in reader.weight_map if k not in reader.used]
     unexpected = [k for k in unused if not SKIPPED.search(k) and not _mtp_layer(cfg, k)]
     if unexpected:
