@@ -36,6 +36,7 @@ from server import peer_checkpoint  # noqa: E402
 
 from gdnx.models import CausalLM  # noqa: E402
 from gdnx.serving import Engine  # noqa: E402
+from gdnx.serving.runner import DecodeBatch  # noqa: E402
 
 SLOTS, MAX_LENGTH, STEPS = 32, 256, 8
 MOVES = ("dynamic-slice", "dynamic-update-slice", "copy", "transpose", "broadcast", "select", "gather", "scatter",
@@ -55,12 +56,11 @@ def kind(name: str) -> str | None:
 def measure(directory: Path, scan: bool, calls: int) -> tuple[float, dict[str, float]]:
     model = CausalLM.from_pretrained(directory, scan_layers=scan)
     engine = Engine(model, max_slots=SLOTS, max_length=MAX_LENGTH, decode_steps=STEPS)
-    active = np.ones(SLOTS, bool)
+    batch = DecodeBatch.idle(SLOTS, max_slots=SLOTS, steps=STEPS, vocab=model.config.vocab_size)
+    batch = batch._replace(active=np.ones(SLOTS, bool))
 
     def call():
-        engine._slots, step = engine._programs.decode(engine._state, engine._slots, active, None, steps=STEPS,
-                                                      rows=SLOTS)
-        jax.block_until_ready(step)
+        jax.block_until_ready(engine.runner._decode(batch))
 
     for _ in range(3):  # the first compiles
         call()

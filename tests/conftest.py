@@ -11,3 +11,12 @@ def processes():
     """The test's subprocesses (tests.helpers.processes), stopped when it ends."""
     with Processes() as procs:
         yield procs
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """Tiny Hugging Face checkpoints, each built once per test process
+    (tests.helpers.hf_models.HFCheckpoints)."""
+    from tests.helpers.hf_models import HFCheckpoints
+
+    return HFCheckpoints(tmp_path_factory.mktemp("hf_checkpoints"))

@@ -5,6 +5,7 @@ from a Hugging Face directory."""
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from gdnx.cli import main
-from tests.helpers.hf_models import VOCAB, hf_and_gdnx
+from tests.helpers.hf_models import VOCAB
 from tests.helpers.configs import SMALL_RUN
 from tests.helpers.cli import refused
 
@@ -72,28 +73,22 @@ def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "olmo_hybrid"])
-def test_generate_from_a_hugging_face_directory(capsys, tmp_path, kind):
-    hf_and_gdnx(tmp_path, kind)
+def test_generate_from_a_hugging_face_directory(capsys, hf_checkpoints, kind):
     vocab = {f"w{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "w1 w5 w9", "--max-new-tokens", "4",
+    path = hf_checkpoints.path(kind, tokenizer="words")
+    assert main(["generate", "--checkpoint", str(path), "--prompt", "w1 w5 w9", "--max-new-tokens", "4",
                  "--temperature", "0.8", "--top-p", "0.9", "model.gdn_implementation=xla"]) == 0
     words = capsys.readouterr().out.split()
     assert len(words) >= 1 and all(w in vocab for w in words)
 
 
-def test_a_hugging_face_directory_decodes_alike_with_its_layers_scanned_or_unrolled(capsys, tmp_path):
+def test_a_hugging_face_directory_decodes_alike_with_its_layers_scanned_or_unrolled(capsys, hf_checkpoints):
     """model.scan_layers: the same greedy words either way (a layout for serving: on CPU an unrolled decode step
     runs about twice as fast, docs/benchmarks.md; a deep stack compiles longer)."""
-    hf_and_gdnx(tmp_path, "qwen3_next")
-    tok = Tokenizer(WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
+    path = hf_checkpoints.path("qwen3_next", tokenizer="words")
     out = []
     for scan in ("true", "false"):
-        assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "w1 w5 w9", "--max-new-tokens", "6",
+        assert main(["generate", "--checkpoint", str(path), "--prompt", "w1 w5 w9", "--max-new-tokens", "6",
                      "--temperature", "0", f"model.scan_layers={scan}"]) == 0
         out.append(capsys.readouterr().out)
     assert out[0] == out[1] and out[0].split()
@@ -236,7 +231,7 @@ def test_resume_refuses_a_change_that_alters_results_and_records_the_others(caps
     assert mode & 0o044 == 0o044, oct(mode)  # readable by the group and others (as the umask allows)
 
 
-def test_every_generate_mistake_is_one_line(capsys, tmp_path):
+def test_every_generate_mistake_is_one_line(capsys, tmp_path, hf_checkpoints):
     run = tmp_path / "run"
     assert main(["train", "tiny", *SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", f"train.out_dir={run}"]) == 0
     capsys.readouterr()
@@ -256,7 +251,7 @@ def test_every_generate_mistake_is_one_line(capsys, tmp_path):
     assert "config.json is not a gdnx run config" in refused(capsys, gen)
 
     hf = tmp_path / "hf"
-    hf_and_gdnx(hf, "qwen3_next")
+    shutil.copytree(hf_checkpoints.path("qwen3_next"), hf)  # damaged below
     _tokenizer(hf / "tokenizer.json")
     capsys.readouterr()
     err = refused(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "w1 \ud800"])
@@ -315,16 +310,12 @@ def test_version_and_help_on_every_flag(capsys):
             assert action.help, f"gdnx {name} {action.option_strings or action.dest}: no help"
 
 
-def test_every_fine_tuning_mistake_is_one_line(capsys, tmp_path):
+def test_every_fine_tuning_mistake_is_one_line(capsys, tmp_path, hf_checkpoints):
     """A checkpoint of another model type, an architecture override, LoRA
     without a base, SFT examples the data or template refuse, an export of
     the wrong form: one line naming the field or line, exit 2; over-long
     examples are counted in the log."""
-    from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer
-
-    hf = tmp_path / "hf"
-    random_hf_model("qwen3_5").save_pretrained(hf)
-    write_chat_tokenizer(hf)
+    hf = hf_checkpoints.path("qwen3_5", tokenizer="chat")
     ok = [{"prompt": "w10 w11", "completion": " w12"}] * 20
     (tmp_path / "ok.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ok))
     ft = ["train", "finetune", f"model.init_from={hf}", "data.seq_len=16", "train.batch_size=2", "train.steps=2",

@@ -9,14 +9,14 @@ import pytest
 
 from gdnx.cli import main
 from gdnx.generate import generate
-from tests.helpers.hf_models import VOCAB, word_checkpoint, words
+from tests.helpers.hf_models import VOCAB, words
 from tests.helpers.cli import refused
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_5")
-    return path, word_checkpoint(path, "qwen3_5")
+def checkpoint(hf_checkpoints):
+    _, model = hf_checkpoints.hf_and_gdnx("qwen3_5", scale=5.0, tokenizer="words", gdn_chunk_size=16)
+    return hf_checkpoints.path("qwen3_5", scale=5.0, tokenizer="words"), model
 
 
 def test_prompts_file_results_in_order(checkpoint, tmp_path, capsys):

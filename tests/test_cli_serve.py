@@ -5,16 +5,12 @@ import socket
 
 import pytest
 
-from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer
 from tests.helpers.cli import refused
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    random_hf_model("qwen3_5").save_pretrained(path)
-    write_chat_tokenizer(path)
-    return path
+def checkpoint(hf_checkpoints):
+    return hf_checkpoints.path("qwen3_5", tokenizer="chat")
 
 
 def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):

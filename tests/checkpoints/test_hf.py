@@ -17,14 +17,14 @@ from gdnx.checkpoints.hf_config import hf_config_from_model, model_config_from_h
 from gdnx.config import ModelConfig
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
-from tests.helpers.hf_models import hf_and_gdnx, hf_logits, tokens
+from tests.helpers.hf_models import hf_logits, tokens
 
 
-def test_round_trip_through_transformers(tmp_path):
+def test_round_trip_through_transformers(hf_checkpoints, tmp_path):
     """transformers -> gdnx -> save_pretrained -> transformers: the logits of
     the reloaded torch model equal the original's (fp32 relative 1e-6, the
     weights are copied bit for bit)."""
-    hf, model = hf_and_gdnx(tmp_path / "in", "qwen3_next_moe")
+    hf, model = hf_checkpoints.hf_and_gdnx("qwen3_next_moe")
     model.save_pretrained(tmp_path / "out")
     back = Qwen3NextForCausalLM.from_pretrained(tmp_path / "out").eval()
     toks = tokens(2, 50)
@@ -34,8 +34,8 @@ def test_round_trip_through_transformers(tmp_path):
         torch.testing.assert_close(tensor, src[name], rtol=0, atol=0)
 
 
-def test_written_names_are_the_published_per_expert_layout(tmp_path):
-    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next_moe")
+def test_written_names_are_the_published_per_expert_layout(hf_checkpoints, tmp_path):
+    _, model = hf_checkpoints.hf_and_gdnx("qwen3_next_moe")
     model.save_pretrained(tmp_path / "out")
     with safe_open(tmp_path / "out" / "model.safetensors", framework="flax") as f:
         keys = set(f.keys())
@@ -45,8 +45,8 @@ def test_written_names_are_the_published_per_expert_layout(tmp_path):
     assert cfg["model_type"] == "qwen3_next" and cfg["layer_types"][1] == "full_attention"
 
 
-def test_sharded_save_and_load(tmp_path):
-    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next")
+def test_sharded_save_and_load(hf_checkpoints, tmp_path):
+    _, model = hf_checkpoints.hf_and_gdnx("qwen3_next")
     save_pretrained(model, tmp_path / "out", shard_bytes=20_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
@@ -55,10 +55,10 @@ def test_sharded_save_and_load(tmp_path):
     np.testing.assert_array_equal(back(toks), model(toks))
 
 
-def test_fused_expert_layout_loads(tmp_path):
+def test_fused_expert_layout_loads(hf_checkpoints, tmp_path):
     """transformers 5 keeps experts fused ([E, 2I, H] gate|up, [E, H, I]
     down); a directory written that way loads to the same model."""
-    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next_moe")
+    _, model = hf_checkpoints.hf_and_gdnx("qwen3_next_moe")
     sd = {k: np.asarray(v) for k, v in hf_state_dict(model).items()}
     fused = {}
     for layer in range(4):
@@ -70,40 +70,40 @@ def test_fused_expert_layout_loads(tmp_path):
     out = tmp_path / "fused"
     out.mkdir()
     save_file({k: jnp.asarray(v) for k, v in {**sd, **fused}.items()}, out / "model.safetensors")
-    (out / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
+    (out / "config.json").write_text((hf_checkpoints.path("qwen3_next_moe") / "config.json").read_text())
     toks = jnp.asarray(tokens(1, 20), jnp.int32)
     np.testing.assert_array_equal(CausalLM.from_pretrained(out)(toks), model(toks))
 
 
-def test_overrides_and_load_errors(tmp_path):
-    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next", gdn_implementation="xla", gdn_chunk_size=32)
+def test_overrides_and_load_errors(hf_checkpoints, tmp_path):
+    _, model = hf_checkpoints.hf_and_gdnx("qwen3_next", gdn_implementation="xla", gdn_chunk_size=32)
     assert (model.config.gdn_implementation, model.config.gdn_chunk_size) == ("xla", 32)
     with pytest.raises(ValueError, match=r"model.gdn_chunk_size"):
-        CausalLM.from_pretrained(tmp_path / "in", gdn_chunk_size=48)
+        CausalLM.from_pretrained(hf_checkpoints.path("qwen3_next"), gdn_chunk_size=48)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         CausalLM.from_pretrained(tmp_path / "nothing")
     # the file's own shape is named (not gdnx's transposed or squeezed view of it)
     shape_error = (r"model.layers.0.linear_attn.conv1d.weight: the file's shape \(96, 1, 4\) does not fit this "
                    r"config, which needs \(64, 4\)")
     with pytest.raises(ValueError, match=shape_error):
-        CausalLM.from_pretrained(tmp_path / "in", linear_value_head_dim=8)
+        CausalLM.from_pretrained(hf_checkpoints.path("qwen3_next"), linear_value_head_dim=8)
     sd = {k: v for k, v in hf_state_dict(model).items() if "lm_head" not in k}
     sd["model.extra.weight"] = jnp.zeros(3)
     bad = tmp_path / "bad"
     bad.mkdir()
     save_file(sd, bad / "model.safetensors")
-    (bad / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
+    (bad / "config.json").write_text((hf_checkpoints.path("qwen3_next") / "config.json").read_text())
     with pytest.raises(ValueError, match=r"missing weights: lm_head.weight"):
         CausalLM.from_pretrained(bad)
     # a layer of another kind than the file's: named as config.json's layer_types
-    cfg = json.loads((tmp_path / "in" / "config.json").read_text())
+    cfg = json.loads((hf_checkpoints.path("qwen3_next") / "config.json").read_text())
     cfg["layer_types"] = ["full_attention"] + cfg.get("layer_types", ["linear_attention"] * 4)[1:]
     (bad / "config.json").write_text(json.dumps(cfg))
     save_file(hf_state_dict(model), bad / "model.safetensors")
     with pytest.raises(ValueError, match=r"the file's model.layers.0 holds linear_attn.\* where this config's layer 0 "
                                          r"is 'full_attention': config.json's layer_types"):
         CausalLM.from_pretrained(bad)
-    (bad / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
+    (bad / "config.json").write_text((hf_checkpoints.path("qwen3_next") / "config.json").read_text())
     # weights that are not weights: integers, booleans, NaN
     full = {k: np.asarray(v) for k, v in hf_state_dict(model).items()}
     key = "model.layers.0.input_layernorm.weight"
@@ -153,17 +153,17 @@ def test_save_refuses_what_the_family_cannot_store():
         ModelConfig(family="olmo_hybrid")
 
 
-def test_a_wrong_shape_in_one_layer_of_a_scanned_stack_names_that_layer(tmp_path):
+def test_a_wrong_shape_in_one_layer_of_a_scanned_stack_names_that_layer(hf_checkpoints, tmp_path):
     """Loading into the stacked layout checks each layer's tensor before
     stacking: the odd one out is named, not a stacking error."""
-    _, model = hf_and_gdnx(tmp_path / "in", "qwen3_next", scan_layers=True)
+    _, model = hf_checkpoints.hf_and_gdnx("qwen3_next", scan_layers=True)
     sd = hf_state_dict(model)
     key = "model.layers.2.linear_attn.dt_bias"
     sd[key] = jnp.zeros(sd[key].shape[0] + 1)
     odd = tmp_path / "odd"
     odd.mkdir()
     save_file(sd, odd / "model.safetensors")
-    (odd / "config.json").write_text((tmp_path / "in" / "config.json").read_text())
+    (odd / "config.json").write_text((hf_checkpoints.path("qwen3_next") / "config.json").read_text())
     odd_shape = rf"{key}: the file's shape \(5,\) does not fit this config, which needs \(4,\)"
     with pytest.raises(ValueError, match=odd_shape):
         CausalLM.from_pretrained(odd, scan_layers=True)

@@ -3,6 +3,9 @@ and the same weights loaded into gdnx, for parity tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import torch
 import transformers
@@ -97,12 +100,6 @@ def random_hf_model(kind: str, seed: int = 0, scale: float = 1.0, **kw):
     return model
 
 
-def hf_and_gdnx(tmp_path, kind: str, seed: int = 0, scale: float = 1.0, **overrides):
-    hf = random_hf_model(kind, seed, scale)
-    hf.save_pretrained(tmp_path)
-    return hf, CausalLM.from_pretrained(tmp_path, **overrides)
-
-
 def tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, (batch, length))
 
@@ -136,7 +133,6 @@ def write_chat_tokenizer(directory, vocab: int = VOCAB) -> None:
     w<i> for the remaining ids, split on whitespace) and tokenizer_config.json
     with CHAT_TEMPLATE, as a Qwen checkpoint's directory holds them."""
     import json
-    from pathlib import Path
 
     from tokenizers import AddedToken, Tokenizer
     from tokenizers.models import WordLevel
@@ -160,21 +156,15 @@ def sentence(rng, words: int) -> str:
     return " ".join(word(int(i)) for i in rng.integers(len(SPECIAL) + len(ROLE_WORDS), VOCAB, words))
 
 
-def word_checkpoint(directory, kind: str):
-    """A tiny checkpoint of `kind` (weights scaled up: peaked next-token
-    distributions) with a word-level tokenizer.json (w<i> is id i), and the
-    gdnx model loaded from it (chunks of 16)."""
-    from pathlib import Path
-
+def write_word_tokenizer(directory) -> None:
+    """tokenizer.json: word level over the tiny models' vocabulary, w<i> is id i."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 
-    _, model = hf_and_gdnx(directory, kind, scale=5.0, gdn_chunk_size=16)
     tok = Tokenizer(WordLevel(vocab={word(i): i for i in range(VOCAB)}, unk_token=word(0)))
     tok.pre_tokenizer = Whitespace()
     tok.save(str(Path(directory) / "tokenizer.json"))
-    return model
 
 
 def words(ids) -> str:
@@ -190,8 +180,6 @@ BPE_TEXT = ('{"name": "abc", "ok": true, "n": 12, "items": [1, 2]}', "hello worl
 def write_bpe_tokenizer(directory, size: int = BPE_VOCAB) -> int:
     """tokenizer.json: a byte-level BPE trained on BPE_TEXT (at most `size`
     entries; <|endoftext|> is id 0). Returns its vocabulary size."""
-    from pathlib import Path
-
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -203,3 +191,47 @@ def write_bpe_tokenizer(directory, size: int = BPE_VOCAB) -> int:
     Path(directory).mkdir(parents=True, exist_ok=True)
     tok.save(str(Path(directory) / "tokenizer.json"))
     return tok.get_vocab_size()
+
+
+class HFCheckpoints:
+    """Tiny Hugging Face checkpoints, each built once per test process and
+    shared by every test that asks for the same one (the `hf_checkpoints`
+    fixture): read-only, a test that changes one copies it first.
+
+    tokenizer: None, "words" (word level, w<i> is id i) or "chat" (word
+    level with the special and role tokens and a ChatML template)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._built: dict[tuple, tuple[Path, Any]] = {}
+
+    def _build(self, kind: str, seed: int, scale: float, tokenizer: str | None, fields: dict) -> tuple[Path, Any]:
+        key = (kind, seed, scale, tokenizer, tuple(sorted(fields.items())))
+        if key not in self._built:
+            if tokenizer not in (None, "words", "chat"):
+                raise ValueError(f"tokenizer: expected None, 'words' or 'chat', got {tokenizer!r}")
+            path = self.root / f"{kind}-{len(self._built)}"
+            hf = random_hf_model(kind, seed, scale, **fields)
+            hf.save_pretrained(path)
+            if tokenizer == "words":
+                write_word_tokenizer(path)
+            elif tokenizer == "chat":
+                write_chat_tokenizer(path)
+            self._built[key] = (path, hf)
+        return self._built[key]
+
+    def path(self, kind: str, *, seed: int = 0, scale: float = 1.0, tokenizer: str | None = None,
+             **fields) -> Path:
+        """The checkpoint's directory (fields: the HF config's, over KINDS')."""
+        return self._build(kind, seed, scale, tokenizer, fields)[0]
+
+    def hf(self, kind: str, *, seed: int = 0, scale: float = 1.0, tokenizer: str | None = None, **fields):
+        """The transformers model the checkpoint holds (eval mode; not to be changed)."""
+        return self._build(kind, seed, scale, tokenizer, fields)[1]
+
+    def hf_and_gdnx(self, kind: str, *, seed: int = 0, scale: float = 1.0, tokenizer: str | None = None,
+                    **overrides):
+        """The transformers model and gdnx's CausalLM loaded from its
+        checkpoint (overrides: gdnx model config fields)."""
+        path, hf = self._build(kind, seed, scale, tokenizer, {})
+        return hf, CausalLM.from_pretrained(path, **overrides)

@@ -9,15 +9,14 @@ import torch
 
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.measure import relative_error
-from tests.helpers.hf_models import hf_and_gdnx
 
 TOL = 1e-5
 T = 45
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return hf_and_gdnx(tmp_path_factory.mktemp("hf"), "qwen3_next_moe")
+def models(hf_checkpoints):
+    return hf_checkpoints.hf_and_gdnx("qwen3_next_moe")
 
 
 def _x(width, seed=0):
@@ -76,8 +75,8 @@ def test_zero_centred_rmsnorm(models):
     _check(model.layers[3].post_attention_layernorm(jnp.asarray(x)), ref)
 
 
-def test_dense_mlp(tmp_path):
-    hf, model = hf_and_gdnx(tmp_path, "qwen3_next")
+def test_dense_mlp(hf_checkpoints):
+    hf, model = hf_checkpoints.hf_and_gdnx("qwen3_next")
     x = _x(32, 5)
     with torch.no_grad():
         ref = hf.model.layers[1].mlp(torch.tensor(x))

@@ -7,7 +7,9 @@ measured 2e-7 to 4e-7). Lengths 1, 77 (odd, not a multiple of the chunk
 size 64, so the padded tail runs) and 130 (three chunks).
 """
 
+import json
 import logging
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ from gdnx.generate import generate
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import parameter_count
-from tests.helpers.hf_models import KINDS, _BASE, hf_and_gdnx, hf_logits, random_hf_model, tokens
+from tests.helpers.hf_models import KINDS, _BASE, hf_logits, random_hf_model, tokens
 
 TOL = 1e-4
 
@@ -33,9 +35,9 @@ LAYOUTS = [(kind, False) for kind in KINDS] + [(kind, True) for kind in KINDS]
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{k}-{'scanned' if s else 'unrolled'}" for k, s in LAYOUTS])
-def pair(request, tmp_path_factory):
+def pair(hf_checkpoints, request):
     kind, scanned = request.param
-    hf, model = hf_and_gdnx(tmp_path_factory.mktemp(kind), kind, scan_layers=scanned)
+    hf, model = hf_checkpoints.hf_and_gdnx(kind, scan_layers=scanned)
     assert model.config.scanned == scanned
     return hf, model
 
@@ -62,8 +64,8 @@ def test_save_pretrained_loads_in_transformers_bit_identical(pair, tmp_path):
     np.testing.assert_array_equal(hf_logits(back, toks), hf_logits(hf, toks))
 
 
-def test_aux_loss_matches_transformers(tmp_path):
-    hf, model = hf_and_gdnx(tmp_path, "qwen3_5_moe")
+def test_aux_loss_matches_transformers(hf_checkpoints):
+    hf, model = hf_checkpoints.hf_and_gdnx("qwen3_5_moe")
     toks = tokens(2, 40)
     with torch.no_grad():
         ref = hf(torch.tensor(toks), output_router_logits=True).aux_loss.item()
@@ -73,10 +75,10 @@ def test_aux_loss_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("kind,scanned", [(kind, False) for kind in KINDS]
                          + [("qwen3_5_moe", True), ("olmo_hybrid", True)])
-def test_greedy_generation_matches_transformers(tmp_path, kind, scanned):
+def test_greedy_generation_matches_transformers(hf_checkpoints, kind, scanned):
     # weights scaled up so the next-token distribution is peaked: greedy ties
     # between near-equal logits would make the comparison about float noise
-    hf, model = hf_and_gdnx(tmp_path, kind, scale=5.0, scan_layers=scanned)
+    hf, model = hf_checkpoints.hf_and_gdnx(kind, scale=5.0, scan_layers=scanned)
     prompt = tokens(1, 37, seed=1)
     with torch.no_grad():
         ref = hf.generate(torch.tensor(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False)
@@ -142,6 +144,26 @@ def test_a_latent_rank_that_does_not_fit_the_tensors_names_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"kv_a_layernorm.weight: the file's shape \(16,\) does not fit .*"
                                          r"needs \(8,\).*its shape follows model.kv_lora_rank$"):
         CausalLM.from_pretrained(tmp_path, kv_lora_rank=8)
+
+
+@pytest.mark.parametrize("kind, edit, named", [
+    ("kimi_linear", {"linear_attn_config": {"num_heads": 4, "head_dim": 8}},
+     "linear_attn_config.num_heads, linear_attn_config.head_dim"),
+    ("qwen3_next", {"linear_num_value_heads": 2},
+     "linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim"),
+])
+def test_linear_attention_heads_that_do_not_fit_the_tensors_name_the_fields(hf_checkpoints, tmp_path, kind, edit,
+                                                                             named):
+    """A config.json whose linear-attention heads do not match the weights
+    (Kimi's in its linear_attn_config) names those fields as it spells them."""
+    shutil.copytree(hf_checkpoints.path(kind), tmp_path, dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(edit)
+    if "linear_attn_config" in edit:
+        del cfg["linear_num_heads"], cfg["linear_head_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"does not fit this config.*its shape follows config.json's " + named + "$"):
+        CausalLM.from_pretrained(tmp_path)
 
 
 def test_ling_multi_token_prediction_layers_are_skipped_once(tmp_path, caplog):

@@ -12,14 +12,14 @@ import pytest
 
 from gdnx.cli import main
 from gdnx.generate import generate
-from tests.helpers.hf_models import VOCAB, word_checkpoint, words
+from tests.helpers.hf_models import VOCAB, words
 from tests.helpers.cli import refused
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next")
-    return path, word_checkpoint(path, "qwen3_next")
+def checkpoint(hf_checkpoints):
+    _, model = hf_checkpoints.hf_and_gdnx("qwen3_next", scale=5.0, tokenizer="words", gdn_chunk_size=16)
+    return hf_checkpoints.path("qwen3_next", scale=5.0, tokenizer="words"), model
 
 
 def test_generate_on_a_mesh_gives_the_one_device_tokens(checkpoint, tmp_path, capsys):

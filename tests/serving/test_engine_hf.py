@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from gdnx.serving import Engine, SamplingParams
-from tests.helpers.hf_models import KINDS, hf_and_gdnx, tokens
+from tests.helpers.hf_models import KINDS, tokens
 
 
 @pytest.mark.parametrize("kind,scanned", [(kind, False) for kind in KINDS] + [("qwen3_5", True)])
-def test_ragged_prompts_match_transformers_greedy(tmp_path, kind, scanned):
+def test_ragged_prompts_match_transformers_greedy(hf_checkpoints, kind, scanned):
     # weights scaled up so the next-token distribution is peaked (greedy ties
     # between near-equal logits would be about float noise)
-    hf, model = hf_and_gdnx(tmp_path, kind, scale=5.0, scan_layers=scanned, gdn_chunk_size=16)
+    hf, model = hf_checkpoints.hf_and_gdnx(kind, scale=5.0, scan_layers=scanned, gdn_chunk_size=16)
     prompts = [tokens(1, n, seed=n)[0].tolist() for n in (3, 20, 9, 30)]
     engine = Engine(model, max_slots=4, max_length=48, block_size=16, decode_steps=4)
     out = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -24,14 +24,14 @@ def test_ragged_prompts_match_transformers_greedy(tmp_path, kind, scanned):
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_prompt_logprobs_are_transformers_log_softmax(tmp_path, batch_invariant):
+def test_prompt_logprobs_are_transformers_log_softmax(hf_checkpoints, batch_invariant):
     """prompt_logprobs: each prompt token's log-probability after the ones
     before it and the top N, from the prefill's own pass (whole, or block by
     block in batch-invariant mode: a block's last position scores the next
     block's first token), equal to transformers' log_softmax within 1e-5
     relative (float32); a prompt whose prefix is cached is still prefilled
     whole, so every token gets its logprob."""
-    hf, model = hf_and_gdnx(tmp_path, "qwen3_next", scale=5.0, gdn_chunk_size=16)
+    hf, model = hf_checkpoints.hf_and_gdnx("qwen3_next", scale=5.0, gdn_chunk_size=16)
     prompts = [tokens(1, n, seed=n)[0].tolist() for n in (3, 20, 37)]
     prompts.append(prompts[2][:32] + [5, 6])  # its first two blocks cached by the prompt before it
     engine = Engine(model, max_slots=2, max_length=48, block_size=16, decode_steps=4, prefix_cache_bytes=1 << 24,

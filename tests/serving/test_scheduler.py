@@ -6,19 +6,22 @@ import builtins
 import numpy as np
 import pytest
 
+from gdnx.serving.config import EngineConfig, EngineShapes
 from gdnx.serving.output import Output
 from gdnx.serving.params import SamplingParams
-from gdnx.serving.prefix_cache import Block, PrefixCache
+from gdnx.serving.prefix_cache import Block, CacheEntries, PrefixCache
 from gdnx.serving.request import Request, RequestStatus
-from gdnx.serving.scheduler import SlotPlan, Scheduler
+from gdnx.serving.scheduler import Scheduler
 
 S = RequestStatus
 
 
 def _scheduler(slots=2, batch_invariant=False) -> Scheduler:
-    plan = SlotPlan(max_slots=slots, block_size=4, buckets=(4, 8, 16), capacity=17, max_prefill_batch=slots,
-                    batch_invariant=batch_invariant, row_axes=(0,), is_state=(True,))
-    return Scheduler(plan, 0)
+    config = EngineConfig(max_slots=slots, max_length=16, block_size=4, max_prefill_batch=slots,
+                          batch_invariant=batch_invariant)
+    shapes = EngineShapes(block_size=4, padded_length=16, capacity=17, buckets=(4, 8, 16), decode_rows=(1, slots),
+                          prefill_batches=(1, slots))
+    return Scheduler(config, shapes, CacheEntries(row_axes=(0,), is_state=(True,), rings=(None,), capacity=17))
 
 
 def _request(i: int, length: int = 3) -> Request:

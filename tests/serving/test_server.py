@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.helpers.hf_models import SPECIAL, ROLE_WORDS, VOCAB, random_hf_model, word, write_chat_tokenizer
+from tests.helpers.hf_models import SPECIAL, ROLE_WORDS, VOCAB, word
 from tests.helpers.serving import KEY, Server
 
 # one worker runs this module: one server process for its tests
@@ -33,12 +33,9 @@ TIMEOUT_S = 5                                  # its --request-timeout
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    hf = random_hf_model("qwen3_5", scale=5.0)
-    hf.save_pretrained(path)
-    write_chat_tokenizer(path)
-    return path, hf
+def checkpoint(hf_checkpoints):
+    return (hf_checkpoints.path("qwen3_5", scale=5.0, tokenizer="chat"),
+            hf_checkpoints.hf("qwen3_5", scale=5.0, tokenizer="chat"))
 
 
 @pytest.fixture(scope="module")

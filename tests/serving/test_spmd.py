@@ -24,7 +24,7 @@ from gdnx.serving import Engine, SamplingParams
 from gdnx.serving.spmd import Leader, follow
 from tests.helpers.configs import TINY_HYBRID
 from tests.helpers.processes import LIMIT_S, cpu_env, free_port, gdnx
-from tests.helpers.hf_models import VOCAB, word_checkpoint, words
+from tests.helpers.hf_models import VOCAB, words
 
 
 class _Memory:
@@ -174,9 +174,9 @@ SERVE = ["--served-model-name", "m", "--warm-up", "decode", "--max-slots", "4", 
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next")
-    return path, word_checkpoint(path, "qwen3_next")
+def checkpoint(hf_checkpoints):
+    _, model = hf_checkpoints.hf_and_gdnx("qwen3_next", scale=5.0, tokenizer="words", gdn_chunk_size=16)
+    return hf_checkpoints.path("qwen3_next", scale=5.0, tokenizer="words"), model
 
 
 class _Served:

@@ -18,18 +18,16 @@ from gdnx.training import build_trainer
 from gdnx.training.loop import EVAL_BATCHES
 from gdnx.training.init_from import load_train_config
 from gdnx.training.step import loss_and_metrics
-from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer
 from tests.helpers.data import copy_examples
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(tmp_path_factory, hf_checkpoints):
     """A tiny random Qwen3.5 saved by transformers, with a chat tokenizer,
     and SFT examples."""
     root = tmp_path_factory.mktemp("init_from")
-    hf = random_hf_model("qwen3_5")
-    hf.save_pretrained(root / "hf")
-    write_chat_tokenizer(root / "hf")
+    (root / "hf").symlink_to(hf_checkpoints.path("qwen3_5", tokenizer="chat"))
+    hf = hf_checkpoints.hf("qwen3_5", tokenizer="chat")
     examples = copy_examples(200, np.random.default_rng(0))
     (root / "sft.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
     return root, hf
@@ -60,7 +58,7 @@ def test_the_first_evaluation_is_transformers_loss(checkpoint, tmp_path):
     root, hf = checkpoint
     config = load_train_config("finetune", _overrides(root, tmp_path))
     assert config.model.family == "qwen3_5" and config.model.hidden_size == 32
-    assert config.data.tokenizer == str(root / "hf" / "tokenizer.json")
+    assert config.data.tokenizer == str((root / "hf").resolve() / "tokenizer.json")
     trainer = build_trainer(config)
     ours = trainer.evaluate(trainer.params)["loss"]
     theirs = np.mean([_hf_loss(hf, trainer.host_batch("eval", i)) for i in range(EVAL_BATCHES)])
@@ -109,7 +107,8 @@ def test_a_run_starts_another_and_architecture_changes_are_refused(checkpoint, t
     second = build_trainer(load_train_config("finetune", [
         f"model.init_from={tmp_path / 'a'}", f"data.path={root / 'sft.jsonl'}", f"train.out_dir={tmp_path / 'b'}",
         "model.scan_layers=true"]))
-    assert second.config.model.scan_layers and second.config.data.tokenizer == str(root / "hf" / "tokenizer.json")
+    assert second.config.model.scan_layers
+    assert second.config.data.tokenizer == str((root / "hf").resolve() / "tokenizer.json")
     from gdnx.runs import load_run
 
     saved = load_run(tmp_path / "a")

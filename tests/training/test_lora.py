@@ -22,20 +22,19 @@ from gdnx.models import CausalLM
 from gdnx.runs import load_run
 from gdnx.training import build_trainer
 from gdnx.training.init_from import load_train_config
-from tests.helpers.hf_models import hf_logits, random_hf_model, tokens, write_chat_tokenizer
+from tests.helpers.hf_models import hf_logits, tokens
 from tests.helpers.data import copy_examples
 
 
 @pytest.fixture(scope="module")
-def bases(tmp_path_factory):
+def bases(tmp_path_factory, hf_checkpoints):
     """Tiny random models of each family saved by transformers (Qwen3.5
     splits the GDN input projection in two modules, OLMo Hybrid in four,
     Qwen3-Next keeps it whole), with a chat tokenizer, and SFT examples."""
     root = tmp_path_factory.mktemp("lora")
     for kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear_q_lora", "bailing_hybrid",
                  "lara_mini"):
-        random_hf_model(kind).save_pretrained(root / kind)
-        write_chat_tokenizer(root / kind)
+        (root / kind).symlink_to(hf_checkpoints.path(kind, tokenizer="chat"))
     (root / "sft.jsonl").write_text("".join(json.dumps(e) + "\n" for e in copy_examples(120,
                                                                                          np.random.default_rng(1))))
     return root

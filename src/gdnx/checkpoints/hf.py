@@ -205,9 +205,25 @@ def _check_shape(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, di
         stored, keys, note = " and ".join(str(x) for x in shapes), ", ".join(where.keys), ""
     if found != shape:
         fields = next((f for part, f in _SHAPED_BY.items() if f".{part}." in keys), None)
+        hint = f"; its shape follows model.{', model.'.join(fields)}" if fields else ""
+        if path[0] == "layers" and path[2] == "mixer" and cfg.resolved_layer_types[int(path[1])] == "linear_attention":
+            hint = f"; its shape follows config.json's {', '.join(_linear_fields(cfg, _hf_config(directory)))}"
         raise ValueError(f"{directory}: {keys}: the file's shape {stored}{note} does not fit this config, which "
-                         f"needs {shape} in gdnx's layout (a matrix's [in, out]; the file stores [out, in])"
-                         + (f"; its shape follows model.{', model.'.join(fields)}" if fields else ""))
+                         f"needs {shape} in gdnx's layout (a matrix's [in, out]; the file stores [out, in]){hint}")
+
+
+def _linear_fields(cfg: ModelConfig, hf: dict) -> tuple[str, ...]:
+    """The config.json fields a linear-attention layer's shapes follow, as
+    the file spells them (Kimi's may hold them in linear_attn_config,
+    Ling's KDA heads may be its attention heads)."""
+    if cfg.linear_kind != "kda":
+        return ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    if isinstance(hf.get("linear_attn_config"), dict):
+        return tuple(f"linear_attn_config.{f}" for f in ("num_heads", "head_dim")
+                     if f in hf["linear_attn_config"]) or ("linear_num_heads", "linear_head_dim")
+    if cfg.family == "bailing_hybrid" and "linear_num_heads" not in hf:
+        return ("num_attention_heads", "head_dim")
+    return ("linear_num_heads", "linear_head_dim")
 
 
 def _read(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, index: Index) -> np.ndarray:

@@ -24,6 +24,15 @@ class EngineShapes(NamedTuple):
     decode_rows: tuple[int, ...]    # decode batch sizes (the first slots)
     prefill_batches: tuple[int, ...]  # prompts per prefill call (power-of-two batches)
 
+    def bucket(self, n: int) -> int:
+        """The prefill length that holds n tokens."""
+        return next(b for b in self.buckets if b >= n)
+
+    def history_every(self, length: int, prefix_cache: bool) -> int | None:
+        """The prefill's state snapshots for a prefix cache: every block of a
+        bucket of whole blocks (a shorter bucket holds no block to keep)."""
+        return self.block_size if prefix_cache and length % self.block_size == 0 else None
+
 
 def doubling(block: int, limit: int, smallest: int | None = None) -> tuple[int, ...]:
     """Doubling from `smallest` while under `block`, then from `block`, up to `limit`."""

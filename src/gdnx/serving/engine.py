@@ -15,8 +15,9 @@ The work is split by job: the settings are one EngineConfig
 (gdnx.serving.config); the Scheduler (gdnx.serving.scheduler) holds the
 requests and decides what runs where; the ModelRunner
 (gdnx.serving.runner) runs the compiled programs (gdnx.serving.programs)
-on the device state; each request's Output (gdnx.serving.output) takes its
-tokens, detokenizes them and checks its stop conditions. Engine.step joins
+on the device state; each Request (gdnx.serving.request) takes its tokens
+through its constraint and its Output (gdnx.serving.output), which
+detokenizes them and checks its stop conditions. Engine.step joins
 them: it builds each program's batch from the scheduler's choice and gives
 the results to the requests.
 
@@ -31,7 +32,6 @@ bit-identical whatever shares the engine with it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -39,8 +39,6 @@ import jax
 import numpy as np
 
 from gdnx.errors import FieldError
-from gdnx.layers.attention import RingCache
-from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.parallel.rules import MESH_AXES
 from gdnx.serving import grammar, offline
 from gdnx.serving.config import EngineConfig
@@ -52,10 +50,8 @@ from gdnx.serving.prefix_cache import PrefixCache
 from gdnx.serving.request import Request, RequestStatus
 from gdnx.serving.runner import DecodeBatch, ModelRunner, PrefillBatch, VerifyBatch
 from gdnx.serving.sampling import MAX_STOP_IDS, SlotParams
-from gdnx.serving.scheduler import SlotPlan, Scheduler
+from gdnx.serving.scheduler import Scheduler
 
-
-_log = logging.getLogger(__name__)
 
 
 class Detokenizer(Protocol):
@@ -208,13 +204,7 @@ class Engine:
         # a sliding window's ring keeps the drafts a verify pass may take back beyond its window
         self.runner = ModelRunner(model, config, self.shapes, mesh=mesh, eos_token_ids=self.eos_token_ids,
                                   rollback=draft, prefix_cache=config.prefix_cache_bytes > 0)
-        layers = self.runner.slots.cache.layers
-        is_state = tuple(isinstance(entry, DeltaRuleState) for entry in layers)
-        rings = tuple(entry.ring if isinstance(entry, RingCache) else None for entry in layers)
-        self.scheduler = Scheduler(SlotPlan(config.max_slots, self.shapes.block_size, self.shapes.buckets,
-                                          self.shapes.capacity, config.prefill_rows, config.batch_invariant,
-                                          self.runner.static.row_axes, is_state, rings),
-                                   config.prefix_cache_bytes)
+        self.scheduler = Scheduler(config, self.shapes, self.runner.cache_entries())
         self._next_id = 0
         self._rng = np.random.default_rng(config.seed)
 
@@ -316,8 +306,8 @@ class Engine:
     def warm_up(self, prefill: bool = True) -> int:
         """Compile now, rather than when a request first needs it (a server's
         first requests would wait for the compiler), every program the engine
-        calls: the decode step of every decode batch size, plain and
-        constrained (one token), the verify pass with a drafter, and with
+        calls: the decode step of every decode batch size (plain and
+        constrained calls share it), the verify pass with a drafter, and with
         `prefill` every prefill shape (each length bucket at each
         power-of-two batch up to max_prefill_batch, or the one block shape
         in batch-invariant mode), with and without prompt logprobs, and the
@@ -328,8 +318,8 @@ class Engine:
         counts them)."""
         if self.scheduler.running:
             raise RuntimeError("warm_up: requests are running; call it before adding any")
-        ran = self.runner.warm_up(prefill=prefill, constrained=self.grammars is not None,
-                                  draft=0 if self.speculative is None else self.speculative.num_tokens)
+        draft = 0 if self.speculative is None else self.speculative.num_tokens
+        ran = self.runner.warm_up(prefill=prefill, draft=draft)
         self.stats.programs.update(ran)
         return len(ran)
 
@@ -469,22 +459,21 @@ class Engine:
     def _decode(self, results: _StepResults) -> None:
         active = self.scheduler.active()
         used = int(np.flatnonzero(active)[-1]) + 1
-        allowed = None
         decoding = self.scheduler.decoding()
-        if any(req.matcher is not None for req in decoding):
-            matchers: list = [None] * self.max_slots
-            for req in decoding:
-                matchers[req.held_slot] = req.matcher
-            allowed = grammar.masks(matchers, self.model.config.vocab_size)
+        matchers: list = [None] * self.max_slots
+        for req in decoding:
+            matchers[req.held_slot] = req.matcher
+        constrained = any(m is not None for m in matchers)
         rows = next(r for r in self.decode_rows if r >= used)
-        steps = self.config.decode_steps if allowed is None else 1
-        got = self.runner.decode(DecodeBatch(active, allowed, rows, steps))
-        self.stats.programs.add(("decode", (rows, steps) if allowed is None else (rows, steps, "constrained")))
+        draws = 1 if constrained else self.config.decode_steps  # the host masks a constrained row's next token
+        got = self.runner.decode(DecodeBatch(active, grammar.masks(matchers, self.model.config.vocab_size), rows,
+                                             self.config.decode_steps, draws))
+        self.stats.programs.add(("decode", (rows, self.config.decode_steps)))
         self.stats.decode_calls += 1
         for req in decoding:
             slot = req.held_slot
-            logits = None if got.logits is None else got.logits[slot]
-            self._emit(req, [int(t) for t in got.tokens[slot]], got.logprobs, slot, logits, results)
+            logits = None if got.logits is None else got.logits[slot][:draws]
+            self._emit(req, [int(t) for t in got.tokens[slot][:draws]], got.logprobs, slot, logits, results)
 
     def _drafts(self, results: _StepResults) -> tuple[np.ndarray, np.ndarray] | None:
         if self.speculative is None or any(req.matcher is not None for req in self.scheduler.decoding()):
@@ -526,38 +515,17 @@ class Engine:
     # ---- results --------------------------------------------------------------------------------------------
 
     def _emit(self, req: Request, new: list[int], lp, row: int, logits, results: _StepResults) -> None:
-        """Give a request its new tokens up to its stop condition."""
-        p = req.params
-        kept = None if p.logprobs is None else unpack_logprobs(lp.chosen[row], lp.top_ids[row], lp.top[row],
-                                                               p.logprobs, len(new))
-        got = results.tokens(req)
-        reason = None
-        for j, tok in enumerate(new):
-            if req.matcher is not None and (refused := req.matcher.consume(tok)) is not None:
-                # the mask allowed a token the grammar then refused: gdnx's fault or the grammar engine's, never
-                # the client's; the request fails alone, its one line names the token and the constraint
-                s = req.params.structured
-                where = f"{s.field}, {s.kind}" if s is not None else "constraint"
-                first = (refused.strip().splitlines() or ["refused"])[0][:200]
-                _log.error("request %d: the output constraint (%s) refused token %d:\n%s", req.id, where, tok,
-                           refused)
-                self._fail(req, f"the output constraint ({where}) refused token {tok}: {first}", results)
-                return
-            got.append(tok)
-            if kept is not None:
-                req.logprobs.append(kept[j])
-            if logits is not None:
-                req.logits.append(np.asarray(logits[j]))
-            self.stats.generated_tokens += 1
-            try:
-                reason = req.output.add(tok)
-            except Exception as e:  # the tokenizer's failure on this request's tokens: it alone fails
-                self._fail(req, f"detokenizing failed: {type(e).__name__}: {e}", results)
-                return
-            if reason is not None:
-                break
-        if reason is not None:
-            self.scheduler.finish(req, reason)
+        """Give a request its new tokens (row: its row of the call's logprobs)."""
+        kept = None if req.params.logprobs is None else unpack_logprobs(lp.chosen[row], lp.top_ids[row], lp.top[row],
+                                                                        req.params.logprobs, len(new))
+        got = results.tokens(req)  # before take: the event's logprobs start where the request's stood
+        took = req.take(new, kept, logits)
+        got.extend(took.tokens)
+        self.stats.generated_tokens += len(took.tokens)
+        if took.error is not None:
+            self._fail(req, took.error, results)
+        elif took.reason is not None:
+            self.scheduler.finish(req, took.reason)
 
     def _fail(self, req: Request, error: str, results: _StepResults) -> None:
         results.tokens(req)  # it gets an event, with the error

@@ -38,7 +38,7 @@ from gdnx.parallel import make_mesh, shardings
 from gdnx.aot import HBM_BYTES, abstract, compile_within, generation, topology_devices, xla_flops
 from gdnx.serving import programs
 from gdnx.serving.config import EngineConfig
-from gdnx.serving.runner import DecodeBatch, PrefillBatch, VerifyBatch, lower
+from gdnx.serving.runner import DecodeBatch, PrefillBatch, VerifyBatch, lower, new_slots
 from gdnx.stacking import layer_ndim
 
 PROGRAMS = ("prefill", "decode", "verify")
@@ -189,16 +189,17 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
     def host(x):  # an input the engine sends from the host (whole on every chip)
         return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated)
 
-    batches: dict[str, PrefillBatch | DecodeBatch | VerifyBatch] = {"prefill": PrefillBatch.idle(pr, shapes.padded_length, max_slots=s, vocab=cfg.vocab_size),
-               "decode": DecodeBatch.idle(s, max_slots=s, steps=engine.decode_steps),
-               "verify": VerifyBatch.idle(max_slots=s, draft=k)}
-    history = shapes.block_size if prefix_cache else None
+    batches: dict[str, PrefillBatch | DecodeBatch | VerifyBatch] = {
+        "prefill": PrefillBatch.idle(pr, shapes.padded_length, max_slots=s, vocab=cfg.vocab_size),
+        "decode": DecodeBatch.idle(s, max_slots=s, steps=engine.decode_steps, vocab=cfg.vocab_size),
+        "verify": VerifyBatch.idle(max_slots=s, draft=k)}
+    history = shapes.history_every(shapes.padded_length, prefix_cache)
     compile_s: dict[str, float] = {}
     temp: dict[str, int] = {}
     cost: dict[str, float] = {}
     kernels = 0
     with jax.set_mesh(mesh), compile_target(devices[0]):
-        make = jax.jit(lambda: programs.place(static, programs.empty_slots(model, s, shapes.capacity, k)))
+        make = jax.jit(lambda: new_slots(static, model, engine, shapes, k))
         slot_shapes = jax.eval_shape(make)
         slots = abstract(slot_shapes, _compile(make.lower(), "slot state", topology).output_shardings)
         for name in PROGRAMS:

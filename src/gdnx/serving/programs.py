@@ -7,7 +7,8 @@ state. Programs (each jitted once per shape; the slot state is donated):
            prefix cache the GDN states at block ends and the attention
            keys and values of the call;
   restore  a prefix-cache hit's states written into one slot;
-  decode   `steps` tokens for every slot in one lax.scan;
+  decode   up to `steps` tokens for every slot in one loop (one token
+           when a row's output is constrained);
   verify   speculative: the last token and K drafts in one pass, the
            drafts accepted or refused, and each GDN layer's state after the
            last accepted token selected from the pass's per-token states.
@@ -212,20 +213,20 @@ def _over_rows(static: Static, fn, *slot_states: Slots) -> Slots:
     return Slots(cache=Cache(layers, fn(0, *(s.cache.length for s in slot_states))), **rest)
 
 
-def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array | None = None, *, static: Static,
-           steps: int, rows: int | None = None) -> tuple[Slots, Step]:
-    """active [S]: the rows decoding (the others' states are kept). rows:
-    only the first `rows` slots decode (the others are idle), so a step
-    costs what the batch holds rather than every slot. allowed [S, W]: the
-    tokens each row may draw (a bitmask, sampling.allow), when some row's
-    output is constrained; the host computes it from the last token, so
-    then steps is 1."""
-    if allowed is not None and steps != 1:
-        raise ValueError(f"decode: a constrained step draws one token, got steps={steps}")
+def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array, draws: jax.Array, *,
+           static: Static, steps: int, rows: int | None = None) -> tuple[Slots, Step]:
+    """Up to `steps` tokens per slot: `draws` (an int32 scalar in [1,
+    steps]) of them this call, so plain and constrained calls share one
+    program per decode batch size. active [S]: the rows decoding (the
+    others' states are kept). rows: only the first `rows` slots decode (the
+    others are idle), so a step costs what the batch holds rather than
+    every slot. allowed [S, W]: the tokens each row may draw (a bitmask,
+    sampling.allow; every token for an unconstrained row); a constrained
+    row's mask comes from the host after its last token, so a call with a
+    constrained row draws one. Step's columns past `draws` are zeros."""
     if rows is not None and rows < slots.last.shape[0]:
         part = _over_rows(static, lambda axis, x: jax.lax.slice_in_dim(x, 0, rows, axis=axis), slots)
-        part, step = decode(state, part, active[:rows], None if allowed is None else allowed[:rows], static=static,
-                            steps=steps)
+        part, step = decode(state, part, active[:rows], allowed[:rows], draws, static=static, steps=steps)
         return _over_rows(static, lambda axis, x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis),
                           slots, part), step
     model = nnx.merge(static.graphdef, state)
@@ -233,20 +234,31 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
 
     params = sampling.quiet(slots.params, active)
 
-    def body(slots: Slots, _):
+    def one(slots: Slots) -> tuple[Slots, tuple]:
         out = model.forward(slots.last[:, None], slots.cache)
         out = out._replace(cache=_keep_inactive(static, out.cache, slots.cache, active))
         logits = out.logits[:, 0]
-        adj = sampling.adjust(logits, params, slots.counts, slots.seen, slots.generated, static.eos_ids)
-        if allowed is not None:
-            adj = sampling.allow(adj, allowed)
+        adj = sampling.allow(sampling.adjust(logits, params, slots.counts, slots.seen, slots.generated,
+                                             static.eos_ids), allowed)
         tok = sampling.draw(adj, params, sampling.token_keys(params, slots.generated))
         lp = sampling.logprobs(adj, tok, static.logprobs, params.logprobs)
         slots = slots._replace(cache=out.cache, counts=slots.counts.at[index, tok].add(1),
                                generated=slots.generated + 1, last=tok)
         return slots, (tok, lp, logits if static.keep_logits else None)
 
-    slots, (tok, lp, logits) = jax.lax.scan(body, slots, None, length=steps)
+    # a while loop (not a scan) so that the call stops after `draws` tokens; each token's outputs go into
+    # [steps, ...] buffers in place
+    shapes = jax.eval_shape(one, slots)[1]
+    buffers = jax.tree.map(lambda x: jnp.zeros((steps, *x.shape), x.dtype), shapes)
+
+    def body(carry):
+        i, slots, buffers = carry
+        slots, got = one(slots)
+        buffers = jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buffers, got)
+        return i + 1, slots, buffers
+
+    _, slots, (tok, lp, logits) = jax.lax.while_loop(lambda c: c[0] < jnp.minimum(draws, steps), body,
+                                                     (jnp.int32(0), slots, buffers))
     swap = functools.partial(jnp.swapaxes, axis1=0, axis2=1)
     return slots, Step(swap(tok), jax.tree.map(swap, lp), None if logits is None else swap(logits))
 

@@ -15,13 +15,27 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+import logging
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from gdnx.serving.output import Output
 from gdnx.serving.output import Completion
 from gdnx.serving.params import FinishReason, SamplingParams
+
+
+_log = logging.getLogger(__name__)
+
+Logprobs = tuple[float, dict[int, float]]   # a token's logprob and the top-N's
+
+
+class Taken(NamedTuple):
+    """What a request kept of the tokens a step gave it."""
+    tokens: list[int]               # up to its stop condition, or up to and with the one that failed it
+    reason: FinishReason | None     # the stop condition met, if one was
+    error: str | None               # why it fails, if it does
 
 
 class RequestStatus(enum.Enum):
@@ -65,8 +79,8 @@ class Request:
     slot: int | None = None          # while PREFILLING or RUNNING
     cached: int = 0                  # prompt tokens restored from the prefix cache
     progress: int = 0                # prompt tokens prefilled (or restored) so far
-    logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
+    logprobs: list[Logprobs] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[Logprobs] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None         # why it FAILED
@@ -83,6 +97,36 @@ class Request:
         if self.slot is None:
             raise TransitionError(f"request {self.id} is {self.status.value} and holds no slot")
         return self.slot
+
+    def take(self, new: Sequence[int], logprobs: Sequence[Logprobs] | None, logits: Any) -> Taken:
+        """Take a step's new tokens (with their logprobs and logits where
+        the request keeps them) one at a time: its constraint consumes each,
+        its output detokenizes it and checks the stop conditions. Stops at
+        the first stop condition, or at a token that fails the request (the
+        constraint refuses a token its mask allowed: never the client's
+        fault; the tokenizer raises on its tokens). Moves no state: the
+        caller finishes or fails the request."""
+        kept: list[int] = []
+        for j, tok in enumerate(new):
+            if self.matcher is not None and (refused := self.matcher.consume(tok)) is not None:
+                s = self.params.structured
+                where = f"{s.field}, {s.kind}" if s is not None else "constraint"
+                first = (refused.strip().splitlines() or ["refused"])[0][:200]
+                _log.error("request %d: the output constraint (%s) refused token %d:\n%s", self.id, where, tok,
+                           refused)
+                return Taken(kept, None, f"the output constraint ({where}) refused token {tok}: {first}")
+            kept.append(tok)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[j])
+            if logits is not None:
+                self.logits.append(np.asarray(logits[j]))
+            try:
+                reason = self.output.add(tok)
+            except Exception as e:  # the tokenizer's failure on this request's tokens
+                return Taken(kept, None, f"detokenizing failed: {type(e).__name__}: {e}")
+            if reason is not None:
+                return Taken(kept, reason, None)
+        return Taken(kept, None, None)
 
     def transition(self, to: RequestStatus, *, slot: int | None = None, reason: FinishReason | None = None,
                    error: str | None = None) -> None:

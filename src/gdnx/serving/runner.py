@@ -25,11 +25,14 @@ import numpy as np
 from flax import nnx
 
 from gdnx.distributed import fetch
+from gdnx.layers.attention import RingCache
+from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.models.cache import row_axes
 from gdnx.parallel.params import shard
 from gdnx.serving import grammar, programs
 from gdnx.serving.config import EngineConfig, EngineShapes
 from gdnx.serving.params import SamplingParams
+from gdnx.serving.prefix_cache import CacheEntries
 from gdnx.serving.sampling import SlotParams
 
 # XLA:CPU maps each compiled kernel's code into the process (maps per program: docs/benchmarks.md); past
@@ -75,18 +78,18 @@ class PrefillBatch(NamedTuple):
 
 
 class DecodeBatch(NamedTuple):
-    """One decode call over the first `rows` slots: `steps` tokens each, or
-    one token with `allowed` (constrained rows)."""
+    """One decode call over the first `rows` slots: `draws` tokens each (one
+    when a row is constrained), in the program of up to `steps`."""
     active: np.ndarray          # bool [S]: the slots decoding (the others keep their state)
-    allowed: np.ndarray | None  # int32 [S, W]
+    allowed: np.ndarray         # int32 [S, W]: the tokens each slot may draw (grammar.masks)
     rows: int
     steps: int
+    draws: int
 
     @classmethod
-    def idle(cls, rows: int, *, max_slots: int, steps: int, vocab: int | None = None) -> DecodeBatch:
-        """No slot decoding; with `vocab`, the constrained form (one token)."""
-        allowed = None if vocab is None else grammar.masks([None] * max_slots, vocab)
-        return cls(np.zeros(max_slots, bool), allowed, rows, 1 if vocab is not None else steps)
+    def idle(cls, rows: int, *, max_slots: int, steps: int, vocab: int) -> DecodeBatch:
+        """No slot decoding."""
+        return cls(np.zeros(max_slots, bool), grammar.masks([None] * max_slots, vocab), rows, steps, steps)
 
 
 class VerifyBatch(NamedTuple):
@@ -108,9 +111,16 @@ def lower(compiled: programs.Programs, state: Any, slots: Any, batch: PrefillBat
     if isinstance(batch, PrefillBatch):
         return compiled.prefill.lower(state, slots, *jax.tree.map(host, tuple(batch)), history_every=history_every)
     if isinstance(batch, DecodeBatch):
-        return compiled.decode.lower(state, slots, host(batch.active), jax.tree.map(host, batch.allowed),
-                                     steps=batch.steps, rows=batch.rows)
+        return compiled.decode.lower(state, slots, host(batch.active), host(batch.allowed),
+                                     host(np.int32(batch.draws)), steps=batch.steps, rows=batch.rows)
     return compiled.verify.lower(state, slots, *(host(x) for x in batch))
+
+
+def new_slots(static: programs.Static, model: Any, config: EngineConfig, shapes: EngineShapes,
+              rollback: int) -> programs.Slots:
+    """Empty slot state for these settings, placed on the ambient mesh (under
+    jit it is created in place)."""
+    return programs.place(static, programs.empty_slots(model, config.max_slots, shapes.capacity, rollback))
 
 
 class ModelRunner:
@@ -149,32 +159,33 @@ class ModelRunner:
 
     def empty_slots(self) -> programs.Slots:
         def make():
-            return programs.empty_slots(self.model, self.config.max_slots, self.shapes.capacity, self.rollback)
+            return new_slots(self.static, self.model, self.config, self.shapes, self.rollback)
         if self.mesh is None:
             return make()
         with self.on_mesh():  # created in place, each array in its layout
-            return jax.jit(lambda: programs.place(self.static, make()))()
+            return jax.jit(make)()
+
+    def cache_entries(self) -> CacheEntries:
+        """How the model's cache entries sit in the slot state."""
+        layers = self.slots.cache.layers
+        return CacheEntries(self.static.row_axes, tuple(isinstance(entry, DeltaRuleState) for entry in layers),
+                            tuple(entry.ring if isinstance(entry, RingCache) else None for entry in layers),
+                            self.shapes.capacity)
 
     def reset(self) -> None:
         """Fresh slot state (after a failed call, whose buffers it may have consumed)."""
         self.slots = self.empty_slots()
 
-    def history_every(self, length: int) -> int | None:
-        """The prefill's state snapshots for the prefix cache: every block of
-        a bucket of whole blocks (a shorter bucket holds no block to keep)."""
-        block = self.shapes.block_size
-        return block if self.prefix_cache and length % block == 0 else None
-
     def _prefill(self, batch: PrefillBatch) -> Any:
+        every = self.shapes.history_every(batch.tokens.shape[1], self.prefix_cache)
         with self.on_mesh():
-            self.slots, out = self.programs.prefill(self.state, self.slots, *batch,
-                                                    history_every=self.history_every(batch.tokens.shape[1]))
+            self.slots, out = self.programs.prefill(self.state, self.slots, *batch, history_every=every)
         return out
 
     def _decode(self, batch: DecodeBatch) -> Any:
         with self.on_mesh():
             self.slots, step = self.programs.decode(self.state, self.slots, batch.active, batch.allowed,
-                                                    steps=batch.steps, rows=batch.rows)
+                                                    np.int32(batch.draws), steps=batch.steps, rows=batch.rows)
         return step
 
     def _verify(self, batch: VerifyBatch) -> Any:
@@ -198,10 +209,10 @@ class ModelRunner:
 
     # ---- warm-up --------------------------------------------------------------------------------------------
 
-    def warm_up(self, *, prefill: bool, constrained: bool, draft: int) -> list[tuple[str, tuple]]:
+    def warm_up(self, *, prefill: bool, draft: int) -> list[tuple[str, tuple]]:
         """Compile and run every program on idle slots (rows that write
-        nowhere): each decode batch size, plain and (constrained) one token,
-        the verify pass with `draft` tokens, and with `prefill` every
+        nowhere): each decode batch size (plain and constrained calls share
+        it), the verify pass with `draft` tokens, and with `prefill` every
         prefill shape with and without prompt targets and the prefix
         cache's restore. Returns once they have run (dispatch is
         asynchronous): (name, shape) of each program run, as the engine's
@@ -210,11 +221,8 @@ class ModelRunner:
         ran: list[tuple[str, tuple]] = []
         for rows in s.decode_rows:
             self.room_for_code(len(ran))
-            self._decode(DecodeBatch.idle(rows, max_slots=c.max_slots, steps=c.decode_steps))
+            self._decode(DecodeBatch.idle(rows, max_slots=c.max_slots, steps=c.decode_steps, vocab=self.vocab))
             ran.append(("decode", (rows, c.decode_steps)))
-            if constrained:  # a constrained request's one-token steps
-                self._decode(DecodeBatch.idle(rows, max_slots=c.max_slots, steps=1, vocab=self.vocab))
-                ran.append(("decode", (rows, 1, "constrained")))
         if draft:
             self._verify(VerifyBatch.idle(max_slots=c.max_slots, draft=draft))
             ran.append(("verify", (c.max_slots, draft)))

@@ -12,35 +12,16 @@ batch-invariant mode one block at a time in batches of one fixed shape.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import heapq
 from collections.abc import Sequence
 
 import numpy as np
 
+from gdnx.serving.config import EngineConfig, EngineShapes
 from gdnx.serving.params import FinishReason
 from gdnx.serving.prefix_cache import CacheEntries, PrefixCache
 from gdnx.serving.request import Request, RequestStatus
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotPlan:
-    """The engine's shapes the scheduler plans with."""
-    max_slots: int
-    block_size: int
-    buckets: tuple[int, ...]       # prefill lengths, ascending; the last is the padded max_length
-    capacity: int                  # tokens a slot's cache holds
-    max_prefill_batch: int
-    batch_invariant: bool
-    row_axes: tuple[int, ...]      # per cache entry: the axis of its rows
-    # per cache entry: a GDN or KDA (conv, recurrent) state, else attention's (k, v) or (latent, rope)
-    is_state: tuple[bool, ...]
-    # per cache entry: a sliding window's ring size (position p at slot p % ring), else None
-    rings: tuple[int | None, ...] = ()
-
-    def bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
 
 
 Restore = tuple[Request, tuple]   # a request and the per-entry arrays its slot gets from the prefix cache
@@ -48,12 +29,16 @@ PrefillGroup = tuple[list[tuple[Request, int]], int]   # (request, start) pairs 
 
 
 class Scheduler:
-    def __init__(self, plan: SlotPlan, prefix_cache_bytes: int):
-        self.plan = plan
-        entries = CacheEntries(plan.row_axes, plan.is_state, plan.rings, plan.capacity)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, plan.block_size, entries) if prefix_cache_bytes else None
+    """config and shapes: the engine's settings and the shapes they fix;
+    entries: how the model's cache entries sit in the slot state (what the
+    prefix cache keeps of them)."""
+
+    def __init__(self, config: EngineConfig, shapes: EngineShapes, entries: CacheEntries):
+        self.config, self.shapes = config, shapes
+        self.prefix_cache = (PrefixCache(config.prefix_cache_bytes, shapes.block_size, entries)
+                             if config.prefix_cache_bytes else None)
         self._waiting: collections.deque[Request] = collections.deque()
-        self._free = list(range(plan.max_slots))   # a heap
+        self._free = list(range(config.max_slots))   # a heap
         self._slots: dict[int, Request] = {}           # PREFILLING and RUNNING requests by slot
         self._requests: dict[int, Request] = {}        # every request not yet done, by id
         self._prefill_only = False                      # the last step chosen by `step_decodes` was prefill only
@@ -106,7 +91,7 @@ class Scheduler:
 
     def active(self) -> np.ndarray:
         """bool [max_slots]: the slots whose request decodes."""
-        mask = np.zeros(self.plan.max_slots, bool)
+        mask = np.zeros(self.config.max_slots, bool)
         for r in self.decoding():
             mask[r.held_slot] = True
         return mask
@@ -170,20 +155,20 @@ class Scheduler:
         prompt whole, grouped by length bucket in power-of-two batches; a
         prompt that asks for its own logprobs is prefilled alone (the
         scoring program is compiled for one row per bucket only)."""
-        plan = self.plan
+        config, shapes = self.config, self.shapes
         pending = self.in_slots(RequestStatus.PREFILLING)
         if not pending:
             return []
-        if plan.batch_invariant:
-            return [([(r, r.progress) for r in pending[:plan.max_prefill_batch]], plan.block_size)]
+        if config.batch_invariant:
+            return [([(r, r.progress) for r in pending[:config.prefill_rows]], shapes.block_size)]
         groups: dict[tuple[int, bool], list[tuple[Request, int]]] = collections.defaultdict(list)
         for req in pending:
             scores = req.params.prompt_logprobs is not None
-            groups[(plan.bucket(len(req.prompt) - req.progress), scores)].append((req, req.progress))
+            groups[(shapes.bucket(len(req.prompt) - req.progress), scores)].append((req, req.progress))
         out = []
         for (length, scores), group in sorted(groups.items()):
             while group:
-                size = 1 if scores else 1 << (min(len(group), plan.max_prefill_batch).bit_length() - 1)
+                size = 1 if scores else 1 << (min(len(group), config.prefill_rows).bit_length() - 1)
                 out.append((group[:size], length))
                 group = group[size:]
         return out
@@ -202,19 +187,19 @@ class Scheduler:
     def _match(self, req: Request) -> tuple | None:
         """The arrays a request's slot gets from its cached prefix, or None
         (sets the request's progress and cached count)."""
-        plan, cache = self.plan, self.prefix_cache
+        shapes, cache = self.shapes, self.prefix_cache
         if cache is None or req.params.prompt_logprobs is not None:  # every prompt token's logits are wanted
             return None
         # at least one prompt token is prefilled (its logits draw the first token)
-        blocks = cache.match(req.prompt, (len(req.prompt) - 1) // plan.block_size)
+        block = shapes.block_size
+        blocks = cache.match(req.prompt, (len(req.prompt) - 1) // block)
         # the rest's bucket must fit in the cache: past its end, recompute some cached blocks instead
-        while blocks and not plan.batch_invariant and (
-                len(blocks) * plan.block_size + plan.bucket(len(req.prompt) - len(blocks) * plan.block_size)
-                > plan.buckets[-1]):
+        while blocks and not self.config.batch_invariant and (
+                len(blocks) * block + shapes.bucket(len(req.prompt) - len(blocks) * block) > shapes.buckets[-1]):
             blocks.pop()
         if not blocks:
             return None
-        req.progress = req.cached = len(blocks) * plan.block_size
+        req.progress = req.cached = len(blocks) * block
         return cache.slot_layers(blocks)
 
     def store(self, group: list[tuple[Request, int]], snapshot: tuple, lengths: np.ndarray) -> None:
