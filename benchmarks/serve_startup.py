@@ -5,7 +5,7 @@ the persistent compilation cache, on a tiny Qwen3.5 checkpoint (written
 here, random weights, a word-level tokenizer). Prints markdown for
 docs/benchmarks.md.
 
-    python benchmarks/serve_startup.py [--max-slots 8] [--max-length 4096] [--skip-starts]
+    python benchmarks/serve_startup.py [--max-slots 8] [--max-length 4096] [--skip-maps | --skip-starts]
 """
 
 from __future__ import annotations
@@ -80,18 +80,20 @@ def main() -> None:
     parser.add_argument("--max-slots", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--maps-length", type=int, default=512, help="max_length of the maps measurement")
-    parser.add_argument("--skip-starts", action="store_true")
+    parser.add_argument("--skip-maps", action="store_true", help="only the two starts")
+    parser.add_argument("--skip-starts", action="store_true", help="only the memory maps")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(Path(tmp))
         print(f"## gdnx serve: start-up ({datetime.date.today()}, {platform.node()}, {os.cpu_count()} cores)\n")
-        print(f"Memory maps per program, {args.max_slots} slots x {args.maps_length} tokens, `engine.warm_up()`:\n")
-        print("| XLA_FLAGS | programs | maps per program | warm-up s |\n|---|---:|---:|---:|")
-        for name, flags in VARIANTS.items():
-            out = subprocess.run([sys.executable, "-c", MEASURE, str(path), str(args.max_slots),
-                                  str(args.maps_length)], capture_output=True, text=True,
-                                 env=clean_env(XLA_FLAGS=flags), check=True).stdout.split()
-            print(f"| {name} | {out[0]} | {float(out[1]):,.0f} | {float(out[2]):.1f} |", flush=True)
+        if not args.skip_maps:
+            print(f"Memory maps per program, {args.max_slots} slots x {args.maps_length} tokens, `engine.warm_up()`:\n")
+            print("| XLA_FLAGS | programs | maps per program | warm-up s |\n|---|---:|---:|---:|")
+            for name, flags in VARIANTS.items():
+                out = subprocess.run([sys.executable, "-c", MEASURE, str(path), str(args.max_slots),
+                                      str(args.maps_length)], capture_output=True, text=True,
+                                     env=clean_env(XLA_FLAGS=flags), check=True).stdout.split()
+                print(f"| {name} | {out[0]} | {float(out[1]):,.0f} | {float(out[2]):.1f} |", flush=True)
         if args.skip_starts:
             return
         print(f"\n`gdnx serve` ({args.max_slots} slots x {args.max_length} tokens, `--warm-up all`), a fresh "

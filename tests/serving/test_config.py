@@ -42,7 +42,10 @@ def test_the_shapes_it_fixes():
     cfg = ModelConfig(gdn_chunk_size=16)
     s = EngineConfig(max_slots=6, max_length=100, block_size=32, max_prefill_batch=3, draft_tokens=2).shapes(cfg)
     assert s.block_size == 32 and s.padded_length == 128 and s.capacity == 128 + 2 + 1
-    assert s.buckets == (16, 32, 64, 128) and s.decode_rows == (1, 2, 4, 6) and s.prefill_batches == (1, 2)
+    assert s.buckets == (16, 32, 64, 128) and s.decode_rows == (1, 4, 6) and s.prefill_batches == (1, 3)
+    assert [s.prefill_batch(n) for n in (1, 2, 3)] == [1, 3, 3]
+    wide = EngineConfig(max_slots=64, max_prefill_batch=20).shapes(cfg)
+    assert wide.decode_rows == (1, 4, 16, 64) and wide.prefill_batches == (1, 4, 16, 20)
     one = EngineConfig(max_slots=6, max_length=100, batch_invariant=True, max_prefill_batch=3).shapes(cfg)
     assert one.decode_rows == (6,) and one.prefill_batches == (3,) and one.block_size == 64
     with pytest.raises(FieldError, match="block_size: expected a multiple of the model's gdn_chunk_size 16, got 24"):

@@ -59,9 +59,12 @@ def test_ragged_prompts_give_the_plain_greedy_tokens(model, prompts, plain):
     names = {name for name, _ in engine.stats.programs}
     assert names == {"prefill", "decode"}
     assert {shape[1] for name, shape in engine.stats.programs if name == "prefill"} <= set(engine.buckets)
-    # as the queue drains, the decode batch shrinks to the slots still in use
-    assert engine.decode_rows == (1, 2, 4)
-    assert {shape[0] for name, shape in engine.stats.programs if name == "decode"} > {4}
+    # the decode batch is the first slots that hold every running request: one request alone decodes one row
+    assert engine.decode_rows == (1, 4)
+    assert {shape[0] for name, shape in engine.stats.programs if name == "decode"} <= {1, 4}
+    alone = _engine(model)
+    assert alone.generate(prompts[:1], GREEDY)[0].tokens == plain[0]
+    assert {shape[0] for name, shape in alone.stats.programs if name == "decode"} == {1}
 
 
 def test_prompts_shorter_than_a_block_prefill_in_chunk_buckets(model, prompts, plain):
@@ -325,7 +328,7 @@ def test_scanned_layers_with_prefix_cache_speculation_and_invariance(prompts, la
 def test_warm_up_compiles_every_decode_batch_and_changes_no_result(model, prompts, plain):
     engine = _engine(model, speculative=NgramDrafter(num_tokens=2))
     engine.warm_up()
-    assert {s for name, s in engine.stats.programs if name in ("decode", "verify")} == {(1, 4), (2, 4), (4, 4), (4, 2)}
+    assert {s for name, s in engine.stats.programs if name in ("decode", "verify")} == {(1, 4), (4, 4), (4, 2)}
     assert [c.tokens for c in engine.generate(prompts[:3], GREEDY)] == plain[:3]
     engine.add_request(prompts[0], GREEDY)
     engine.step()
@@ -403,4 +406,4 @@ def test_warm_up_stops_short_of_the_hosts_memory_map_limit(model, monkeypatch):
                                                             "host's 65,530 memory maps"):
         _engine(model).warm_up()
     monkeypatch.setattr(runner, "memory_maps", lambda: None)   # not Linux: no check
-    assert _engine(model).warm_up(prefill=False) == 3
+    assert _engine(model).warm_up(prefill=False) == 2  # decode at 1 and 4 rows

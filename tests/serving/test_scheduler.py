@@ -43,13 +43,13 @@ def test_requests_take_the_lowest_free_slot_and_wait_for_one():
     assert reqs[2].slot == 0 and reqs[2].status is S.PREFILLING
 
 
-def test_prefill_groups_by_bucket_in_power_of_two_batches():
+def test_prefill_groups_by_bucket_in_the_smallest_batch_that_holds_them():
     s = _scheduler(slots=4)
     for i, n in enumerate((3, 6, 2, 4)):
         s.add(_request(i, n))
     s.admit()
     groups = [([r.id for r, _ in g], length) for g, length in s.prefill_groups()]
-    assert groups == [([0, 2], 4), ([3], 4), ([1], 8)]
+    assert groups == [([0, 2, 3], 4), ([1], 8)]  # three prompts in a batch of 4 (one row padding)
     invariant = _scheduler(slots=4, batch_invariant=True)
     for i, n in enumerate((3, 6)):
         invariant.add(_request(i, n))

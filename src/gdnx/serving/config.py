@@ -22,7 +22,11 @@ class EngineShapes(NamedTuple):
     capacity: int                   # tokens each slot's cache holds
     buckets: tuple[int, ...]        # prefill lengths
     decode_rows: tuple[int, ...]    # decode batch sizes (the first slots)
-    prefill_batches: tuple[int, ...]  # prompts per prefill call (power-of-two batches)
+    prefill_batches: tuple[int, ...]  # prompts per prefill call
+
+    def prefill_batch(self, n: int) -> int:
+        """The prefill batch that holds n prompts (the rest of its rows padding)."""
+        return next(b for b in self.prefill_batches if b >= n)
 
     def bucket(self, n: int) -> int:
         """The prefill length that holds n tokens."""
@@ -47,6 +51,17 @@ def doubling(block: int, limit: int, smallest: int | None = None) -> tuple[int, 
     return (*out, limit)
 
 
+def quadrupling(limit: int) -> tuple[int, ...]:
+    """1, 4, 16, ... while under `limit`, then `limit`: batch sizes whose
+    count grows as log4 of the largest (each a program to compile), a batch
+    padded to the next size at most 4x its rows."""
+    out, n = [], 1
+    while n < limit:
+        out.append(n)
+        n *= 4
+    return (*out, limit)
+
+
 DEFAULT_PREFILL_BATCH = 8
 
 _MINIMA = {"max_slots": 1, "max_length": 2, "prefix_cache_bytes": 0, "decode_steps": 1, "max_logprobs": 0,
@@ -65,7 +80,7 @@ class EngineConfig:
       chunk size up to a block, then from the block up to max_length.
     decode_steps: tokens per slot per host round trip of the decode loop.
     max_prefill_batch: prompts of one bucket prefilled together, at most
-      (power-of-two batches up to it; None: max_slots, at most
+      (batches of 1, 4, 16, ... and it; None: max_slots, at most
       DEFAULT_PREFILL_BATCH: each batch size is a program per length bucket
       to compile, and 8 prompts of a bucket already fill a prefill call).
     max_logprobs: the most top-N log-probabilities a request may ask for.
@@ -133,8 +148,7 @@ class EngineConfig:
         batches: tuple[int, ...]
         if self.batch_invariant:  # one shape per program
             decode_rows, batches = (self.max_slots,), (self.prefill_rows,)
-        else:  # the first 1, 2, 4, ... slots, as few as hold every running request
-            decode_rows = doubling(1, self.max_slots)
-            batches = tuple(1 << i for i in range(self.prefill_rows.bit_length()))
+        else:  # the first 1, 4, 16, ... slots, as few as hold every running request; prompts likewise
+            decode_rows, batches = quadrupling(self.max_slots), quadrupling(self.prefill_rows)
         # the cache holds a padded prompt's last bucket and a verify pass's drafts past max_length
         return EngineShapes(block, padded, padded + draft + 1, buckets, decode_rows, batches)

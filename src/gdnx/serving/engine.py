@@ -308,8 +308,8 @@ class Engine:
         first requests would wait for the compiler), every program the engine
         calls: the decode step of every decode batch size (plain and
         constrained calls share it), the verify pass with a drafter, and with
-        `prefill` every prefill shape (each length bucket at each
-        power-of-two batch up to max_prefill_batch, or the one block shape
+        `prefill` every prefill shape (each length bucket at each prefill
+        batch, 1, 4, 16, ... and max_prefill_batch, or the one block shape
         in batch-invariant mode), with and without prompt logprobs, and the
         prefix cache's restore. Runs them on idle slots (prefill rows that
         write nowhere), so only while no request runs, and returns once they
@@ -419,7 +419,7 @@ class Engine:
         `length` tokens; a request whose prompt is then done draws its first
         token and starts decoding."""
         vocab = self.model.config.vocab_size
-        rows = self.config.prefill_rows if self.config.batch_invariant else len(group)
+        rows = self.shapes.prefill_batch(len(group))  # padding rows write nowhere
         tokens = np.zeros((rows, length), np.int32)
         seen = np.zeros((rows, vocab), bool)
         starts = np.zeros(rows, np.int32)

@@ -244,12 +244,15 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
         lp = sampling.logprobs(adj, tok, static.logprobs, params.logprobs)
         slots = slots._replace(cache=out.cache, counts=slots.counts.at[index, tok].add(1),
                                generated=slots.generated + 1, last=tok)
-        return slots, (tok, lp, logits if static.keep_logits else None)
+        return slots, (tok, lp, logits.astype(jnp.float32) if static.keep_logits else None)
 
     # a while loop (not a scan) so that the call stops after `draws` tokens; each token's outputs go into
     # [steps, ...] buffers in place
-    shapes = jax.eval_shape(one, slots)[1]
-    buffers = jax.tree.map(lambda x: jnp.zeros((steps, *x.shape), x.dtype), shapes)
+    s, n, vocab = slots.last.shape[0], static.logprobs, static.config.vocab_size
+    buffers = (jnp.zeros((steps, s), jnp.int32),
+               TokenLogprobs(jnp.zeros((steps, s), jnp.float32), jnp.zeros((steps, s, n), jnp.int32),
+                             jnp.zeros((steps, s, n), jnp.float32)),
+               jnp.zeros((steps, s, vocab), jnp.float32) if static.keep_logits else None)
 
     def body(carry):
         i, slots, buffers = carry

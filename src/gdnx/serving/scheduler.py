@@ -3,9 +3,10 @@ prefix cache. The Scheduler alone holds the engine's requests; it moves
 them through their states (gdnx.serving.request) and hands the engine
 what to run: restores to write, prefill groups, the decoding slots.
 
-Requests take the lowest free slot, so a decode batch (the first 1, 2,
-4, ... slots) stays as small as the running requests allow. Prompts are
-prefilled whole, grouped by length bucket in power-of-two batches, or in
+Requests take the lowest free slot, so a decode batch (the first 1, 4,
+16, ... slots) stays as small as the running requests allow. Prompts are
+prefilled whole, grouped by length bucket in batches of 1, 4, 16, ... (a
+group padded up to the next), or in
 batch-invariant mode one block at a time in batches of one fixed shape.
 """
 
@@ -152,7 +153,8 @@ class Scheduler:
     def prefill_groups(self) -> list[PrefillGroup]:
         """The prefill calls of this step: in batch-invariant mode one block
         of up to max_prefill_batch prompts (a fixed shape), else every
-        prompt whole, grouped by length bucket in power-of-two batches; a
+        prompt whole, grouped by length bucket into the smallest prefill
+        batch that holds them (the engine pads the rest of its rows); a
         prompt that asks for its own logprobs is prefilled alone (the
         scoring program is compiled for one row per bucket only)."""
         config, shapes = self.config, self.shapes
@@ -167,8 +169,8 @@ class Scheduler:
             groups[(shapes.bucket(len(req.prompt) - req.progress), scores)].append((req, req.progress))
         out = []
         for (length, scores), group in sorted(groups.items()):
-            while group:
-                size = 1 if scores else 1 << (min(len(group), config.prefill_rows).bit_length() - 1)
+            while group:  # the smallest batch that holds them (padded), or the largest
+                size = 1 if scores else shapes.prefill_batch(min(len(group), config.prefill_rows))
                 out.append((group[:size], length))
                 group = group[size:]
         return out
