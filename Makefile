@@ -63,8 +63,9 @@ test: $(STAMP) $(AOT_STAMP)
 	stage "8-device tests" env $(CPU_ENV) $(PYTEST) -n 2 --dist loadgroup tests/parallel && \
 	stage "the rest" env $(CPU_ENV) $(PYTEST) -n 2 --dist loadgroup tests --ignore=tests/ops --ignore=tests/parallel \
 	  -m "not deviceless" && \
-	stage "deviceless TPU and GPU" sh -c '$(AOT_PYTEST) tests/ops tests/serving/test_plan.py -k "h100 or a100" > .deviceless-gpu.log 2>&1 & gpu=$$!; \
-	  $(AOT_PYTEST) tests/ops tests/test_train_plan.py tests/serving/test_plan.py -k "not h100 and not a100"; tpu=$$?; wait $$gpu; rc=$$?; \
+	stage "deviceless TPU and GPU" sh -c '$(AOT_PYTEST) tests/ops tests/test_train_plan.py tests/serving/test_plan.py -k "h100 or h200 or a100" \
+	  > .deviceless-gpu.log 2>&1 & gpu=$$!; \
+	  $(AOT_PYTEST) tests/ops tests/test_train_plan.py tests/serving/test_plan.py -k "not h100 and not h200 and not a100"; tpu=$$?; wait $$gpu; rc=$$?; \
 	  echo "--- deviceless GPU targets:"; cat .deviceless-gpu.log; [ $$tpu -eq 0 ] && [ $$rc -eq 0 ]'
 
 bench: $(STAMP)

@@ -19,12 +19,26 @@ JAX_PLATFORMS=cpu so that neither plugin looks for a device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 from jax.experimental import topologies
+
+@contextlib.contextmanager
+def targeting(device: jax.Device) -> Iterator[None]:
+    """Trace for `device`, a machine that need not be attached: the
+    delta-rule kernels' tiles (compile_target) and tokamax's grouped
+    matmuls, which check and tile for the default device, are chosen for
+    it."""
+    from gdnx.ops.delta_rule.tiles import compile_target
+
+    with compile_target(device), jax.default_device(device):
+        yield
+
 
 # The smallest slice of each generation; one chip compiles the same kernels.
 TPU_TOPOLOGIES = {"tpu_v4": "v4:2x2x1", "tpu_v5e": "v5e:2x2", "tpu_v5p": "v5p:2x2x1", "tpu_v6e": "v6e:2x2"}
@@ -168,3 +182,26 @@ def xla_flops(compiled: Any) -> float:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float((cost or {}).get("flops", 0.0))
+
+
+def target_devices(topology: str) -> tuple[list[jax.Device], int, str]:
+    """The target's devices, memory per device and platform: a TPU slice
+    (v5p:2x2x1), or NAME:N for N GPUs of one host (h100:8; gdnx.aot's GPU
+    targets)."""
+    name, _, count = topology.partition(":")
+    if name not in GPU_SPECS and name not in HBM_BYTES:
+        raise ValueError(f"--topology: expected a TPU slice <generation>:<shape> ({', '.join(HBM_BYTES)}; e.g. "
+                         f"v5p:2x2x1) or N GPUs of one host <gpu>:N ({', '.join(GPU_SPECS)}; e.g. h200:2), "
+                         f"got {topology!r}")
+    if name not in GPU_SPECS:
+        return topology_devices(topology), HBM_BYTES[generation(topology)], "tpu"
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--topology: a GPU target is NAME:N, N GPUs of one host (e.g. {name}:8), got {topology!r}")
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology_name="", topology=f"1x1x{count}",
+                                            target_config=gpu_target_config(GPU_SPECS[name]))
+    except Exception as e:  # no CUDA plugin here
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ValueError(f"--topology {topology}: the CUDA plugin cannot describe it ({first}); install "
+                         "jax[cuda12-local] and nvidia-cuda-nvcc-cu12") from None
+    return list(topo.devices), GPU_SPECS[name].memory_bytes, "cuda"

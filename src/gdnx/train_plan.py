@@ -23,12 +23,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from gdnx.aot import HBM_BYTES, abstract, compile_within, generation, topology_devices, xla_flops
+from gdnx.aot import abstract, compile_within, target_devices, targeting, xla_flops
 from gdnx.config.schema import Config
 from gdnx.data.source import Batch
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import for_target
-from gdnx.ops.delta_rule.tiles import compile_target
 from gdnx.parallel import make_mesh, shardings, spec
 from gdnx.stacking import layer_ndim
 from gdnx.training.step import make_optimizer, make_step_fn
@@ -99,10 +98,10 @@ def model_flops(config: Config, params: Any) -> float:
 
 
 def plan(config: Config, topology: str) -> Plan:
-    """Compile config's train step for the TPU slice `topology`."""
-    hbm = HBM_BYTES[generation(topology)]
-    devices = topology_devices(topology)
-    model_cfg = for_target(config.model, "tpu")
+    """Compile config's train step for `topology`: a TPU slice (v5p:2x2x1)
+    or N GPUs of one host (h200:8)."""
+    devices, hbm, kind = target_devices(topology)
+    model_cfg = for_target(config.model, kind)
     config = config.model_copy(update={"model": model_cfg})
     mesh = make_mesh(config.parallel, devices)
     with warnings.catch_warnings():
@@ -123,17 +122,22 @@ def plan(config: Config, topology: str) -> Plan:
     step_fn = jax.jit(make_step_fn(config, graphdef, tx), donate_argnums=(0, 1))
     t0 = time.perf_counter()
     # the kernels take the slice's tiles (tiles.py), not this host's
-    with jax.set_mesh(mesh), compile_target(devices[0]):
+    with jax.set_mesh(mesh), targeting(devices[0]):
         compiled = compile_within(step_fn.lower(params, opt_state, step, batch),
                                   f"{topology}: does NOT fit ({{}}); shard over more chips (parallel.fsdp), raise "
                                   "train.grad_accum_steps or set model.remat_policy=full")
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
-    assert memory is not None  # TPU executables report it
+    assert memory is not None  # TPU and GPU executables report it
     return Plan(topology, len(devices), dict(mesh.shape), sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
                 memory.argument_size_in_bytes, memory.temp_size_in_bytes, memory.output_size_in_bytes,
                 memory.alias_size_in_bytes, hbm, compile_s, xla_flops(compiled),
-                arithmetic, (compiled.as_text() or "").count("tpu_custom_call"))
+                arithmetic, _kernel_calls(compiled.as_text() or ""))
+
+
+def _kernel_calls(text: str) -> int:
+    """Pallas kernel calls in a compiled program (Mosaic TPU custom calls, Triton fusions)."""
+    return text.count("tpu_custom_call") + text.count("__gpu$xla.gpu.triton")
 
 
 def describe(p: Plan) -> str:
@@ -145,8 +149,8 @@ def describe(p: Plan) -> str:
         f"per chip: arguments {gib(p.argument_bytes)}, temporaries {gib(p.temp_bytes)}, outputs "
         f"{gib(p.output_bytes)} ({gib(p.alias_bytes)} in place of donated arguments)",
         f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}",
-        f"compiled in {p.compile_s:.1f} s ({p.kernel_calls} Pallas TPU kernel calls)",
+        f"compiled in {p.compile_s:.1f} s ({p.kernel_calls} Pallas kernel calls)",
         f"FLOPs per step: {p.model_flops:.3e} by the architecture ({p.model_flops / p.chips:.3e} per chip); XLA's "
-        f"cost analysis {p.flops:.3e} per chip (it counts a loop's body once: the scanned layers' and the "
-        "blocked loss's)",
+        + (f"cost analysis {p.flops:.3e} per chip (it counts a loop's body once: the scanned layers' and the "
+           "blocked loss's)" if p.flops else "cost analysis not reported for this target"),
     ])

@@ -8,16 +8,17 @@ from gdnx.serving.config import EngineConfig
 
 
 def add_parser(sub) -> None:
-    plan = sub.add_parser("plan", help="compile one train step for a TPU slice from this host: bytes per chip, "
-                                       "FLOPs, compile time",
-                          description="Build the model abstractly, compile its sharded train step (the Pallas TPU "
-                                      "kernel, compiled) for a TPU topology with libtpu, and print the bytes each "
-                                      "chip holds, whether that fits its HBM, the compile time and the FLOPs per "
-                                      "step. Needs jax[tpu] (libtpu); no TPU.")
+    plan = sub.add_parser("plan", help="compile one train step for a TPU slice or a GPU host from this host: "
+                                       "bytes per chip, FLOPs, compile time",
+                          description="Build the model abstractly, compile its sharded train step (the Pallas "
+                                      "kernels, compiled) for a TPU topology with libtpu or for the GPUs of one host "
+                                      "with the CUDA plugin, and print the bytes each chip holds, whether that fits "
+                                      "its memory, the compile time and the FLOPs per step. Needs jax[tpu] (libtpu) "
+                                      "or jax[cuda12-local] (ptxas); no accelerator.")
     plan.add_argument("config", help=f"a YAML file or a bundled config ({', '.join(bundled_names())})")
     plan.add_argument("--topology", required=True,
-                      help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4; with --serve "
-                           "also N GPUs of one host: h100:8, h200:8, a100:8")
+                      help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4; or N GPUs of "
+                           "one host: h100:8, h200:8, a100:8")
     plan.add_argument("overrides", nargs="*", metavar="key=value",
                       help="config overrides, e.g. parallel.fsdp=-1 parallel.data=1 train.batch_size=64")
     serving = plan.add_argument_group("--serve: the serving engine's programs instead (docs/serving.md)")

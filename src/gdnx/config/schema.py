@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from gdnx.ops.checks import float_dtype
+from gdnx.ops.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMUL_IMPLEMENTATIONS
 from gdnx.ops.delta_rule.options import (
     CHUNK_IMPLEMENTATIONS,
     CHUNK_SIZES,
@@ -40,7 +41,7 @@ FAMILIES: tuple[str, ...] = get_args(Family)
 SCAN_MIN_LAYERS = 8
 # The GDN op's choices, from the op itself
 _CHOICES = {"gdn_implementation": ("auto", *CHUNK_IMPLEMENTATIONS), "gdn_chunk_size": CHUNK_SIZES,
-            "gdn_residuals": RESIDUAL_POLICIES}
+            "gdn_residuals": RESIDUAL_POLICIES, "moe_implementation": ("auto", *GROUPED_MATMUL_IMPLEMENTATIONS)}
 
 
 def _numeric(annotation: Any) -> bool:
@@ -145,6 +146,8 @@ class ModelConfig(_Strict):
     decoder_sparse_step: PositiveInt = 1
     mlp_only_layers: list[int] = Field(default_factory=list)
     router_aux_loss_coef: float = Field(0.001, ge=0.0)
+    # the routed experts' grouped matmuls (gdnx.ops.grouped_matmul): auto takes the platform's
+    moe_implementation: str = "auto"
 
     # special tokens, carried to and from Hugging Face config.json
     bos_token_id: int | None = None

@@ -8,13 +8,15 @@ best of n_group groups (a group scored by its best two experts); the chosen
 experts' scores (renormalised with norm_topk_prob) times
 routed_scaling_factor weight them. The shared expert is scaled by a sigmoid
 gate (Qwen's) or added whole.
-The correction bias takes no gradient (it only moves the choice). Experts run as grouped matmuls (jax.lax.ragged_dot) over
-the token copies sorted by expert, so the work is tokens * k, not tokens *
-num_experts. The layer also returns what the load-balancing loss needs.
+The correction bias takes no gradient (it only moves the choice). Experts
+run as grouped matmuls (gdnx.ops.grouped_matmul) over the token copies
+sorted by expert, so the work is tokens * k, not tokens * num_experts, and
+no dense per-expert copy of the tokens is made. The layer also returns what the load-balancing loss needs.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple
 
 import jax
@@ -25,6 +27,7 @@ from jax.typing import DTypeLike
 from gdnx.layers.linear import linear
 from gdnx.layers.lora import LoRA
 from gdnx.layers.mlp import MLP, swiglu
+from gdnx.ops.grouped_matmul import grouped_matmul, resolve, traced_platform
 from gdnx.parallel.moe import run_experts
 
 
@@ -57,10 +60,13 @@ class SparseMoE(nnx.Module):
                  norm_topk_prob: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
                  router: Literal["softmax", "sigmoid"] = "softmax", n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, limit: float | None = None, shared_limit: float | None = None,
-                 shared_gate: bool = True):
+                 shared_gate: bool = True, implementation: str | None = None):
         """limit, shared_limit: bounds on the routed experts' and the shared
         expert's SwiGLU (gdnx.layers.mlp.swiglu); None: unbounded.
-        shared_gate: the shared expert scaled by sigmoid(shared_expert_gate(x))."""
+        shared_gate: the shared expert scaled by sigmoid(shared_expert_gate(x)).
+        implementation: the grouped matmuls' (gdnx.ops.grouped_matmul; None:
+        the platform's)."""
+        self.implementation = implementation
         h, i, e, std = hidden_size, expert_size, num_experts, init_std
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.router, self.n_group, self.topk_group = router, n_group, topk_group
@@ -106,8 +112,9 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
         """x [B, T, hidden] -> (y, RouterStats)."""
         top_p, top_i, probs = self._route(x)
+        kernels = resolve(self.implementation, traced_platform()) != "xla"
         routed, counts = run_experts(self._routed, x, top_p, top_i,
-                                     *(self._weights(name) for name in EXPERT_WEIGHTS))
+                                     *(self._weights(name) for name in EXPERT_WEIGHTS), kernels=kernels)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
@@ -132,8 +139,9 @@ class SparseMoE(nnx.Module):
         sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)
         xs = x[rows]
         wd = lambda w: w.astype(x.dtype)  # noqa: E731
-        act = swiglu(jax.lax.ragged_dot(xs, wd(w_gate), sizes), jax.lax.ragged_dot(xs, wd(w_up), sizes), self.limit)
-        ys = jax.lax.ragged_dot(act, wd(w_down), sizes)
+        gmm = functools.partial(grouped_matmul, group_sizes=sizes, implementation=self.implementation)
+        act = swiglu(gmm(xs, wd(w_gate)), gmm(xs, wd(w_up)), self.limit)
+        ys = gmm(act, wd(w_down))
         ys = ys * top_p.reshape(-1)[order][:, None].astype(ys.dtype)
         routed = jnp.zeros_like(x).at[rows].add(ys)
         if width_axes:  # each shard summed over its slice of the expert width

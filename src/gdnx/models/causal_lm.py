@@ -45,6 +45,7 @@ from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.models.adapters import add_adapters
 from gdnx.models.cache import Cache
+from gdnx.ops import grouped_matmul
 from gdnx.ops.delta_rule.options import KERNEL_PLATFORMS, RESIDUAL_NAMES, DeltaRuleOptions
 from gdnx.parallel.params import shardings
 from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
@@ -132,7 +133,9 @@ class DecoderLayer(nnx.Module):
                                  topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
                                  limit=_limit(cfg.swiglu_limits, index), shared_limit=_limit(cfg.swiglu_limits_shared,
                                                                                             index),
-                                 shared_gate=cfg.shared_expert_gated, **kw)
+                                 shared_gate=cfg.shared_expert_gated,
+                                 implementation=None if cfg.moe_implementation == "auto" else cfg.moe_implementation,
+                                 **kw)
         else:
             self.mlp = MLP(h, cfg.intermediate_size, **kw)
 
@@ -204,8 +207,10 @@ def delta_rule_options(cfg: ModelConfig, platform: str | None = None) -> DeltaRu
 
 
 def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
-    """Refuse, before any work, GDN settings this machine cannot run."""
+    """Refuse, before any work, GDN and MoE settings this machine cannot run."""
     platform = platform or jax.default_backend()
+    if cfg.num_experts and cfg.moe_implementation != "auto":
+        grouped_matmul.resolve(cfg.moe_implementation, platform, "model.moe_implementation")
     if cfg.gdn_interpret is False and platform == "cpu":
         raise ValueError("model.gdn_interpret: false compiles the Pallas kernel for a TPU or GPU, and this "
                           "machine has neither; leave it unset (interpret mode on CPU)")
@@ -218,6 +223,9 @@ def for_target(model_cfg: Any, platform: str) -> Any:
     if model_cfg.gdn_implementation == "auto":
         kernel = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
         model_cfg = model_cfg.model_copy(update={"gdn_implementation": kernel, "gdn_interpret": False})
+    if model_cfg.num_experts:
+        model_cfg = model_cfg.model_copy(update={"moe_implementation": grouped_matmul.resolve(
+            model_cfg.moe_implementation, platform, "model.moe_implementation")})
     check_platform(model_cfg, platform)
     return model_cfg
 

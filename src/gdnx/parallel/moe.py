@@ -20,10 +20,12 @@ TOKENS = ("batch", "length", None)  # x [B, T, hidden], top-k ids / weights [B, 
 
 
 def run_experts(local: Callable, x: jax.Array, top_p: jax.Array, top_i: jax.Array, w_gate: jax.Array,
-                w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+                w_up: jax.Array, w_down: jax.Array, *, kernels: bool = False) -> jax.Array:
     """local(x, top_p, top_i, w_gate, w_up, w_down, width_axes, token_axes)
     -> (y [B, T, hidden], counts [E]) on each shard; width_axes / token_axes
-    name the mesh axes to psum the partial outputs / counts over."""
+    name the mesh axes to psum the partial outputs / counts over. kernels:
+    local runs Pallas kernels, whose outputs carry no varying-axes
+    information (the shard_map then checks none)."""
     mesh = current_mesh()
     if mesh is None:
         return local(x, top_p, top_i, w_gate, w_up, w_down, (), ())
@@ -39,4 +41,4 @@ def run_experts(local: Callable, x: jax.Array, top_p: jax.Array, top_i: jax.Arra
     def body(*xs):
         return local(*xs, width_axes, token_axes)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tok, P()))(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tok, P()), check_vma=not kernels)(*args)

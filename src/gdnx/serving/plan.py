@@ -33,9 +33,8 @@ from gdnx.config.schema import Config
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import for_target
 from gdnx.models.cache import row_axes
-from gdnx.ops.delta_rule.tiles import compile_target
 from gdnx.parallel import make_mesh, shardings
-from gdnx.aot import HBM_BYTES, abstract, compile_within, generation, topology_devices, xla_flops
+from gdnx.aot import abstract, compile_within, target_devices, targeting, xla_flops
 from gdnx.serving import programs
 from gdnx.serving.config import EngineConfig
 from gdnx.serving.runner import DecodeBatch, PrefillBatch, VerifyBatch, lower, new_slots
@@ -121,33 +120,6 @@ def _per_chip(tree: Any) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _target(topology: str) -> tuple[list[jax.Device], int, str]:
-    """The target's devices, memory per device and platform: a TPU slice
-    (v5p:2x2x1), or NAME:N for N GPUs of one host (h100:8; gdnx.aot's GPU
-    targets)."""
-    from gdnx.aot import GPU_SPECS, gpu_target_config
-
-    name, _, count = topology.partition(":")
-    if name not in GPU_SPECS and name not in HBM_BYTES:
-        raise ValueError(f"--topology: expected a TPU slice <generation>:<shape> ({', '.join(HBM_BYTES)}; e.g. "
-                         f"v5p:2x2x1) or N GPUs of one host <gpu>:N ({', '.join(GPU_SPECS)}; e.g. h200:2), "
-                         f"got {topology!r}")
-    if name not in GPU_SPECS:
-        return topology_devices(topology), HBM_BYTES[generation(topology)], "tpu"
-    if not count.isdigit() or int(count) < 1:
-        raise ValueError(f"--topology: a GPU target is NAME:N, N GPUs of one host (e.g. {name}:8), got {topology!r}")
-    from jax.experimental import topologies
-
-    try:
-        topo = topologies.get_topology_desc(platform="cuda", topology_name="", topology=f"1x1x{count}",
-                                            target_config=gpu_target_config(GPU_SPECS[name]))
-    except Exception as e:  # no CUDA plugin here
-        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise ValueError(f"--topology {topology}: the CUDA plugin cannot describe it ({first}); install "
-                         "jax[cuda12-local] and nvidia-cuda-nvcc-cu12") from None
-    return list(topo.devices), GPU_SPECS[name].memory_bytes, "cuda"
-
-
 def _compile(lowered: Any, what: str, topology: str) -> Any:
     return compile_within(lowered, f"{topology}: the {what} does NOT fit ({{}}); lower --max-slots, "
                                    "--max-prefill-batch or --max-length, or shard over more chips (parallel.tensor)")
@@ -162,7 +134,7 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
     programs and batch shapes an Engine runs (runner.py's batches).
     prefix_cache: the prefill keeps the states at block ends, as an engine
     with a prefix cache has it do; logprobs: the top-N computed per token."""
-    devices, hbm, kind = _target(topology)
+    devices, hbm, kind = target_devices(topology)
     cfg = config.model
     if engine.max_length > cfg.max_position_embeddings:
         raise ValueError(f"--max-length: {engine.max_length} exceeds the model's {cfg.max_position_embeddings} "
@@ -198,7 +170,7 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
     temp: dict[str, int] = {}
     cost: dict[str, float] = {}
     kernels = 0
-    with jax.set_mesh(mesh), compile_target(devices[0]):
+    with jax.set_mesh(mesh), targeting(devices[0]):
         make = jax.jit(lambda: new_slots(static, model, engine, shapes, k))
         slot_shapes = jax.eval_shape(make)
         slots = abstract(slot_shapes, _compile(make.lower(), "slot state", topology).output_shardings)

@@ -1,0 +1,109 @@
+"""Grouped matrix products: the MoE layers' experts.
+
+`grouped_matmul(x, w, group_sizes)`: x [M, K] holds rows sorted by group
+(the token copies sorted by expert), group g's `group_sizes[g]` rows times
+its own matrix w[g] [K, N]; rows past the groups' total are zeros. Forward
+and backward never build a dense per-group copy of x.
+
+Implementations (the `implementation` argument, the model config's
+moe_implementation):
+  xla     jax.lax.ragged_dot. XLA:CPU and XLA:TPU lower it as grouped
+          products (on TPU a Mosaic kernel of XLA's own); XLA:GPU lowers
+          it to one dense product per group (x broadcast to [groups, M, K]:
+          hundreds of GiB at 512 experts), so it is refused on GPUs.
+  triton  tokamax's Pallas Triton kernel (GPUs; forward and both
+          gradients grouped).
+  mosaic  tokamax's Pallas Mosaic kernel (Hopper and later GPUs; TPU v5
+          and later).
+auto (None) takes `DEFAULTS` for the platform. tokamax chooses its kernels'
+tiles; a call traced for a machine that is not attached (gdnx plan) must
+run under `jax.default_device(<that machine's device>)` so that tokamax
+checks and tiles for it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("xla", "triton", "mosaic")
+# the platforms each runs on (jax's platform names; "cuda" and "rocm" are "gpu")
+PLATFORMS = {"xla": ("cpu", "tpu"), "triton": ("gpu",), "mosaic": ("gpu", "tpu")}
+DEFAULTS = {"cpu": "xla", "tpu": "xla", "gpu": "triton"}
+
+
+def platform_of(name: str) -> str:
+    """jax's platform name for a backend or target name ("cuda" -> "gpu")."""
+    return "gpu" if name in ("cuda", "rocm", "gpu") else name
+
+
+def resolve(implementation: str | None, platform: str, field: str = "moe_implementation") -> str:
+    """The implementation to run on `platform`: auto (None) picks the
+    platform's default; one that cannot run there is a ValueError naming
+    `field`, as is a platform with none (never a dense fallback)."""
+    platform = platform_of(platform)
+    if implementation is None or implementation == "auto":
+        if platform not in DEFAULTS:
+            raise ValueError(f"{field}: no grouped-matmul implementation runs on {platform!r} (the MoE experts "
+                             f"need one of {', '.join(f'{k} on {v}' for k, v in DEFAULTS.items())})")
+        return DEFAULTS[platform]
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{field}: expected auto or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if platform not in PLATFORMS[implementation]:
+        why = (": XLA:GPU lowers jax.lax.ragged_dot to one dense product per expert" if implementation == "xla"
+               and platform == "gpu" else "")
+        raise ValueError(f"{field}: {implementation} does not run on {platform}{why}; on {platform} use "
+                         f"{' or '.join(k for k, v in PLATFORMS.items() if platform in v) or 'none'} (auto picks "
+                         f"{DEFAULTS.get(platform, 'none')})")
+    return implementation
+
+
+class _QuietAutotuning(logging.Filter):
+    """tokamax warns on every trace whose shapes its tuned tables lack; its
+    default tiles are what runs, and once per shape is noise to a user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Autotuning cache miss" not in record.getMessage()
+
+
+_quiet = _QuietAutotuning()
+
+
+def traced_platform() -> str:
+    """The platform programs are traced for: jax.default_device's when set
+    (a plan's target), else the default backend's."""
+    device = getattr(jax.config, "jax_default_device", None)
+    if isinstance(device, jax.Device):
+        return device.platform
+    return device if isinstance(device, str) else jax.default_backend()
+
+
+def _tokamax():
+    try:
+        import tokamax
+        from absl import flags
+    except ImportError:
+        raise ValueError("moe_implementation: triton and mosaic are tokamax's kernels: pip install tokamax") from None
+    # tokamax reads its settings from absl flags, parsing sys.argv on first use unless something parsed them: a
+    # program's own arguments (gdnx serve --port, pytest -p) are not absl's, so its defaults are taken as parsed
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    logging.getLogger("absl").addFilter(_quiet)
+    return tokamax
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None,
+                   ) -> jax.Array:
+    """x [M, K] rows sorted by group, w [G, K, N], group_sizes int32 [G]
+    (summing to at most M) -> [M, N] in x's dtype. implementation: one of
+    IMPLEMENTATIONS, None for the default backend's."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"grouped_matmul: expected x [M, K], w [G, K, N], group_sizes [G], got {x.shape}, "
+                         f"{w.shape}, {group_sizes.shape}")
+    name = resolve(implementation, traced_platform(), "implementation")
+    group_sizes = group_sizes.astype(jnp.int32)
+    if name == "xla":
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    return _tokamax().ragged_dot(x, w, group_sizes, implementation=name)
