@@ -22,8 +22,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
+import tempfile
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 from jax.experimental import topologies
@@ -165,12 +168,13 @@ def abstract(tree: Any, placements: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, placements)
 
 
-def compile_within(lowered: Any, refusal: str) -> Any:
-    """The compiled program; a compiler's refusal of one whose buffers
-    overflow a chip's memory (RESOURCE_EXHAUSTED) as a ValueError:
-    `refusal` with the compiler's line in it ({} marks where)."""
+def compile_within(lowered: Any, refusal: str, options: dict | None = None) -> Any:
+    """The compiled program (options: XLA's compiler options); a compiler's
+    refusal of one whose buffers overflow a chip's memory
+    (RESOURCE_EXHAUSTED) as a ValueError: `refusal` with the compiler's line
+    in it ({} marks where)."""
     try:
-        return lowered.compile()
+        return lowered.compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -205,3 +209,60 @@ def target_devices(topology: str) -> tuple[list[jax.Device], int, str]:
         raise ValueError(f"--topology {topology}: the CUDA plugin cannot describe it ({first}); install "
                          "jax[cuda12-local] and nvidia-cuda-nvcc-cu12") from None
     return list(topo.devices), GPU_SPECS[name].memory_bytes, "cuda"
+
+
+class Buffer(NamedTuple):
+    """A temporary buffer of a compiled program: its bytes, the value that
+    holds it (an HLO instruction), that value's shape, and what made it
+    (the JAX operation named in its metadata, else the instruction)."""
+    bytes: int
+    value: str
+    shape: str
+    made_by: str
+
+
+_VALUE = re.compile(r"^\s*value: <\d+ (\S+) @[^>]*> \(size=(\d+),offset=\d+\): (\S+?)(\{.*)?$")
+
+
+def largest_temporaries(dump: Path, top: int = 3) -> list[Buffer]:
+    """The `top` largest temporaries of the program XLA dumped into `dump`
+    (xla_dump_to, as text): read from its buffer assignment, each named by
+    the instruction that holds it."""
+    assignments = sorted(dump.glob("*after_optimizations-buffer-assignment.txt"), key=lambda p: p.stat().st_size)
+    if not assignments:
+        return []
+    found: list[tuple[int, str, str]] = []
+    temporary = False
+    for line in assignments[-1].read_text().splitlines():
+        if line.startswith("allocation "):  # arguments, constants and outputs are not temporaries
+            temporary = not any(kind in line for kind in ("parameter", "constant", "output shape"))
+        elif temporary and (m := _VALUE.match(line)):
+            found.append((int(m.group(2)), m.group(1), m.group(3)))
+    found = sorted(set(found), reverse=True)[:top]
+    hlo = assignments[-1].with_name(assignments[-1].name.replace("-buffer-assignment", ""))
+    text = hlo.read_text() if hlo.exists() else ""
+    out = []
+    for size, name, shape in found:
+        held = re.search(rf"^\s*%?{re.escape(name)} = \S+ (.*)$", text, re.M)
+        rest = held.group(1) if held else ""
+        op = re.search(r'op_name="([^"]+)"', rest)
+        call = re.match(r"([\w-]+\([^)]*\))", rest)
+        out.append(Buffer(size, name, shape, op.group(1) if op else call.group(1) if call else name))
+    return out
+
+
+def compile_reporting(lowered: Any, refusal: str, top: int = 3) -> tuple[Any, list[Buffer]]:
+    """compile_within, and the program's `top` largest temporaries (its
+    buffer assignment dumped as text into a directory of its own)."""
+    with tempfile.TemporaryDirectory() as dump:
+        options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+        try:
+            compiled = compile_within(lowered, refusal, options)
+        except ValueError as e:  # refused for memory: what held it, where the compiler got that far
+            largest = largest_temporaries(Path(dump), top)
+            raise ValueError(f"{e}; largest temporaries: {describe_buffers(largest)}" if largest else str(e)) from None
+        return compiled, largest_temporaries(Path(dump), top)
+
+
+def describe_buffers(buffers: list[Buffer]) -> str:
+    return "; ".join(f"{b.bytes / 2 ** 30:,.2f} GiB {b.shape} ({b.made_by})" for b in buffers) or "none reported"

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from gdnx.aot import abstract, compile_within, target_devices, targeting, xla_flops
+from gdnx.aot import Buffer, abstract, compile_reporting, describe_buffers, target_devices, targeting, xla_flops
 from gdnx.config.schema import Config
 from gdnx.data.source import Batch
 from gdnx.models import CausalLM
@@ -48,7 +48,8 @@ class Plan:
     compile_s: float
     flops: float            # XLA's cost analysis of the per-chip program (a loop's body counted once)
     model_flops: float      # the step's arithmetic, counted from the architecture (all chips)
-    kernel_calls: int       # Mosaic kernels (the GDN op's) in the compiled program
+    kernel_calls: int       # Pallas kernels (Mosaic TPU, Triton) in the compiled program
+    largest: list[Buffer]   # its largest temporaries (XLA's buffer assignment)
 
     @property
     def peak_bytes(self) -> int:
@@ -123,16 +124,16 @@ def plan(config: Config, topology: str) -> Plan:
     t0 = time.perf_counter()
     # the kernels take the slice's tiles (tiles.py), not this host's
     with jax.set_mesh(mesh), targeting(devices[0]):
-        compiled = compile_within(step_fn.lower(params, opt_state, step, batch),
-                                  f"{topology}: does NOT fit ({{}}); shard over more chips (parallel.fsdp), raise "
-                                  "train.grad_accum_steps or set model.remat_policy=full")
+        compiled, largest = compile_reporting(step_fn.lower(params, opt_state, step, batch),
+                                              f"{topology}: does NOT fit ({{}}); shard over more chips (parallel.fsdp), "
+                                              "raise train.grad_accum_steps or set model.remat_policy=full")
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
     assert memory is not None  # TPU and GPU executables report it
     return Plan(topology, len(devices), dict(mesh.shape), sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
                 memory.argument_size_in_bytes, memory.temp_size_in_bytes, memory.output_size_in_bytes,
                 memory.alias_size_in_bytes, hbm, compile_s, xla_flops(compiled),
-                arithmetic, _kernel_calls(compiled.as_text() or ""))
+                arithmetic, _kernel_calls(compiled.as_text() or ""), largest)
 
 
 def _kernel_calls(text: str) -> int:
@@ -150,6 +151,7 @@ def describe(p: Plan) -> str:
         f"{gib(p.output_bytes)} ({gib(p.alias_bytes)} in place of donated arguments)",
         f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}",
         f"compiled in {p.compile_s:.1f} s ({p.kernel_calls} Pallas kernel calls)",
+        f"largest temporaries: {describe_buffers(p.largest)}",
         f"FLOPs per step: {p.model_flops:.3e} by the architecture ({p.model_flops / p.chips:.3e} per chip); XLA's "
         + (f"cost analysis {p.flops:.3e} per chip (it counts a loop's body once: the scanned layers' and the "
            "blocked loss's)" if p.flops else "cost analysis not reported for this target"),

@@ -34,7 +34,8 @@ from gdnx.models import CausalLM
 from gdnx.models.causal_lm import for_target
 from gdnx.models.cache import row_axes
 from gdnx.parallel import make_mesh, shardings
-from gdnx.aot import abstract, compile_within, target_devices, targeting, xla_flops
+from gdnx.aot import (Buffer, abstract, compile_reporting, compile_within, describe_buffers, target_devices,
+                      targeting, xla_flops)
 from gdnx.serving import programs
 from gdnx.serving.config import EngineConfig
 from gdnx.serving.runner import DecodeBatch, PrefillBatch, VerifyBatch, lower, new_slots
@@ -64,6 +65,7 @@ class ServePlan:
     decode_flops: float           # one decode step over every slot at full length, by the architecture
     hbm_bytes: int
     kernel_calls: int             # Mosaic or Triton kernels (the delta rule's) in the compiled prefill
+    largest: dict[str, list[Buffer]]  # per program: its largest temporaries (XLA's buffer assignment)
 
     @property
     def peak_bytes(self) -> int:
@@ -120,9 +122,9 @@ def _per_chip(tree: Any) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _compile(lowered: Any, what: str, topology: str) -> Any:
-    return compile_within(lowered, f"{topology}: the {what} does NOT fit ({{}}); lower --max-slots, "
-                                   "--max-prefill-batch or --max-length, or shard over more chips (parallel.tensor)")
+def _refusal(what: str, topology: str) -> str:
+    return (f"{topology}: the {what} does NOT fit ({{}}); lower --max-slots, --max-prefill-batch or --max-length, "
+            "or shard over more chips (parallel.tensor)")
 
 
 def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_cache: bool = True,
@@ -168,18 +170,19 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
     history = shapes.history_every(shapes.padded_length, prefix_cache)
     compile_s: dict[str, float] = {}
     temp: dict[str, int] = {}
+    largest: dict[str, list[Buffer]] = {}
     cost: dict[str, float] = {}
     kernels = 0
     with jax.set_mesh(mesh), targeting(devices[0]):
         make = jax.jit(lambda: new_slots(static, model, engine, shapes, k))
         slot_shapes = jax.eval_shape(make)
-        slots = abstract(slot_shapes, _compile(make.lower(), "slot state", topology).output_shardings)
+        slots = abstract(slot_shapes, compile_within(make.lower(), _refusal("slot state", topology)).output_shardings)
         for name in PROGRAMS:
             if name == "verify" and not k:
                 continue
             t0 = time.perf_counter()
             lowered = lower(compiled_programs, state, slots, batches[name], history, host)
-            compiled = _compile(lowered, f"{name} program", topology)
+            compiled, largest[name] = compile_reporting(lowered, _refusal(f"{name} program", topology))
             compile_s[name] = time.perf_counter() - t0
             memory = compiled.memory_analysis()
             assert memory is not None  # TPU executables report it
@@ -191,7 +194,7 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
     return ServePlan(topology, len(devices), dict(mesh.shape),
                      sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), s,
                      engine.max_length, pr, engine.max_prefill_batch is None and pr == s, prefix_cache, shapes.capacity, k,
-                     _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels)
+                     _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels, largest)
 
 
 def describe(p: ServePlan) -> str:
@@ -210,6 +213,7 @@ def describe(p: ServePlan) -> str:
         f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}; at {p.max_length} tokens about "
         f"{p.largest_slots} slots fit",
         f"compiled in {times} ({p.kernel_calls} Pallas kernel calls in the prefill)",
+        *(f"largest temporaries, {name}: {describe_buffers(buffers)}" for name, buffers in p.largest.items()),
         f"FLOPs per decode step: {p.decode_flops:.3e} by the architecture ({p.max_slots} tokens at full length; "
         f"{p.decode_flops / p.chips:.3e} per chip); XLA's cost analysis of the decode program "
         + (f"{p.xla_flops['decode']:.3e} per chip (its loops' bodies counted once)" if p.xla_flops["decode"]
