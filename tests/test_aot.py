@@ -19,3 +19,24 @@ def test_gpu_target_config_carries_the_limits_compilation_checks(name, major, sm
     assert f"cuda_compute_capability {{ major: {major} minor: 0 }}" in text
     assert f"shared_memory_per_block_optin: {smem}" in text
     assert 'platform_name: "CUDA"' in text
+
+
+def test_the_largest_temporaries_are_named_with_what_holds_them():
+    """compile_reporting reads XLA's buffer assignment: a program whose one
+    large temporary is an outer product names it (its shape, its size and
+    the JAX operation in its metadata); a refusal for memory carries the
+    same list."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(x):
+        outer = jnp.tanh(x[:, None] * x[None, :])  # [2048, 2048] float32, 16 MiB: the matrix product reads it whole
+        return outer @ outer
+
+    compiled, largest = aot.compile_reporting(jax.jit(f).lower(jnp.ones(2048)), "refused ({})")
+    assert compiled is not None and largest
+    top = largest[0]
+    assert top.bytes == 2048 * 2048 * 4 and top.shape.startswith("f32[2048,2048]"), largest
+    assert "jit(f)" in top.made_by, top
+    assert aot.describe_buffers(largest).startswith("0.02 GiB f32[2048,2048]")
+    assert aot.describe_buffers([]) == "none reported"

@@ -253,14 +253,20 @@ def largest_temporaries(dump: Path, top: int = 3) -> list[Buffer]:
 
 def compile_reporting(lowered: Any, refusal: str, top: int = 3) -> tuple[Any, list[Buffer]]:
     """compile_within, and the program's `top` largest temporaries (its
-    buffer assignment dumped as text into a directory of its own)."""
+    buffer assignment dumped as text into a directory of its own; the
+    persistent compilation cache is left aside for this compile, as a
+    program read back from it is not compiled and dumps nothing)."""
+    cached = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
     with tempfile.TemporaryDirectory() as dump:
         options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+        jax.config.update("jax_enable_compilation_cache", False)
         try:
             compiled = compile_within(lowered, refusal, options)
         except ValueError as e:  # refused for memory: what held it, where the compiler got that far
             largest = largest_temporaries(Path(dump), top)
             raise ValueError(f"{e}; largest temporaries: {describe_buffers(largest)}" if largest else str(e)) from None
+        finally:
+            jax.config.update("jax_enable_compilation_cache", cached)
         return compiled, largest_temporaries(Path(dump), top)
 
 
