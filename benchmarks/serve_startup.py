@@ -5,7 +5,10 @@ the persistent compilation cache, on a tiny Qwen3.5 checkpoint (written
 here, random weights, a word-level tokenizer). Prints markdown for
 docs/benchmarks.md.
 
-    python benchmarks/serve_startup.py [--max-slots 8] [--max-length 4096] [--skip-maps | --skip-starts]
+    python benchmarks/serve_startup.py [--max-slots 8] [--max-length 4096] [--skip-maps | --skip-starts] [--peer]
+
+--peer: benchmarks/server.py's peer checkpoint (8 layers of
+width 256, a byte-level BPE tokenizer) instead.
 """
 
 from __future__ import annotations
@@ -40,11 +43,17 @@ print(ran, (maps() - m0) / ran, time.perf_counter() - t0)
 """
 
 
-def checkpoint(where: Path) -> Path:
+def checkpoint(where: Path, peer: bool = False) -> Path:
+    path = where / "model"
+    if peer:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from server import peer_checkpoint
+
+        peer_checkpoint(path)
+        return path
     sys.path.insert(0, str(ROOT))
     from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer
 
-    path = where / "model"
     random_hf_model("qwen3_5").save_pretrained(path)
     write_chat_tokenizer(path)
     return path
@@ -82,9 +91,10 @@ def main() -> None:
     parser.add_argument("--maps-length", type=int, default=512, help="max_length of the maps measurement")
     parser.add_argument("--skip-maps", action="store_true", help="only the two starts")
     parser.add_argument("--skip-starts", action="store_true", help="only the memory maps")
+    parser.add_argument("--peer", action="store_true", help="benchmarks/server.py's peer checkpoint instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = checkpoint(Path(tmp))
+        path = checkpoint(Path(tmp), args.peer)
         print(f"## gdnx serve: start-up ({datetime.date.today()}, {platform.node()}, {os.cpu_count()} cores)\n")
         if not args.skip_maps:
             print(f"Memory maps per program, {args.max_slots} slots x {args.maps_length} tokens, `engine.warm_up()`:\n")
