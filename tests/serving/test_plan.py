@@ -40,14 +40,6 @@ def test_the_engines_programs_compile_for_a_slice(topology, axes, speculative, p
     assert p.largest_slots >= 4 and p.decode_flops > 0 and p.xla_flops["decode"] > 0
 
 
-def test_the_engines_programs_compile_for_the_gpus_of_a_h100_host():
-    """The CUDA plugin's target of 4 H100s: the Triton kernels in the prefill."""
-    p = serve_plan(load_config("tiny", SMALL + ["parallel.data=1", "parallel.tensor=4"]), "h100:4",
-                   EngineConfig(max_slots=4, max_length=256, draft_tokens=2, decode_steps=2))
-    assert p.chips == 4 and p.fits and p.hbm_bytes == 80 * 2 ** 30
-    assert p.kernel_calls > 0 and set(p.temp_bytes) == {"prefill", "decode", "verify"}
-
-
 def test_qwen3_next_80b_serves_on_two_h200s_with_bounded_temporaries():
     """The bundled Qwen3-Next-80B-A3B on two H200s (tensor 2, 32 slots of
     4,096 tokens, 8 prompts prefilled together, 2 drafts): it fits and no
@@ -57,8 +49,9 @@ def test_qwen3_next_80b_serves_on_two_h200s_with_bounded_temporaries():
     config = load_config("qwen3-next-80b-a3b", ["parallel.data=1", "parallel.tensor=2"])
     p = serve_plan(config, "h200:2", EngineConfig(max_slots=32, max_length=4096, max_prefill_batch=8,
                                                   draft_tokens=2))
+    assert p.chips == 2 and p.hbm_bytes == 141 * 10 ** 9
     assert p.fits and max(p.temp_bytes.values()) <= 20 * 2 ** 30, p.temp_bytes
-    assert p.kernel_calls > 0
+    assert p.kernel_calls > 0 and set(p.temp_bytes) == {"prefill", "decode", "verify"}
 
 
 def test_decode_flops_against_xla_on_an_unrolled_model():
