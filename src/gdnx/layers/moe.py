@@ -11,7 +11,8 @@ gate (Qwen's) or added whole.
 The correction bias takes no gradient (it only moves the choice). Experts
 run as grouped matmuls (gdnx.ops.grouped_matmul) over the token copies
 sorted by expert, so the work is tokens * k, not tokens * num_experts, and
-no dense per-expert copy of the tokens is made. The layer also returns what the load-balancing loss needs.
+no dense per-expert copy of the tokens is made. The layer also returns what
+the load-balancing loss needs.
 """
 
 from __future__ import annotations
