@@ -2,9 +2,10 @@
 reference, forward and both gradients: uneven groups, empty groups, one
 group taking every row, rows past the groups' total (zeros), and weights
 that carry a merged LoRA adapter (the gradient reaches its factors). On
-this host the xla implementation runs; tokamax's kernels are compiled for
-their targets (test_grouped_matmul_compile.py) and, where a device is lent,
-benchmarked there. The choice per platform and every refusal is one line
+this host the xla implementation runs; tokamax's kernels refuse to run on
+a CPU (interpret mode included), so they are compiled for their targets
+(the deviceless test at the end) and checked there for the dense copy
+they must not make. The choice per platform and every refusal is one line
 naming the field."""
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ def test_qwen3_next_80b_serves_on_two_h200s_with_bounded_temporaries():
     """The bundled Qwen3-Next-80B-A3B on two H200s (tensor 2, 32 slots of
     4,096 tokens, 8 prompts prefilled together, 2 drafts): it fits and no
     program's temporaries pass 20 GiB per GPU (the experts' grouped matmuls
-    are tokamax's Triton kernels; XLA:GPU's ragged_dot held 645 GiB in the
-    prefill)."""
+    are tokamax's Triton kernels; XLA:GPU's dense ragged_dot would hold 645
+    GiB in the prefill)."""
     config = load_config("qwen3-next-80b-a3b", ["parallel.data=1", "parallel.tensor=2"])
     p = serve_plan(config, "h200:2", EngineConfig(max_slots=32, max_length=4096, max_prefill_batch=8,
                                                   draft_tokens=2))

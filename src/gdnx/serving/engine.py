@@ -207,6 +207,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.shapes, self.runner.cache_entries())
         self._next_id = 0
         self._rng = np.random.default_rng(config.seed)
+        # an unconstrained decode call's bitmask: every token for every slot (built once, not per step)
+        self._every_token = grammar.masks([None] * config.max_slots, cfg.vocab_size)
 
     @property
     def max_slots(self) -> int:
@@ -466,8 +468,8 @@ class Engine:
         constrained = any(m is not None for m in matchers)
         rows = next(r for r in self.decode_rows if r >= used)
         draws = 1 if constrained else self.config.decode_steps  # the host masks a constrained row's next token
-        got = self.runner.decode(DecodeBatch(active, grammar.masks(matchers, self.model.config.vocab_size), rows,
-                                             self.config.decode_steps, draws))
+        allowed = grammar.masks(matchers, self.model.config.vocab_size) if constrained else self._every_token
+        got = self.runner.decode(DecodeBatch(active, allowed, rows, self.config.decode_steps, draws))
         self.stats.programs.add(("decode", (rows, self.config.decode_steps)))
         self.stats.decode_calls += 1
         for req in decoding:
