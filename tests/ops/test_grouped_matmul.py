@@ -2,10 +2,10 @@
 reference, forward and both gradients: uneven groups, empty groups, one
 group taking every row, rows past the groups' total (zeros), and weights
 that carry a merged LoRA adapter (the gradient reaches its factors). On
-this host the xla implementation runs; tokamax's kernels refuse to run on
-a CPU (interpret mode included), so they are compiled for their targets
-(the deviceless test at the end) and checked there for the dense copy
-they must not make. The choice per platform and every refusal is one line
+this host the tiled implementation runs; XLA:CPU densifies ragged_dot and
+tokamax's kernels refuse to run on a CPU (interpret mode included), so
+they are compiled for their targets (the deviceless test at the end) and
+checked there for the dense copy they must not make. The choice per platform and every refusal is one line
 naming the field."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from gdnx.config.reading import load_config
 from gdnx.models.causal_lm import check_platform, for_target
-from gdnx.ops.grouped_matmul import DEFAULTS, grouped_matmul, resolve
+from gdnx.ops.grouped_matmul import DEFAULTS, grouped_matmul, resolve, tile_rows
 
 K, N = 24, 40
 # group sizes over M = 32 rows: uneven, empty groups, one group with every row, fewer rows than M
@@ -54,10 +54,12 @@ TOL = 1e-6
 
 @pytest.mark.parametrize("case", SIZES)
 def test_forward_and_gradients_equal_the_dense_reference(case):
+    """M = 32 rows over 4 groups: tiles of 8 rows, groups that start and end inside a tile and span several."""
     sizes = SIZES[case]
     x, w, dy = _inputs(0)
     total = sum(sizes)
-    y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, jnp.asarray(sizes), implementation="xla"), x, w)
+    assert tile_rows(32, 4) == 8
+    y, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, jnp.asarray(sizes), implementation="tiled"), x, w)
     dx, dw = vjp(jnp.asarray(dy))
     assert _relative(y, _reference(x, w, sizes)) <= TOL
     assert not np.asarray(y)[total:].any()  # rows past the groups' total are zeros
@@ -88,7 +90,7 @@ def test_a_merged_lora_adapter_gets_its_gradient():
 
     def loss(a, b):
         merged = w + jnp.einsum("gkr,grn->gkn", a, b)
-        return jnp.sum(grouped_matmul(jnp.asarray(x), merged, jnp.asarray(sizes), implementation="xla") * dy)
+        return jnp.sum(grouped_matmul(jnp.asarray(x), merged, jnp.asarray(sizes), implementation="tiled") * dy)
 
     da, db = jax.grad(loss, argnums=(0, 1))(a, b)
     dw = np.zeros_like(w, np.float64)
@@ -101,19 +103,22 @@ def test_a_merged_lora_adapter_gets_its_gradient():
 
 
 def test_each_platform_gets_an_implementation_that_never_densifies():
-    assert DEFAULTS == {"cpu": "xla", "tpu": "xla", "gpu": "triton"}
+    assert DEFAULTS == {"cpu": "tiled", "tpu": "xla", "gpu": "triton"}
     assert resolve(None, "cuda") == "triton" and resolve("auto", "tpu") == "xla"
     assert resolve("mosaic", "gpu") == "mosaic"
     with pytest.raises(ValueError, match=r"moe_implementation: xla does not run on gpu: XLA:GPU lowers "
-                                         r"jax.lax.ragged_dot to one dense product per expert; on gpu use triton or "
-                                         r"mosaic \(auto picks triton\)"):
+                                         r"jax.lax.ragged_dot to a dense product over every expert; on gpu use tiled "
+                                         r"or triton or mosaic \(auto picks triton\)"):
         resolve("xla", "cuda")
-    with pytest.raises(ValueError, match=r"moe_implementation: triton does not run on tpu; on tpu use xla or mosaic"):
+    with pytest.raises(ValueError, match=r"moe_implementation: xla does not run on cpu: XLA:CPU lowers"):
+        resolve("xla", "cpu")
+    with pytest.raises(ValueError, match=r"moe_implementation: triton does not run on tpu; on tpu use tiled or xla "
+                                         r"or mosaic"):
         resolve("triton", "tpu")
     with pytest.raises(ValueError, match=r"moe_implementation: no grouped-matmul implementation runs on 'metal'"):
         resolve(None, "metal")
-    with pytest.raises(ValueError, match=r"moe_implementation: expected auto or one of \('xla', 'triton', "
-                                         r"'mosaic'\), got 'dense'"):
+    with pytest.raises(ValueError, match=r"moe_implementation: expected auto or one of \('tiled', 'xla', "
+                                         r"'triton', 'mosaic'\), got 'dense'"):
         resolve("dense", "cpu")
     with pytest.raises(ValueError, match=r"implementation: mosaic does not run on cpu"):
         grouped_matmul(jnp.ones((4, K)), jnp.ones((2, K, N)), jnp.asarray([2, 2]), implementation="mosaic")
@@ -177,3 +182,22 @@ def test_the_kernels_compile_forward_and_backward_without_a_dense_copy(target, i
                 assert "tpu_custom_call" in text  # XLA's own grouped kernel, or tokamax's
             elif implementation == "triton":
                 assert "__gpu$xla.gpu.triton" in text
+
+
+def test_the_tiled_implementation_holds_no_dense_copy_at_the_80b_shape():
+    """Compiled here (not run) at the shape above (XLA:CPU's ragged_dot would hold the 80 GiB dense copy). Tiles
+    of 64 rows: 640 tiles + 512 groups = 1,152 pairs, each holding its group's weights and, in the backward,
+    their float32 gradient (1,152 x 2,048 x 256 x 6 bytes = 3.4 GiB), so its line is 6 GiB."""
+    args = (jax.ShapeDtypeStruct((COPIES, HIDDEN), jnp.bfloat16), jax.ShapeDtypeStruct((EXPERTS, HIDDEN, WIDTH),
+            jnp.bfloat16), jax.ShapeDtypeStruct((EXPERTS,), jnp.int32))
+
+    def forward(x, w, sizes):
+        return grouped_matmul(x, w, sizes, implementation="tiled")
+
+    def backward(x, w, sizes):
+        return jax.grad(lambda x, w: jnp.sum(forward(x, w, sizes).astype(jnp.float32)), argnums=(0, 1))(x, w)
+
+    assert tile_rows(COPIES, EXPERTS) == 64
+    for program in (forward, backward):
+        temp = jax.jit(program).lower(*args).compile().memory_analysis().temp_size_in_bytes
+        assert temp < 6 * 2 ** 30, (program.__name__, temp / 2 ** 30)

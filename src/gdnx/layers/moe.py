@@ -52,6 +52,10 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> jax.Array
 
 
 EXPERT_WEIGHTS = ("experts_gate", "experts_up", "experts_down")
+# Tokens whose expert copies one pass holds: more (a long prefill, a large batch) run in passes of this many, so
+# the routed experts' temporaries (k copies of each token, their activations) stay bounded by it, not by the batch
+# x length.
+CHUNK_TOKENS = 4096
 
 
 class SparseMoE(nnx.Module):
@@ -130,24 +134,37 @@ class SparseMoE(nnx.Module):
 
     def _routed(self, x, top_p, top_i, w_gate, w_up, w_down, width_axes, token_axes):
         """The routed experts on one shard's tokens (all of them without a
-        mesh): token copies sorted by expert -> grouped matmuls -> weighted
-        sum back per token. Returns (y, top-k counts per expert)."""
+        mesh), CHUNK_TOKENS at a time when there are more. Returns (y,
+        top-k counts per expert)."""
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
+        x, top_p, top_i = x.reshape(-1, shape[-1]), top_p.reshape(-1, self.top_k), top_i.reshape(-1, self.top_k)
+        counts = jnp.bincount(top_i.reshape(-1), length=self.num_experts).astype(jnp.float32)
+        weights = tuple(w.astype(x.dtype) for w in (w_gate, w_up, w_down))
+        n = x.shape[0]
+        if n <= CHUNK_TOKENS:
+            routed = self._experts(x, top_p, top_i, *weights)
+        else:  # padding tokens weigh 0: they add nothing to any token
+            chunks = -(-n // CHUNK_TOKENS)
+            pad = lambda a: jnp.pad(a, ((0, chunks * CHUNK_TOKENS - n), (0, 0)))  # noqa: E731
+            split = lambda a: pad(a).reshape(chunks, CHUNK_TOKENS, -1)  # noqa: E731
+            routed = jax.lax.map(lambda c: self._experts(*c, *weights), (split(x), split(top_p), split(top_i)))
+            routed = routed.reshape(-1, shape[-1])[:n]
+        if width_axes:  # each shard summed over its slice of the expert width
+            routed = jax.lax.psum(routed, width_axes)
+        if token_axes:
+            counts = jax.lax.psum(counts, token_axes)
+        return routed.reshape(shape), counts
+
+    def _experts(self, x, top_p, top_i, w_gate, w_up, w_down):
+        """x [N, hidden] through its tokens' top-k experts: token copies
+        sorted by expert -> grouped matmuls -> weighted sum back per token."""
         flat_e = top_i.reshape(-1)
         order = jnp.argsort(flat_e, stable=True)
         rows = order // self.top_k
         sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)
         xs = x[rows]
-        wd = lambda w: w.astype(x.dtype)  # noqa: E731
         gmm = functools.partial(grouped_matmul, group_sizes=sizes, implementation=self.implementation)
-        act = swiglu(gmm(xs, wd(w_gate)), gmm(xs, wd(w_up)), self.limit)
-        ys = gmm(act, wd(w_down))
+        act = swiglu(gmm(xs, w_gate), gmm(xs, w_up), self.limit)
+        ys = gmm(act, w_down)
         ys = ys * top_p.reshape(-1)[order][:, None].astype(ys.dtype)
-        routed = jnp.zeros_like(x).at[rows].add(ys)
-        if width_axes:  # each shard summed over its slice of the expert width
-            routed = jax.lax.psum(routed, width_axes)
-        counts = sizes.astype(jnp.float32)
-        if token_axes:
-            counts = jax.lax.psum(counts, token_axes)
-        return routed.reshape(shape), counts
+        return jnp.zeros_like(x).at[rows].add(ys)

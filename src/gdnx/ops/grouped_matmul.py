@@ -7,10 +7,14 @@ and backward never build a dense per-group copy of x.
 
 Implementations (the `implementation` argument, the model config's
 moe_implementation):
-  xla     jax.lax.ragged_dot. XLA:CPU and XLA:TPU lower it as grouped
-          products (on TPU a Mosaic kernel of XLA's own); XLA:GPU lowers
-          it to one dense product per group (x broadcast to [groups, M, K]:
-          hundreds of GiB at 512 experts), so it is refused on GPUs.
+  tiled   gdnx's own, plain JAX: the rows cut into tiles, one product per
+          (tile, group) pair that meets (at most tiles + groups pairs),
+          batched; what runs on CPUs. Its products are at most
+          (M + groups x tile) rows, the tile chosen from M / groups.
+  xla     jax.lax.ragged_dot. XLA:TPU lowers it as grouped products (a
+          Mosaic kernel of XLA's own); on CPUs and GPUs it becomes a
+          dense product over every group (x broadcast to [groups, M, K]:
+          hundreds of GiB at 512 experts), so it is refused there.
   triton  tokamax's Pallas Triton kernel (GPUs; forward and both
           gradients grouped).
   mosaic  tokamax's Pallas Mosaic kernel (Hopper and later GPUs; TPU v5
@@ -28,10 +32,10 @@ import logging
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("xla", "triton", "mosaic")
+IMPLEMENTATIONS = ("tiled", "xla", "triton", "mosaic")
 # the platforms each runs on (jax's platform names; "cuda" and "rocm" are "gpu")
-PLATFORMS = {"xla": ("cpu", "tpu"), "triton": ("gpu",), "mosaic": ("gpu", "tpu")}
-DEFAULTS = {"cpu": "xla", "tpu": "xla", "gpu": "triton"}
+PLATFORMS = {"tiled": ("cpu", "gpu", "tpu"), "xla": ("tpu",), "triton": ("gpu",), "mosaic": ("gpu", "tpu")}
+DEFAULTS = {"cpu": "tiled", "tpu": "xla", "gpu": "triton"}
 
 
 def platform_of(name: str) -> str:
@@ -52,8 +56,8 @@ def resolve(implementation: str | None, platform: str, field: str = "moe_impleme
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{field}: expected auto or one of {IMPLEMENTATIONS}, got {implementation!r}")
     if platform not in PLATFORMS[implementation]:
-        why = (": XLA:GPU lowers jax.lax.ragged_dot to one dense product per expert" if implementation == "xla"
-               and platform == "gpu" else "")
+        why = (f": XLA:{platform.upper()} lowers jax.lax.ragged_dot to a dense product over every expert"
+               if implementation == "xla" else "")
         raise ValueError(f"{field}: {implementation} does not run on {platform}{why}; on {platform} use "
                          f"{' or '.join(k for k, v in PLATFORMS.items() if platform in v) or 'none'} (auto picks "
                          f"{DEFAULTS.get(platform, 'none')})")
@@ -104,6 +108,43 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implem
                          f"{w.shape}, {group_sizes.shape}")
     name = resolve(implementation, traced_platform(), "implementation")
     group_sizes = group_sizes.astype(jnp.int32)
+    if name == "tiled":
+        return _tiled(x, w, group_sizes)
     if name == "xla":
         return jax.lax.ragged_dot(x, w, group_sizes)
     return _tokamax().ragged_dot(x, w, group_sizes, implementation=name)
+
+
+def tile_rows(rows: int, groups: int) -> int:
+    """The tiled implementation's rows per tile: about rows / groups (a
+    group's share), a power of two from 8 to 128, so that the pairs'
+    products stay near M rows and their count near the tiles'."""
+    share = max(rows // max(groups, 1), 1)
+    return int(min(128, max(8, 1 << (share.bit_length() - 1))))
+
+
+def _tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """grouped_matmul by (tile, group) pairs; differentiated by JAX (the
+    gathers' transposes are scatter-adds: still no dense copy)."""
+    m, groups = x.shape[0], w.shape[0]
+    tile = tile_rows(m, groups)
+    tiles = -(-m // tile)
+    pairs = tiles + groups  # a group's rows meet at most (its rows' tiles); summed over groups: tiles + groups - 1
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    # the tiles each group meets (none when empty), and where its pairs start in the pair list
+    first, last = starts // tile, (ends - 1) // tile
+    count = jnp.where(group_sizes > 0, last - first + 1, 0)
+    pair_start = jnp.cumsum(count) - count
+    p = jnp.arange(pairs, dtype=jnp.int32)
+    group = jnp.clip(jnp.searchsorted(pair_start + count, p, side="right"), 0, groups - 1).astype(jnp.int32)
+    real = p < jnp.sum(count)
+    tile_of = jnp.where(real, first[group] + p - pair_start[group], 0)
+    padded = jnp.pad(x, ((0, tiles * tile - m), (0, 0))).reshape(tiles, tile, -1)
+    products = jnp.einsum("ptk,pkn->ptn", padded[tile_of], w[group].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+    row = tile_of[:, None] * tile + jnp.arange(tile, dtype=jnp.int32)
+    mine = real[:, None] & (row >= starts[group][:, None]) & (row < ends[group][:, None])
+    products = jnp.where(mine[..., None], products, 0)
+    out = jnp.zeros((tiles, tile, w.shape[2]), jnp.float32).at[tile_of].add(products)
+    return out.reshape(tiles * tile, -1)[:m].astype(x.dtype)
