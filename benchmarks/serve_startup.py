@@ -27,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"defaults": "", "fusion emitters off": "--xla_cpu_use_fusion_emitters=false",
             "optimisation level 0": "--xla_backend_optimization_level=0",
-            "both": "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"}
+            "both": "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
+            "fusion emitters off, level 1 (gdnx serve)":
+                "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=1"}
 # one process per variant: the engine's programs warmed up, the maps they added counted
 MEASURE = """
 import sys, time

@@ -86,7 +86,7 @@ def run_serve(args) -> None:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     from gdnx import compile_cache
 
-    compile_cache.fewer_maps()
+    compile_cache.cpu_flags()
     try:
         compile_cache.use(args.compile_cache)
     except ValueError as e:
