@@ -15,12 +15,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from gdnx.layers.linear import linear
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import apply_rope
-from gdnx.parallel.rules import HIDDEN, constrain, out_sharding, spec
+from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, is_explicit, out_sharding, spec
 
 
 class KVCache(NamedTuple):
@@ -32,6 +33,16 @@ class KVCache(NamedTuple):
     def capacity(self) -> int:
         """Tokens the cache holds."""
         return self.k.shape[-3]
+
+
+class KVStack(NamedTuple):
+    """Inside a scanned cycle: the cycle's keys and values stacked over its
+    repeats [R, B, max_len, ...], and the repeat `layer` a call is. The call
+    writes its positions into the stack itself (a repeat's slice taken out
+    and written back would copy the whole entry twice a step)."""
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
@@ -70,22 +81,40 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                                                                      (b, t, h, dv))).astype(q.dtype)
 
 
-def write_cache(buf: jax.Array, x: jax.Array, start: jax.Array | int, axes: tuple[str | None, ...]) -> jax.Array:
+def write_cache(buf: jax.Array, x: jax.Array, start: jax.Array | int, axes: tuple[str | None, ...],
+                layer: jax.Array | None = None) -> jax.Array:
     """buf [B, S, ...] with x [B, T, ...] written at [start, start + T) of
     each row: start a scalar, or [B] (each row's own); axes: buf's logical
     axes, kept on a mesh (the length stays whole: writes land at any
-    offset)."""
+    offset). layer: buf is [R, B, S, ...] and x goes to buf[layer]."""
     zero = jnp.zeros((), jnp.int32)  # indices of one dtype, whatever jax_enable_x64 says
     start = jnp.asarray(start, jnp.int32)
-    rest = (zero,) * (buf.ndim - 2)
+    rest = (zero,) * (x.ndim - 2)
+    if layer is not None:
+        return _write_stack(buf, x, start, jnp.asarray(layer, jnp.int32))
+    buf = constrain(buf, axes)
     if start.ndim == 0:
-        return jax.lax.dynamic_update_slice(constrain(buf, axes), constrain(x.astype(buf.dtype), axes),
-                                            (zero, start, *rest))
+        return jax.lax.dynamic_update_slice(buf, constrain(x.astype(buf.dtype), axes), (zero, start, *rest))
     return jax.vmap(lambda b, x, s: jax.lax.dynamic_update_slice(b, x.astype(b.dtype), (s, *rest)))(buf, x, start)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache: KVCache | None,
-           start: jax.Array | int, segments: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+def _write_stack(buf: jax.Array, x: jax.Array, start: jax.Array, layer: jax.Array) -> jax.Array:
+    """write_cache into repeat `layer` of a stack [R, B, S, ...]. The stack
+    keeps its layout (a scan's carry keeps its type): x takes it. One
+    scatter into the stack as it lies (a vmap over its rows, its second
+    axis, would transpose the whole stack twice), each row's start clamped
+    as dynamic_update_slice clamps it."""
+    mesh = current_mesh()
+    if mesh is not None and is_explicit(mesh):
+        x = jax.sharding.reshard(x, P(*jax.typeof(buf).sharding.spec[1:]))
+    b, t = x.shape[:2]
+    start = jnp.clip(jnp.broadcast_to(start, (b,)), 0, buf.shape[2] - t)
+    return buf.at[layer, jnp.arange(b)[:, None], start[:, None] + jnp.arange(t)].set(x.astype(buf.dtype))
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache: KVCache | KVStack | None,
+           start: jax.Array | int, segments: jax.Array | None = None,
+           ) -> tuple[jax.Array, KVCache | KVStack | None]:
     """q [B, T, H, D] over k, v [B, T, Hkv, D] at `positions` [T] (or [B, T]
     with a start per row), each query within its document when segments
     [B, T] are given. With a cache, k and v are written at [start,
@@ -98,9 +127,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache
         return causal_attention(q, k, v, positions, positions, segments), None
     # on a mesh the cache keeps its length whole (writes land at any offset)
     axes = ("batch", None, "kv_heads", None)
-    cache = KVCache(write_cache(cache.k, k, start, axes), write_cache(cache.v, v, start, axes))
-    slots = jnp.arange(cache.k.shape[1], dtype=positions.dtype)
-    return causal_attention(q, cache.k.astype(q.dtype), cache.v.astype(q.dtype), positions, slots), cache
+    layer = cache.layer if isinstance(cache, KVStack) else None
+    cache = cache._replace(k=write_cache(cache.k, k, start, axes, layer), v=write_cache(cache.v, v, start, axes, layer))
+    keys, values = cache.k, cache.v
+    if layer is not None:
+        keys, values = (jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False) for a in (keys, values))
+    slots = jnp.arange(keys.shape[1], dtype=positions.dtype)
+    return causal_attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, slots), cache
 
 
 # a ring slot that holds no position yet: later than any query, so never visible
@@ -187,8 +220,9 @@ class GatedAttention(nnx.Module):
         self.q_norm = ZeroCenteredRMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
         self.k_norm = ZeroCenteredRMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | None = None,
-                 start: jax.Array | int = 0, segments: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | KVStack | None = None,
+                 start: jax.Array | int = 0, segments: jax.Array | None = None,
+                 ) -> tuple[jax.Array, KVCache | KVStack | None]:
         """x [B, T, hidden]; rope for each token's position in its document;
         positions [T] (start + arange(T)) or [B, T]; the cache and segments as
         `attend` takes them. Returns (y, new cache or None)."""
@@ -219,8 +253,9 @@ class NormedAttention(nnx.Module):
         self.q_norm = RMSNorm(self.num_heads * d, eps=norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(self.num_kv_heads * d, eps=norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | None = None,
-                 start: jax.Array | int = 0, segments: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | KVStack | None = None,
+                 start: jax.Array | int = 0, segments: jax.Array | None = None,
+                 ) -> tuple[jax.Array, KVCache | KVStack | None]:
         """As GatedAttention.__call__."""
         b, t, _ = x.shape
         d = self.head_dim
@@ -249,9 +284,10 @@ class HeadNormedAttention(nnx.Module):
         self.q_norm = RMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(d, eps=norm_eps, param_dtype=param_dtype)
 
-    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: KVCache | RingCache | None = None,
-                 start: jax.Array | int = 0, segments: jax.Array | None = None, lengths: jax.Array | None = None,
-                 keep_fresh: bool = False) -> tuple[jax.Array, KVCache | RingCache | None]:
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array,
+                 cache: KVCache | KVStack | RingCache | None = None, start: jax.Array | int = 0,
+                 segments: jax.Array | None = None, lengths: jax.Array | None = None,
+                 keep_fresh: bool = False) -> tuple[jax.Array, KVCache | KVStack | RingCache | None]:
         """As GatedAttention.__call__; a windowed layer takes a RingCache, and
         lengths and keep_fresh as attend_window does."""
         b, t, _ = x.shape

@@ -22,6 +22,7 @@ per-layer names.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Any, NamedTuple
@@ -29,10 +30,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from gdnx.config.schema import KDA_FAMILIES, ModelConfig
-from gdnx.layers.attention import GatedAttention, HeadNormedAttention, KVCache, NormedAttention, RingCache, Rope
+from gdnx.layers.attention import (GatedAttention, HeadNormedAttention, KVCache, KVStack, NormedAttention, RingCache,
+                                   Rope)
 from gdnx.layers.documents import document_positions
 from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, DeltaRuleState
 from gdnx.layers.kimi_delta_attention import KimiDeltaAttention
@@ -48,7 +51,7 @@ from gdnx.models.cache import Cache
 from gdnx.ops import grouped_matmul
 from gdnx.ops.delta_rule.options import KERNEL_PLATFORMS, RESIDUAL_NAMES, DeltaRuleOptions
 from gdnx.parallel.params import shardings
-from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
+from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, is_explicit, out_sharding
 
 
 
@@ -75,7 +78,7 @@ OLMO_GATED_NORM_EPS = 1e-5
 # latent attention's norms (on the query and key/value latents) have a fixed eps
 LATENT_NORM_EPS = 1e-6
 Mixer = GatedDeltaNet | KimiDeltaAttention | GatedAttention | NormedAttention | HeadNormedAttention | LatentAttention
-LayerCache = KVCache | RingCache | LatentCache | DeltaRuleState
+LayerCache = KVCache | KVStack | RingCache | LatentCache | DeltaRuleState
 
 
 class DecoderLayer(nnx.Module):
@@ -150,12 +153,12 @@ class DecoderLayer(nnx.Module):
             assert cache is None or isinstance(cache, LatentCache)
             return self.mixer(x, rope, positions, cache, start, segments)
         if isinstance(self.mixer, HeadNormedAttention):
-            assert cache is None or isinstance(cache, KVCache | RingCache)
+            assert cache is None or isinstance(cache, KVCache | KVStack | RingCache)
             # Lara 4 Mini's full-attention layers go without RoPE; a sliding window keeps its ring's
             # real tokens (lengths) and, for a prefix cache (history_every), the call's keys
             rope = rope if self.mixer.window is not None else None
             return self.mixer(x, rope, positions, cache, start, segments, lengths, history_every is not None)
-        assert cache is None or isinstance(cache, KVCache)
+        assert cache is None or isinstance(cache, KVCache | KVStack)
         return self.mixer(x, rope, positions, cache, start, segments)
 
     def _feed_forward(self, x: jax.Array) -> tuple[jax.Array, RouterStats | None]:
@@ -401,27 +404,71 @@ class CausalLM(nnx.Module):
 
     def _scan(self, through, x, caches):
         """The head's layers, the cycle's under one scan over its repeats
-        (each repeat's parameters and cache sliced from the stacked ones),
-        then the tail's."""
+        (each repeat's parameters sliced from the stacked ones), then the
+        tail's. The cycle's stacked caches ride in the scan's carry, each
+        repeat's entry read at its index and written back there, so a
+        decode step updates them in place (as scan outputs they would be
+        written into a fresh stack every step)."""
         head, cycle = len(self.head), len(self.cycle)
         x, new_head, head_stats = through(self.head, x, caches[:head])
         caches = caches[head:]
         graphdef, stacked = nnx.split(self.cycle)
+        held = None if caches[0] is None else tuple(caches[:cycle])
 
-        def body(x, xs):
-            params, layer_caches, index = xs
+        def body(carry, xs):
+            x, held = carry
+            params, index = xs
+            layer_caches = [None] * cycle if held is None else [_entry_at(h, index) for h in held]
             with fold_dropout(index):  # each repeat draws its own LoRA dropout masks
-                x, new, stats = through(nnx.merge(graphdef, params), x,
-                                        [None] * cycle if layer_caches is None else layer_caches)
-            return x, (None if layer_caches is None else new, stats)
+                x, new, stats = through(nnx.merge(graphdef, params), x, layer_caches)
+            if held is None:
+                return (x, None), (None, stats)
+            new = [KVCache(n.k, n.v) if isinstance(n, KVStack) else n for n in new]  # written in the stack
+            kept, extra = zip(*(_split_entry(n, h) for n, h in zip(new, held, strict=True)), strict=True)
+            held = tuple(k if isinstance(k, KVCache) else jax.tree.map(functools.partial(_write_at, index=index), h, k)
+                         for h, k in zip(held, kept, strict=True))
+            return (x, held), (tuple(extra), stats)
 
-        stacked_caches = None if caches[0] is None else tuple(caches[:cycle])
         indices = jnp.arange(self.config.cycle_repeats, dtype=jnp.int32)
-        x, (new_cycle, cycle_stats) = jax.lax.scan(body, x, (stacked, stacked_caches, indices))
+        (x, held), (extras, cycle_stats) = jax.lax.scan(body, (x, held), (stacked, indices))
+        new_cycle = [None] * cycle if held is None else [
+            _join_entry(h, e) for h, e in zip(held, extras, strict=True)]
         # the repeats' router statistics, pooled as the loss pools layers
         stats = [RouterStats(*(jnp.sum(f, axis=0) for f in s)) for s in cycle_stats]
         x, new_tail, tail_stats = through(self.tail, x, caches[cycle:])
-        return x, (*new_head, *(new_cycle or [None] * cycle), *new_tail), head_stats + stats + tail_stats
+        return x, (*new_head, *new_cycle, *new_tail), head_stats + stats + tail_stats
+
+
+def _entry_at(stacked: Any, index: jax.Array) -> Any:
+    """Repeat `index`'s entry of a scanned cycle's stacked cache entry: a
+    KVCache stays stacked, marked with the repeat (attention writes its few
+    new positions into the stack itself); the others are sliced out."""
+    if isinstance(stacked, KVCache):
+        return KVStack(stacked.k, stacked.v, index)
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), stacked)
+
+
+def _write_at(stack: jax.Array, x: jax.Array, index: jax.Array) -> jax.Array:
+    """x written as repeat `index` of `stack`, in the stack's layout (on an
+    Explicit mesh the layer may leave x in another)."""
+    mesh = current_mesh()
+    if mesh is not None and is_explicit(mesh):
+        x = jax.sharding.reshard(x, P(*jax.typeof(stack).sharding.spec[1:]))
+    return jax.lax.dynamic_update_index_in_dim(stack, x.astype(stack.dtype), index, 0)
+
+
+def _split_entry(new: Any, old: Any) -> tuple[Any, Any]:
+    """A layer's new cache entry split into the fields its old entry has
+    (carried through the scan) and those a call adds (a RingCache's fresh
+    keys, a delta-rule state's history: stacked as the scan's outputs)."""
+    added = [f for f in new._fields if getattr(old, f) is None]
+    return (new._replace(**dict.fromkeys(added)),
+            new._replace(**{f: None for f in new._fields if f not in added}))
+
+
+def _join_entry(kept: Any, extra: Any) -> Any:
+    """_split_entry's halves back into one entry."""
+    return kept._replace(**{f: getattr(extra, f) for f in kept._fields if getattr(kept, f) is None})
 
 
 def parameter_count(cfg: ModelConfig) -> int:

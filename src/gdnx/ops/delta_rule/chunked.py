@@ -41,6 +41,7 @@ class ChunkOptions(NamedTuple):
     residuals: ResidualPolicy = DEFAULTS.residuals
     matmul_dtype: jnp.dtype | jax.lax.DotAlgorithmPreset | None = None  # see primitives.dot
     use_qk_l2norm: bool = False     # normalise q, k inside
+    batched: bool = False           # no cu_seqlens: row r is sequence r, its states h0[r] and final[r]
 
     def keys(self, x):
         """q or k of a chunk in the accumulation dtype, normalised when l2norm."""
@@ -231,7 +232,8 @@ def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, 
         backend = dataclasses.replace(backend, forward=functools.partial(backend.forward, **knobs),
                                       backward=functools.partial(backend.backward, **knobs))
     opts = ChunkOptions(scale=scale, state_dtype=jnp.dtype(state_dtype), decay_dtype=jnp.dtype(decay_dtype),
-                        residuals=residuals, matmul_dtype=matmul_dtype, use_qk_l2norm=use_qk_l2norm)
+                        residuals=residuals, matmul_dtype=matmul_dtype, use_qk_l2norm=use_qk_l2norm,
+                        batched=cu_seqlens is None)
     r, t, hk, k_dim = q.shape
     hv, v_dim = v.shape[2], v.shape[3]
     plan = make_plan(r, t, chunk_size, cu_seqlens)

@@ -96,9 +96,12 @@ def forward(q, k, v, g, beta, h0, flags: ChunkFlags, *, variant: Variant, opts: 
     def body(carry, xs):
         state, final = carry
         qc, kc, vc, gc, bc, rs, sq, ls = xs
-        state = select(rs, h0[sq], state)
+        state = select(rs, h0 if opts.batched else h0[sq], state)
         o, new_state, tinv = head_forward(opts.keys(qc), opts.keys(kc), vc.astype(acc), gc, bc, state)
-        final = final.at[sq].set(select(ls, new_state, final[sq]))
+        if opts.batched:  # each row its own sequence: no gather or scatter by sequence (a decode step's state is
+            final = select(ls, new_state, final)  # then updated where it lies)
+        else:
+            final = final.at[sq].set(select(ls, new_state, final[sq]))
         return (new_state, final), (o.astype(q.dtype),) + ((state, tinv) if save_residuals else ())
 
     init = (jnp.zeros((q.shape[1],) + h0.shape[1:], acc), h0)
@@ -117,10 +120,11 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, v
     def body(carry, xs):
         dstate, dh0 = carry
         qc, kc, vc, gc, bc, tc, state, do_c, rs, sq, ls = xs
-        dstate_out = dstate + select(ls, dfinal[sq], jnp.zeros_like(dstate))
+        dstate_out = dstate + select(ls, dfinal if opts.batched else dfinal[sq], jnp.zeros_like(dstate))
         *dx, dstate_in = head_backward(opts.keys(qc), opts.keys(kc), vc.astype(acc), gc, bc, tc, state,
                                        do_c.astype(acc), dstate_out)
-        dh0 = dh0.at[sq].add(select(rs, dstate_in, jnp.zeros_like(dstate_in)))
+        entering = select(rs, dstate_in, jnp.zeros_like(dstate_in))
+        dh0 = dh0 + entering if opts.batched else dh0.at[sq].add(entering)
         dstate = select(rs, jnp.zeros_like(dstate_in), dstate_in)
         return (dstate, dh0), tuple(dx)
 
