@@ -64,6 +64,11 @@ def test_parameters_split_by_whole_head_groups():
     assert gdn["A_log"].get_value().spec == P("tensor")
     assert gdn["conv_weight"].get_value().spec == P(None, None)                    # [q | k | v] order: kept whole
     assert attn["k_proj"]["kernel"].get_value().spec == P("fsdp", "tensor")        # 2 kv heads over 2
+    # the experts' width of 32 over 2 is 16 lanes: auto splits whole experts (4 over 2); by width on request
+    assert s["layers"][1]["mlp"]["experts_down"].get_value().spec == P("tensor", None, "fsdp")
+    assert s["layers"][1]["mlp"]["experts_gate"].get_value().spec == P("tensor", "fsdp", None)
+    width = cfg.model_copy(update={"moe_split": "width"})
+    s = shardings(params, width, mesh("explicit", data=2, fsdp=2, tensor=2))
     assert s["layers"][1]["mlp"]["experts_down"].get_value().spec == P(None, "tensor", "fsdp")
     assert s["embed_tokens"]["embedding"].get_value().spec == P("tensor", "fsdp")
     assert s["norm"]["weight"].get_value().spec == P(None)

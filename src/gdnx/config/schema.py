@@ -148,6 +148,10 @@ class ModelConfig(_Strict):
     router_aux_loss_coef: float = Field(0.001, ge=0.0)
     # the routed experts' grouped matmuls (gdnx.ops.grouped_matmul): auto takes the platform's
     moe_implementation: str = "auto"
+    # how the tensor axis splits the routed experts: width (each device a slice of every expert's width), experts
+    # (each device whole experts, a share of them), auto (experts where a width slice would not fill 128 lanes and
+    # the axis divides the experts, else width; docs/sharding.md)
+    moe_split: Literal["auto", "width", "experts"] = "auto"
 
     # special tokens, carried to and from Hugging Face config.json
     bos_token_id: int | None = None

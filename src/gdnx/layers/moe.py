@@ -29,7 +29,7 @@ from gdnx.layers.linear import linear
 from gdnx.layers.lora import LoRA
 from gdnx.layers.mlp import MLP, swiglu
 from gdnx.ops.grouped_matmul import grouped_matmul, resolve, traced_platform
-from gdnx.parallel.moe import run_experts
+from gdnx.parallel.moe import run_experts, split_experts
 
 
 class RouterStats(NamedTuple):
@@ -65,13 +65,14 @@ class SparseMoE(nnx.Module):
                  norm_topk_prob: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
                  router: Literal["softmax", "sigmoid"] = "softmax", n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, limit: float | None = None, shared_limit: float | None = None,
-                 shared_gate: bool = True, implementation: str | None = None):
+                 shared_gate: bool = True, implementation: str | None = None, split: str = "auto"):
         """limit, shared_limit: bounds on the routed experts' and the shared
         expert's SwiGLU (gdnx.layers.mlp.swiglu); None: unbounded.
         shared_gate: the shared expert scaled by sigmoid(shared_expert_gate(x)).
         implementation: the grouped matmuls' (gdnx.ops.grouped_matmul; None:
-        the platform's)."""
-        self.implementation = implementation
+        the platform's). split: how a tensor axis splits the experts
+        (gdnx.parallel.moe.split_experts: auto, width or experts)."""
+        self.implementation, self.split = implementation, split
         h, i, e, std = hidden_size, expert_size, num_experts, init_std
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.router, self.n_group, self.topk_group = router, n_group, topk_group
@@ -117,9 +118,10 @@ class SparseMoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
         """x [B, T, hidden] -> (y, RouterStats)."""
         top_p, top_i, probs = self._route(x)
-        kernels = resolve(self.implementation, traced_platform()) != "xla"
+        kernels = resolve(self.implementation, traced_platform()) in ("triton", "mosaic")
+        split = split_experts(self.split, self.num_experts, self.experts_gate.shape[-1])
         routed, counts = run_experts(self._routed, x, top_p, top_i,
-                                     *(self._weights(name) for name in EXPERT_WEIGHTS), kernels=kernels)
+                                     *(self._weights(name) for name in EXPERT_WEIGHTS), split=split, kernels=kernels)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
@@ -132,13 +134,20 @@ class SparseMoE(nnx.Module):
         adapter: LoRA | None = getattr(self, f"{name}_lora", None)
         return w if adapter is None else adapter.merged(w)
 
-    def _routed(self, x, top_p, top_i, w_gate, w_up, w_down, width_axes, token_axes):
+    def _routed(self, x, top_p, top_i, w_gate, w_up, w_down, sum_axes, expert_axes, token_axes):
         """The routed experts on one shard's tokens (all of them without a
-        mesh), CHUNK_TOKENS at a time when there are more. Returns (y,
+        mesh) and its experts (all, or a share when expert_axes split them),
+        CHUNK_TOKENS tokens at a time when there are more. Returns (y,
         top-k counts per expert)."""
         shape = x.shape
         x, top_p, top_i = x.reshape(-1, shape[-1]), top_p.reshape(-1, self.top_k), top_i.reshape(-1, self.top_k)
         counts = jnp.bincount(top_i.reshape(-1), length=self.num_experts).astype(jnp.float32)
+        held = w_gate.shape[0]
+        if expert_axes:  # this shard's experts: [first, first + held); the others' copies are left to their shards
+            top_i = top_i - jax.lax.axis_index(expert_axes) * held
+            # the tokens and weights, the same on every shard, marked as each shard's own: their gradients are
+            # then summed over the shards (left implicit, the gather by expert took one shard's alone)
+            x, top_p = (jax.lax.pcast(a, expert_axes, to="varying") for a in (x, top_p))
         weights = tuple(w.astype(x.dtype) for w in (w_gate, w_up, w_down))
         n = x.shape[0]
         if n <= CHUNK_TOKENS:
@@ -149,22 +158,28 @@ class SparseMoE(nnx.Module):
             split = lambda a: pad(a).reshape(chunks, CHUNK_TOKENS, -1)  # noqa: E731
             routed = jax.lax.map(lambda c: self._experts(*c, *weights), (split(x), split(top_p), split(top_i)))
             routed = routed.reshape(-1, shape[-1])[:n]
-        if width_axes:  # each shard summed over its slice of the expert width
-            routed = jax.lax.psum(routed, width_axes)
+        if sum_axes:  # each shard's partial sums: its slice of the width, or its experts' copies
+            routed = jax.lax.psum(routed, sum_axes)
         if token_axes:
             counts = jax.lax.psum(counts, token_axes)
         return routed.reshape(shape), counts
 
     def _experts(self, x, top_p, top_i, w_gate, w_up, w_down):
-        """x [N, hidden] through its tokens' top-k experts: token copies
-        sorted by expert -> grouped matmuls -> weighted sum back per token."""
+        """x [N, hidden] through its tokens' top-k experts among the
+        w_gate.shape[0] held (top_i counts from the first held; copies for
+        experts outside them add nothing): token copies sorted by expert ->
+        grouped matmuls -> weighted sum back per token."""
+        held = w_gate.shape[0]
         flat_e = top_i.reshape(-1)
-        order = jnp.argsort(flat_e, stable=True)
+        mine = (flat_e >= 0) & (flat_e < held)
+        key = jnp.where(mine, flat_e, held)  # the others sort last, past the groups' total: zero rows
+        order = jnp.argsort(key, stable=True)
         rows = order // self.top_k
-        sizes = jnp.bincount(flat_e, length=self.num_experts).astype(jnp.int32)
+        sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
         xs = x[rows]
         gmm = functools.partial(grouped_matmul, group_sizes=sizes, implementation=self.implementation)
         act = swiglu(gmm(xs, w_gate), gmm(xs, w_up), self.limit)
         ys = gmm(act, w_down)
-        ys = ys * top_p.reshape(-1)[order][:, None].astype(ys.dtype)
+        weight = jnp.where(mine, top_p.reshape(-1), 0)[order]
+        ys = ys * weight[:, None].astype(ys.dtype)
         return jnp.zeros_like(x).at[rows].add(ys)

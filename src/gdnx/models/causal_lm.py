@@ -138,6 +138,7 @@ class DecoderLayer(nnx.Module):
                                                                                             index),
                                  shared_gate=cfg.shared_expert_gated,
                                  implementation=None if cfg.moe_implementation == "auto" else cfg.moe_implementation,
+                                 split=cfg.moe_split,
                                  **kw)
         else:
             self.mlp = MLP(h, cfg.intermediate_size, **kw)

@@ -2,7 +2,8 @@
 
 Parameter names follow Hugging Face's, so one table keyed by a parameter's
 name (and its module's) gives its logical axes. Matrices are split over
-fsdp on the model width and over tensor on heads / the MLP width; columns
+fsdp on the model width and over tensor on heads / the MLP width (the
+routed experts on their width or whole experts: gdnx.parallel.moe); columns
 that belong to a head group (a GDN key head's q|k|v|z, an attention head's
 q|gate) are split by whole groups. The conv taps stay whole, and so do the
 vectors (norm weights, biases the table does not name, per-head decays).
@@ -18,8 +19,11 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from gdnx.config.schema import ModelConfig
+from gdnx.parallel.moe import expert_axes, split_experts
 from gdnx.parallel.rules import spec
 from gdnx.stacking import STACKED
+
+_EXPERTS = ("experts_gate", "experts_up", "experts_down")
 
 # (module name, parameter name) -> logical axes
 _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
@@ -54,9 +58,9 @@ _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("gate_proj", "kernel"): ("embed", "mlp"),
     ("up_proj", "kernel"): ("embed", "mlp"),
     ("down_proj", "kernel"): ("mlp", "embed"),
-    ("mlp", "experts_gate"): (None, "embed", "mlp"),
-    ("mlp", "experts_up"): (None, "embed", "mlp"),
-    ("mlp", "experts_down"): (None, "mlp", "embed"),
+    ("mlp", "experts_gate"): expert_axes(False)[0],
+    ("mlp", "experts_up"): expert_axes(False)[0],
+    ("mlp", "experts_down"): expert_axes(False)[1],
     ("gate", "kernel"): ("embed", None),
     ("shared_expert_gate", "kernel"): ("embed", None),
     ("mixer", "conv_weight"): (None, None),  # [width, channels]: small, kept whole
@@ -74,19 +78,24 @@ def _names(key_path) -> list[str]:
             if not (hasattr(k, "name") and k.name == "value")]
 
 
-def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
+def logical_axes(names: list[str], ndim: int, split_experts: bool = False) -> tuple[str | None, ...]:
     """The logical axes of the parameter at this path (module names then its
     own name). A scanned stack's parameters lead with their "layers" dim.
     Vectors and scalars the table does not name stay whole; a matrix it does
-    not name raises ValueError."""
+    not name raises ValueError. split_experts: the routed experts' weights
+    are split by expert, not by width (gdnx.parallel.moe.split_experts)."""
     if STACKED in names:  # also under the optimizer's moments (mu, nu, ...)
-        return ("layers", *logical_axes([n for n in names if n != STACKED], ndim - 1))
+        return ("layers", *logical_axes([n for n in names if n != STACKED], ndim - 1, split_experts))
     if len(names) >= 3 and names[-1] in ("lora_a", "lora_b"):
         # a LoRA adapter (gdnx.layers.lora): A [in, rank] split like its
         # projection's input, B [rank, out] like its output
         owner = names[-2]
-        base = logical_axes([*names[:-2], "kernel" if owner == "lora" else owner.removesuffix("_lora")], ndim)
+        base = logical_axes([*names[:-2], "kernel" if owner == "lora" else owner.removesuffix("_lora")], ndim,
+                            split_experts)
         return (*base[:-1], None) if names[-1] == "lora_a" else (*base[:-2], None, base[-1])
+    if split_experts and len(names) >= 2 and names[-2] == "mlp" and names[-1] in _EXPERTS:
+        gate_up, down = expert_axes(True)
+        return down if names[-1] == "experts_down" else gate_up
     axes = _TABLE.get((names[-2], names[-1])) if len(names) >= 2 else None
     if axes is not None and len(axes) == ndim:
         return axes
@@ -100,9 +109,11 @@ def shardings(tree: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
     """A NamedSharding per array leaf of `tree`: the parameters, or any tree
     that holds them under their names (the optimizer's moments)."""
     units = head_units(cfg)
+    split = bool(cfg.num_experts) and split_experts(cfg.moe_split, cfg.num_experts, cfg.moe_intermediate_size, mesh)
 
     def one(key_path, x):
-        return NamedSharding(mesh, spec(logical_axes(_names(key_path), x.ndim), x.shape, units=units, mesh=mesh))
+        axes = logical_axes(_names(key_path), x.ndim, split)
+        return NamedSharding(mesh, spec(axes, x.shape, units=units, mesh=mesh))
     return jax.tree_util.tree_map_with_path(one, tree)
 
 

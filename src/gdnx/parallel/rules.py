@@ -32,6 +32,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "key_heads": ("tensor",),    # GDN key heads; a key head's value heads go with it
     "value_heads": ("tensor",),
     "mlp": ("tensor",),
+    "experts": ("tensor",),  # the routed experts, when whole experts are split (gdnx.parallel.moe.split_experts)
     "layers": (),            # the repeats of a scanned stack: every device holds its share of each layer
 }
 
