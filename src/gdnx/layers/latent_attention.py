@@ -54,6 +54,15 @@ class LatentCache(NamedTuple):
         return self.latent.shape[-2]
 
 
+class LatentStack(NamedTuple):
+    """Inside a scanned cycle: the cycle's latent caches stacked over its
+    repeats [R, B, max_len, ...] and the repeat `layer` a call is (written
+    in the stack itself, as gdnx.layers.attention.KVStack)."""
+    latent: jax.Array
+    rope: jax.Array
+    layer: jax.Array
+
+
 class LatentAttention(nnx.Module):
     """Multi-head latent attention with an optional low-rank query."""
 
@@ -89,9 +98,9 @@ class LatentAttention(nnx.Module):
         b, t, _ = x.shape
         return constrain(q.reshape(b, t, self.num_heads, self.dn + self.dr), ("batch", "length", "heads", None))
 
-    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: LatentCache | None = None,
+    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: LatentCache | LatentStack | None = None,
                  start: jax.Array | int = 0, segments: jax.Array | None = None,
-                 ) -> tuple[jax.Array, LatentCache | None]:
+                 ) -> tuple[jax.Array, LatentCache | LatentStack | None]:
         """As GatedAttention.__call__: x [B, T, hidden], rope for each
         token's position (None: no rotary embedding; else turning adjacent
         pairs of the rope parts), positions [T] or
@@ -106,10 +115,14 @@ class LatentAttention(nnx.Module):
             q_rope = apply_rope_interleaved(q_rope, *rope)
             k_rope = apply_rope_interleaved(k_rope[:, :, None], *rope)[:, :, 0]
         if cache is not None:
-            cache = LatentCache(write_cache(cache.latent, latent, start, _LATENT),
-                                write_cache(cache.rope, k_rope, start, _LATENT))
-            latent, k_rope = cache.latent.astype(x.dtype), cache.rope.astype(x.dtype)
-            k_pos = jnp.arange(cache.capacity, dtype=positions.dtype)
+            layer = cache.layer if isinstance(cache, LatentStack) else None
+            cache = cache._replace(latent=write_cache(cache.latent, latent, start, _LATENT, layer),
+                                   rope=write_cache(cache.rope, k_rope, start, _LATENT, layer))
+            latent, k_rope = cache.latent, cache.rope
+            if layer is not None:
+                latent, k_rope = (jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False) for a in (latent, k_rope))
+            latent, k_rope = latent.astype(x.dtype), k_rope.astype(x.dtype)
+            k_pos = jnp.arange(latent.shape[1], dtype=positions.dtype)
         else:
             k_pos = positions
         r, dn, dv = self.rank, self.dn, self.dv

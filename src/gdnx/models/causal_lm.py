@@ -39,7 +39,7 @@ from gdnx.layers.attention import (GatedAttention, HeadNormedAttention, KVCache,
 from gdnx.layers.documents import document_positions
 from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, DeltaRuleState
 from gdnx.layers.kimi_delta_attention import KimiDeltaAttention
-from gdnx.layers.latent_attention import LatentAttention, LatentCache
+from gdnx.layers.latent_attention import LatentAttention, LatentCache, LatentStack
 from gdnx.layers.linear import linear
 from gdnx.layers.lora import AdapterSpec, fold_dropout
 from gdnx.layers.mlp import MLP
@@ -78,7 +78,7 @@ OLMO_GATED_NORM_EPS = 1e-5
 # latent attention's norms (on the query and key/value latents) have a fixed eps
 LATENT_NORM_EPS = 1e-6
 Mixer = GatedDeltaNet | KimiDeltaAttention | GatedAttention | NormedAttention | HeadNormedAttention | LatentAttention
-LayerCache = KVCache | KVStack | RingCache | LatentCache | DeltaRuleState
+LayerCache = KVCache | KVStack | RingCache | LatentCache | LatentStack | DeltaRuleState
 
 
 class DecoderLayer(nnx.Module):
@@ -151,7 +151,7 @@ class DecoderLayer(nnx.Module):
             assert cache is None or isinstance(cache, DeltaRuleState)
             return self.mixer(x, cache, segments, lengths, history_every)
         if isinstance(self.mixer, LatentAttention):
-            assert cache is None or isinstance(cache, LatentCache)
+            assert cache is None or isinstance(cache, LatentCache | LatentStack)
             return self.mixer(x, rope, positions, cache, start, segments)
         if isinstance(self.mixer, HeadNormedAttention):
             assert cache is None or isinstance(cache, KVCache | KVStack | RingCache)
@@ -424,9 +424,9 @@ class CausalLM(nnx.Module):
                 x, new, stats = through(nnx.merge(graphdef, params), x, layer_caches)
             if held is None:
                 return (x, None), (None, stats)
-            new = [KVCache(n.k, n.v) if isinstance(n, KVStack) else n for n in new]  # written in the stack
+            new = [_unstacked(n) for n in new]  # attention wrote its positions into the stack itself
             kept, extra = zip(*(_split_entry(n, h) for n, h in zip(new, held, strict=True)), strict=True)
-            held = tuple(k if isinstance(k, KVCache) else jax.tree.map(functools.partial(_write_at, index=index), h, k)
+            held = tuple(k if isinstance(k, _STACKS) else jax.tree.map(functools.partial(_write_at, index=index), h, k)
                          for h, k in zip(held, kept, strict=True))
             return (x, held), (tuple(extra), stats)
 
@@ -440,13 +440,29 @@ class CausalLM(nnx.Module):
         return x, (*new_head, *new_cycle, *new_tail), head_stats + stats + tail_stats
 
 
+# the caches attention writes into a scanned cycle's stack itself, and what it is given in their place
+_STACKS = (KVCache, LatentCache)
+
+
 def _entry_at(stacked: Any, index: jax.Array) -> Any:
-    """Repeat `index`'s entry of a scanned cycle's stacked cache entry: a
-    KVCache stays stacked, marked with the repeat (attention writes its few
-    new positions into the stack itself); the others are sliced out."""
+    """Repeat `index`'s entry of a scanned cycle's stacked cache entry: an
+    attention cache (KVCache, LatentCache) stays stacked, marked with the
+    repeat (attention writes its few new positions into the stack itself);
+    the others are sliced out."""
     if isinstance(stacked, KVCache):
         return KVStack(stacked.k, stacked.v, index)
+    if isinstance(stacked, LatentCache):
+        return LatentStack(stacked.latent, stacked.rope, index)
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), stacked)
+
+
+def _unstacked(entry: Any) -> Any:
+    """A layer's returned entry as the stacked cache entry it updated."""
+    if isinstance(entry, KVStack):
+        return KVCache(entry.k, entry.v)
+    if isinstance(entry, LatentStack):
+        return LatentCache(entry.latent, entry.rope)
+    return entry
 
 
 def _write_at(stack: jax.Array, x: jax.Array, index: jax.Array) -> jax.Array:
