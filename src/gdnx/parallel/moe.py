@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from gdnx.parallel.rules import current_mesh, is_explicit, mesh_axes, spec
@@ -23,7 +24,8 @@ TOKENS = ("batch", "length", None)  # x [B, T, hidden], top-k ids / weights [B, 
 LANES = 128  # a TPU vector register's lanes: a narrower width slice is padded to it in every copy XLA makes
 
 
-def split_experts(choice: str, num_experts: int, expert_size: int, mesh=None) -> bool:
+def split_experts(choice: str, num_experts: int, expert_size: int, mesh: Mesh | AbstractMesh | None = None,
+                  ) -> bool:
     """Whether the tensor axis of `mesh` (the ambient one by default) splits
     the routed experts by expert rather than by width. choice: the config's
     moe_split (auto, width or experts). experts on an axis that does not
