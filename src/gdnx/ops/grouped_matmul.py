@@ -123,6 +123,7 @@ def tile_rows(rows: int, groups: int) -> int:
     return int(min(128, max(8, 1 << (share.bit_length() - 1))))
 
 
+@jax.jit  # one program per shape when called eagerly, not one per operation
 def _tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """grouped_matmul by (tile, group) pairs; differentiated by JAX (the
     gathers' transposes are scatter-adds: still no dense copy)."""
@@ -137,7 +138,8 @@ def _tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     count = jnp.where(group_sizes > 0, last - first + 1, 0)
     pair_start = jnp.cumsum(count) - count
     p = jnp.arange(pairs, dtype=jnp.int32)
-    group = jnp.clip(jnp.searchsorted(pair_start + count, p, side="right"), 0, groups - 1).astype(jnp.int32)
+    group = jnp.clip(jnp.searchsorted(pair_start + count, p, side="right", method="compare_all"), 0,
+                     groups - 1).astype(jnp.int32)
     real = p < jnp.sum(count)
     tile_of = jnp.where(real, first[group] + p - pair_start[group], 0)
     padded = jnp.pad(x, ((0, tiles * tile - m), (0, 0))).reshape(tiles, tile, -1)
