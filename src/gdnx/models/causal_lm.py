@@ -440,7 +440,7 @@ class CausalLM(nnx.Module):
         return x, (*new_head, *new_cycle, *new_tail), head_stats + stats + tail_stats
 
 
-# the caches attention writes into a scanned cycle's stack itself, and what it is given in their place
+# the caches attention writes into a scanned cycle's stack itself (given as KVStack / LatentStack)
 _STACKS = (KVCache, LatentCache)
 
 
