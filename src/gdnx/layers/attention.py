@@ -15,13 +15,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from gdnx.layers.linear import linear
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import apply_rope
-from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, is_explicit, out_sharding, spec
+from gdnx.parallel.rules import HIDDEN, as_repeat_of, constrain, out_sharding, spec
 
 
 class KVCache(NamedTuple):
@@ -104,9 +103,7 @@ def _write_stack(buf: jax.Array, x: jax.Array, start: jax.Array, layer: jax.Arra
     scatter into the stack as it lies (a vmap over its rows, its second
     axis, would transpose the whole stack twice), each row's start clamped
     as dynamic_update_slice clamps it."""
-    mesh = current_mesh()
-    if mesh is not None and is_explicit(mesh):
-        x = jax.sharding.reshard(x, P(*jax.typeof(buf).sharding.spec[1:]))
+    x = as_repeat_of(x, buf)
     b, t = x.shape[:2]
     start = jnp.clip(jnp.broadcast_to(start, (b,)), 0, buf.shape[2] - t)
     return buf.at[layer, jnp.arange(b)[:, None], start[:, None] + jnp.arange(t)].set(x.astype(buf.dtype))

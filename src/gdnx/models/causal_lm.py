@@ -30,7 +30,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from gdnx.config.schema import KDA_FAMILIES, ModelConfig
@@ -51,7 +50,7 @@ from gdnx.models.cache import Cache
 from gdnx.ops import grouped_matmul
 from gdnx.ops.delta_rule.options import KERNEL_PLATFORMS, RESIDUAL_NAMES, DeltaRuleOptions
 from gdnx.parallel.params import shardings
-from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, is_explicit, out_sharding
+from gdnx.parallel.rules import HIDDEN, as_repeat_of, constrain, current_mesh, out_sharding
 
 
 
@@ -468,10 +467,7 @@ def _unstacked(entry: Any) -> Any:
 def _write_at(stack: jax.Array, x: jax.Array, index: jax.Array) -> jax.Array:
     """x written as repeat `index` of `stack`, in the stack's layout (on an
     Explicit mesh the layer may leave x in another)."""
-    mesh = current_mesh()
-    if mesh is not None and is_explicit(mesh):
-        x = jax.sharding.reshard(x, P(*jax.typeof(stack).sharding.spec[1:]))
-    return jax.lax.dynamic_update_index_in_dim(stack, x.astype(stack.dtype), index, 0)
+    return jax.lax.dynamic_update_index_in_dim(stack, as_repeat_of(x, stack).astype(stack.dtype), index, 0)
 
 
 def _split_entry(new: Any, old: Any) -> tuple[Any, Any]:

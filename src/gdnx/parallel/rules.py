@@ -115,3 +115,13 @@ def out_sharding(axes: Sequence[str | None], shape: Sequence[int], *, units: dic
     return spec(axes, shape, units=units, mesh=mesh)
 
 HIDDEN = ("batch", "length", "hidden")  # the residual stream [B, T, hidden]
+
+
+def as_repeat_of(x: jax.Array, stack: jax.Array) -> jax.Array:
+    """x laid out as one repeat (along the first axis) of `stack` on an
+    Explicit mesh, where the two must agree to be written together; as it
+    is elsewhere."""
+    mesh = current_mesh()
+    if mesh is None or not is_explicit(mesh):
+        return x
+    return jax.sharding.reshard(x, P(*jax.typeof(stack).sharding.spec[1:]))
