@@ -20,7 +20,7 @@ SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_atte
 @pytest.mark.parametrize("topology,axes", [
     ("v5e:2x2", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2"]),
     ("v5p:2x2x1", ["parallel.data=2", "parallel.context=2"]),
-    ("v6e:2x2", ["parallel.data=-1", "parallel.shard_mode=explicit"]),
+    ("v6e:2x2", ["parallel.data=-1", "parallel.expert=2", "parallel.shard_mode=explicit"]),
     ("v4:2x2x1", ["parallel.data=1", "parallel.fsdp=4"]),
 ])
 def test_train_step_compiles_for_a_slice_with_the_kernel(topology, axes):
@@ -30,6 +30,19 @@ def test_train_step_compiles_for_a_slice_with_the_kernel(topology, axes):
     # each chip holds at least its share of the parameters and both AdamW moments (float32)
     assert p.argument_bytes >= 3 * 4 * p.parameters / p.chips
     assert p.flops > 0
+
+
+@pytest.mark.parametrize("topology", ["v5p:2x2x1", "h100:4"])
+def test_the_expert_axis_exchanges_the_token_copies_ragged(monkeypatch, topology):
+    """On TPUs and GPUs the expert axis sends each device's token copies
+    alone (ragged_all_to_all), not the worst case's padded blocks."""
+    from gdnx import train_plan
+
+    texts = []
+    monkeypatch.setattr(train_plan, "_kernel_calls", lambda text: texts.append(text) or 1)
+    p = plan(load_config("tiny", SMALL + ["parallel.data=1", "parallel.fsdp=2", "parallel.expert=2"]), topology)
+    assert p.fits and p.mesh["expert"] == 2
+    assert "ragged-all-to-all" in texts[0]
 
 
 def test_qwen3_next_80b_trains_on_a_host_of_eight_h200s():

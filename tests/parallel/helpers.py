@@ -13,6 +13,7 @@ MESHES = {
     "data8": dict(data=8),
     "data2_tensor4": dict(data=2, tensor=4),
     "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
+    "data2_expert2_tensor2": dict(data=2, expert=2, tensor=2),
     "context8": dict(data=1, context=8),
     "context4_tensor2": dict(data=1, context=4, tensor=2),
 }

@@ -45,7 +45,7 @@ def test_generate_on_a_mesh_gives_the_one_device_tokens(checkpoint, tmp_path, ca
 
 @pytest.mark.parametrize("overrides,match", [
     (["parallel.context=2", "parallel.tensor=4"], "parallel: the engine splits heads and slots, not sequences"),
-    (["parallel.tensor=3"], "parallel: data x fsdp x tensor x context = 3, but there are 8 devices"),
+    (["parallel.tensor=3"], "parallel: data x fsdp x expert x tensor x context = 3, but there are 8 devices"),
     (["parallel.tensor=0"], "parallel.tensor: "),
     (["train.steps=3"], "train: generate takes model.\\* and parallel.\\* overrides only"),
 ])

@@ -28,11 +28,13 @@ def _model(family: str) -> CausalLM:
     return CausalLM(load_config("tiny", MODEL + FAMILIES.get(family, [])).model, seed=0)
 
 
-# Qwen3-Next on three meshes; the other families' own paths (GVA groups and
-# q/k norms over tensor shards) on the mesh that splits both tensor and context
+# Qwen3-Next on four meshes (the expert axis's: the prefill's and the decode
+# steps' token copies exchanged); the other families' own paths (GVA groups
+# and q/k norms over tensor shards) on the mesh that splits both tensor and
+# context
 @pytest.mark.parametrize("family, mode, name", [
     ("qwen3_next", "explicit", "context4_tensor2"), ("qwen3_next", "auto", "context8"),
-    ("qwen3_next", "auto", "data2_fsdp2_tensor2"),
+    ("qwen3_next", "auto", "data2_fsdp2_tensor2"), ("qwen3_next", "explicit", "data2_expert2_tensor2"),
     *[(family, "explicit", "context4_tensor2") for family in FAMILIES]])
 def test_prefill_and_greedy_decoding_on_a_mesh(family, mode, name):
     model = _model(family)

@@ -36,7 +36,8 @@ def test_no_mesh_means_no_placement():
 
 
 def test_mesh_shape_fills_the_rest_axis_and_checks_the_device_count():
-    assert mesh_shape(ParallelConfig(tensor=2, context=2), 8) == (2, 1, 2, 2)
+    assert mesh_shape(ParallelConfig(tensor=2, context=2), 8) == (2, 1, 1, 2, 2)
+    assert mesh_shape(ParallelConfig(data=1, expert=-1, tensor=2), 8) == (1, 1, 4, 2, 1)
     with pytest.raises(ValueError, match="there are 8 devices"):
         mesh_shape(ParallelConfig(data=2, tensor=2), 8)
     with pytest.raises(ValueError, match="does not divide"):
@@ -48,10 +49,17 @@ def test_mesh_shape_fills_the_rest_axis_and_checks_the_device_count():
     ("parallel.fsdp=-1", "parallel.fsdp: only one axis can be -1"),
     ("parallel.shard_mode=manual", "parallel.shard_mode: expected 'auto' or 'explicit'"),
     ("parallel.pipeline=2", "parallel.pipeline: unknown key"),
+    ("parallel.expert=2", r"parallel.expert: an expert axis \(2\) splits routed experts, and the model has none"),
 ])
 def test_parallel_config_errors_name_the_field(override, message):
     with pytest.raises(ValueError, match=message):
         load_config("tiny", [override])
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_names_both():
+    with pytest.raises(ValueError, match=r"parallel.expert: the expert axis \(3\) must divide model.num_experts "
+                                         r"\(4\)"):
+        load_config("tiny", [*MODEL, "parallel.expert=3"])
 
 
 def test_parameters_split_by_whole_head_groups():

@@ -490,11 +490,12 @@ class ParallelConfig(_Strict):
 
     data: int = -1
     fsdp: int = 1
+    expert: int = 1
     tensor: int = 1
     context: int = 1
     shard_mode: Literal["auto", "explicit"] = "auto"
 
-    @field_validator("data", "fsdp", "tensor", "context")
+    @field_validator("data", "fsdp", "expert", "tensor", "context")
     @classmethod
     def _size(cls, v):
         if v != -1 and v < 1:
@@ -503,7 +504,7 @@ class ParallelConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_rest(self):
-        rest = [a for a in ("data", "fsdp", "tensor", "context") if getattr(self, a) == -1]
+        rest = [a for a in ("data", "fsdp", "expert", "tensor", "context") if getattr(self, a) == -1]
         if len(rest) > 1:
             raise ValueError(f"{rest[1]}: only one axis can be -1, and {rest[0]} already is")
         return self
@@ -522,6 +523,13 @@ class Config(_Strict):
             if self.model.vocab_size < need:
                 raise ValueError(f"model.vocab_size: MQAR with {self.data.num_keys} keys and "
                                  f"{self.data.num_values} values needs >= {need}, got {self.model.vocab_size}")
+        expert = self.parallel.expert
+        if expert not in (1, -1) and not self.model.num_experts:
+            raise ValueError(f"parallel.expert: an expert axis ({expert}) splits routed experts, and the model has "
+                             "none (model.num_experts 0)")
+        if expert not in (1, -1) and self.model.num_experts % expert:
+            raise ValueError(f"parallel.expert: the expert axis ({expert}) must divide model.num_experts "
+                             f"({self.model.num_experts})")
         if self.train.lora is not None and self.model.init_from is None:
             raise ValueError("train.lora: adapters train on a frozen base; set model.init_from to the checkpoint "
                              "to adapt")

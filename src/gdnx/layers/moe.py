@@ -29,7 +29,7 @@ from gdnx.layers.linear import linear
 from gdnx.layers.lora import LoRA
 from gdnx.layers.mlp import MLP, swiglu
 from gdnx.ops.grouped_matmul import grouped_matmul, resolve, traced_platform
-from gdnx.parallel.moe import run_experts, split_experts
+from gdnx.parallel.moe import RAGGED_PLATFORMS, Exchange, ShardAxes, run_experts, split_experts
 
 
 class RouterStats(NamedTuple):
@@ -134,47 +134,81 @@ class SparseMoE(nnx.Module):
         adapter: LoRA | None = getattr(self, f"{name}_lora", None)
         return w if adapter is None else adapter.merged(w)
 
-    def _routed(self, x, top_p, top_i, w_gate, w_up, w_down, sum_axes, expert_axes, token_axes):
+    def _routed(self, x, top_p, top_i, w_gate, w_up, w_down, axes: ShardAxes):
         """The routed experts on one shard's tokens (all of them without a
-        mesh) and its experts (all, or a share when expert_axes split them),
-        CHUNK_TOKENS tokens at a time when there are more. Returns (y,
-        top-k counts per expert)."""
+        mesh) and its experts (all, or a share when the axes split them),
+        in passes of at most CHUNK_TOKENS tokens (divided among the devices
+        of a dispatch axis, whose all-to-all gathers each device's share of
+        every pass). Returns (y, top-k counts per expert)."""
         shape = x.shape
         x, top_p, top_i = x.reshape(-1, shape[-1]), top_p.reshape(-1, self.top_k), top_i.reshape(-1, self.top_k)
         counts = jnp.bincount(top_i.reshape(-1), length=self.num_experts).astype(jnp.float32)
-        held = w_gate.shape[0]
-        if expert_axes:  # this shard's experts: [first, first + held); the others' copies are left to their shards
-            top_i = top_i - jax.lax.axis_index(expert_axes) * held
+        weights = tuple(w.astype(x.dtype) for w in (w_gate, w_up, w_down))
+        if axes.dispatch is None:
+            run = functools.partial(self._held, axes=axes)
+            tokens = CHUNK_TOKENS
+        else:
+            run = functools.partial(self._dispatched, axes=axes)
+            tokens = max(1, CHUNK_TOKENS // jax.lax.axis_size(axes.dispatch))
+        n = x.shape[0]
+        if n <= tokens:
+            routed = run(x, top_p, top_i, *weights)
+        else:  # padding tokens weigh 0: they add nothing to any token
+            chunks = -(-n // tokens)
+            pad = lambda a: jnp.pad(a, ((0, chunks * tokens - n), (0, 0)))  # noqa: E731
+            split = lambda a: pad(a).reshape(chunks, tokens, -1)  # noqa: E731
+            routed = jax.lax.map(lambda c: run(*c, *weights), (split(x), split(top_p), split(top_i)))
+            routed = routed.reshape(-1, shape[-1])[:n]
+        if axes.sums:  # each shard's partial sums: its slice of the width, or its experts' copies
+            routed = jax.lax.psum(routed, axes.sums)
+        if axes.tokens:
+            counts = jax.lax.psum(counts, axes.tokens)
+        return routed.reshape(shape), counts
+
+    def _dispatched(self, x, top_p, top_i, w_gate, w_up, w_down, axes: ShardAxes):
+        """x [N, hidden]'s token copies sent to the devices of the dispatch
+        axis that hold their experts (device d holds experts [d E/n, (d+1)
+        E/n)), run there (_held), and their outputs brought back and
+        weighted in. A device can receive N x min(k, E/n) copies from each
+        (a token's k experts are distinct, so no more of its copies meet on
+        one device): no copy is ever dropped."""
+        assert axes.dispatch is not None
+        n, k = jax.lax.axis_size(axes.dispatch), self.top_k
+        per = self.num_experts // n
+        flat = top_i.reshape(-1)
+        order = jnp.argsort(flat // per, stable=True)
+        dest = flat[order] // per                                     # the copies' devices, ascending
+        exchange = Exchange.plan(dest, axes.dispatch, x.shape[0] * min(k, per),
+                                 ragged=traced_platform() in RAGGED_PLATFORMS)
+        rows = exchange.send(x[order // k])
+        ids = exchange.send((flat[order] - dest * per).astype(jnp.int32), fill=-1)  # -1: no copy, no expert
+        held = self._held(rows, jnp.ones((rows.shape[0], 1), x.dtype), ids[:, None], w_gate, w_up, w_down, axes)
+        back = exchange.back(held, flat.shape[0])                     # each copy's output, in `order`
+        back = back * top_p.reshape(-1)[order][:, None].astype(back.dtype)
+        return jnp.zeros_like(x).at[order // k].add(back)
+
+    def _held(self, x, top_p, top_i, w_gate, w_up, w_down, axes: ShardAxes):
+        """x [N, hidden] through the experts this shard holds of the top_i
+        (each counted from the first expert that reaches this device; when
+        axes.experts split them further, this shard's share)."""
+        if axes.experts:  # this shard's experts: [first, first + held); the others' copies are left to their shards
+            top_i = top_i - jax.lax.axis_index(axes.experts) * w_gate.shape[0]
             # the tokens and weights, the same on every shard, marked as each shard's own: their gradients are
             # then summed over the shards (left implicit, the gather by expert took one shard's alone)
-            x, top_p = (jax.lax.pcast(a, expert_axes, to="varying") for a in (x, top_p))
-        weights = tuple(w.astype(x.dtype) for w in (w_gate, w_up, w_down))
-        n = x.shape[0]
-        if n <= CHUNK_TOKENS:
-            routed = self._experts(x, top_p, top_i, *weights)
-        else:  # padding tokens weigh 0: they add nothing to any token
-            chunks = -(-n // CHUNK_TOKENS)
-            pad = lambda a: jnp.pad(a, ((0, chunks * CHUNK_TOKENS - n), (0, 0)))  # noqa: E731
-            split = lambda a: pad(a).reshape(chunks, CHUNK_TOKENS, -1)  # noqa: E731
-            routed = jax.lax.map(lambda c: self._experts(*c, *weights), (split(x), split(top_p), split(top_i)))
-            routed = routed.reshape(-1, shape[-1])[:n]
-        if sum_axes:  # each shard's partial sums: its slice of the width, or its experts' copies
-            routed = jax.lax.psum(routed, sum_axes)
-        if token_axes:
-            counts = jax.lax.psum(counts, token_axes)
-        return routed.reshape(shape), counts
+            x, top_p = (jax.lax.pcast(a, axes.experts, to="varying") for a in (x, top_p))
+        return self._experts(x, top_p, top_i, w_gate, w_up, w_down)
 
     def _experts(self, x, top_p, top_i, w_gate, w_up, w_down):
         """x [N, hidden] through its tokens' top-k experts among the
         w_gate.shape[0] held (top_i counts from the first held; copies for
         experts outside them add nothing): token copies sorted by expert ->
         grouped matmuls -> weighted sum back per token."""
-        held = w_gate.shape[0]
+        held, k = w_gate.shape[0], top_i.shape[-1]
         flat_e = top_i.reshape(-1)
         mine = (flat_e >= 0) & (flat_e < held)
         key = jnp.where(mine, flat_e, held)  # the others sort last, past the groups' total: zero rows
         order = jnp.argsort(key, stable=True)
-        rows = order // self.top_k
+        rows = order // k
         sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
         xs = x[rows]
         gmm = functools.partial(grouped_matmul, group_sizes=sizes, implementation=self.implementation)

@@ -1,7 +1,8 @@
 """The device mesh from the `parallel` config section.
 
-Axes (data, fsdp, tensor, context), in that order so that the axes that talk
-most (tensor, context) sit on neighbouring devices. One size may be -1: it
+Axes (data, fsdp, expert, tensor, context), in that order so that the axes
+that talk most (tensor, context, then the experts' all-to-all) sit on
+neighbouring devices. One size may be -1: it
 takes the devices the others leave. `shard_mode` picks the axis type: auto
 lets XLA place what the model does not pin; explicit carries shardings in
 the types and every placement is stated (jax.sharding.reshard).
@@ -28,7 +29,7 @@ def mesh_shape(parallel_cfg: ParallelConfig, num_devices: int) -> tuple[int, ...
                               f"{num_devices} devices; the -1 axis cannot take the rest")
         sizes[sizes.index(-1)] = num_devices // fixed
     elif fixed != num_devices:
-        raise ValueError(f"parallel: data x fsdp x tensor x context = {fixed}, but there are {num_devices} devices; "
+        raise ValueError(f"parallel: data x fsdp x expert x tensor x context = {fixed}, but there are {num_devices} devices; "
                           "make the product equal, or set one axis to -1")
     return tuple(sizes)
 

@@ -18,11 +18,11 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor", "context")
+MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
 
 # logical name -> mesh axes, in order of preference (later axes are dropped first)
 RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),  # expert: a data axis outside the routed experts
     "length": ("context",),
     "hidden": (),            # the model width of activations stays whole
     "embed": ("fsdp",),      # ... and of parameters is split for FSDP
@@ -32,7 +32,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "key_heads": ("tensor",),    # GDN key heads; a key head's value heads go with it
     "value_heads": ("tensor",),
     "mlp": ("tensor",),
-    "experts": ("tensor",),  # the routed experts, when whole experts are split (gdnx.parallel.moe.split_experts)
+    # the routed experts' dim: over expert when tensor splits their width, over both when it splits whole experts
+    # (gdnx.parallel.moe.split_experts)
+    "routed": ("expert",),
+    "experts": ("expert", "tensor"),
     "layers": (),            # the repeats of a scanned stack: every device holds its share of each layer
 }
 
