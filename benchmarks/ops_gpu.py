@@ -1,31 +1,33 @@
-"""Gated delta rule on a GPU: pallas_gpu against xla and fla, in one run.
+"""Gated delta rule and KDA on a GPU: pallas_gpu against xla and fla, in one run.
 
-    python benchmarks/ops_gpu.py [--batch 4] [--length 4096] [--out FILE]
-    python benchmarks/ops_gpu.py --batch 1 --length 32768     # the published anchors' shape
-    python benchmarks/ops_gpu.py --op kda                      # KDA at Kimi Linear's shape
+    python benchmarks/ops_gpu.py [--op gdn|kda|both] [--batch 1] [--length 32768] [--out FILE]
 
---op kda runs chunk_kda (per-channel gates, log U(0.7, 1)) at Kimi Linear's
-shape (HK=HV=32, K=V=128) the same way, against fla's chunk_kda.
-
-Qwen3-Next's GDN shape: HK=16, HV=32, K=V=128, bfloat16 inputs, float32
-state, use_qk_l2norm. For each implementation prints the
-relative error of the output and final state against the float64 token
-recurrence (on a shorter prefix, --check-length, to keep it quick), and the
-median forward and forward+backward times and the peak memory of the
-forward+backward program (XLA's buffer assignment), for xla, pallas_gpu, and
-pallas_gpu with bfloat16 matmul operands or recomputed residuals; then
-flash-linear-attention's Triton kernels (`fla-core` 0.6.0 with torch, its
-q and k repeated to the value heads) at the same shape, timed with CUDA
-events. TFLOP/s use the analytic FLOPs of the chunk algebra
-(delta_rule.costs.op_flops) for every row, so they compare as time does.
-A variant that fails prints its error and the run goes on, so one bad
-configuration does not cost the whole device slot.
+By default both ops at the published anchors' shape, one sequence of
+32,768 tokens: GDN at Qwen3-Next's heads (HK=16, HV=32, K=V=128), KDA at
+Kimi Linear's (HK=HV=32, K=V=128; per-channel gates log U(0.7, 1)),
+bfloat16 inputs, float32 state, use_qk_l2norm, chunk 64. For each
+implementation (xla, pallas_gpu, pallas_gpu with bfloat16 matmul operands)
+it prints the relative error of the output and final state against the
+float64 token recurrence (on a shorter prefix, --check-length, to keep it
+quick), the compile time of the forward+backward program, the median
+forward and forward+backward times, the peak memory of the
+forward+backward program (XLA's buffer assignment), TFLOP/s from the
+analytic FLOPs of the chunk algebra (delta_rule.costs.op_flops, the same
+count for every row, so they compare as time does) and GB/s of the op's
+own inputs and outputs (what it must move at least: q, k, v, g, beta and
+the state in, o and the state out; the backward also their gradients);
+then flash-linear-attention's Triton kernels (`fla-core` with torch, its q
+and k repeated to the value heads) at the same shape, timed with CUDA
+events. A variant that fails prints its error and the run goes on, so one
+bad configuration does not cost the whole device slot. Both ops with their
+compiles take about 2 minutes on an H200.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import time
 import traceback
 
 import jax
@@ -100,35 +102,41 @@ VARIANTS = {
     "xla": dict(implementation="xla"),
     "pallas_gpu": dict(implementation="pallas_gpu"),
     "pallas_gpu, matmul_dtype=bfloat16": dict(implementation="pallas_gpu", matmul_dtype="bfloat16"),
-    "pallas_gpu, residuals=recompute": dict(implementation="pallas_gpu", residuals="recompute"),
 }
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--length", type=int, default=4096)
-    p.add_argument("--check-length", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--out", default=None)
-    p.add_argument("--op", choices=("gdn", "kda"), default="gdn")
-    a = p.parse_args()
-    kda = a.op == "kda"
-    b, t, hk, hv, d = a.batch, a.length, 32 if kda else 16, 32, 128
+def io_bytes(args, grad: bool) -> int:
+    """Bytes of the op's inputs and outputs (o like v; the float32 state
+    [B, HV, K, V] out, and in as the backward's cotangent); the backward
+    adds the gradients of every input (like the inputs) and reads o's
+    cotangent."""
+    q, k, v, g, beta = args
+    b, _, hv, d = v.shape
+    inputs = sum(x.size * x.dtype.itemsize for x in args)
+    state = b * hv * d * d * 4
+    fwd = inputs + v.size * v.dtype.itemsize + state
+    return fwd + inputs + v.size * v.dtype.itemsize + state if grad else fwd
+
+
+def run(op: str, b: int, t: int, check_length: int, repeats: int) -> list[str]:
+    kda = op == "kda"
+    hk, hv, d = 32 if kda else 16, 32, 128
     chunk_op, recurrent_op = (chunk_kda, recurrent_kda) if kda else (chunk_gated_delta_rule, recurrent_gated_delta_rule)
     dev = jax.devices()[0]
     lines = [f"# {'KDA' if kda else 'gated delta rule'} on {dev.device_kind}: B={b} T={t} HK={hk} HV={hv} K=V={d} "
              f"bf16, chunk 64, l2norm; {datetime.date.today()}, jax {jax.__version__}",
-             "| implementation | rel err o | rel err state | forward ms | fwd+bwd ms | fwd+bwd peak GiB | "
-             "fwd TFLOP/s | bwd TFLOP/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| implementation | rel err o | rel err state | compile s | forward ms | fwd+bwd ms | fwd+bwd peak GiB | "
+             "fwd TFLOP/s | bwd TFLOP/s | fwd GB/s | fwd+bwd GB/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     tf_fwd, tf_bwd = analytic_tflop(b, t, hk, hv, d, per_channel=kda)
+    args = make_inputs(b, t, hk, hv, d, per_channel=kda)
+    gb_fwd, gb_all = io_bytes(args, False) / 1e9, io_bytes(args, True) / 1e9
 
     def rates(f_ms, fb_ms):
-        return f"{tf_fwd / (f_ms / 1e3):.1f} | {tf_bwd / (max(fb_ms - f_ms, 1e-9) / 1e3):.1f}"
+        return (f"{tf_fwd / (f_ms / 1e3):.1f} | {tf_bwd / (max(fb_ms - f_ms, 1e-9) / 1e3):.1f} | "
+                f"{gb_fwd / (f_ms / 1e3):.0f} | {gb_all / (fb_ms / 1e3):.0f}")
     print("\n".join(lines), flush=True)
-    args = make_inputs(b, t, hk, hv, d, per_channel=kda)
-    short = tuple(x[:1, :a.check_length] for x in args)
+    short = tuple(x[:1, :check_length] for x in args)
     with jax.enable_x64(True):  # the float64 reference only: the kernels run as a model runs them
         ref_o, ref_s = recurrent_op(*(x.astype(jnp.float64) for x in short), use_qk_l2norm=True,
                                     output_final_state=True, state_dtype="float64", decay_dtype="float64")
@@ -136,8 +144,8 @@ def main():
     rows = {}
     for name, kw in VARIANTS.items():
         try:
-            op = jax.jit(lambda *xs, kw=kw: chunk_op(*xs, use_qk_l2norm=True, output_final_state=True, **kw))
-            o, s = op(*short)
+            op_fn = jax.jit(lambda *xs, kw=kw: chunk_op(*xs, use_qk_l2norm=True, output_final_state=True, **kw))
+            o, s = op_fn(*short)
             err_o, err_s = rel(o, ref_o), rel(s, ref_s)
 
             def loss(*xs, kw=kw):
@@ -145,37 +153,55 @@ def main():
                 return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s ** 2)
 
             grad = jax.jit(jax.grad(loss, argnums=range(5)))
-            fwd_ms = median_ms(op, args, a.repeats)
-            bwd_ms = median_ms(grad, args, a.repeats)
+            t0 = time.perf_counter()
+            grad.lower(*args).compile()
+            compile_s = time.perf_counter() - t0
+            fwd_ms = median_ms(op_fn, args, repeats)
+            bwd_ms = median_ms(grad, args, repeats)
             peak = compiled_peak_bytes(grad, args) / 2**30
             rows[name] = (fwd_ms, bwd_ms, peak)
-            line = (f"| {name} | {err_o:.1e} | {err_s:.1e} | {fwd_ms:.2f} | {bwd_ms:.2f} | {peak:.2f} | "
-                    f"{rates(fwd_ms, bwd_ms)} |")
+            line = (f"| {name} | {err_o:.1e} | {err_s:.1e} | {compile_s:.1f} | {fwd_ms:.2f} | {bwd_ms:.2f} | "
+                    f"{peak:.2f} | {rates(fwd_ms, bwd_ms)} |")
         except Exception as e:  # report and keep going: device time is scarce
             traceback.print_exc()
-            line = f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | | | |"
+            line = f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | | | | | | |"
         lines.append(line)
         print(line, flush=True)
     try:
-        f_ms, fb_ms = time_fla(args, hk, hv, a.repeats)
+        f_ms, fb_ms = time_fla(args, hk, hv, repeats)
         rows["fla"] = (f_ms, fb_ms, float("nan"))
-        line = f"| fla 0.6.0 (Triton, torch) | | | {f_ms:.2f} | {fb_ms:.2f} | | {rates(f_ms, fb_ms)} |"
+        line = f"| fla (Triton, torch) | | | | {f_ms:.2f} | {fb_ms:.2f} | | {rates(f_ms, fb_ms)} |"
     except Exception as e:  # fla is carried as a wheel; say so if it is missing
         traceback.print_exc()
-        line = f"| fla 0.6.0 | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | | | |"
+        line = f"| fla | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | | | | | | |"
     lines.append(line)
     print(line, flush=True)
     if "xla" in rows:
         for name, (f, fb, m) in rows.items():
             if name != "xla":
                 x = rows["xla"]
-                line = (f"| {name} / xla | | | {x[0] / f:.2f}x faster | {x[1] / fb:.2f}x faster | "
-                        f"{m / x[2]:.2f}x memory | | |")
+                line = (f"| {name} / xla | | | | {x[0] / f:.2f}x faster | {x[1] / fb:.2f}x faster | "
+                        f"{m / x[2]:.2f}x memory | | | | |")
                 lines.append(line)
                 print(line, flush=True)
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--op", choices=("gdn", "kda", "both"), default="both")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--length", type=int, default=32768)
+    p.add_argument("--check-length", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    lines = []
+    for op in (("gdn", "kda") if a.op == "both" else (a.op,)):
+        lines += run(op, a.batch, a.length, a.check_length, a.repeats) + [""]
     if a.out:
         with open(a.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+            fh.write("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ KDA_PROGRAMS = [
     Program("kda_grad_recompute", residuals="recompute", **KDA),
     Program("kda_grad_packed", b=1, packed=True, **KDA),
     Program("kda_grad_gva2", **{**KDA, "hk": 16}),
+    Program("kda_forward_long", grad=False, b=1, t=32768, matmul_dtype="bfloat16", **KDA),
+    Program("kda_grad_long", b=1, t=32768, matmul_dtype="bfloat16", **KDA),
 ]
 
 

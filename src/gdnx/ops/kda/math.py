@@ -151,9 +151,12 @@ def looped_bits(c: int, body, init):
     return jax.lax.fori_loop(jnp.int32(0), jnp.int32(num_levels(c)), body, init)
 
 
-def pair_products(pairs, dec: Decays, *, matmul_dtype=None, split_segments: bool = False, bits=unrolled_bits):
+def pair_products(pairs, dec: Decays, *, matmul_dtype=None, split_segments: bool = False, bits=unrolled_bits,
+                  into=None):
     """[M] for pairs [(a, b, strict)] sharing the decays: M [C, C] with
-    M_ij = sum_c a_ic b_jc D_ijc for i >= j (i > j when strict), zero above."""
+    M_ij = sum_c a_ic b_jc D_ijc for i >= j (i > j when strict), zero above.
+    into: [C, C] sums to add each M to (a kernel summing over key blocks:
+    its loop then carries one tile per pair, not two)."""
     c = dec.g.shape[0]
 
     def level(bit, ms):
@@ -162,7 +165,7 @@ def pair_products(pairs, dec: Decays, *, matmul_dtype=None, split_segments: bool
         return tuple(m + jnp.where(mask, mm_nt(a * ein, b * eout, matmul_dtype=matmul_dtype), 0)
                      for m, (a, b, _) in zip(ms, pairs))
 
-    ms = bits(c, level, tuple(jnp.zeros((c, c), a.dtype) for a, _, _ in pairs))
+    ms = bits(c, level, tuple(jnp.zeros((c, c), a.dtype) for a, _, _ in pairs) if into is None else tuple(into))
     r, j = iotas(c)
     return [m if strict else m + jnp.where(r == j, jnp.sum(a * b, axis=1, keepdims=True), 0)
             for m, (a, b, strict) in zip(ms, pairs)]
@@ -268,14 +271,16 @@ def gate_grads(dgcum, dsuffix, dlast, *, split_segments: bool = False):
     return _segment_sums(j >= r, dgcum, split_segments) + _segment_sums(j < r, dsuffix, split_segments) + dlast
 
 
-def key_grads(q, k, dec: Decays, beta_col, dqs, dks, dx, dgamma, dp, da, *, scale, matmul_dtype=None,
+def key_grads(q, k, dec: Decays, beta_col, dqs, dks, dx, dgamma, dps, dab, *, matmul_dtype=None,
               split_segments: bool = False, bits=unrolled_bits):
     """(dq, dk, dg) of any block of key channels, given the block's decays
     and state terms (dqs of q * eg, dks of k * ek, dx of beta eg k, dgamma
-    of exp(G_last)) and the chunk's [C, C] cotangents of P / scale (dp, on
-    and below the diagonal) and of A (da, below it)."""
+    of exp(G_last)) and the chunk's [C, C] cotangents of the pairwise
+    products: dps of q k^T's (scale dP, on and below the diagonal) and dab
+    of k k^T's (beta dA, below it); scaled once by the caller, as a kernel
+    walking key blocks holds them."""
     (dq_p, dk_p, dg_p), (dk_a, dk_b, dg_a) = pair_products_bwd(
-        [(q, k, scale * dp, False), (k, k, beta_col * da, True)], dec, matmul_dtype=matmul_dtype,
+        [(q, k, dps, False), (k, k, dab, True)], dec, matmul_dtype=matmul_dtype,
         split_segments=split_segments, bits=bits)
     xk = beta_col * dec.eg * dx
     dq = dqs * dec.eg + dq_p
@@ -311,7 +316,7 @@ def value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_out, *, scale,
                             + mm_nt(dx, prep.w, matmul_dtype=matmul_dtype)), 0)
     dp = jnp.where(r >= j, mm_nt(do, vn, matmul_dtype=matmul_dtype), 0)
     mkk, = pair_products([(k, k, True)], dec, matmul_dtype=matmul_dtype, split_segments=split_segments, bits=bits)
-    dq, dk, dg = key_grads(q, k, dec, bcol, dqs, dks, dx, dgamma, dp, da, scale=scale, matmul_dtype=matmul_dtype,
+    dq, dk, dg = key_grads(q, k, dec, bcol, dqs, dks, dx, dgamma, scale * dp, bcol * da, matmul_dtype=matmul_dtype,
                            split_segments=split_segments, bits=bits)
     dv = bcol * dbv
     dbeta = (jnp.sum(v * dbv, axis=1, keepdims=True) + jnp.sum(dec.eg * k * dx, axis=1, keepdims=True)

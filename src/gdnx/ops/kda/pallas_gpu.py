@@ -108,8 +108,9 @@ def _prepare_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, *refs, op
         qeg_ref[block_cols(head, kb, bk)] = opts.scale * q * dec.eg
         kek_ref[block_cols(head, kb, bk)] = k * dec.ek
         pairs = [(q, k, False)] + ([] if given_inverse else [(k, k, True)])
-        p_blk, *akk_blk = kda_math.pair_products(pairs, dec, **_pair_kw(opts))
-        return (akk if given_inverse else akk + akk_blk[0]), p + p_blk
+        p, *akk_blk = kda_math.pair_products(pairs, dec, into=[p] + ([] if given_inverse else [akk]),
+                                             **_pair_kw(opts))
+        return (akk if given_inverse else akk_blk[0]), p
 
     zeros = jnp.zeros((c, c), acc)
     akk, p = loop_blocks(k_ref.shape[-1] // bk, pairs, (zeros, zeros))
@@ -329,31 +330,34 @@ def _grad_sums_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref
 
     zeros_cc, zeros_c1 = jnp.zeros((c, c), acc), jnp.zeros((c, 1), acc)
     dbv_u, dp, v_dbv = loop_blocks(nvb, value_block, (zeros_cc, zeros_cc, zeros_c1))
+    r, j = iotas(c)
+    # stored now, scaled as the key gradients take it: the key blocks' loop does not hold it
+    dp_ref[head] = jnp.where(r >= j, opts.scale * dp, 0)
 
+    # each [C, C] sum is carried as one tile, the pairwise products added into theirs (registers: no spill)
     def key_sums(kb, carry):
-        dx_w, egkdx, mkk = carry
+        dx_wu, egkdx, mkk = carry
         k = _key_block(k_ref, key, kb, bk, rk, opts)
         dec = kda_math.decays(g_ref[block_cols(head, kb, bk)], **_decay_kw(opts))
         dw, = _state_sums(states_ref, None, do_ref, vn_ref, dvn_ref, head, kb, bk=bk, bv=bv, nvb=nvb, full=False,
                           opts=opts)
         dx = mm_tn(tinv, dw, matmul_dtype=mmd)                      # through W = T X
         dx_ref[block_cols(head, kb, bk)] = dx
-        return (dx_w + mm_nt(dx, w_ref[block_cols(head, kb, bk)], matmul_dtype=mmd),
-                egkdx + jnp.sum(dec.eg * k * dx, axis=1, keepdims=True),
-                mkk + kda_math.pair_products([(k, k, True)], dec, **_pair_kw(opts))[0])
+        mkk, = kda_math.pair_products([(k, k, True)], dec, into=[mkk], **_pair_kw(opts))
+        return (dx_wu + mm_nt(dx, w_ref[block_cols(head, kb, bk)], matmul_dtype=mmd),
+                egkdx + jnp.sum(dec.eg * k * dx, axis=1, keepdims=True), mkk)
 
-    dx_w, egkdx, mkk = loop_blocks(k_ref.shape[-1] // bk, key_sums, (zeros_cc, zeros_c1, zeros_cc))
-    r, j = iotas(c)
+    dx_wu, egkdx, mkk = loop_blocks(k_ref.shape[-1] // bk, key_sums, (dbv_u, zeros_c1, zeros_cc))
     # the inverse is not differentiated through: dA = -(T^T dU) U^T - (T^T dW) W^T
-    da = jnp.where(r > j, -(dbv_u + dx_w), 0)
+    da = jnp.where(r > j, -dx_wu, 0)
     db_ref[head] = col_to_row(v_dbv + egkdx + jnp.sum(da * mkk, axis=1, keepdims=True)).astype(db_ref.dtype)
-    da_ref[head] = da
-    dp_ref[head] = jnp.where(r >= j, dp, 0)
+    da_ref[head] = beta * da
 
 
 def _key_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, vn_ref, states_ref, dstates_ref, do_ref, dx_ref,
                       da_ref, dp_ref, dq_ref, dk_ref, dg_ref, *, opts, bk, bv):
-    """dq, dk, dg per K block (kda_math.key_grads), given the sums."""
+    """dq, dk, dg per K block (kda_math.key_grads), given the sums (dA and dP
+    scaled as it takes them)."""
     acc = opts.state_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
     rq, rk = row_to_col(rq_ref[key]), row_to_col(rk_ref[key])
@@ -368,7 +372,7 @@ def _key_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, vn_ref, states
         dqs, dks, dgamma = _state_sums(states_ref, dstates_ref, do_ref, vn_ref, None, head, kb, bk=bk, bv=bv,
                                        nvb=nvb, full=True, opts=opts)
         dq, dk, dg = kda_math.key_grads(q, k, dec, beta, opts.scale * dqs, dks, dx_ref[cols], col_to_row(dgamma), dp,
-                                        da, scale=opts.scale, **_pair_kw(opts))
+                                        da, **_pair_kw(opts))
         dq_ref[cols] = dq
         dk_ref[cols] = dk
         dg_ref[cols] = dg.astype(dg_ref.dtype)
