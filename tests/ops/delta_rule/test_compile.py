@@ -59,8 +59,8 @@ def test_kda_knobs_compile(target, program):
 
 
 # KDA's three chunk-parallel kernels with the pairwise products still spill a little at 255 registers (ptxas 12.9,
-# H100: prepare 4 B, grad_sums 8 B, key_grads 216 B per thread); these bounds catch a change that spills more
-KDA_SPILLS = {"prepare": 16, "grad_sums": 16, "key_grads": 256}
+# H100: prepare 4 B, grad_sums 8 B, key_grads 184 B per thread); these bounds catch a change that spills more
+KDA_SPILLS = {"prepare": 16, "grad_sums": 16, "key_grads": 200}
 
 
 @pytest.mark.parametrize("program", LONG, ids=str)

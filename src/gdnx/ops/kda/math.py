@@ -172,11 +172,13 @@ def pair_products(pairs, dec: Decays, *, matmul_dtype=None, split_segments: bool
 
 
 def pair_products_bwd(terms, dec: Decays, *, matmul_dtype=None, split_segments: bool = False,
-                      bits=unrolled_bits):
+                      bits=unrolled_bits, into=None):
     """Adjoints of `pair_products` for terms [(a, b, dM, strict)] (dM [C, C]
     read on and below the diagonal): [(da, db, dG)], dG the cotangent of the
     cumulative gates G [C, K] through the decays (to be summed over i >= l
-    into dg_l)."""
+    into dg_l). into: per term, None or the (da, db) to add the adjoints to
+    (dG is then a da - b db of the sums: the caller takes back the part of
+    its own terms)."""
     c = dec.g.shape[0]
 
     def level(bit, grads):
@@ -189,7 +191,9 @@ def pair_products_bwd(terms, dec: Decays, *, matmul_dtype=None, split_segments: 
                         db + eout * mm_tn(x, a * ein, matmul_dtype=matmul_dtype)))
         return tuple(out)
 
-    grads = bits(c, level, tuple((jnp.zeros_like(a), jnp.zeros_like(b)) for a, b, _, _ in terms))
+    inits = into or [None] * len(terms)
+    grads = bits(c, level, tuple((jnp.zeros_like(a), jnp.zeros_like(b)) if init is None else tuple(init)
+                                 for (a, b, _, _), init in zip(terms, inits, strict=True)))
     r, j = iotas(c)
     out = []
     for (da, db), (a, b, dm, strict) in zip(grads, terms):
@@ -279,15 +283,17 @@ def key_grads(q, k, dec: Decays, beta_col, dqs, dks, dx, dgamma, dps, dab, *, ma
     products: dps of q k^T's (scale dP, on and below the diagonal) and dab
     of k k^T's (beta dA, below it); scaled once by the caller, as a kernel
     walking key blocks holds them."""
-    (dq_p, dk_p, dg_p), (dk_a, dk_b, dg_a) = pair_products_bwd(
-        [(q, k, dps, False), (k, k, dab, True)], dec, matmul_dtype=matmul_dtype,
-        split_segments=split_segments, bits=bits)
     xk = beta_col * dec.eg * dx
-    dq = dqs * dec.eg + dq_p
-    dk = dks * dec.ek + xk + dk_p + dk_a + dk_b
-    dgcum = dqs * q * dec.eg + xk * k + dg_p + dg_a
-    dg = gate_grads(dgcum, dks * k * dec.ek, dgamma * dec.gamma, split_segments=split_segments)
-    return dq, dk, dg
+    kdks = k * dks * dec.ek
+    # dq's and dk's terms through the state and W start the q k^T pair's adjoint sums, so that a kernel's loop
+    # over the bits holds neither them nor their factors; its dG = q dq - k dk then carries -k (dks ek + xk),
+    # which dgcum (whose own terms are q dqs eg + k xk) takes back
+    (dq, dk_p, dg_p), (dk_a, dk_b, dg_a) = pair_products_bwd(
+        [(q, k, dps, False), (k, k, dab, True)], dec, matmul_dtype=matmul_dtype, split_segments=split_segments,
+        bits=bits, into=[(dqs * dec.eg, dks * dec.ek + xk), None])
+    dgcum = dg_p + dg_a + kdks + 2 * k * xk
+    dg = gate_grads(dgcum, kdks, dgamma * dec.gamma, split_segments=split_segments)
+    return dq, dk_p + dk_a + dk_b, dg
 
 
 def value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_out, *, scale, decay_dtype, matmul_dtype=None,
