@@ -86,6 +86,28 @@ def test_sharded_load_of_fused_experts(hf_dirs, tmp_path):
     _assert_same(CausalLM.from_pretrained(fused, mesh=m), CausalLM.from_pretrained(source), m)
 
 
+@pytest.mark.parametrize("experts", ["per_expert", "fused"])
+def test_sharded_load_of_an_fp8_checkpoint(hf_dirs, tmp_path, experts):
+    """Block-scaled FP8 (blocks of 16 x 24: partial at the edges, and cut
+    by the shards' slices): each device dequantizes its part, equal bit for
+    bit to the whole load; fused experts take one block grid per expert."""
+    from tests.helpers.fp8 import fp8_tensors, write_fp8
+
+    source = hf_dirs["qwen3_next_moe"]
+    tensors = load_file(source / "model.safetensors")
+    if experts == "fused":
+        for layer in range(4):
+            prefix = f"model.layers.{layer}.mlp.experts"
+            stack = {part: np.stack([tensors.pop(f"{prefix}.{e}.{part}_proj.weight") for e in range(4)])
+                     for part in ("gate", "up", "down")}
+            tensors[f"{prefix}.gate_up_proj"] = np.concatenate([stack["gate"], stack["up"]], axis=1)
+            tensors[f"{prefix}.down_proj"] = stack["down"]
+    quantized, _, kept = fp8_tensors(tensors, (16, 24))
+    write_fp8(tmp_path / "fp8", json.loads((source / "config.json").read_text()), quantized, (16, 24), kept)
+    m = mesh("auto", **MESHES["fsdp4_tensor2"])
+    _assert_same(CausalLM.from_pretrained(tmp_path / "fp8", mesh=m), CausalLM.from_pretrained(tmp_path / "fp8"), m)
+
+
 def test_saving_a_sharded_model_writes_the_same_bytes(hf_dirs, tmp_path):
     m = mesh("auto", **MESHES["fsdp4_tensor2"])
     CausalLM.from_pretrained(hf_dirs["qwen3_5_moe"], mesh=m).save_pretrained(tmp_path / "sharded")

@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from gdnx.files import atomic_write, atomic_write_text, read_json_object
+from gdnx.checkpoints import fp8
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
 from gdnx.checkpoints.hf_names import ALIASES, Experts, Index, locate
 from gdnx.config.schema import ModelConfig
@@ -61,9 +62,13 @@ class _Reader:
     """Slices of tensors by name across the directory's safetensors files,
     read as numpy on the host."""
 
-    def __init__(self, directory: Path, aliases: tuple[tuple[str, str], ...] = ()):
-        """aliases: (part of a name, what the files may have in its place)."""
-        self.aliases = aliases
+    def __init__(self, directory: Path, aliases: tuple[tuple[str, str], ...] = (), layout: fp8.BlockFp8 | None = None):
+        """aliases: (part of a name, what the files may have in its place).
+        layout: the checkpoint's FP8 blocks (config.json's
+        quantization_config), under which float8 tensors are read
+        dequantized with their scales."""
+        self.aliases, self.layout, self.directory = aliases, layout, directory
+        self.raw: dict[str, fp8.RawTensors] = {}
         index = directory / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -114,21 +119,53 @@ class _Reader:
         and use)."""
         view = self._slice(key)
         key = self._resolve(key)
-        stored = view.get_dtype()  # as in the file: F32, BF16, I64, BOOL, ...
-        if not stored.startswith(("F", "BF")):
+        stored = view.get_dtype()  # as in the file: F32, BF16, I64, BOOL, F8_E4M3, ...
+        if stored in fp8.FLOAT8:
+            self._check_scale(key, tuple(view.get_shape()))
+        elif not stored.startswith(("F", "BF")):
             name = _STORED_INTEGERS.get(stored, stored.lower())
             raise ValueError(f"{self.weight_map[key]}: {key} is {name}, expected floating-point weights; "
                              "the file was not written as a model's weights")
         self.used.add(key)
         return tuple(view.get_shape())
 
+    def _raw(self, key: str) -> fp8.RawTensors:
+        f = self.weight_map[key]
+        if f not in self.raw:
+            self.raw[f] = fp8.RawTensors(self.directory / f)
+        return self.raw[f]
+
+    def _check_scale(self, key: str, shape: tuple[int, ...]) -> None:
+        """A float8 tensor's scale: present, of its block grid's shape."""
+        where = self.weight_map[key]
+        if self.layout is None:
+            raise ValueError(f"{where}: {key} is float8 and config.json has no quantization_config saying how "
+                             "it is scaled")
+        scale = key + fp8.SCALE_SUFFIX
+        if scale not in self.weight_map:
+            raise ValueError(f"{where}: {key} is float8 with no {scale} beside it")
+        found, needed = self._raw(scale).shape(scale), fp8.scale_shape(shape, self.layout)
+        if found != needed:
+            raise ValueError(f"{self.weight_map[scale]}: {scale} has shape {found}; {key} {shape} in blocks of "
+                             f"{self.layout.block} needs {needed}")
+        self.used.add(scale)
+
     def get(self, key: str, index: Index | None = None) -> np.ndarray:
-        """The tensor, or the part `index` selects; refused when it holds
-        NaN or an infinity."""
+        """The tensor, or the part `index` selects (float8 tensors
+        dequantized to float32 with their scales); refused when it holds NaN
+        or an infinity."""
         view = self._slice(key)
         key = self._resolve(key)
+        shape = tuple(view.get_shape())
         try:
-            value = view[index if index is not None else tuple(slice(None) for _ in view.get_shape())]
+            if view.get_dtype() in fp8.FLOAT8:
+                self._check_scale(key, shape)
+                assert self.layout is not None  # _check_scale refuses a float8 tensor without one
+                scale = key + fp8.SCALE_SUFFIX
+                value = fp8.dequantized(self._raw(key), key, self._raw(scale), scale, _whole(index or (), shape),
+                                        self.layout)
+            else:
+                value = view[index if index is not None else tuple(slice(None) for _ in shape)]
         except SafetensorError as e:
             raise ValueError(f"{self.weight_map[key]}: {key} cannot be read ({e}); truncated or corrupt?") from None
         if not np.isfinite(value).all():
@@ -325,7 +362,11 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
     In a multi-process run each process reads its devices' parts."""
     directory = Path(path)
     prefix = "model.language_model." if _hf_config(directory).get("model_type") in VISION_LANGUAGE else "model."
-    reader = _Reader(directory, ALIASES.get(cfg.family, ()))
+    layout = fp8.quantization(_hf_config(directory), str(directory))
+    reader = _Reader(directory, ALIASES.get(cfg.family, ()), layout)
+    if layout is not None:
+        log.warning(f"{directory}: FP8 weights (blocks of {layout.block[0]} x {layout.block[1]}) dequantized to "
+                    f"{cfg.param_dtype} on load; gdnx holds no quantized weights yet")
     missing = []
     flat = nnx.to_flat_state(params)
     for p, var in flat:
