@@ -6,7 +6,8 @@ By default both ops at the published anchors' shape, one sequence of
 32,768 tokens: GDN at Qwen3-Next's heads (HK=16, HV=32, K=V=128), KDA at
 Kimi Linear's (HK=HV=32, K=V=128; per-channel gates log U(0.7, 1)),
 bfloat16 inputs, float32 state, use_qk_l2norm, chunk 64. For each
-implementation (xla, pallas_gpu, pallas_gpu with bfloat16 matmul operands)
+implementation (xla, pallas_gpu with its default bfloat16 products, and
+with float32 products)
 it prints the relative error of the output and final state against the
 float64 token recurrence (on a shorter prefix, --check-length, to keep it
 quick), the compile time of the forward+backward program, the median
@@ -100,8 +101,8 @@ def make_inputs(b, t, hk, hv, d, seed=0, per_channel=False):
 
 VARIANTS = {
     "xla": dict(implementation="xla"),
-    "pallas_gpu": dict(implementation="pallas_gpu"),
-    "pallas_gpu, matmul_dtype=bfloat16": dict(implementation="pallas_gpu", matmul_dtype="bfloat16"),
+    "pallas_gpu (bf16 products, the default for bf16 inputs)": dict(implementation="pallas_gpu"),
+    "pallas_gpu, matmul_dtype=float32": dict(implementation="pallas_gpu", matmul_dtype="float32"),
 }
 
 

@@ -26,7 +26,7 @@ class Program:
     hv: int = 32
     dim: int = 128
     packed: bool = False
-    matmul_dtype: str | None = None
+    matmul_dtype: str = "float32"  # the kernels' default for bfloat16 inputs is bfloat16: float32 is the knob
     residuals: str = "save"
     per_channel: bool = False  # KDA
 

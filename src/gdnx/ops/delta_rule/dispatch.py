@@ -65,6 +65,21 @@ def _resolve_dtype(name: str, value: DTypeLike | str) -> np.dtype:
         raise ValueError(f"{name}: {e}") from None
 
 
+def _products(matmul_dtype, q, kernel: bool, state_dtype) -> np.dtype | None:
+    """The dtype the chunked algebra rounds matmul operands to (None: none,
+    products in state_dtype). Unset: for the Pallas kernels, bfloat16 when
+    the inputs are (one tensor-core / MXU pass, float32 accumulation, as the
+    hardware the kernels are for runs fastest); otherwise none (the xla
+    implementation is CPU's default, and XLA:CPU cannot run some bfloat16 x
+    bfloat16 -> float32 products). Set to state_dtype: none, whatever the
+    inputs."""
+    if matmul_dtype is None:
+        bf16 = kernel and hasattr(q, "dtype") and q.dtype == jnp.bfloat16
+        return np.dtype(jnp.bfloat16) if bf16 else None
+    resolved = _resolve_dtype("matmul_dtype", matmul_dtype)
+    return None if resolved == _resolve_dtype("state_dtype", state_dtype) else resolved
+
+
 def _check_float_array(name: str, x, ndim: int, layout: str):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name}: expected an array {layout}, got {type(x).__name__}")
@@ -162,7 +177,7 @@ def call(variant: Variant, table: Mapping[str, Backend], allowed: tuple[Implemen
     policies = impl.residual_policies if impl.chunked else RESIDUAL_POLICIES
     if opts.residuals not in policies:
         raise ValueError(f"residuals: expected one of {policies}, got {opts.residuals!r}")
-    matmul_dtype = None if opts.matmul_dtype is None else _resolve_dtype("matmul_dtype", opts.matmul_dtype)
+    matmul_dtype = _products(opts.matmul_dtype, q, impl.kernel, opts.state_dtype)
     if impl.chunked:
         knobs.update(chunk_size=opts.chunk_size, residuals=opts.residuals, matmul_dtype=matmul_dtype)
     elif history == "chunks":  # the token recurrence's states, taken at the chunk ends

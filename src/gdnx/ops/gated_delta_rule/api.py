@@ -76,11 +76,12 @@ def chunk_gated_delta_rule(
         chunk inverse, named gdn_chunk_states and gdn_chunk_inverse for remat
         policies; "recompute": only the inputs, and the backward reruns the
         forward pass first.
-      matmul_dtype: None keeps every matmul operand in state_dtype (exact
-        float32 products). A dtype such as "bfloat16" rounds the operands of
-        every matmul outside the chunk inverse to it, accumulating in
-        state_dtype: one bf16 MXU / tensor-core pass instead of several, at
-        the accuracy cost measured in docs/ops.md.
+      matmul_dtype: a dtype such as "bfloat16" rounds the operands of every
+        matmul outside the chunk inverse to it, accumulating in state_dtype:
+        one bf16 MXU / tensor-core pass instead of several, at the accuracy
+        cost measured in docs/ops.md; state_dtype (float32) keeps every
+        operand in it (exact float32 products). None: bfloat16 for the
+        Pallas kernels with bfloat16 inputs, float32 otherwise.
       output_chunk_states: also return the state after every chunk
         [B, ceil(T / chunk_size), HV, K, V] (the last entry is the final
         state): what a prefix cache keeps at chunk boundaries. Forward only
