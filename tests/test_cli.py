@@ -37,6 +37,7 @@ from tests.helpers.cli import refused
     (["bench", "--seq-len", "0"], "gdnx bench: error: --seq-len: expected a positive integer"),
     (["train", "tiny", "parallel.tensor=2"], "gdnx train: error: parallel: the fixed axis sizes multiply to 2"),
     (["train", "tiny", "parallel.context=0"], "gdnx train: error: parallel.context: expected a positive axis size"),
+    (["train", "tiny", "model.quantize=int8"], "gdnx train: error: model.quantize: int8 weights are frozen"),
     (["plan", "tiny", "--topology", "v7:2x2"],
      "gdnx plan: error: --topology: expected a TPU slice <generation>:<shape>"),
     (["plan", "tiny", "--topology", "v5p:2x2x1", "train.grad_accum_steps=3"],

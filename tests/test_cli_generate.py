@@ -220,3 +220,23 @@ def test_a_failed_request_is_an_error_record_in_its_place_and_resume_runs_it_aga
     monkeypatch.setattr(Engine, "_emit", real)
     assert main([*argv, str(out), "--resume"]) == 0
     assert out.read_text().splitlines(keepends=True) == want
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantize_through_the_engine_gives_the_plain_paths_tokens(checkpoint, hf_checkpoints, tmp_path, kind):
+    """--quantize: the engine (prefix cache, speculation, batching) on the
+    quantized model gives gdnx.generate's greedy tokens for that model."""
+    from gdnx.models import CausalLM
+
+    path, _ = checkpoint
+    model = CausalLM.from_pretrained(path, quantize=kind, gdn_chunk_size=16)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (20, 7, 33)]
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": words(p)}) + "\n" for p in prompts))
+    out = tmp_path / "results.jsonl"
+    assert main(["generate", "--checkpoint", str(path), "--prompts-file", str(src), "--out", str(out),
+                 "--max-new-tokens", "6", "--max-slots", "2", "--prefix-cache-mb", "16", "--speculative", "2",
+                 "--quantize", kind, "model.gdn_chunk_size=16"]) == 0
+    got = [json.loads(x)["tokens"] for x in out.read_text().splitlines()]
+    assert got == [np.asarray(generate(model, jnp.asarray([p]), 6))[0].tolist() for p in prompts]

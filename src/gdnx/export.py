@@ -31,6 +31,7 @@ def export_run(run_dir: Path, out: Path, form: Form = "model") -> tuple[int, lis
     from gdnx.files import read_json_object
     from gdnx.models import CausalLM
     from gdnx.models.adapters import merged_params
+    from gdnx.quantization import dequantized_params
     from gdnx.runs import load_run
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -56,8 +57,12 @@ def export_run(run_dir: Path, out: Path, form: Form = "model") -> tuple[int, lis
     elif form == "merge_lora":
         assert lora is not None
         flat = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+        cfg = config.model
+        if cfg.quantize != "none":  # a quantized base: merged into its dequantized weights, written unquantized
+            flat = dequantized_params(flat, (cfg.quantize_block[0], cfg.quantize_block[1]), cfg.param_dtype)
+            cfg = cfg.model_copy(update={"quantize": "none"})
         merged = merged_params(flat, lora.alpha / lora.rank)
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config.model)), nnx.Param)
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg)), nnx.Param)
         params = nnx.from_flat_state([(p, var.replace(merged[p])) for p, var in nnx.to_flat_state(abstract)])
         nnx.merge(graphdef, params).save_pretrained(out)
     else:

@@ -28,7 +28,7 @@ ENGINE_FLAGS = {"max_slots": "--max-slots", "max_length": "--max-length", "prefi
 MEMORY_HINT = ("shorten the prompt or --max-new-tokens, or load the weights in bfloat16 "
                "(model.param_dtype=bfloat16 model.dtype=bfloat16)")
 # what a loaded checkpoint may change: how the model computes, not its shapes
-_OVERRIDABLE = ("dtype", "param_dtype", "scan_layers")
+_OVERRIDABLE = ("dtype", "param_dtype", "scan_layers", "quantize", "quantize_block")
 
 
 class IdTokenizer:
@@ -60,7 +60,8 @@ def model_overrides(overrides: list[str], command: str) -> dict:
     for key in model:
         if not key.startswith("gdn_") and key not in _OVERRIDABLE:
             raise ConfigError(f"model.{key}: {command} takes overrides of the model.gdn_* fields, model.dtype, "
-                              "model.param_dtype and model.scan_layers only (the checkpoint fixes the architecture)")
+                              "model.param_dtype, model.scan_layers and model.quantize(_block) only (the checkpoint "
+                              "fixes the architecture)")
     return model
 
 
@@ -119,6 +120,9 @@ def load(path: Path, overrides: list[str], command: str) -> Loaded:
     mesh = parallel_mesh(overrides)
     try:
         if is_run(path):
+            if model_fields.get("quantize", "none") != "none":
+                raise ConfigError("model.quantize: a gdnx run restores as it was trained; export it (gdnx export) "
+                                  "and quantize the Hugging Face directory on load")
             if "scan_layers" in model_fields:
                 raise ConfigError("model.scan_layers: a gdnx run's checkpoint restores in the layout it was trained "
                                   "in (a Hugging Face directory loads in either)")

@@ -63,3 +63,28 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_tensor_or_method(hf_checkpoi
             rf"{name}_scale_inv has shape \(1, \d+\); {name} .* needs")
     refused(stored, {k: v for k, v in config.items() if k != "quantization_config"},
             r"model\.layers\.\d+\.\S+ is float8 and config.json has no quantization_config")
+
+
+def test_an_fp8_checkpoint_held_as_fp8_keeps_its_values_and_factors(hf_checkpoints, tmp_path):
+    """model.quantize=fp8 on an FP8 checkpoint takes its blocks (16 x 24
+    here) and holds what it stores: a routed expert's float8 values and
+    factors are the file's (transposed to gdnx's [in, out]), the values bit
+    for bit, and the logits near those of the dequantized load. Quantizing it again as
+    int8 is refused."""
+    stored = fp8_checkpoint(hf_checkpoints.path("qwen3_next_moe"), tmp_path / "fp8", tmp_path / "plain", (16, 24))
+    held = CausalLM.from_pretrained(tmp_path / "fp8", quantize="fp8")
+    assert tuple(held.config.quantize_block) == (16, 24)
+    experts = held.layers[0].mlp
+    file_values = np.stack([stored[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(4)])
+    file_factors = np.stack([stored[f"model.layers.0.mlp.experts.{e}.down_proj.weight_scale_inv"] for e in range(4)])
+    np.testing.assert_array_equal(np.asarray(experts.experts_down[...]).view(np.uint8),
+                                  file_values.transpose(0, 2, 1).view(np.uint8))
+    # the factors found again from the dequantized values: the file's to a float32 ulp ((s x 448) / 448)
+    np.testing.assert_allclose(np.asarray(experts.experts_down_scale[...]), file_factors.transpose(0, 2, 1),
+                               rtol=2.5e-7)
+    toks = tokens(2, 24)
+    plain = CausalLM.from_pretrained(tmp_path / "fp8")
+    # the projections gdnx regroups by head (GDN's q|k|v|z) take new blocks: a second rounding there only
+    assert relative_error(np.asarray(held(toks)), np.asarray(plain(toks))) <= 2e-2
+    with pytest.raises(ValueError, match=r"model.quantize: .* is already quantized \(fp8, blocks of 16 x 24\)"):
+        CausalLM.from_pretrained(tmp_path / "fp8", quantize="int8")

@@ -86,6 +86,17 @@ def test_sharded_load_of_fused_experts(hf_dirs, tmp_path):
     _assert_same(CausalLM.from_pretrained(fused, mesh=m), CausalLM.from_pretrained(source), m)
 
 
+@pytest.mark.parametrize("kind, scan", [("int8", False), ("fp8", True)])
+def test_sharded_quantized_load_equals_whole_load(hf_dirs, kind, scan):
+    """model.quantize: each device quantizes the whole blocks its part
+    touches (blocks of 16 x 24, cut by the shards), the values and factors
+    equal bit for bit to quantizing the whole load; scanned stacks too."""
+    m = mesh("auto", **MESHES["fsdp4_tensor2"])
+    over = dict(quantize=kind, quantize_block=(16, 24), scan_layers=scan)
+    _assert_same(CausalLM.from_pretrained(hf_dirs["qwen3_next_moe"], mesh=m, **over),
+                 CausalLM.from_pretrained(hf_dirs["qwen3_next_moe"], **over), m)
+
+
 @pytest.mark.parametrize("experts", ["per_expert", "fused"])
 def test_sharded_load_of_an_fp8_checkpoint(hf_dirs, tmp_path, experts):
     """Block-scaled FP8 (blocks of 16 x 24: partial at the edges, and cut

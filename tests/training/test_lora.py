@@ -177,3 +177,24 @@ def test_a_changed_base_is_refused_on_resume_export_and_load(bases, tmp_path):
                     lambda: load_run(tmp_path / "run")):
         with pytest.raises(ValueError, match=r"model.init_from: .* changed since the LoRA run"):
             attempt()
+
+
+@pytest.mark.parametrize("kind", ["int8"])  # fp8 takes the same path (tests/test_quantization.py: both kinds)
+def test_lora_on_a_quantized_base_trains_resumes_and_exports_merged(bases, tmp_path, kind):
+    """QLoRA: adapters (on the experts and two projections) over a base held
+    quantized (model.quantize); the quantized base stays bit for bit, the
+    run resumes, and the merged export (the base dequantized, the adapters
+    merged in) is what the run computes under transformers."""
+    over = [f"model.quantize={kind}", "model.quantize_block=[16, 24]",
+            "train.lora.targets=[experts, q_proj, in_proj_qkvz]"]
+    trainer, base = _train(bases, "qwen3_5_moe", tmp_path / "run", *over)
+    assert any(x.dtype == (np.int8 if kind == "int8" else jnp.float8_e4m3fn) for x in jax.tree.leaves(base))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8)),
+                 base, jax.tree.map(np.asarray, trainer.frozen))
+    _train(bases, "qwen3_5_moe", tmp_path / "run", *over, "train.steps=7")  # resumes from step 6
+    run = load_run(tmp_path / "run")
+    assert run.step == 7
+    export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    toks = tokens(2, 20)
+    assert relative_error(hf_logits(hf, toks), _gdnx_logits(run.model, toks)) <= 1e-5

@@ -30,6 +30,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from gdnx import quantization
 from gdnx.files import atomic_write, atomic_write_text, read_json_object
 from gdnx.checkpoints import fp8
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
@@ -319,8 +320,20 @@ def _note_skipped(directory: Path, keys: list[str], cfg: ModelConfig) -> None:
 
 def read_config(path: str | os.PathLike, overrides: dict | None = None) -> ModelConfig:
     """The ModelConfig of a Hugging Face directory's config.json, with
-    `overrides` (ModelConfig fields)."""
-    return model_config_from_hf(_hf_config(Path(path)), overrides)
+    `overrides` (ModelConfig fields). An FP8 checkpoint held quantized
+    (quantize=fp8) keeps its own blocks unless quantize_block is given; one
+    quantized again as int8 is refused."""
+    hf = _hf_config(Path(path))
+    cfg = model_config_from_hf(hf, overrides)
+    layout = fp8.quantization(hf, str(path))
+    if layout is None or cfg.quantize == "none":
+        return cfg
+    if cfg.quantize != "fp8":
+        raise ValueError(f"model.quantize: {path} is already quantized (fp8, blocks of {layout.block[0]} x "
+                         f"{layout.block[1]}); hold it as fp8 (--quantize fp8) or leave it unquantized")
+    if "quantize_block" in (overrides or {}):
+        return cfg
+    return cfg.model_copy(update={"quantize_block": layout.block})
 
 
 def _hf_config(directory: Path) -> dict:
@@ -364,12 +377,14 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
     prefix = "model.language_model." if _hf_config(directory).get("model_type") in VISION_LANGUAGE else "model."
     layout = fp8.quantization(_hf_config(directory), str(directory))
     reader = _Reader(directory, ALIASES.get(cfg.family, ()), layout)
-    if layout is not None:
+    if layout is not None and cfg.quantize == "none":
         log.warning(f"{directory}: FP8 weights (blocks of {layout.block[0]} x {layout.block[1]}) dequantized to "
-                    f"{cfg.param_dtype} on load; gdnx holds no quantized weights yet")
+                    f"{cfg.param_dtype} on load; model.quantize=fp8 (--quantize fp8) holds them as fp8")
     missing = []
     flat = nnx.to_flat_state(params)
     for p, var in flat:
+        if str(p[-1]).endswith(quantization.SCALE):
+            continue  # a quantized weight's factors: computed from its tensors, which are checked
         paths, stacked = layer_paths(cfg, p)  # a scanned model's stacked parameter gathers one tensor per layer
         shape = tuple(var.shape[1:] if stacked else var.shape)
         try:
@@ -392,10 +407,46 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
     else:
         places = jax.tree.leaves(placement(params, cfg), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     loaded = []
+    shapes = {p: tuple(var.shape) for p, var in flat}
     for (p, var), place in zip(flat, places, strict=True):
-        part = _part_reader(reader, cfg, prefix, p, tuple(var.shape), var.dtype)
+        name = str(p[-1])
+        if name.endswith(quantization.SCALE) or (p[:-1] + (name + quantization.SCALE,)) in shapes:
+            part = _quantized_reader(reader, cfg, prefix, p, shapes)
+        else:
+            part = _part_reader(reader, cfg, prefix, p, tuple(var.shape), var.dtype)
         loaded.append((p, var.replace(jax.make_array_from_callback(tuple(var.shape), place, part))))
     return nnx.from_flat_state(loaded)
+
+
+def _quantized_reader(reader: _Reader, cfg: ModelConfig, prefix: str, path: tuple,
+                      shapes: dict[tuple, tuple[int, ...]]) -> Callable[[Index | None], np.ndarray]:
+    """index -> that part of a quantized weight's values or of its factors
+    (gdnx.quantization), quantized from the files' tensors block by block:
+    a part reads the whole blocks it touches, so every device's part equals
+    the same slice of the whole weight quantized at once."""
+    scale = str(path[-1]).endswith(quantization.SCALE)
+    base = (*path[:-1], str(path[-1]).removesuffix(quantization.SCALE)) if scale else path
+    shape = shapes[base]
+    block = (cfg.quantize_block[0], cfg.quantize_block[1])
+    rows, cols = block
+    weights = _part_reader(reader, cfg, prefix, base, shape, np.float32)
+
+    def blocks(index: Index) -> tuple[np.ndarray, np.ndarray]:
+        """(values, factors) of the blocks `index` (over the factor grid) selects."""
+        lead, (r, c) = index[:-2], index[-2:]
+        region = (*lead, slice(r.start * cols, min(r.stop * cols, shape[-2])),
+                  slice(c.start * rows, min(c.stop * rows, shape[-1])))
+        return quantization.quantize_host(weights(region), cfg.quantize, block)
+
+    def part(index: Index | None) -> np.ndarray:
+        if scale:
+            return blocks(_whole(index or (), quantization.grid(shape, block)))[1]
+        index = _whole(index or (), shape)
+        lead, (r, c) = index[:-2], index[-2:]
+        r0, c0 = r.start // cols, c.start // rows
+        values = blocks((*lead, slice(r0, -(-r.stop // cols)), slice(c0, -(-c.stop // rows))))[0]
+        return values[..., r.start - r0 * cols:r.stop - r0 * cols, c.start - c0 * rows:c.stop - c0 * rows]
+    return part
 
 
 def load_pretrained(build: Callable[[ModelConfig], Model], path: str | os.PathLike, *,
@@ -436,8 +487,16 @@ def hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
             yield key, np.ascontiguousarray(np.concatenate([r for _, r in sorted(parts, key=lambda p: p[0])],
                                                            axis=axis))
 
-    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for p, var in flat.items():
+        if str(p[-1]).endswith(quantization.SCALE):
+            continue
         whole = _host(var[...])
+        scale = flat.get(p[:-1] + (str(p[-1]) + quantization.SCALE,))
+        if scale is not None:  # quantized: written dequantized, in the parameters' dtype
+            block = (cfg.quantize_block[0], cfg.quantize_block[1])
+            whole = np.asarray(quantization.dequantize(jnp.asarray(whole), jnp.asarray(_host(scale[...])), block,
+                                                       jnp.dtype(cfg.param_dtype)))
         paths, stacked = layer_paths(cfg, p)
         for i, q in enumerate(paths):
             where = locate(cfg, q)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gdnx.config.reading import ConfigError
 from gdnx.signals import handled
-from gdnx.cli.options import distributed_options
+from gdnx.cli.options import distributed_options, overrides, quantize_option
 
 
 
@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
     ev.add_argument("--apply-chat-template", action="store_true", help="render prompts with the checkpoint's "
                                                                        "chat template")
     ev.add_argument("--seed", type=int, default=0, help="the few-shot sampler's and generation's seed (default 0)")
+    quantize_option(ev)
     ev.add_argument("overrides", nargs="*", metavar="key=value",
                     help="model.gdn_* and model.dtype overrides; parallel.* places the model on a mesh of this "
                          "host's devices (of every process's, with --distributed), e.g. parallel.tensor=4")
@@ -108,7 +109,7 @@ def _evaluate(args, tasks: list[str], manager, interrupt: _Interrupt) -> None:
     from gdnx.evaluation import GdnxLM
     from gdnx.inference import chat_template, load
 
-    loaded = load(Path(args.checkpoint), list(args.overrides), "eval")
+    loaded = load(Path(args.checkpoint), overrides(args), "eval")
     chat = chat_template(loaded, "eval") if args.apply_chat_template else None
     if args.apply_chat_template and chat is None:
         raise ConfigError("--apply-chat-template: this checkpoint has no chat template")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gdnx.config.reading import ConfigError
 from gdnx.errors import FieldError
-from gdnx.cli.options import distributed_options, engine_options
+from gdnx.cli.options import distributed_options, engine_options, overrides, quantize_option
 
 FAILED_STATUS = 1  # a prompts file ran to its end, and some of its requests failed (error records in --out)
 # seeds are 64-bit: a request's key is made of its seed's two 32-bit halves
@@ -36,6 +36,7 @@ def add_parser(sub) -> None:
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; line i of a prompts file: "
                                                           "seed + i unless it gives its own)")
     engine_options(gen.add_argument_group("the engine (--prompts-file)"), "the longest line's need", 0)
+    quantize_option(gen)
     gen.add_argument("overrides", nargs="*", metavar="key=value",
                      help="model.gdn_* and model.dtype overrides, e.g. model.gdn_implementation=xla; parallel.* "
                           "places the model on a mesh of this host's devices as gdnx train does, e.g. "
@@ -78,7 +79,7 @@ def run_generate(args) -> int:
             raise ConfigError(f"--seed: line i draws with --seed + i, past 2**63 for {len(lines)} lines")
     elif args.out is not None or args.resume:
         raise ConfigError(f"{'--out' if args.out is not None else '--resume'}: applies to --prompts-file")
-    found = load(Path(args.checkpoint), list(args.overrides), "generate")
+    found = load(Path(args.checkpoint), overrides(args), "generate")
     model, tok, loaded = found.model, found.tokenizer, found.description
     if args.prompts_file is not None:
         return run_prompts_file(args, found, lines, done)

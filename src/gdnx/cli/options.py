@@ -1,5 +1,6 @@
 """What several commands share: the batched engine's options (generate,
-serve), the several-process options and starting the distributed runtime."""
+serve), --quantize (generate, serve, eval, plan), the several-process
+options and starting the distributed runtime."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ from gdnx.serving.config import EngineConfig
 
 if TYPE_CHECKING:
     from gdnx.distributed import ProcessGroup
+
+
+def quantize_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--quantize", choices=("int8", "fp8"), default=None,
+                         help="hold the projections and routed experts quantized, a float32 factor per block of "
+                              "128 x 128 (model.quantize; an FP8 checkpoint keeps its blocks with fp8); default: "
+                              "as the checkpoint stores them (an FP8 checkpoint dequantized)")
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The command's key=value overrides, with --quantize as model.quantize."""
+    extra = [f"model.quantize={args.quantize}"] if getattr(args, "quantize", None) else []
+    return [*args.overrides, *extra]
 
 
 def engine_options(group: argparse._ActionsContainer, max_length_default: str, prefix_cache_mb: int) -> None:

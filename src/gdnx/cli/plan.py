@@ -3,6 +3,7 @@ TPU slice or GPUs from this host: bytes per device, whether they fit, compile ti
 
 from __future__ import annotations
 
+from gdnx.cli.options import overrides, quantize_option
 from gdnx.config.reading import ConfigError, bundled_names
 from gdnx.serving.config import EngineConfig
 
@@ -19,6 +20,7 @@ def add_parser(sub) -> None:
     plan.add_argument("--topology", required=True,
                       help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4; or N GPUs of "
                            "one host: h100:8, h200:8, a100:8")
+    quantize_option(plan)
     plan.add_argument("overrides", nargs="*", metavar="key=value",
                       help="config overrides, e.g. parallel.fsdp=-1 parallel.data=1 train.batch_size=64")
     serving = plan.add_argument_group("--serve: the serving engine's programs instead (docs/serving.md)")
@@ -48,7 +50,7 @@ def run(args) -> None:
     from gdnx.inference import engine_config
     from gdnx.train_plan import describe, plan
 
-    config = load_config(args.config, list(args.overrides))
+    config = load_config(args.config, overrides(args))
     try:
         if args.serve:
             if args.prefix_cache_mb < 0:

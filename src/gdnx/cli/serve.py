@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from gdnx.cli.options import distributed_options, engine_options
+from gdnx.cli.options import distributed_options, engine_options, overrides, quantize_option
 from gdnx.config.reading import ConfigError
 from gdnx.serving.config import EngineConfig
 
@@ -64,6 +64,7 @@ def add_parser(sub) -> None:
                             "</function_calls>, OLMo Hybrid's); without it, requests with tools are refused")
     serve.add_argument("--reasoning-parser", choices=("qwen3",), default=None,
                        help="split a thinking model's <think>...</think> into message.reasoning_content")
+    quantize_option(serve)
     serve.add_argument("overrides", nargs="*", metavar="key=value",
                        help="model.gdn_* and model.dtype overrides, e.g. model.dtype=bfloat16; parallel.* "
                             "places the engine on a mesh of this host's devices, e.g. parallel.tensor=4 "
@@ -148,14 +149,14 @@ def _start(args):
     path = Path(args.checkpoint)
     # every process must build the same engine (the scheduler's choices are made on each): agreed before loading
     try:
-        agree("serve", {"--checkpoint": str(path.resolve()), "overrides": sorted(args.overrides),
+        agree("serve", {"--checkpoint": str(path.resolve()), "overrides": sorted(overrides(args)),
                         "--max-slots": args.max_slots, "--max-length": args.max_length,
                         "--prefix-cache-mb": args.prefix_cache_mb, "--speculative": args.speculative,
                         "--batch-invariant": args.batch_invariant, "--decode-steps": args.decode_steps,
                         "--max-prefill-batch": args.max_prefill_batch, "--warm-up": args.warm_up})
     except FieldError as e:
         raise ConfigError(str(e)) from None
-    found = load(path, list(args.overrides), "serve")
+    found = load(path, overrides(args), "serve")
     chat = chat_template(found, "serve")  # none: chat completions are refused, completions served
     max_length = min(found.max_positions, DEFAULT_MAX_LENGTH) if args.max_length is None else args.max_length
     engine = build_engine(found, engine_config(

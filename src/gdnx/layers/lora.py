@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from gdnx import quantization
 from gdnx.parallel.rules import out_sharding
 
 P = jax.sharding.PartitionSpec
@@ -120,18 +121,40 @@ class LoRA(nnx.Module):
 
 
 class Linear(nnx.Linear):
-    """nnx.Linear with an optional LoRA adapter (`lora`, set by add_adapters)."""
+    """nnx.Linear with an optional LoRA adapter (`lora`, set by add_adapters)
+    and optionally quantized weights (`quantize`: int8 / float8 values in
+    `kernel`, block factors in `kernel_scale`; gdnx.quantization)."""
 
     lora: LoRA | None = None
+    kernel_scale: nnx.Param | None = None
+    block: tuple[int, int] | None = None
+
+    def quantize(self, kind: str, block: tuple[int, int]) -> None:
+        """Hold the kernel quantized (its values replaced in place)."""
+        values, scale = quantization.quantize(self.kernel[...], kind, block)
+        self.kernel = nnx.Param(values)
+        self.kernel_scale = nnx.Param(scale)
+        self.block = block
 
     def __call__(self, x: jax.Array, *, out_sharding: P | None = None) -> jax.Array:  # type: ignore[override]
-        y = super().__call__(x, out_sharding=out_sharding)
+        if self.kernel_scale is None:
+            y = super().__call__(x, out_sharding=out_sharding)
+        else:
+            x = x.astype(self.dtype or x.dtype)
+            y = jnp.einsum("...i,io->...o", x, self._dequantized(x.dtype), precision=self.precision,
+                           out_sharding=out_sharding)
+            if self.bias is not None:
+                y = y + self.bias[...].astype(y.dtype)
         if self.lora is None:
             return y
         return y + self.lora(x, out_sharding).astype(y.dtype)
 
+    def _dequantized(self, dtype: DTypeLike) -> jax.Array:
+        assert self.kernel_scale is not None and self.block is not None
+        return quantization.dequantize(self.kernel[...], self.kernel_scale[...], self.block, dtype)
+
     def weight(self) -> jax.Array:
-        """The kernel [in, out] with the adapter merged in (no dropout): for
-        a caller that multiplies by the weight itself."""
-        w = self.kernel[...]
+        """The kernel [in, out] (dequantized) with the adapter merged in (no
+        dropout): for a caller that multiplies by the weight itself."""
+        w = self.kernel[...] if self.kernel_scale is None else self._dequantized(self.dtype or jnp.float32)
         return w if self.lora is None else self.lora.merged(w)

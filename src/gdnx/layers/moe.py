@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from gdnx import quantization
 from gdnx.layers.linear import linear
 from gdnx.layers.lora import LoRA
 from gdnx.layers.mlp import MLP, swiglu
@@ -73,6 +74,7 @@ class SparseMoE(nnx.Module):
         the platform's). split: how a tensor axis splits the experts
         (gdnx.parallel.moe.split_experts: auto, width or experts)."""
         self.implementation, self.split = implementation, split
+        self.block: tuple[int, int] | None = None  # quantized weights' blocks (quantize)
         h, i, e, std = hidden_size, expert_size, num_experts, init_std
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.router, self.n_group, self.topk_group = router, n_group, topk_group
@@ -128,9 +130,23 @@ class SparseMoE(nnx.Module):
         tokens = jnp.asarray(x.shape[0] * x.shape[1], jnp.float32)
         return routed + shared, RouterStats(counts, jnp.sum(probs, axis=(0, 1)), tokens)
 
+    def quantize(self, kind: str, block: tuple[int, int]) -> None:
+        """Hold the routed experts' weights quantized (gdnx.quantization:
+        values in place, block factors in <name>_scale)."""
+        self.block = block
+        for name in EXPERT_WEIGHTS:
+            values, scale = quantization.quantize(getattr(self, name)[...], kind, block)
+            setattr(self, name, nnx.Param(values))
+            setattr(self, name + quantization.SCALE, nnx.Param(scale))
+
     def _weights(self, name: str) -> jax.Array:
-        """An experts' weight, with its LoRA adapter (<name>_lora) added in."""
+        """An experts' weight (dequantized), with its LoRA adapter
+        (<name>_lora) added in."""
         w = getattr(self, name)[...]
+        scale = getattr(self, name + quantization.SCALE, None)
+        if scale is not None:
+            assert self.block is not None  # set by quantize with the factors
+            w = quantization.dequantize(w, scale[...], self.block, self.dtype)
         adapter: LoRA | None = getattr(self, f"{name}_lora", None)
         return w if adapter is None else adapter.merged(w)
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
+from gdnx import quantization
 from gdnx.config.schema import KDA_FAMILIES, ModelConfig
 from gdnx.layers.attention import (GatedAttention, HeadNormedAttention, KVCache, KVStack, NormedAttention, RingCache,
                                    Rope)
@@ -40,7 +41,7 @@ from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, DeltaRuleS
 from gdnx.layers.kimi_delta_attention import KimiDeltaAttention
 from gdnx.layers.latent_attention import LatentAttention, LatentCache, LatentStack
 from gdnx.layers.linear import linear
-from gdnx.layers.lora import AdapterSpec, fold_dropout
+from gdnx.layers.lora import AdapterSpec, Linear, fold_dropout
 from gdnx.layers.mlp import MLP
 from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
@@ -237,6 +238,16 @@ def _run_layer(layer, *args):
     return layer(*args)
 
 
+def _quantize(layer: DecoderLayer, kind: str, block: tuple[int, int]) -> None:
+    """Hold the layer's projections and routed experts quantized
+    (gdnx.quantization), all but the routers and shared experts' gates."""
+    for path, module in nnx.iter_modules(layer):
+        if isinstance(module, SparseMoE):
+            module.quantize(kind, block)
+        elif isinstance(module, Linear) and path and path[-1] not in quantization.KEPT:
+            module.quantize(kind, block)
+
+
 def _stack(layers: list[DecoderLayer]) -> DecoderLayer:
     """One layer module whose parameters stack those of `layers` (alike in
     kind) on a new leading dim."""
@@ -273,6 +284,9 @@ class CausalLM(nnx.Module):
             if not sum(add_adapters(layer, adapters, param_dtype=param_dtype, rngs=adapter_rngs)
                        for layer in layers):
                 raise ValueError(f"train.lora.targets: none of {sorted(adapters.targets)} is in this model")
+        if config.quantize != "none":
+            for layer in layers:
+                _quantize(layer, config.quantize, (config.quantize_block[0], config.quantize_block[1]))
         if config.scanned:
             # Built as the unrolled stack (the same initial values), then
             # stacked per position in the cycle; the layers before the first

@@ -1,0 +1,104 @@
+"""Weight-only quantization: int8 or float8_e4m3fn weights, one float32
+scale per block, bf16 (the model's dtype) activations.
+
+A quantized matrix keeps its place and layout ([in, out], the routed
+experts [E, in, out]) in the weight's dtype int8 or float8_e4m3fn, beside a
+`<name>_scale` parameter holding one factor per block of `block` = (rows of
+the [out, in] matrix as Hugging Face stores it, its columns), the edge
+blocks partial: the layout of the FP8 checkpoints Qwen and DeepSeek
+publish (gdnx.checkpoints.fp8), so those load as they are stored. Each
+product dequantizes its weight first (value x its block's factor, in the
+activations' dtype): memory at rest is a byte a weight, the arithmetic
+that of the unquantized model. qwix does the quantizing (absmax per block,
+its rounding and float8 saturation).
+
+What stays unquantized: the embeddings and the LM head, norms, the
+routers and the shared experts' gates, the delta-rule layers' small
+parameters and convolutions, and LoRA adapters (trained over a frozen
+quantized base).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from gdnx.parallel.rules import current_mesh, is_explicit
+
+Quantize = Literal["none", "int8", "fp8"]
+DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+SCALE = "_scale"
+# projections that stay unquantized, by module name (the routers: their scores choose experts)
+KEPT = frozenset({"gate", "shared_expert_gate", "lm_head"})
+
+
+def grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scale's shape for a weight of `shape` [..., in, out] in blocks of
+    (out rows, in columns)."""
+    rows, cols = block
+    return (*shape[:-2], -(-shape[-2] // cols), -(-shape[-1] // rows))
+
+
+def _padded(w, block: tuple[int, int]):
+    rows, cols = block
+    g = grid(w.shape, block)
+    pad = [(0, 0)] * (w.ndim - 2) + [(0, g[-2] * cols - w.shape[-2]), (0, g[-1] * rows - w.shape[-1])]
+    return jnp.pad(w, pad)
+
+
+def quantize(w: jax.Array, kind: str, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    """(values in int8 / float8_e4m3fn of w's shape, float32 factors of its
+    block grid) for w [..., in, out] in float: w ~ values x factor."""
+    import qwix
+
+    rows, cols = block
+    padded = _padded(w.astype(jnp.float32), block)
+    # one grid per leading index (each expert its own factors)
+    q = qwix.quantize(padded, DTYPES[kind], channelwise_axes=range(w.ndim - 2),
+                      tiled_axes={w.ndim - 2: cols, w.ndim - 1: rows})
+    index = tuple(slice(0, n) for n in w.shape)
+    return q.qvalue[index], q.scale.astype(jnp.float32)
+
+
+def factors(scale: jax.Array, shape: tuple[int, ...], block: tuple[int, int]) -> jax.Array:
+    """Each weight's factor [..., in, out] from the block grid."""
+    rows, cols = block
+    full = jnp.repeat(jnp.repeat(scale, cols, axis=-2), rows, axis=-1)
+    return full[..., :shape[-2], :shape[-1]]
+
+
+def dequantize(values: jax.Array, scale: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
+    """The weight values x factors, in `dtype`. On an Explicit mesh the
+    (small) factors are expanded whole and then laid out as the values."""
+    mesh = current_mesh()
+    if mesh is None or not is_explicit(mesh):
+        return (values.astype(jnp.float32) * factors(scale, values.shape, block)).astype(dtype)
+    full = factors(jax.sharding.reshard(scale, P()), values.shape, block)
+    full = jax.sharding.reshard(full, jax.typeof(values).sharding.spec)
+    return (values.astype(jnp.float32) * full).astype(dtype)
+
+
+def quantize_host(w: np.ndarray, kind: str, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """quantize on the host (the loader's parts), as numpy."""
+    host = jax.device_put(w, jax.local_devices(backend="cpu")[0])
+    q, s = _quantize_jit(host, kind, block)
+    return np.asarray(q), np.asarray(s)
+
+
+_quantize_jit = jax.jit(quantize, static_argnums=(1, 2))
+
+
+def dequantized_params(params: dict[tuple, jax.Array], block: tuple[int, int], dtype) -> dict[tuple, jax.Array]:
+    """Flat parameters {path: array} with every quantized weight dequantized
+    (in `dtype`) and its factors gone: the unquantized model's parameters."""
+    out = {}
+    for path, value in params.items():
+        if str(path[-1]).endswith(SCALE):
+            continue
+        scale = params.get((*path[:-1], f"{path[-1]}{SCALE}"))
+        out[path] = value if scale is None else dequantize(jnp.asarray(value), jnp.asarray(scale), block, dtype)
+    return out

@@ -1,0 +1,76 @@
+"""Weight-only quantization (gdnx.quantization, model.quantize): block
+factors with partial edge blocks and one grid per expert; a quantized
+checkpoint load equals quantizing the float load whole (the loader reads
+whole blocks per part); the quantized model's logits equal transformers'
+on the weights it stands for (written dequantized by save_pretrained), and
+stay within the quantization's own error of the float model's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from flax import nnx
+
+from gdnx import quantization
+from gdnx.config import load_config
+from gdnx.measure import relative_error
+from gdnx.models import CausalLM
+from tests.helpers.hf_models import KINDS, hf_logits, tokens
+
+BLOCK = (16, 24)  # rows of the [out, in] matrix, its columns: partial edge blocks on the tiny models
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_blocks_partial_edges_and_one_grid_per_expert(kind):
+    # three experts, the same values scaled by 1, 2 and 4 (exact in float32)
+    w = jax.random.normal(jax.random.key(0), (1, 40, 50)) * jnp.asarray([1.0, 2.0, 4.0])[:, None, None]
+    values, scale = quantization.quantize(w, kind, BLOCK)
+    assert values.dtype == quantization.DTYPES[kind] and values.shape == w.shape
+    assert scale.shape == quantization.grid(w.shape, BLOCK) == (3, 2, 4)
+    # each expert its own factors, following its own range
+    np.testing.assert_allclose(scale[1] / scale[0], 2, rtol=1e-6)
+    np.testing.assert_allclose(scale[2] / scale[0], 4, rtol=1e-6)
+    back = quantization.dequantize(values, scale, BLOCK, jnp.float32)
+    # int8: half a step of amax / 127 per block; float8_e4m3fn: 3 mantissa bits, 2^-4 relative
+    bound = 0.5 / 127 if kind == "int8" else 2.0 ** -4
+    full = quantization.factors(scale, w.shape, BLOCK) * (127 if kind == "int8" else 448)
+    err = jnp.abs(back - w) / (full if kind == "int8" else jnp.maximum(jnp.abs(w), full / 448 * 2.0 ** -6))
+    assert float(err.max()) <= bound * 1.01
+
+
+def test_the_config_names_the_field():
+    with pytest.raises(ValueError, match="model.quantize"):
+        load_config("tiny", ["model.quantize=int4"])
+    with pytest.raises(ValueError, match="model.quantize_block"):
+        load_config("tiny", ["model.quantize_block=[0, 128]"])
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "kimi_linear"])
+def test_quantized_load_matches_transformers_on_its_weights(hf_checkpoints, tmp_path, kind, family):
+    path = hf_checkpoints.path(family)
+    plain = CausalLM.from_pretrained(path)
+    model = CausalLM.from_pretrained(path, quantize=kind, quantize_block=BLOCK)
+    # the load quantizes block by block what quantizing the float weights whole gives
+    got = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    scales = 0
+    for p, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
+        if (p[:-1] + (f"{p[-1]}{quantization.SCALE}",)) in got:
+            values, scale = quantization.quantize_host(np.asarray(var[...]), kind, BLOCK)
+            np.testing.assert_array_equal(np.asarray(got[p][...]).view(np.uint8), np.asarray(values).view(np.uint8))
+            np.testing.assert_array_equal(got[p[:-1] + (f"{p[-1]}{quantization.SCALE}",)][...], scale)
+            scales += 1
+        else:
+            np.testing.assert_array_equal(got[p][...], var[...])
+    assert scales >= 10
+    # what it computes: transformers on the dequantized weights (float32 both sides)
+    model.save_pretrained(tmp_path / "dequantized")
+    hf = getattr(transformers, KINDS[family][1]).from_pretrained(tmp_path / "dequantized").eval()
+    toks = tokens(2, 24)
+    got_logits = np.asarray(model(toks))
+    assert relative_error(got_logits, hf_logits(hf, toks)) <= 1e-5
+    # and how far that is from the float model: the quantization's error, not a bug's
+    assert relative_error(got_logits, np.asarray(plain(toks))) <= (0.01 if kind == "int8" else 0.05)
