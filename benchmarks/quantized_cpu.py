@@ -1,0 +1,73 @@
+"""Quantized weights on this machine's CPU: the engine's decode call and
+the parameters' bytes, unquantized (bfloat16 parameters) and held as int8 or
+fp8 (model.quantize, blocks of 128 x 128), on the peer benchmark's
+checkpoint (benchmarks/server.py --peer: Qwen3.5, width 256, 8 layers),
+32 slots of 256 tokens, 8 tokens a call; the three in one process,
+medians of --calls calls. Prints markdown for docs/benchmarks.md.
+
+    python benchmarks/quantized_cpu.py [--calls 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from server import peer_checkpoint  # noqa: E402
+
+from gdnx.models import CausalLM  # noqa: E402
+from gdnx.serving import Engine  # noqa: E402
+from gdnx.serving.runner import DecodeBatch  # noqa: E402
+
+SLOTS, MAX_LENGTH, STEPS = 32, 256, 8
+
+
+def measure(directory: Path, quantize: str, calls: int) -> tuple[float, int]:
+    model = CausalLM.from_pretrained(directory, quantize=quantize, dtype="bfloat16", param_dtype="bfloat16")
+    size = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    engine = Engine(model, max_slots=SLOTS, max_length=MAX_LENGTH, decode_steps=STEPS)
+    batch = DecodeBatch.idle(SLOTS, max_slots=SLOTS, steps=STEPS, vocab=model.config.vocab_size)
+    batch = batch._replace(active=np.ones(SLOTS, bool))
+
+    def call():
+        jax.block_until_ready(engine.runner._decode(batch))
+
+    for _ in range(3):  # the first compiles
+        call()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    print(f"# quantized decode, {datetime.date.today()}, {platform.node()} ({platform.processor() or 'cpu'}), "
+          f"jax {jax.__version__}, `python benchmarks/quantized_cpu.py --calls {args.calls}`\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        peer_checkpoint(Path(tmp))
+        rows = {q: measure(Path(tmp), q, args.calls) for q in ("none", "int8", "fp8")}
+    print("| weights | parameters | decode call (8 tokens x 32 rows) | tokens/s | / bf16 |")
+    print("|---|---:|---:|---:|---:|")
+    for q, (t, size) in rows.items():
+        print(f"| {'bfloat16' if q == 'none' else q} | {size / 2**20:.2f} MiB | {t * 1e3:.1f} ms | "
+              f"{SLOTS * STEPS / t:,.0f} | {rows['none'][0] / t:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
