@@ -53,8 +53,9 @@ def kind(name: str) -> str | None:
     return "data movement" if any(m in base for m in MOVES) else "other"
 
 
-def measure(directory: Path, scan: bool, calls: int) -> tuple[float, dict[str, float]]:
-    model = CausalLM.from_pretrained(directory, scan_layers=scan)
+def decode_call(model: CausalLM):
+    """The engine's decode call of every slot, STEPS tokens (the first
+    calls, which compile, made)."""
     engine = Engine(model, max_slots=SLOTS, max_length=MAX_LENGTH, decode_steps=STEPS)
     batch = DecodeBatch.idle(SLOTS, max_slots=SLOTS, steps=STEPS, vocab=model.config.vocab_size)
     batch = batch._replace(active=np.ones(SLOTS, bool))
@@ -62,13 +63,23 @@ def measure(directory: Path, scan: bool, calls: int) -> tuple[float, dict[str, f
     def call():
         jax.block_until_ready(engine.runner._decode(batch))
 
-    for _ in range(3):  # the first compiles
+    for _ in range(3):
         call()
+    return call
+
+
+def median_seconds(call, calls: int) -> float:
     times = []
     for _ in range(calls):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(directory: Path, scan: bool, calls: int) -> tuple[float, dict[str, float]]:
+    call = decode_call(CausalLM.from_pretrained(directory, scan_layers=scan))
+    seconds = median_seconds(call, calls)
     with tempfile.TemporaryDirectory() as trace:
         jax.profiler.start_trace(trace, create_perfetto_trace=True)
         for _ in range(5):
@@ -79,7 +90,7 @@ def measure(directory: Path, scan: bool, calls: int) -> tuple[float, dict[str, f
     for e in events:
         if e.get("ph") == "X" and (k := kind(e["name"])) is not None:
             kinds[k] += e["dur"] / 5 / 1e3   # ms of kernel time per call
-    return statistics.median(times), dict(kinds)
+    return seconds, dict(kinds)
 
 
 def main() -> None:

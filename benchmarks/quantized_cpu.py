@@ -13,44 +13,24 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
+from decode_profile import SLOTS, STEPS, decode_call, median_seconds  # noqa: E402
 from server import peer_checkpoint  # noqa: E402
 
 from gdnx.models import CausalLM  # noqa: E402
-from gdnx.serving import Engine  # noqa: E402
-from gdnx.serving.runner import DecodeBatch  # noqa: E402
-
-SLOTS, MAX_LENGTH, STEPS = 32, 256, 8
 
 
 def measure(directory: Path, quantize: str, calls: int) -> tuple[float, int]:
     model = CausalLM.from_pretrained(directory, quantize=quantize, dtype="bfloat16", param_dtype="bfloat16")
     size = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    engine = Engine(model, max_slots=SLOTS, max_length=MAX_LENGTH, decode_steps=STEPS)
-    batch = DecodeBatch.idle(SLOTS, max_slots=SLOTS, steps=STEPS, vocab=model.config.vocab_size)
-    batch = batch._replace(active=np.ones(SLOTS, bool))
-
-    def call():
-        jax.block_until_ready(engine.runner._decode(batch))
-
-    for _ in range(3):  # the first compiles
-        call()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), size
+    return median_seconds(decode_call(model), calls), size
 
 
 def main() -> None:
