@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from gdnx.parallel.rules import current_mesh, is_explicit
 
@@ -71,7 +72,7 @@ def factors(scale: jax.Array, shape: tuple[int, ...], block: tuple[int, int]) ->
     return full[..., :shape[-2], :shape[-1]]
 
 
-def dequantize(values: jax.Array, scale: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
+def dequantize(values: jax.Array, scale: jax.Array, block: tuple[int, int], dtype: DTypeLike) -> jax.Array:
     """The weight values x factors, in `dtype`. On an Explicit mesh the
     (small) factors are expanded whole and then laid out as the values."""
     mesh = current_mesh()
@@ -92,7 +93,8 @@ def quantize_host(w: np.ndarray, kind: str, block: tuple[int, int]) -> tuple[np.
 _quantize_jit = jax.jit(quantize, static_argnums=(1, 2))
 
 
-def dequantized_params(params: dict[tuple, jax.Array], block: tuple[int, int], dtype) -> dict[tuple, jax.Array]:
+def dequantized_params(params: dict[tuple, jax.Array], block: tuple[int, int], dtype: DTypeLike,
+                       ) -> dict[tuple, jax.Array]:
     """Flat parameters {path: array} with every quantized weight dequantized
     (in `dtype`) and its factors gone: the unquantized model's parameters."""
     out = {}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
 
 # safetensors dtype names of the float8 formats read here
 FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
@@ -79,7 +80,7 @@ class RawTensors:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.header[key]["shape"])
 
-    def get(self, key: str, index: tuple[slice, ...], dtype) -> np.ndarray:
+    def get(self, key: str, index: tuple[slice, ...], dtype: DTypeLike) -> np.ndarray:
         entry = self.header[key]
         begin, _ = entry["data_offsets"]
         data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.start + begin,
