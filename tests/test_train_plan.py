@@ -110,3 +110,14 @@ def test_olmo_hybrid_7b_gdn_layer_compiles_with_the_slices_tiles(monkeypatch, to
     p = plan(load_config("olmo-hybrid-7b", over), topology)
     assert p.kernel_calls > 0
     assert set(chosen) == {(2, 15, 1)}  # (the slice's entry, key heads per shard, the head tile run)
+
+
+def test_a_lora_step_over_a_quantized_base_is_planned_as_trained():
+    """train.lora: the plan compiles the adapters' step over the frozen base
+    (here held in int8): the base is counted, and each chip holds far less
+    than the full step's parameters, gradients and AdamW moments."""
+    lora = ["model.quantize=int8", "train.lora.rank=4", "model.init_from=/checkpoint", "parallel.data=4"]
+    full = plan(load_config("tiny", SMALL + ["parallel.data=4"]), "v5e:2x2")
+    qlora = plan(load_config("tiny", SMALL + lora), "v5e:2x2")
+    assert qlora.fits and qlora.parameters > full.parameters  # the base, its factors and the adapters
+    assert qlora.argument_bytes < full.argument_bytes / 3

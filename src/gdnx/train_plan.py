@@ -23,10 +23,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from gdnx import quantization
 from gdnx.aot import Buffer, abstract, compile_reporting, describe_buffers, target_devices, targeting, xla_flops
 from gdnx.config.schema import Config
 from gdnx.data.source import Batch
 from gdnx.models import CausalLM
+from gdnx.models.adapters import adapter_spec
 from gdnx.models.causal_lm import for_target
 from gdnx.parallel import make_mesh, shardings, spec
 from gdnx.stacking import layer_ndim
@@ -79,7 +81,7 @@ def model_flops(config: Config, params: Any) -> float:
             if layer_ndim(path, len(x.shape)) >= 2]
     share = m.num_experts_per_tok / m.num_experts if m.num_experts else 1.0
     matmul = sum(n * (share if "experts_" in name else 1.0) for name, n in flat if "embed_tokens" not in name
-                 and "conv_weight" not in name)
+                 and "conv_weight" not in name and f"{quantization.SCALE}'" not in name)
     if m.tie_word_embeddings:
         matmul += m.vocab_size * m.hidden_size  # the LM head is the embedding table
     kinds, seq = m.resolved_layer_types, config.data.seq_len
@@ -105,10 +107,18 @@ def plan(config: Config, topology: str) -> Plan:
     model_cfg = for_target(config.model, kind)
     config = config.model_copy(update={"model": model_cfg})
     mesh = make_mesh(config.parallel, devices)
+    adapters = adapter_spec(config.train.lora)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "kernel on CPU": compiled for TPU here, not run
-        graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(model_cfg)), nnx.Param)
-    arithmetic = model_flops(config, params)
+        model = nnx.eval_shape(lambda: CausalLM(model_cfg, adapters=adapters))
+    frozen = None
+    if adapters is None:
+        graphdef, params = nnx.split(model, nnx.Param)
+        arithmetic = model_flops(config, params)
+    else:  # LoRA: the adapters train, the base (quantized or not) is given frozen
+        graphdef, params, frozen = nnx.split(model, nnx.LoRAParam, nnx.Param)  # type: ignore[misc]
+        arithmetic = model_flops(config, frozen)
+        frozen = abstract(frozen, shardings(frozen, model_cfg, mesh))
     params = abstract(params, shardings(params, model_cfg, mesh))
     tx = make_optimizer(config.train)
     opt_state = jax.eval_shape(tx.init, params)
@@ -124,13 +134,14 @@ def plan(config: Config, topology: str) -> Plan:
     t0 = time.perf_counter()
     # the kernels take the slice's tiles (tiles.py), not this host's
     with jax.set_mesh(mesh), targeting(devices[0]):
-        compiled, largest = compile_reporting(step_fn.lower(params, opt_state, step, batch),
+        compiled, largest = compile_reporting(step_fn.lower(params, opt_state, step, batch, frozen),
                                               f"{topology}: does NOT fit ({{}}); shard over more chips (parallel.fsdp), "
                                               "raise train.grad_accum_steps or set model.remat_policy=full")
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
     assert memory is not None  # TPU and GPU executables report it
-    return Plan(topology, len(devices), dict(mesh.shape), sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
+    return Plan(topology, len(devices), dict(mesh.shape),
+                sum(math.prod(x.shape) for x in jax.tree.leaves((params, frozen)) if x is not None),
                 memory.argument_size_in_bytes, memory.temp_size_in_bytes, memory.output_size_in_bytes,
                 memory.alias_size_in_bytes, hbm, compile_s, xla_flops(compiled),
                 arithmetic, _kernel_calls(compiled.as_text() or ""), largest)
