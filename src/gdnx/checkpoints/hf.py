@@ -408,35 +408,48 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
         places = jax.tree.leaves(placement(params, cfg), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     loaded = []
     shapes = {p: tuple(var.shape) for p, var in flat}
+    quantized: dict[tuple, Callable] = {}  # per weight, its blocks quantized once for its values and its factors
     for (p, var), place in zip(flat, places, strict=True):
         name = str(p[-1])
         if name.endswith(quantization.SCALE) or (p[:-1] + (name + quantization.SCALE,)) in shapes:
-            part = _quantized_reader(reader, cfg, prefix, p, shapes)
+            part = _quantized_reader(reader, cfg, prefix, p, shapes, quantized)
         else:
             part = _part_reader(reader, cfg, prefix, p, tuple(var.shape), var.dtype)
         loaded.append((p, var.replace(jax.make_array_from_callback(tuple(var.shape), place, part))))
+        if name.endswith(quantization.SCALE):  # both of the weight's parts made: its quantized blocks let go
+            quantized.pop((*p[:-1], name.removesuffix(quantization.SCALE)), None)
     return nnx.from_flat_state(loaded)
 
 
 def _quantized_reader(reader: _Reader, cfg: ModelConfig, prefix: str, path: tuple,
-                      shapes: dict[tuple, tuple[int, ...]]) -> Callable[[Index | None], np.ndarray]:
+                      shapes: dict[tuple, tuple[int, ...]], quantized: dict[tuple, Callable],
+                      ) -> Callable[[Index | None], np.ndarray]:
     """index -> that part of a quantized weight's values or of its factors
     (gdnx.quantization), quantized from the files' tensors block by block:
     a part reads the whole blocks it touches, so every device's part equals
-    the same slice of the whole weight quantized at once."""
+    the same slice of the whole weight quantized at once. quantized: the
+    weights' block quantizers so far, shared by a weight's two readers."""
     scale = str(path[-1]).endswith(quantization.SCALE)
     base = (*path[:-1], str(path[-1]).removesuffix(quantization.SCALE)) if scale else path
     shape = shapes[base]
     block = (cfg.quantize_block[0], cfg.quantize_block[1])
     rows, cols = block
-    weights = _part_reader(reader, cfg, prefix, base, shape, np.float32)
+    if base not in quantized:
+        weights = _part_reader(reader, cfg, prefix, base, shape, np.float32)
+
+        # the devices' parts of the factors select the blocks their values' parts did (when the shards follow
+        # the blocks): kept for them, a local device's worth
+        @functools.lru_cache(maxsize=jax.local_device_count())
+        def quantize_blocks(bounds: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+            *lead, (r0, r1), (c0, c1) = bounds
+            region = (*(slice(a, b) for a, b in lead), slice(r0 * cols, min(r1 * cols, shape[-2])),
+                      slice(c0 * rows, min(c1 * rows, shape[-1])))
+            return quantization.quantize_host(weights(region), cfg.quantize, block)
+        quantized[base] = quantize_blocks
 
     def blocks(index: Index) -> tuple[np.ndarray, np.ndarray]:
         """(values, factors) of the blocks `index` (over the factor grid) selects."""
-        lead, (r, c) = index[:-2], index[-2:]
-        region = (*lead, slice(r.start * cols, min(r.stop * cols, shape[-2])),
-                  slice(c.start * rows, min(c.stop * rows, shape[-1])))
-        return quantization.quantize_host(weights(region), cfg.quantize, block)
+        return quantized[base](tuple((i.start, i.stop) for i in index))
 
     def part(index: Index | None) -> np.ndarray:
         if scale:
