@@ -21,8 +21,8 @@ T, HV, D = 4096, 32, 128
 BYTES = {
     "gdn": [("prepare", 1672), ("state", 2726), ("output", 2056), ("prepare", 1672), ("dv_local", 3592),
             ("dstate", 3112), ("grads", 6930), ("gate_grads", 2840)],
-    "kda": [("prepare", 3850), ("state", 3616), ("output", 2560), ("prepare", 3850), ("dv_local", 3584),
-            ("dstate", 4384), ("grad_sums", 5896), ("key_grads", 6410)],
+    "kda": [("prepare", 3850), ("state", 3616), ("output", 2560), ("prepare", 4106), ("dv_local", 3584),
+            ("dstate", 4384), ("grad_sums", 6152), ("state_grads", 5898), ("pair_grads", 4616)],
 }
 
 

@@ -275,25 +275,38 @@ def gate_grads(dgcum, dsuffix, dlast, *, split_segments: bool = False):
     return _segment_sums(j >= r, dgcum, split_segments) + _segment_sums(j < r, dsuffix, split_segments) + dlast
 
 
-def key_grads(q, k, dec: Decays, beta_col, dqs, dks, dx, dgamma, dps, dab, *, matmul_dtype=None,
-              split_segments: bool = False, bits=unrolled_bits):
-    """(dq, dk, dg) of any block of key channels, given the block's decays
-    and state terms (dqs of q * eg, dks of k * ek, dx of beta eg k, dgamma
-    of exp(G_last)) and the chunk's [C, C] cotangents of the pairwise
-    products: dps of q k^T's (scale dP, on and below the diagonal) and dab
-    of k k^T's (beta dA, below it); scaled once by the caller, as a kernel
-    walking key blocks holds them."""
+def state_grads(q, k, dec: Decays, beta_col, dqs, dks, dx, dgamma, *, split_segments: bool = False):
+    """The part of (dq, dk, dg) of a block of key channels through the state
+    and W, given the block's decays and state terms: dqs of q * eg, dks of
+    k * ek, dx of beta eg k, dgamma of exp(G_last)."""
     xk = beta_col * dec.eg * dx
     kdks = k * dks * dec.ek
-    # dq's and dk's terms through the state and W start the q k^T pair's adjoint sums, so that a kernel's loop
-    # over the bits holds neither them nor their factors; its dG = q dq - k dk then carries -k (dks ek + xk),
-    # which dgcum (whose own terms are q dqs eg + k xk) takes back
+    dq = dqs * dec.eg
+    return dq, dks * dec.ek + xk, gate_grads(q * dq + k * xk, kdks, dgamma * dec.gamma,
+                                             split_segments=split_segments)
+
+
+def pair_grads(q, k, dec: Decays, dps, dab, *, matmul_dtype=None, split_segments: bool = False, bits=unrolled_bits):
+    """The part of (dq, dk, dg) of a block of key channels through the
+    pairwise products with the decays, given their [C, C] cotangents: dps of
+    q k^T's (scale dP, on and below the diagonal) and dab of k k^T's (beta
+    dA, below it)."""
     (dq, dk_p, dg_p), (dk_a, dk_b, dg_a) = pair_products_bwd(
         [(q, k, dps, False), (k, k, dab, True)], dec, matmul_dtype=matmul_dtype, split_segments=split_segments,
-        bits=bits, into=[(dqs * dec.eg, dks * dec.ek + xk), None])
-    dgcum = dg_p + dg_a + kdks + 2 * k * xk
-    dg = gate_grads(dgcum, kdks, dgamma * dec.gamma, split_segments=split_segments)
-    return dq, dk_p + dk_a + dk_b, dg
+        bits=bits)
+    r, j = iotas(q.shape[0])
+    return dq, dk_p + dk_a + dk_b, _segment_sums(j >= r, dg_p + dg_a, split_segments)
+
+
+def key_grads(q, k, dec: Decays, beta_col, dqs, dks, dx, dgamma, dps, dab, *, split_segments: bool = False,
+              **pair):
+    """(dq, dk, dg) of any block of key channels: `state_grads` plus
+    `pair_grads` (dg is linear in the cotangents of the gates' sums, so a
+    kernel may form the parts apart, holding the [C, C] cotangents only for
+    the pairs)."""
+    dq_s, dk_s, dg_s = state_grads(q, k, dec, beta_col, dqs, dks, dx, dgamma, split_segments=split_segments)
+    dq_p, dk_p, dg_p = pair_grads(q, k, dec, dps, dab, split_segments=split_segments, **pair)
+    return dq_s + dq_p, dk_s + dk_p, dg_s + dg_p
 
 
 def value_head_backward(q, k, v, g, beta, tinv, state, do, dstate_out, *, scale, decay_dtype, matmul_dtype=None,

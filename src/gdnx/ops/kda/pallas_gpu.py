@@ -12,19 +12,25 @@ K (the pairwise products, dA) is carried as [C, C].
                                                               then (I + A)^-1, U, W
               state      (row, value head, V block)          sequential: Vn, chunk states
               output     (chunk, row, value head x V block)  O = (q exp(G)) S + P Vn
-    backward  prepare    again, with the saved inverse
+    backward  prepare    again, with the saved inverse, writing k k^T
               dv_local   (chunk, row, value head x V block)  P^T dO, Vn
               dstate     (row, value head, V block)          reverse sequential: dS, dVn
               grad_sums  (chunk, row, value head)            dv, dbeta; per K block dx; dA, dP [C, C]
-              key_grads  (chunk, row, value head)            per K block dq, dk, dg
+              state_grads (chunk, row, value head)           per K block dq, dk, dg through the state
+              pair_grads (chunk, row, value head)            per K block dq, dk, dg through the pairs, added
 
 The prepare kernel writes scale q exp(G), k exp(G_last - G) [C, K] and P
 [C, C] for the later phases, so that only it forms the pairwise products
 in the forward. The sequential kernels carry the [K, BV] state as K/BK
-blocks. The gradients take two kernels, the sums over V and K first, so
-that neither holds the other's tiles; both run at the tiles' num_warps, not
-the gated delta rule's grads_num_warps (where they spill least). dq and dk come out per value head and are summed
-over each key head's group outside the kernels.
+blocks. The gradients take three kernels, the sums over V and K first,
+then the terms through the state and those through the pairwise products,
+so that none holds another's tiles (the [C, C] cotangents only the last;
+with bfloat16 products none spills on sm_90); all run at the tiles'
+num_warps, not the gated delta rule's grads_num_warps (where they spill
+least). The w loop of prepare forms the decays again for q exp(G) and
+k exp(G_last - G), which the pairs' loop would otherwise hold. dq and dk
+come out per value head and are summed over each key head's group outside
+the kernels.
 Registers and spills per kernel and target: docs/benchmarks.md.
 """
 
@@ -90,14 +96,15 @@ def _costs(lay) -> tuple[int, dict[str, int], int]:
 # --- forward ---------------------------------------------------------------
 
 def _prepare_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, *refs, opts, bk, bv, given_inverse):
-    """U, W, P, scale q exp(G), k exp(G_last - G) (and the inverse, unless given)."""
+    """U, W, P, scale q exp(G), k exp(G_last - G), and the inverse unless
+    given (the backward: then the pairwise k k^T, A / beta)."""
     acc, mmd = opts.state_dtype, opts.matmul_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
     rq, rk = row_to_col(rq_ref[key]), row_to_col(rk_ref[key])
     beta = row_to_col(b_ref[head].astype(acc))
     c = k_ref.shape[-2]
     if given_inverse:
-        tinv_ref, u_ref, w_ref, p_ref, qeg_ref, kek_ref = refs
+        tinv_ref, u_ref, w_ref, p_ref, qeg_ref, kek_ref, akk_ref = refs
     else:
         u_ref, w_ref, p_ref, qeg_ref, kek_ref, tinv_ref = refs
 
@@ -105,18 +112,15 @@ def _prepare_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, *refs, op
         akk, p = carry
         q, k = _key_block(q_ref, key, kb, bk, rq, opts), _key_block(k_ref, key, kb, bk, rk, opts)
         dec = kda_math.decays(g_ref[block_cols(head, kb, bk)], **_decay_kw(opts))
-        qeg_ref[block_cols(head, kb, bk)] = opts.scale * q * dec.eg
-        kek_ref[block_cols(head, kb, bk)] = k * dec.ek
-        pairs = [(q, k, False)] + ([] if given_inverse else [(k, k, True)])
-        p, *akk_blk = kda_math.pair_products(pairs, dec, into=[p] + ([] if given_inverse else [akk]),
-                                             **_pair_kw(opts))
-        return (akk if given_inverse else akk_blk[0]), p
+        p, akk = kda_math.pair_products([(q, k, False), (k, k, True)], dec, into=[p, akk], **_pair_kw(opts))
+        return akk, p
 
     zeros = jnp.zeros((c, c), acc)
     akk, p = loop_blocks(k_ref.shape[-1] // bk, pairs, (zeros, zeros))
     p_ref[head] = opts.scale * p
     if given_inverse:
         tinv = tinv_ref[head]
+        akk_ref[head] = akk    # dbeta's last term takes it
     else:
         tinv = unit_lower_inverse_loop(beta * akk)
         tinv_ref[head] = tinv
@@ -126,9 +130,11 @@ def _prepare_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, g_ref, b_ref, *refs, op
         u_ref[cols] = mm(tinv, beta * v_ref[cols].astype(acc), matmul_dtype=mmd)
 
     def w_block(kb):
-        k = _key_block(k_ref, key, kb, bk, rk, opts)
-        eg = kda_math.prefix_decays(g_ref[block_cols(head, kb, bk)], **_decay_kw(opts))
-        w_ref[block_cols(head, kb, bk)] = mm(tinv, (beta * eg) * k, matmul_dtype=mmd)
+        q, k = _key_block(q_ref, key, kb, bk, rq, opts), _key_block(k_ref, key, kb, bk, rk, opts)
+        dec = kda_math.decays(g_ref[block_cols(head, kb, bk)], **_decay_kw(opts))
+        qeg_ref[block_cols(head, kb, bk)] = opts.scale * q * dec.eg
+        kek_ref[block_cols(head, kb, bk)] = k * dec.ek
+        w_ref[block_cols(head, kb, bk)] = mm(tinv, (beta * dec.eg) * k, matmul_dtype=mmd)
 
     each_block(v_ref.shape[-1] // bv, u_block)
     each_block(k_ref.shape[-1] // bk, w_block)
@@ -182,7 +188,8 @@ def _output_kernel(qeg_ref, p_ref, states_ref, vn_ref, o_ref, *, opts):
 
 
 def _prepare(lay, q, k, rq, rk, v, g, beta, tinv, opts, tiles, interpret):
-    """(u, w, p, qeg, kek, tinv) per value head, chunk-parallel."""
+    """(u, w, p, qeg, kek, tinv) per value head, chunk-parallel; given tinv,
+    (u, w, p, qeg, kek, k k^T)."""
     acc, c, kp, vp = opts.state_dtype, lay.c, lay.kp, lay.vp
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
     ck, cv, cc = (jax.ShapeDtypeStruct(shape + dims, acc) for dims in ((c, kp), (c, vp), (c, c)))
@@ -195,9 +202,8 @@ def _prepare(lay, q, k, rq, rk, v, g, beta, tinv, opts, tiles, interpret):
     flops = heads * (f["decays"] + f["pairs"] + f["prepare"])
     common = dict(grid=lay.head_grid, tiles=tiles, interpret=interpret, flops=flops, exps=heads * exps)
     if tinv is not None:
-        u, w, p, qeg, kek = launch(kernel, in_specs=in_specs + [lay.head_spec(c, c)], out_specs=outs,
-                                   out_shape=[cv, ck, cc, ck, ck], args=(q, k, rq, rk, v, g, beta, tinv), **common)
-        return u, w, p, qeg, kek, tinv
+        return launch(kernel, in_specs=in_specs + [lay.head_spec(c, c)], out_specs=outs + [lay.head_spec(c, c)],
+                      out_shape=[cv, ck, cc, ck, ck, cc], args=(q, k, rq, rk, v, g, beta, tinv), **common)
     return launch(kernel, in_specs=in_specs, out_specs=outs + [lay.head_spec(c, c)],
                   out_shape=[cv, ck, cc, ck, ck, cc], args=(q, k, rq, rk, v, g, beta), **common)
 
@@ -307,10 +313,11 @@ def _state_sums(states_ref, dstates_ref, do_ref, vn_ref, dvn_ref, head, kb, *, b
 
 
 def _grad_sums_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref, vn_ref, states_ref, do_ref, dvn_ref,
-                      dv_ref, db_ref, dx_ref, da_ref, dp_ref, *, opts, bk, bv):
-    """What needs the sums over V and K: dv, dbeta, dx (of beta exp(G) k, per
-    K block) and the [C, C] cotangents of A and P (beta dA, scale dP) for
-    `_key_grads_kernel` (kda_math.value_head_backward, block by block)."""
+                      akk_ref, dv_ref, db_ref, dx_ref, da_ref, dp_ref, *, opts, bk, bv):
+    """What needs the sums over V and K: dv, dbeta (its last term from the
+    prepare kernel's k k^T), dx (of beta exp(G) k, per K block) and the
+    [C, C] cotangents of A and P (beta dA, scale dP) for `_pair_grads_kernel`
+    (kda_math.value_head_backward, block by block)."""
     acc, mmd = opts.state_dtype, opts.matmul_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
     rk = row_to_col(rk_ref[key])
@@ -334,36 +341,34 @@ def _grad_sums_kernel(k_ref, rk_ref, v_ref, g_ref, b_ref, tinv_ref, u_ref, w_ref
     # stored now, scaled as the key gradients take it: the key blocks' loop does not hold it
     dp_ref[head] = jnp.where(r >= j, opts.scale * dp, 0)
 
-    # each [C, C] sum is carried as one tile, the pairwise products added into theirs (registers: no spill)
+    # dA's two terms carried as one [C, C] sum; k k^T is read, not formed here (registers: no spill)
     def key_sums(kb, carry):
-        dx_wu, egkdx, mkk = carry
+        dx_wu, egkdx = carry
         k = _key_block(k_ref, key, kb, bk, rk, opts)
-        dec = kda_math.decays(g_ref[block_cols(head, kb, bk)], **_decay_kw(opts))
+        eg = kda_math.prefix_decays(g_ref[block_cols(head, kb, bk)], **_decay_kw(opts))
         dw, = _state_sums(states_ref, None, do_ref, vn_ref, dvn_ref, head, kb, bk=bk, bv=bv, nvb=nvb, full=False,
                           opts=opts)
         dx = mm_tn(tinv, dw, matmul_dtype=mmd)                      # through W = T X
         dx_ref[block_cols(head, kb, bk)] = dx
-        mkk, = kda_math.pair_products([(k, k, True)], dec, into=[mkk], **_pair_kw(opts))
         return (dx_wu + mm_nt(dx, w_ref[block_cols(head, kb, bk)], matmul_dtype=mmd),
-                egkdx + jnp.sum(dec.eg * k * dx, axis=1, keepdims=True), mkk)
+                egkdx + jnp.sum(eg * k * dx, axis=1, keepdims=True))
 
-    dx_wu, egkdx, mkk = loop_blocks(k_ref.shape[-1] // bk, key_sums, (dbv_u, zeros_c1, zeros_cc))
+    dx_wu, egkdx = loop_blocks(k_ref.shape[-1] // bk, key_sums, (dbv_u, zeros_c1))
     # the inverse is not differentiated through: dA = -(T^T dU) U^T - (T^T dW) W^T
     da = jnp.where(r > j, -dx_wu, 0)
-    db_ref[head] = col_to_row(v_dbv + egkdx + jnp.sum(da * mkk, axis=1, keepdims=True)).astype(db_ref.dtype)
+    db_ref[head] = col_to_row(v_dbv + egkdx + jnp.sum(da * akk_ref[head], axis=1, keepdims=True)).astype(db_ref.dtype)
     da_ref[head] = beta * da
 
 
-def _key_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, vn_ref, states_ref, dstates_ref, do_ref, dx_ref,
-                      da_ref, dp_ref, dq_ref, dk_ref, dg_ref, *, opts, bk, bv):
-    """dq, dk, dg per K block (kda_math.key_grads), given the sums (dA and dP
-    scaled as it takes them)."""
+def _state_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, vn_ref, states_ref, dstates_ref, do_ref, dx_ref,
+                        dq_ref, dk_ref, dg_ref, *, opts, bk, bv):
+    """The parts of dq, dk, dg per K block through the state and W
+    (kda_math.state_grads)."""
     acc = opts.state_dtype
     key, head = (0, 0, 0), (0, 0, 0, 0)
     rq, rk = row_to_col(rq_ref[key]), row_to_col(rk_ref[key])
     beta = row_to_col(b_ref[head].astype(acc))
     nvb = vn_ref.shape[-1] // bv
-    da, dp = da_ref[head], dp_ref[head]
 
     def key_block(kb):
         cols = block_cols(head, kb, bk)
@@ -371,13 +376,33 @@ def _key_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, b_ref, vn_ref, states
         dec = kda_math.decays(g_ref[cols], **_decay_kw(opts))
         dqs, dks, dgamma = _state_sums(states_ref, dstates_ref, do_ref, vn_ref, None, head, kb, bk=bk, bv=bv,
                                        nvb=nvb, full=True, opts=opts)
-        dq, dk, dg = kda_math.key_grads(q, k, dec, beta, opts.scale * dqs, dks, dx_ref[cols], col_to_row(dgamma), dp,
-                                        da, **_pair_kw(opts))
+        dq, dk, dg = kda_math.state_grads(q, k, dec, beta, opts.scale * dqs, dks, dx_ref[cols], col_to_row(dgamma),
+                                          split_segments=_split(opts))
         dq_ref[cols] = dq
         dk_ref[cols] = dk
-        dg_ref[cols] = dg.astype(dg_ref.dtype)
+        dg_ref[cols] = dg
 
     each_block(q_ref.shape[-1] // bk, key_block)
+
+
+def _pair_grads_kernel(q_ref, k_ref, rq_ref, rk_ref, g_ref, dp_ref, da_ref, dq0_ref, dk0_ref, dg0_ref, dq_ref, dk_ref,
+                       dg_ref, *, opts, bk):
+    """The pairwise products' parts of dq, dk, dg per K block
+    (kda_math.pair_grads), given scale dP and beta dA, added to the state's."""
+    key, head = (0, 0, 0), (0, 0, 0, 0)
+    rq, rk = row_to_col(rq_ref[key]), row_to_col(rk_ref[key])
+    dp, da = dp_ref[head], da_ref[head]
+
+    def key_block(kb):
+        cols = block_cols(head, kb, bk)
+        q, k = _key_block(q_ref, key, kb, bk, rq, opts), _key_block(k_ref, key, kb, bk, rk, opts)
+        dec = kda_math.decays(g_ref[cols], **_decay_kw(opts))
+        dq, dk, dg = kda_math.pair_grads(q, k, dec, dp, da, **_pair_kw(opts))
+        dq_ref[cols] = dq0_ref[cols] + dq
+        dk_ref[cols] = dk0_ref[cols] + dk
+        dg_ref[cols] = (dg0_ref[cols] + dg).astype(dg_ref.dtype)
+
+    each_block(k_ref.shape[-1] // bk, key_block)
 
 
 def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, opts: ChunkOptions, interpret: bool,
@@ -389,7 +414,7 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     q, k, v, g = _pad_inputs(lay, q, k, v, g)
     do = lay.pad_values(do)
     states, dfinal = lay.pad_state(states.astype(acc)), lay.pad_state(dfinal)
-    u, w, p, qeg, kek, _ = _prepare(lay, q, k, rq, rk, v, g, beta, tinv, opts, tiles, interpret)
+    u, w, p, qeg, kek, akk = _prepare(lay, q, k, rq, rk, v, g, beta, tinv, opts, tiles, interpret)
 
     c, kp, vp, obv, sbv = lay.c, lay.kp, lay.vp, lay.obv, lay.sbv
     shape = (lay.nc, lay.rows, lay.hk, lay.grp)
@@ -416,20 +441,25 @@ def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags: ChunkFlags, *, o
     dv, dbeta, dx, da, dp = launch(
         functools.partial(_grad_sums_kernel, opts=opts, bk=lay.bk, bv=lay.bv), grid=lay.head_grid,
         in_specs=key[1::2] + [hs(c, vp), hs(c, kp), hs(1, c), hs(c, c), hs(c, vp), hs(c, kp), hs(c, vp), hs(kp, vp),
-                              hs(c, vp), hs(c, vp)],
+                              hs(c, vp), hs(c, vp), hs(c, c)],
         out_specs=[hs(c, vp), hs(1, c), hs(c, kp), hs(c, c), hs(c, c)],
         out_shape=[jax.ShapeDtypeStruct(shape + (c, vp), v.dtype), jax.ShapeDtypeStruct(beta.shape, beta.dtype), ck,
                    cc, cc],
-        tiles=tiles, interpret=interpret, flops=heads * (f["decays"] + f["grads"] // 2),
-        exps=heads * exps, args=(k, rk, v, g, beta, tinv, u, w, vn, states, do, dvn))
+        tiles=tiles, interpret=interpret, flops=heads * (f["decays"] // 2 + f["grads"] // 2),
+        exps=heads * exps, args=(k, rk, v, g, beta, tinv, u, w, vn, states, do, dvn, akk))
+    # the state's part and the pairs' adjoints in kernels of their own (together they spill)
     dq, dk, dg = launch(
-        functools.partial(_key_grads_kernel, opts=opts, bk=lay.bk, bv=lay.bv), grid=lay.head_grid,
-        in_specs=key + [hs(c, kp), hs(1, c), hs(c, vp), hs(kp, vp), hs(kp, vp), hs(c, vp), hs(c, kp), hs(c, c),
-                        hs(c, c)],
-        out_specs=[hs(c, kp)] * 3,
+        functools.partial(_state_grads_kernel, opts=opts, bk=lay.bk, bv=lay.bv), grid=lay.head_grid,
+        in_specs=key + [hs(c, kp), hs(1, c), hs(c, vp), hs(kp, vp), hs(kp, vp), hs(c, vp), hs(c, kp)],
+        out_specs=[hs(c, kp)] * 3, out_shape=[ck] * 3,
+        tiles=tiles, interpret=interpret, flops=heads * (f["decays"] + f["grads"] // 2),
+        exps=heads * exps, args=(q, k, rq, rk, g, beta, vn, states, dstates, do, dx))
+    dq, dk, dg = launch(
+        functools.partial(_pair_grads_kernel, opts=opts, bk=lay.bk), grid=lay.head_grid,
+        in_specs=key + [hs(c, kp), hs(c, c), hs(c, c)] + [hs(c, kp)] * 3, out_specs=[hs(c, kp)] * 3,
         out_shape=[ck, ck, jax.ShapeDtypeStruct(g.shape, g.dtype)],
-        tiles=tiles, interpret=interpret, flops=heads * (f["decays"] + f["pairs_bwd"] + f["grads"] // 2),
-        exps=heads * exps, args=(q, k, rq, rk, g, beta, vn, states, dstates, do, dx, da, dp))
+        tiles=tiles, interpret=interpret, flops=heads * (f["decays"] + f["pairs_bwd"]),
+        exps=heads * exps, args=(q, k, rq, rk, g, dp, da, dq, dk, dg))
     k_dim, v_dim = lay.k_dim, lay.v_dim
     return (dq.sum(3)[..., :k_dim], dk.sum(3)[..., :k_dim], dv[..., :v_dim], dg[..., :k_dim], dbeta,
             dh0[..., :k_dim, :v_dim])
