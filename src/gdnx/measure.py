@@ -36,3 +36,9 @@ def compiled_peak_bytes(jitted: Any, args: Sequence) -> int:
     assignment: static, so not noisy)."""
     m = jitted.lower(*args).compile().memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+
+
+def stored_bytes(shape: Sequence[int], dtype: Any) -> int:
+    """Bytes an array of `shape` and `dtype` takes on a device: int4 packed
+    two to a byte, as XLA stores it (numpy's and jax's nbytes count a byte)."""
+    return -(-int(np.prod(shape, dtype=np.int64)) * jax.dtypes.itemsize_bits(dtype) // 8)

@@ -1,15 +1,17 @@
-"""Weight-only quantization: int8 or float8_e4m3fn weights, one float32
-scale per block, bf16 (the model's dtype) activations.
+"""Weight-only quantization: int8, int4 or float8_e4m3fn weights, one
+float32 scale per block, bf16 (the model's dtype) activations.
 
 A quantized matrix keeps its place and layout ([in, out], the routed
-experts [E, in, out]) in the weight's dtype int8 or float8_e4m3fn, beside a
+experts [E, in, out]) in the weight's dtype int8, int4 or float8_e4m3fn, beside a
 `<name>_scale` parameter holding one factor per block of `block` = (rows of
 the [out, in] matrix as Hugging Face stores it, its columns), the edge
 blocks partial: the layout of the FP8 checkpoints Qwen and DeepSeek
 publish (gdnx.checkpoints.fp8), so those load as they are stored. Each
 product dequantizes its weight first (value x its block's factor, in the
-activations' dtype): memory at rest is a byte a weight, the arithmetic
-that of the unquantized model. qwix does the quantizing (absmax per block,
+activations' dtype): memory at rest is a byte a weight (int4: half, as
+XLA packs it), the arithmetic that of the unquantized model. int4 wants
+smaller blocks than FP8's 128 x 128 for its 15 levels: (1, 128), one
+output row by 128 inputs, is the usual group. qwix does the quantizing (absmax per block,
 its rounding and float8 saturation).
 
 What stays unquantized: the embeddings and the LM head, norms, the
@@ -30,8 +32,8 @@ from jax.typing import DTypeLike
 
 from gdnx.parallel.rules import current_mesh, is_explicit
 
-Quantize = Literal["none", "int8", "fp8"]
-DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+Quantize = Literal["none", "int8", "int4", "fp8"]
+DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
 SCALE = "_scale"
 # projections that stay unquantized, by module name (the routers: their scores choose experts)
 KEPT = frozenset({"gate", "shared_expert_gate", "lm_head"})
@@ -52,7 +54,7 @@ def _padded(w, block: tuple[int, int]):
 
 
 def quantize(w: jax.Array, kind: str, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
-    """(values in int8 / float8_e4m3fn of w's shape, float32 factors of its
+    """(values in int8 / int4 / float8_e4m3fn of w's shape, float32 factors of its
     block grid) for w [..., in, out] in float: w ~ values x factor."""
     import qwix
 

@@ -15,6 +15,7 @@ import transformers
 from flax import nnx
 from peft import PeftModel
 
+from gdnx import quantization
 from gdnx.export import export_run
 from gdnx.generate import generate
 from gdnx.measure import relative_error
@@ -179,7 +180,7 @@ def test_a_changed_base_is_refused_on_resume_export_and_load(bases, tmp_path):
             attempt()
 
 
-@pytest.mark.parametrize("kind", ["int8"])  # fp8 takes the same path (tests/test_quantization.py: both kinds)
+@pytest.mark.parametrize("kind", ["int4"])
 def test_lora_on_a_quantized_base_trains_resumes_and_exports_merged(bases, tmp_path, kind):
     """QLoRA: adapters (on the experts and two projections) over a base held
     quantized (model.quantize); the quantized base stays bit for bit, the
@@ -188,7 +189,7 @@ def test_lora_on_a_quantized_base_trains_resumes_and_exports_merged(bases, tmp_p
     over = [f"model.quantize={kind}", "model.quantize_block=[16, 24]",
             "train.lora.targets=[experts, q_proj, in_proj_qkvz]"]
     trainer, base = _train(bases, "qwen3_5_moe", tmp_path / "run", *over)
-    assert any(x.dtype == (np.int8 if kind == "int8" else jnp.float8_e4m3fn) for x in jax.tree.leaves(base))
+    assert any(x.dtype == quantization.DTYPES[kind] for x in jax.tree.leaves(base))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8)),
                  base, jax.tree.map(np.asarray, trainer.frozen))
     _train(bases, "qwen3_5_moe", tmp_path / "run", *over, "train.steps=7")  # resumes from step 6

@@ -52,6 +52,7 @@ def run_generate(args) -> int:
     from flax import nnx
 
     from gdnx.inference import MEMORY_HINT, load
+    from gdnx.measure import stored_bytes
     from gdnx.models.cache import cache_bytes
     from gdnx.training.loop import memory_capacity
 
@@ -101,7 +102,7 @@ def run_generate(args) -> int:
     total = len(ids) + args.max_new_tokens
     # per device: its share of the weights; the cache and the prompt's pass counted whole (an upper bound)
     cache, prefill = cache_bytes(model, total), prefill_bytes(model, len(ids), total)
-    weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    weights = sum(stored_bytes(x.addressable_shards[0].data.shape, x.dtype) for x in jax.tree.leaves(nnx.state(model)))
     have = memory_capacity(jax.local_devices()[:1])
     if weights + cache + prefill > have:
         raise ConfigError(f"--max-new-tokens: {total} tokens need {(weights + cache + prefill) / 2 ** 30:,.1f} GiB "

@@ -15,10 +15,11 @@ if TYPE_CHECKING:
 
 
 def quantize_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--quantize", choices=("int8", "fp8"), default=None,
+    command.add_argument("--quantize", choices=("int8", "int4", "fp8"), default=None,
                          help="hold the projections and routed experts quantized, a float32 factor per block of "
-                              "128 x 128 (model.quantize; an FP8 checkpoint keeps its blocks with fp8); default: "
-                              "as the checkpoint stores them (an FP8 checkpoint dequantized)")
+                              "model.quantize_block (128 x 128; for int4 set a smaller one, e.g. "
+                              "model.quantize_block=[1,128]; an FP8 checkpoint keeps its blocks with fp8); "
+                              "default: as the checkpoint stores them (an FP8 checkpoint dequantized)")
 
 
 def overrides(args: argparse.Namespace) -> list[str]:

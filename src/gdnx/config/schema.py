@@ -170,10 +170,11 @@ class ModelConfig(_Strict):
     # numerics and memory
     dtype: str = "float32"
     param_dtype: str = "float32"
-    # weight-only quantization (gdnx.quantization): the projections and routed experts held as int8 or
-    # float8_e4m3fn with a float32 factor per block of quantize_block ([rows, columns] of a Hugging Face
-    # [out, in] matrix, as FP8 checkpoints' weight_block_size); products in `dtype`
-    quantize: Literal["none", "int8", "fp8"] = "none"
+    # weight-only quantization (gdnx.quantization): the projections and routed experts held as int8, int4
+    # or float8_e4m3fn with a float32 factor per block of quantize_block ([rows, columns] of a Hugging Face
+    # [out, in] matrix, as FP8 checkpoints' weight_block_size; int4 wants smaller, e.g. [1, 128]); products
+    # in `dtype`
+    quantize: Literal["none", "int8", "int4", "fp8"] = "none"
     quantize_block: tuple[PositiveInt, PositiveInt] = (128, 128)
     remat_policy: Literal["none", "full", "save_gdn_residuals"] = "none"
     # the decoder stack under one scan over its repeating cycle of layers

@@ -39,6 +39,7 @@ from gdnx.aot import (Buffer, abstract, compile_reporting, compile_within, descr
 from gdnx.serving import programs
 from gdnx.serving.config import EngineConfig
 from gdnx.serving.runner import DecodeBatch, PrefillBatch, VerifyBatch, lower, new_slots
+from gdnx.measure import stored_bytes
 from gdnx.stacking import layer_ndim
 
 PROGRAMS = ("prefill", "decode", "verify")
@@ -119,7 +120,7 @@ def decode_flops(cfg: Any, params: Any, slots: int, length: int) -> float:
 
 def _per_chip(tree: Any) -> int:
     """Bytes of one chip's share of abstract arrays with shardings (the largest shard)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(stored_bytes(x.sharding.shard_shape(x.shape), x.dtype) for x in jax.tree.leaves(tree))
 
 
 def _refusal(what: str, topology: str) -> str:
