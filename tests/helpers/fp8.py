@@ -36,6 +36,14 @@ def _quantize(w: np.ndarray, block: tuple[int, int], factors: str) -> tuple[np.n
     return q, stored, q.astype(np.float32) * full
 
 
+def fp8_values(values: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """The float32 weight float8 values and their float32 factors stand for."""
+    rows, cols = block
+    r, c = values.shape[-2:]
+    full = np.repeat(np.repeat(scale.astype(np.float32), rows, axis=-2), cols, axis=-1)[..., :r, :c]
+    return values.astype(np.float32) * full
+
+
 def fp8_tensors(tensors: dict, block: tuple[int, int], factors: str = "float32") -> tuple[dict, dict, list]:
     """(the FP8 checkpoint's tensors, the float32 values they stand for, the
     modules kept unquantized): every matrix but the embeddings, head, norms,

@@ -41,6 +41,13 @@ class BlockFp8:
     block: tuple[int, int]
 
 
+def quantization_config(block: tuple[int, int], kept: list[str]) -> dict:
+    """config.json's quantization_config of an FP8 checkpoint with blocks of
+    `block` and the modules `kept` unquantized."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block),
+            "modules_to_not_convert": kept}
+
+
 def quantization(hf_config: dict, where: str) -> BlockFp8 | None:
     """The layout config.json's quantization_config states (None without
     one); a method gdnx does not read is a ValueError naming it."""

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 from jax.experimental import multihost_utils
 import numpy as np
 from flax import nnx
@@ -487,8 +488,36 @@ def _host(x: jax.Array) -> np.ndarray:
 def hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
     """The model's parameters under Hugging Face names and layouts (its
     family's text model), one host array at a time (a tensor several
-    parameters share once all of them are in). A parameter sharded over
-    several processes is gathered: every process iterates this alike."""
+    parameters share once all of them are in); quantized weights written
+    dequantized, in the parameters' dtype. A parameter sharded over several
+    processes is gathered: every process iterates this alike."""
+    cfg = _config_of(model)
+    for key, tensor, _ in _tensors(model, jnp.dtype(cfg.param_dtype)):
+        yield key, tensor
+
+
+def fp8_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
+    """As `hf_tensors`, a model held in fp8 written as published FP8
+    checkpoints store it: each quantized matrix float8_e4m3fn [out, in] with
+    its `_scale_inv` per block of model.quantize_block. Where gdnx's layout
+    is the file's transposed, the values and factors are the model's (the
+    factors to a float32 ulp: the weights pass through float32); a tensor
+    gdnx regroups (the GDN input projections) is quantized again in the
+    file's blocks."""
+    cfg = _config_of(model)
+    block = (cfg.quantize_block[0], cfg.quantize_block[1])
+    for key, tensor, quantized in _tensors(model, jnp.dtype(jnp.float32)):
+        if not quantized:
+            yield key, tensor
+            continue
+        values, scale = quantization.quantize_host(tensor.swapaxes(-1, -2), "fp8", block)
+        yield key, np.ascontiguousarray(values.swapaxes(-1, -2))
+        yield key + fp8.SCALE_SUFFIX, np.ascontiguousarray(scale.swapaxes(-1, -2))
+
+
+def _tensors(model: nnx.Module, dequantized: np.dtype) -> Iterator[tuple[str, np.ndarray, bool]]:
+    """(key, tensor, whether a quantized weight gave it): a quantized weight
+    dequantized in `dequantized`."""
     cfg = _config_of(model)
     pending: dict[str, list[tuple[int, np.ndarray]]] = {}  # shared tensors: (offset, rows) so far
 
@@ -506,29 +535,30 @@ def hf_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
             continue
         whole = _host(var[...])
         scale = flat.get(p[:-1] + (str(p[-1]) + quantization.SCALE,))
-        if scale is not None:  # quantized: written dequantized, in the parameters' dtype
+        if scale is not None:
             block = (cfg.quantize_block[0], cfg.quantize_block[1])
             whole = np.asarray(quantization.dequantize(jnp.asarray(whole), jnp.asarray(_host(scale[...])), block,
-                                                       jnp.dtype(cfg.param_dtype)))
+                                                       dequantized))
         paths, stacked = layer_paths(cfg, p)
         for i, q in enumerate(paths):
             where = locate(cfg, q)
             value = whole[i] if stacked else whole
             if isinstance(where, Experts) and where.fused:  # gate_up [E, 2I, H], down [E, H, I]
                 if where.part == "down":
-                    yield f"{where.prefix}.down_proj", np.ascontiguousarray(value.transpose(0, 2, 1))
+                    out = iter([(f"{where.prefix}.down_proj", np.ascontiguousarray(value.transpose(0, 2, 1)))])
                 else:
-                    yield from piece(f"{where.prefix}.gate_up_proj", int(where.part == "up"),
-                                     value.transpose(0, 2, 1), 2, axis=1)
+                    out = piece(f"{where.prefix}.gate_up_proj", int(where.part == "up"), value.transpose(0, 2, 1),
+                                2, axis=1)
             elif isinstance(where, Experts):
-                for e in range(value.shape[0]):
-                    yield f"{where.prefix}.{e}.{where.name}.weight", np.ascontiguousarray(value[e].T)
+                out = ((f"{where.prefix}.{e}.{where.name}.weight", np.ascontiguousarray(value[e].T))
+                       for e in range(value.shape[0]))
             elif where.pieces > 1:
                 (key,), (rows,) = where.keys, where.to_hf(value)
-                yield from piece(key, where.offset, rows, where.pieces)
+                out = piece(key, where.offset, rows, where.pieces)
             else:
-                for key, tensor in zip(where.keys, where.to_hf(value)):
-                    yield key, np.ascontiguousarray(tensor)
+                out = ((key, np.ascontiguousarray(tensor)) for key, tensor in zip(where.keys, where.to_hf(value)))
+            for key, tensor in out:
+                yield key, tensor, scale is not None
     assert not pending, f"tensors missing a part: {sorted(pending)}"  # every shared tensor's parameters are built
 
 
@@ -540,12 +570,20 @@ def _save_shard(tensors: dict[str, np.ndarray], path: str) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: int = SHARD_BYTES) -> None:
+def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: int = SHARD_BYTES,
+                    fp8_layout: bool = False) -> None:
     """Write config.json and the weights as safetensors, in files of up to
     shard_bytes (with model.safetensors.index.json when more than one),
     filled tensor by tensor: the host holds one file's tensors at a time. A
     sharded model writes the same bits as a whole one; with several
-    processes every process takes part and process 0 writes the files."""
+    processes every process takes part and process 0 writes the files.
+    fp8_layout: a model held in fp8 written as an FP8 checkpoint
+    (`fp8_tensors`, config.json's quantization_config); otherwise quantized
+    weights are written dequantized."""
+    cfg = _config_of(model)
+    if fp8_layout and cfg.quantize != "fp8":
+        raise ValueError(f"fp8_layout: the model is held {cfg.quantize!r}, not fp8; the FP8 layout writes an fp8 "
+                         "model's blocks as they are (load it with quantize='fp8')")
     directory = Path(path)
     writer = jax.process_index() == 0
     if writer:
@@ -561,7 +599,10 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: 
             written.append((name, list(shard)))
         shard.clear()
 
-    for key, tensor in hf_tensors(model):
+    kept: set[str] = set()
+    for key, tensor in (fp8_tensors if fp8_layout else hf_tensors)(model):
+        if fp8_layout and tensor.dtype != ml_dtypes.float8_e4m3fn and not key.endswith(fp8.SCALE_SUFFIX):
+            kept.add(key.rsplit(".", 1)[0])
         if shard and sum(v.nbytes for v in shard.values()) + tensor.nbytes > shard_bytes:
             flush()
         shard[key] = tensor
@@ -577,5 +618,7 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: 
         index = {"metadata": {"total_size": total},
                  "weight_map": {k: name for (_, keys), name in zip(written, names) for k in keys}}
         atomic_write_text(directory / "model.safetensors.index.json", json.dumps(index, indent=2))
-    config = hf_config_from_model(_config_of(model))
+    config = hf_config_from_model(cfg)
+    if fp8_layout:
+        config["quantization_config"] = fp8.quantization_config(cfg.quantize_block, sorted(kept))
     atomic_write_text(directory / "config.json", json.dumps(config, indent=2))

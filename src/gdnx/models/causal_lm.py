@@ -319,12 +319,14 @@ class CausalLM(nnx.Module):
         placement = None if mesh is None else lambda params, cfg: shardings(params, cfg, mesh)
         return load_pretrained(cls, path, placement=placement, **config_overrides)
 
-    def save_pretrained(self, path: str | os.PathLike) -> None:
+    def save_pretrained(self, path: str | os.PathLike, *, fp8_layout: bool = False) -> None:
         """Write config.json + safetensors in the family's own layout, which
-        transformers loads."""
+        transformers loads; fp8_layout: a model held in fp8 as published FP8
+        checkpoints store it (quantized weights are otherwise written
+        dequantized)."""
         from gdnx.checkpoints.hf import save_pretrained
 
-        save_pretrained(self, path)
+        save_pretrained(self, path, fp8_layout=fp8_layout)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens).logits
