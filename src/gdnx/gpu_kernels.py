@@ -58,6 +58,18 @@ def _ptxas() -> str:
     return str(Path(nvidia.cuda_nvcc.__path__[0]) / "bin" / "ptxas")
 
 
+# a Pallas kernel's entry: its function's name, numbered from the second call of one function on (__1, ...)
+_PALLAS = re.compile(r"_kernel(?:__(\d+))?$")
+
+
+def _kernel_name(entry: str) -> str:
+    """prepare for _prepare_kernel, prepare#2 for its second call (_prepare_kernel__1)."""
+    m = _PALLAS.search(entry)
+    assert m is not None
+    base = entry[:m.start()].lstrip("_")
+    return base if m.group(1) is None else f"{base}#{int(m.group(1)) + 1}"
+
+
 def read_dump(dump: Path, target: str) -> list[GpuKernel]:
     """The Pallas kernels of the program XLA dumped into `dump`, by name."""
     launches: dict[str, tuple[int, tuple[int, ...]]] = {}
@@ -69,7 +81,7 @@ def read_dump(dump: Path, target: str) -> list[GpuKernel]:
     for path in dump.glob("*.ptx"):
         text = path.read_text()
         names = re.findall(r"\.entry (\w+)", text)
-        if not any(n in launches and n.endswith("_kernel") for n in names):
+        if not any(n in launches and _PALLAS.search(n) for n in names):
             continue
         mma = len(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\b", text))
         out = subprocess.run([_ptxas(), f"-arch={arch(target)}", "-v", str(path), "-o", os.devnull],
@@ -77,9 +89,8 @@ def read_dump(dump: Path, target: str) -> list[GpuKernel]:
         for m in re.finditer(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores.*?\n.*?Used (\d+) registers",
                              out, re.S):
             compiled[m.group(1)] = (int(m.group(3)), int(m.group(2)), mma)
-    return [GpuKernel(name.removesuffix("_kernel").lstrip("_"), launches[name][1], launches[name][0],
-                      *compiled.get(name, (-1, -1, -1)))
-            for name in sorted(n for n in launches if n.endswith("_kernel"))]  # the Pallas kernels, not XLA's
+    return [GpuKernel(_kernel_name(name), launches[name][1], launches[name][0], *compiled.get(name, (-1, -1, -1)))
+            for name in sorted(n for n in launches if _PALLAS.search(n))]  # the Pallas kernels, not XLA's
 
 
 def compile_and_read(lowered: Any, target: str) -> tuple[Any, list[GpuKernel]]:

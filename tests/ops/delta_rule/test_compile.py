@@ -74,6 +74,8 @@ def test_gpu_kernels_fill_the_gpu_on_tensor_cores_without_spilling(target, progr
     _, kernels = compile_and_read(jax.jit(fn).lower(*args), target)
     spec = aot.GPU_SPECS[target]
     assert len(kernels) >= (5 if program.grad else 3), kernels
+    # the backward's prepare is the second call of the forward's kernel function: read as a kernel of its own
+    assert ("prepare#2" in {k.name for k in kernels}) == program.grad, kernels
     for k in kernels:
         assert k.registers > 0, f"{k}: ptxas did not report it"
         assert k.spill_bytes == 0, str(k)
