@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import qwix
 import transformers
 from flax import nnx
 
@@ -88,3 +89,18 @@ def test_quantized_load_matches_transformers_on_its_weights(hf_checkpoints, tmp_
     # and how far that is from the float model: the quantization's error, not a bug's (int4's step is 18x
     # int8's: 0.07 measured, 0.004 for int8, 0.016 for fp8)
     assert relative_error(got_logits, np.asarray(plain(toks))) <= {"int8": 0.01, "fp8": 0.05, "int4": 0.15}[kind]
+
+
+def test_experts_in_whole_blocks_reach_the_grouped_matmuls_quantized(hf_checkpoints, tmp_path):
+    """Blocks that tile the experts (16 x 16 on the tiny model): the experts
+    go to the grouped matmuls quantized (a qwix.QArray; on GPUs tokamax's
+    kernel scales its tiles), computing what the dequantized weights do."""
+    from gdnx.layers.moe import EXPERT_WEIGHTS, SparseMoE
+
+    model = CausalLM.from_pretrained(hf_checkpoints.path("qwen3_next_moe"), quantize="int8", quantize_block=(16, 16))
+    moe = next(m for _, m in nnx.iter_graph(model) if isinstance(m, SparseMoE))
+    assert all(isinstance(moe._weights(name, False), qwix.QArray) for name in EXPERT_WEIGHTS)
+    model.save_pretrained(tmp_path / "dequantized")
+    toks = tokens(2, 24)
+    plain = CausalLM.from_pretrained(tmp_path / "dequantized")
+    assert relative_error(np.asarray(model(toks)), np.asarray(plain(toks))) <= 1e-6

@@ -46,6 +46,14 @@ def grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     return (*shape[:-2], -(-shape[-2] // cols), -(-shape[-1] // rows))
 
 
+def tiles(shape: tuple[int, ...], block: tuple[int, int]) -> bool:
+    """Whether blocks of (out rows, in columns) tile a weight [..., in, out]
+    whole (no partial edge block): its factors then broadcast over it as a
+    qwix.QArray's do."""
+    rows, cols = block
+    return shape[-2] % cols == 0 and shape[-1] % rows == 0
+
+
 def _padded(w, block: tuple[int, int]):
     rows, cols = block
     g = grid(w.shape, block)

@@ -201,3 +201,62 @@ def test_the_tiled_implementation_holds_no_dense_copy_at_the_80b_shape():
     for program in (forward, backward):
         temp = jax.jit(program).lower(*args).compile().memory_analysis().temp_size_in_bytes
         assert temp < 6 * 2 ** 30, (program.__name__, temp / 2 ** 30)
+
+
+def test_quantized_experts_equal_their_dequantized_weights():
+    """Experts held quantized (a qwix.QArray: float8 values and a factor per
+    16 x 8 block) give what their dequantized weights give, forward and
+    gradient of x; the quantized weights get none (frozen)."""
+    import qwix
+
+    from gdnx import quantization
+
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (40, 32), jnp.float32)
+    values, scale = quantization.quantize(jax.random.normal(kw, (3, 32, 24)), "fp8", (8, 16))
+    w = qwix.QArray(values, scale, qtype=values.dtype)
+    plain = quantization.dequantize(values, scale, (8, 16), jnp.float32)
+    sizes = jnp.asarray([10, 0, 25], jnp.int32)
+
+    def loss(x, w):
+        return jnp.sum(jnp.sin(grouped_matmul(x, w, sizes, implementation="tiled")))
+
+    np.testing.assert_array_equal(grouped_matmul(x, w, sizes, implementation="tiled"),
+                                  grouped_matmul(x, plain, sizes, implementation="tiled"))
+    np.testing.assert_array_equal(jax.grad(loss)(x, w), jax.grad(loss)(x, plain))
+
+
+@pytest.mark.deviceless
+def test_quantized_experts_reach_the_gpu_kernel_as_they_are_held():
+    """At the 80B shape above with float8 experts (a factor per 128 x 128
+    block), tokamax's Triton kernel takes the float8 values and their
+    factors (it scales each tile as it loads it): the forward holds no
+    dequantized copy of the experts (512 MiB in bfloat16), and the gradient
+    of x compiles (through the dequantized weights: the quantized ones are
+    frozen)."""
+    import qwix
+
+    from gdnx import aot
+
+    device = aot.device("h100")
+    place = jax.sharding.SingleDeviceSharding(device)
+    args = (jax.ShapeDtypeStruct((COPIES, HIDDEN), jnp.bfloat16, sharding=place),
+            jax.ShapeDtypeStruct((EXPERTS, HIDDEN, WIDTH), jnp.float8_e4m3fn, sharding=place),
+            jax.ShapeDtypeStruct((EXPERTS, HIDDEN // 128, WIDTH // 128), jnp.float32, sharding=place),
+            jax.ShapeDtypeStruct((EXPERTS,), jnp.int32, sharding=place))
+
+    def forward(x, values, scale, sizes):
+        w = qwix.QArray(values, scale, qtype=values.dtype)
+        return grouped_matmul(x, w, sizes, implementation="triton")
+
+    def backward(x, values, scale, sizes):
+        return jax.grad(lambda x: jnp.sum(forward(x, values, scale, sizes).astype(jnp.float32)))(x)
+
+    dequantized = EXPERTS * HIDDEN * WIDTH * 2
+    with aot.targeting(device):
+        compiled = jax.jit(forward).lower(*args).compile()
+        assert compiled.memory_analysis().temp_size_in_bytes < dequantized / 4
+        text = compiled.as_text()
+        assert "__gpu$xla.gpu.triton" in text and "f8e4m3fn[512,2048,256]" in text
+        assert "bf16[512,2048,256]" not in text
+        assert jax.jit(backward).lower(*args).compile().memory_analysis() is not None

@@ -97,6 +97,21 @@ def test_sharded_quantized_load_equals_whole_load(hf_dirs, kind, scan):
                  CausalLM.from_pretrained(hf_dirs["qwen3_next_moe"], **over), m)
 
 
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_quantized_experts_on_an_expert_axis_compute_what_one_device_does(hf_dirs, mode):
+    """Experts quantized in blocks that tile them (16 x 16) reach the grouped
+    matmuls as they are held (qwix.QArray), split whole over the expert
+    axis with their factors: the logits equal one device's."""
+    m = mesh(mode, data=2, expert=4)
+    over = dict(quantize="fp8", quantize_block=(16, 16))
+    toks = np.random.default_rng(0).integers(0, 97, (2, 12))
+    whole = CausalLM.from_pretrained(hf_dirs["qwen3_next_moe"], **over)
+    sharded = CausalLM.from_pretrained(hf_dirs["qwen3_next_moe"], mesh=m, **over)
+    with jax.set_mesh(m):
+        got = np.asarray(jax.jit(lambda t: sharded(t))(toks))
+    np.testing.assert_allclose(got, np.asarray(whole(toks)), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("experts", ["per_expert", "fused"])
 def test_sharded_load_of_an_fp8_checkpoint(hf_dirs, tmp_path, experts):
     """Block-scaled FP8 (blocks of 16 x 24: partial at the edges, and cut

@@ -24,13 +24,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
+from qwix import QArray
 
 from gdnx import quantization
 from gdnx.layers.linear import linear
 from gdnx.layers.lora import LoRA
 from gdnx.layers.mlp import MLP, swiglu
 from gdnx.ops.grouped_matmul import grouped_matmul, resolve, traced_platform
-from gdnx.parallel.moe import RAGGED_PLATFORMS, Exchange, ShardAxes, run_experts, split_experts
+from gdnx.parallel.moe import RAGGED_PLATFORMS, Exchange, ShardAxes, holds_whole_blocks, run_experts, split_experts
 
 
 class RouterStats(NamedTuple):
@@ -123,7 +124,8 @@ class SparseMoE(nnx.Module):
         kernels = resolve(self.implementation, traced_platform()) in ("triton", "mosaic")
         split = split_experts(self.split, self.num_experts, self.experts_gate.shape[-1])
         routed, counts = run_experts(self._routed, x, top_p, top_i,
-                                     *(self._weights(name) for name in EXPERT_WEIGHTS), split=split, kernels=kernels)
+                                     *(self._weights(name, split) for name in EXPERT_WEIGHTS), split=split,
+                                     kernels=kernels)
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
@@ -139,15 +141,19 @@ class SparseMoE(nnx.Module):
             setattr(self, name, nnx.Param(values))
             setattr(self, name + quantization.SCALE, nnx.Param(scale))
 
-    def _weights(self, name: str) -> jax.Array:
-        """An experts' weight (dequantized), with its LoRA adapter
-        (<name>_lora) added in."""
+    def _weights(self, name: str, split: bool) -> jax.Array | QArray:
+        """An experts' weight with its LoRA adapter (<name>_lora) added in.
+        A quantized one without an adapter goes to the grouped matmuls as it
+        is held (a qwix.QArray) where its blocks tile it and each shard holds
+        whole matrices (gdnx.ops.grouped_matmul); otherwise dequantized."""
         w = getattr(self, name)[...]
         scale = getattr(self, name + quantization.SCALE, None)
+        adapter: LoRA | None = getattr(self, f"{name}_lora", None)
         if scale is not None:
             assert self.block is not None  # set by quantize with the factors
+            if adapter is None and quantization.tiles(w.shape, self.block) and holds_whole_blocks(w.shape, split):
+                return QArray(w, scale[...], qtype=w.dtype)
             w = quantization.dequantize(w, scale[...], self.block, self.dtype)
-        adapter: LoRA | None = getattr(self, f"{name}_lora", None)
         return w if adapter is None else adapter.merged(w)
 
     def _routed(self, x, top_p, top_i, w_gate, w_up, w_down, axes: ShardAxes):
@@ -159,7 +165,7 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         x, top_p, top_i = x.reshape(-1, shape[-1]), top_p.reshape(-1, self.top_k), top_i.reshape(-1, self.top_k)
         counts = jnp.bincount(top_i.reshape(-1), length=self.num_experts).astype(jnp.float32)
-        weights = tuple(w.astype(x.dtype) for w in (w_gate, w_up, w_down))
+        weights = tuple(w if isinstance(w, QArray) else w.astype(x.dtype) for w in (w_gate, w_up, w_down))
         if axes.dispatch is None:
             run = functools.partial(self._held, axes=axes)
             tokens = CHUNK_TOKENS

@@ -19,7 +19,12 @@ moe_implementation):
           gradients grouped).
   mosaic  tokamax's Pallas Mosaic kernel (Hopper and later GPUs; TPU v5
           and later).
-auto (None) takes `DEFAULTS` for the platform. tokamax chooses its kernels'
+auto (None) takes `DEFAULTS` for the platform. Quantized experts (a
+qwix.QArray: int8 / int4 / float8 values with one factor per block) go to
+tokamax's kernels as they are, which scale each tile as they load it (no
+dequantized copy of the experts); the others dequantize them first. Their
+gradient flows to x alone (the quantized weights are frozen), through the
+dequantized weights. tokamax chooses its kernels'
 tiles; a call traced for a machine that is not attached (gdnx plan) must
 run under `jax.default_device(<that machine's device>)` so that tokamax
 checks and tiles for it.
@@ -27,10 +32,14 @@ checks and tiles for it.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import qwix
+from qwix import QArray
 
 IMPLEMENTATIONS = ("tiled", "xla", "triton", "mosaic")
 # the platforms each runs on (jax's platform names; "cuda" and "rocm" are "gpu")
@@ -98,21 +107,47 @@ def _tokamax():
     return tokamax
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str | None = None,
-                   ) -> jax.Array:
-    """x [M, K] rows sorted by group, w [G, K, N], group_sizes int32 [G]
-    (summing to at most M) -> [M, N] in x's dtype. implementation: one of
-    IMPLEMENTATIONS, None for the default backend's."""
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
+def grouped_matmul(x: jax.Array, w: jax.Array | QArray, group_sizes: jax.Array, *,
+                   implementation: str | None = None) -> jax.Array:
+    """x [M, K] rows sorted by group, w [G, K, N] (or a qwix.QArray of that
+    shape whose factors tile it), group_sizes int32 [G] (summing to at most
+    M) -> [M, N] in x's dtype. implementation: one of IMPLEMENTATIONS, None
+    for the default backend's."""
+    if x.ndim != 2 or len(w.shape) != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_matmul: expected x [M, K], w [G, K, N], group_sizes [G], got {x.shape}, "
                          f"{w.shape}, {group_sizes.shape}")
     name = resolve(implementation, traced_platform(), "implementation")
     group_sizes = group_sizes.astype(jnp.int32)
+    if isinstance(w, QArray):
+        if name in ("triton", "mosaic"):
+            return _quantized(x, w, group_sizes, name)
+        w = qwix.dequantize(w).astype(x.dtype)
     if name == "tiled":
         return _tiled(x, w, group_sizes)
     if name == "xla":
         return jax.lax.ragged_dot(x, w, group_sizes)
     return _tokamax().ragged_dot(x, w, group_sizes, implementation=name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _quantized(x: jax.Array, w: QArray, group_sizes: jax.Array, name: str) -> jax.Array:
+    return _tokamax().ragged_dot(x, w, group_sizes, implementation=name).astype(x.dtype)
+
+
+def _quantized_fwd(x, w, group_sizes, name):
+    return _quantized(x, w, group_sizes, name), (x, w, group_sizes)
+
+
+def _quantized_bwd(name, res, dy):
+    x, w, group_sizes = res
+    _, pull = jax.vjp(lambda x: grouped_matmul(x, qwix.dequantize(w).astype(x.dtype), group_sizes,
+                                               implementation=name), x)
+    frozen = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.floating)
+                          else jnp.zeros_like(a), w)
+    return pull(dy)[0], frozen, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_quantized.defvjp(_quantized_fwd, _quantized_bwd)
 
 
 def tile_rows(rows: int, groups: int) -> int:

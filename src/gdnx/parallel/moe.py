@@ -17,6 +17,7 @@ The routing counts meet in a psum over the token axes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
+from qwix import QArray
 
 from gdnx.parallel.rules import current_mesh, is_explicit, mesh_axes, spec
 
@@ -77,13 +79,36 @@ class ShardAxes(NamedTuple):
     dispatch: str | None = None
 
 
-def run_experts(local: Callable, x: jax.Array, top_p: jax.Array, top_i: jax.Array, w_gate: jax.Array,
-                w_up: jax.Array, w_down: jax.Array, *, split: bool = False, kernels: bool = False) -> jax.Array:
+def holds_whole_blocks(shape: tuple[int, ...], split: bool) -> bool:
+    """Whether each shard of an experts' weight of `shape` holds whole
+    matrices (no mesh, or a mesh that splits the experts alone), so that
+    quantized weights can reach the grouped matmuls with their factors
+    as they are."""
+    mesh = current_mesh()
+    if mesh is None:
+        return True
+    gate_up_axes, _ = expert_axes(split)
+    return all(a is None for a in spec(tuple(None if a == "embed" else a for a in gate_up_axes), shape,
+                                       mesh=mesh)[1:])
+
+
+def _weight_spec(w, weight_spec: P):
+    """A weight's in_spec: a quantized one (qwix.QArray, whole matrices a
+    shard) its values' and its factors' split alike over the experts."""
+    if isinstance(w, QArray):
+        return dataclasses.replace(w, qvalue=weight_spec, scale=P(weight_spec[0], None, None))
+    return weight_spec
+
+
+def run_experts(local: Callable, x: jax.Array, top_p: jax.Array, top_i: jax.Array, w_gate: jax.Array | QArray,
+                w_up: jax.Array | QArray, w_down: jax.Array | QArray, *, split: bool = False,
+                kernels: bool = False) -> jax.Array:
     """local(x, top_p, top_i, w_gate, w_up, w_down, axes: ShardAxes) -> (y
     [B, T, hidden], counts [E]) on each shard. split: whole experts over
-    tensor (split_experts). kernels: local runs Pallas kernels, whose
-    outputs carry no varying-axes information (the shard_map then checks
-    none)."""
+    tensor (split_experts). The weights may be quantized (qwix.QArray)
+    where each shard holds whole matrices (holds_whole_blocks). kernels:
+    local runs Pallas kernels, whose outputs carry no varying-axes
+    information (the shard_map then checks none)."""
     mesh = current_mesh()
     if mesh is None:
         return local(x, top_p, top_i, w_gate, w_up, w_down, ShardAxes())
@@ -91,10 +116,12 @@ def run_experts(local: Callable, x: jax.Array, top_p: jax.Array, top_i: jax.Arra
     # the weights without their fsdp split (gathered for the products)
     gate_up_axes, down_axes = (tuple(None if a == "embed" else a for a in axes) for axes in expert_axes(split))
     gate_up, down = spec(gate_up_axes, w_gate.shape, mesh=mesh), spec(down_axes, w_down.shape, mesh=mesh)
-    specs = (tok, P(*tok[:2], None), P(*tok[:2], None), gate_up, gate_up, down)
-    args = (x, top_p, top_i, w_gate, w_up, w_down)
+    weights = (w_gate, w_up, w_down)
+    specs = (tok, P(*tok[:2], None), P(*tok[:2], None), *(_weight_spec(w, s) for w, s in
+                                                           zip(weights, (gate_up, gate_up, down))))
+    args = (x, top_p, top_i, *weights)
     if is_explicit(mesh):
-        args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs, strict=True))
+        args = tuple(jax.tree.map(jax.sharding.reshard, a, s) for a, s in zip(args, specs, strict=True))
     experts, token_axes = mesh_axes(gate_up[0]), mesh_axes(*tok[:2])
     dispatch = "expert" if "expert" in experts and "expert" in token_axes else None
     experts = tuple(a for a in experts if a != dispatch)
