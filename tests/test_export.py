@@ -43,3 +43,5 @@ def test_what_export_refuses(tmp_path):
     (tmp_path / "taken" / "file").write_text("x")
     with pytest.raises(ValueError, match="--out .*taken: exists and is not an empty directory"):
         export_run(tmp_path, tmp_path / "taken")
+    with pytest.raises(ValueError, match="--fp8: an adapter is written as PEFT stores it"):
+        export_run(tmp_path, tmp_path / "out", "adapter", fp8=True)

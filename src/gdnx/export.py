@@ -2,7 +2,8 @@
 Face directory (config.json, safetensors, sharded with an index above 4
 GiB, and the run's tokenizer files) that transformers loads; for a LoRA
 run, its adapters merged into the base weights (merge_lora) or as a PEFT
-adapter directory for the base model (adapter)."""
+adapter directory for the base model (adapter). A whole model (model,
+merge_lora) may be written as a block-scaled FP8 checkpoint (fp8)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 Form = Literal["model", "merge_lora", "adapter"]
 
 
-def export_run(run_dir: Path, out: Path, form: Form = "model") -> tuple[int, list[str]]:
+def export_run(run_dir: Path, out: Path, form: Form = "model", fp8: bool = False) -> tuple[int, list[str]]:
     """Write run_dir's newest intact checkpoint to `out` (new or empty).
     form: model (a run without LoRA), merge_lora (a LoRA run's adapters
-    merged into its base), adapter (a LoRA run's adapters for PEFT).
-    Returns its step and one note per thing worth saying (a damaged newer
-    checkpoint skipped, no tokenizer to copy)."""
+    merged into its base), adapter (a LoRA run's adapters for PEFT). fp8:
+    the whole model quantized to float8_e4m3fn in blocks of
+    model.quantize_block, written in the published FP8 layout (what the
+    run's model.quantize=fp8 holds; a QLoRA run's merged weights quantized
+    again). Returns its step and one note per thing worth saying (a damaged
+    newer checkpoint skipped, no tokenizer to copy)."""
+    import jax.numpy as jnp
     from flax import nnx
 
     from gdnx.checkpoints.hf_config import VISION_LANGUAGE
@@ -31,9 +36,12 @@ def export_run(run_dir: Path, out: Path, form: Form = "model") -> tuple[int, lis
     from gdnx.files import read_json_object
     from gdnx.models import CausalLM
     from gdnx.models.adapters import merged_params
-    from gdnx.quantization import dequantized_params
+    from gdnx.quantization import SCALE, dequantized_params, quantize
     from gdnx.runs import load_run
 
+    if fp8 and form == "adapter":
+        raise ValueError("--fp8: an adapter is written as PEFT stores it; --fp8 writes a whole model (without a "
+                         "flag, or with --merge-lora)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out}: exists and is not an empty directory; choose a new one")
     if not is_run(run_dir):
@@ -54,19 +62,27 @@ def export_run(run_dir: Path, out: Path, form: Form = "model") -> tuple[int, lis
             "model_type") in VISION_LANGUAGE else "model."
         adapters = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
         save_adapter(config.model, lora, {p: v[...] for p, v in adapters.items()}, out, str(base), prefix)
-    elif form == "merge_lora":
-        assert lora is not None
+    elif form == "model" and not fp8:
+        model.save_pretrained(out)
+    else:
         flat = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
         cfg = config.model
-        if cfg.quantize != "none":  # a quantized base: merged into its dequantized weights, written unquantized
-            flat = dequantized_params(flat, (cfg.quantize_block[0], cfg.quantize_block[1]), cfg.param_dtype)
+        block = (cfg.quantize_block[0], cfg.quantize_block[1])
+        if cfg.quantize != "none":  # a quantized base: merged into its dequantized weights
+            flat = dequantized_params(flat, block, cfg.param_dtype)
             cfg = cfg.model_copy(update={"quantize": "none"})
-        merged = merged_params(flat, lora.alpha / lora.rank)
+        if lora is not None:
+            flat = merged_params(flat, lora.alpha / lora.rank)
+        if fp8:
+            cfg = cfg.model_copy(update={"quantize": "fp8"})
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg)), nnx.Param)
-        params = nnx.from_flat_state([(p, var.replace(merged[p])) for p, var in nnx.to_flat_state(abstract)])
-        nnx.merge(graphdef, params).save_pretrained(out)
-    else:
-        model.save_pretrained(out)
+        held = dict(nnx.to_flat_state(abstract))
+        for path in held:
+            scale = (*path[:-1], f"{path[-1]}{SCALE}")
+            if scale in held:
+                flat[path], flat[scale] = quantize(jnp.asarray(flat[path]), "fp8", block)
+        params = nnx.from_flat_state([(p, var.replace(flat[p])) for p, var in held.items()])
+        nnx.merge(graphdef, params).save_pretrained(out, fp8_layout=fp8)
     tokenizer = run_tokenizer(config)
     if tokenizer is None:
         notes.append(f"the run ({config.data.source}{' as raw bytes' if config.data.source != 'mqar' else ''}) "

@@ -199,3 +199,9 @@ def test_lora_on_a_quantized_base_trains_resumes_and_exports_merged(bases, tmp_p
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     toks = tokens(2, 20)
     assert relative_error(hf_logits(hf, toks), _gdnx_logits(run.model, toks)) <= 1e-5
+    # merged and written back as FP8 (blocks of 16 x 24): within float8's rounding of the merged model
+    export_run(tmp_path / "run", tmp_path / "merged_fp8", "merge_lora", fp8=True)
+    config = json.loads((tmp_path / "merged_fp8" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [16, 24]
+    fp8 = CausalLM.from_pretrained(tmp_path / "merged_fp8")
+    assert relative_error(_gdnx_logits(fp8, toks), hf_logits(hf, toks)) <= 0.05

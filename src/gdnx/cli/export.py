@@ -20,6 +20,10 @@ def add_parser(sub) -> None:
     form.add_argument("--adapter", action="store_true",
                       help="a LoRA run: its adapters as a PEFT adapter directory (adapter_config.json, "
                            "adapter_model.safetensors) for the base model (model.init_from)")
+    export.add_argument("--fp8", action="store_true",
+                        help="write the model (or with --merge-lora the merged one) as a block-scaled FP8 checkpoint: "
+                             "float8_e4m3fn weights with a weight_scale_inv per block of model.quantize_block "
+                             "(128 x 128), as Qwen and DeepSeek publish theirs")
     export.set_defaults(run=run)
 
 
@@ -30,7 +34,7 @@ def run(args) -> None:
 
     try:
         form: Form = "merge_lora" if args.merge_lora else "adapter" if args.adapter else "model"
-        step, notes = export_run(Path(args.run_dir), Path(args.out), form)
+        step, notes = export_run(Path(args.run_dir), Path(args.out), form, fp8=args.fp8)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for line in notes:
