@@ -104,3 +104,45 @@ def test_experts_in_whole_blocks_reach_the_grouped_matmuls_quantized(hf_checkpoi
     toks = tokens(2, 24)
     plain = CausalLM.from_pretrained(tmp_path / "dequantized")
     assert relative_error(np.asarray(model(toks)), np.asarray(plain(toks))) <= 1e-6
+
+
+def test_fp8_activations_products_equal_an_independent_emulation():
+    """quantize_activations=fp8: x quantized per token and group of the
+    block's 32 columns (factor absmax / 448, values rounded to float8 by
+    ml_dtypes here) times the dequantized fp8 weight, in float64, is what
+    fp8_product computes (float32 sums: 1e-6)."""
+    import ml_dtypes
+
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (5, 64)) * jnp.linspace(0.1, 3, 64)
+    block = (16, 32)
+    values, scale = quantization.quantize(jax.random.normal(kw, (64, 48)), "fp8", block)
+    got = quantization.fp8_product(x, values, scale, block)
+    groups = np.asarray(x, np.float32).reshape(5, 2, 32)
+    factor = np.abs(groups).max(-1, keepdims=True) / np.float32(448)
+    xq = (groups / factor).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * factor
+    w = np.asarray(values).astype(np.float64) * np.repeat(np.repeat(np.asarray(scale, np.float64), 32, 0), 16, 1)
+    assert relative_error(got, xq.reshape(5, 64) @ w) <= 1e-6
+
+
+def test_fp8_activations_in_the_model_and_what_is_refused(hf_checkpoints):
+    """A MoE model with fp8 weights and activations (blocks of 16 x 16): the
+    matrices they tile (the experts and projections but the 8-wide
+    in_proj_ba) take float8 inputs; its logits within float8's rounding of
+    the weight-only model's. fp8 activations without fp8 weights are refused
+    naming the field."""
+    from gdnx.layers.lora import Linear
+    from gdnx.layers.moe import SparseMoE
+
+    path = hf_checkpoints.path("qwen3_next_moe")
+    weights = CausalLM.from_pretrained(path, quantize="fp8", quantize_block=(16, 16))
+    both = CausalLM.from_pretrained(path, quantize="fp8", quantize_block=(16, 16), quantize_activations="fp8")
+    modules = [(p[-1], m) for p, m in nnx.iter_modules(both) if isinstance(m, (Linear, SparseMoE))]
+    fp8 = {name for name, m in modules if m.activations == "fp8"}
+    assert {"experts", "in_proj_qkvz", "o_proj", "out_proj"} <= {"experts" if n == "mlp" else n for n in fp8}
+    assert all(m.activations == "none" for name, m in modules if name == "in_proj_ba")
+    toks = tokens(2, 24)
+    err = relative_error(np.asarray(both(toks)), np.asarray(weights(toks)))
+    assert 0 < err <= 0.05
+    with pytest.raises(ValueError, match="quantize_activations: fp8 activations multiply fp8 weights"):
+        load_config("tiny", ["model.quantize=int8", "model.quantize_activations=fp8"])

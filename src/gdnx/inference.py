@@ -28,7 +28,7 @@ ENGINE_FLAGS = {"max_slots": "--max-slots", "max_length": "--max-length", "prefi
 MEMORY_HINT = ("shorten the prompt or --max-new-tokens, or load the weights in bfloat16 "
                "(model.param_dtype=bfloat16 model.dtype=bfloat16)")
 # what a loaded checkpoint may change: how the model computes, not its shapes
-_OVERRIDABLE = ("dtype", "param_dtype", "scan_layers", "quantize", "quantize_block")
+_OVERRIDABLE = ("dtype", "param_dtype", "scan_layers", "quantize", "quantize_block", "quantize_activations")
 
 
 class IdTokenizer:
@@ -60,8 +60,8 @@ def model_overrides(overrides: list[str], command: str) -> dict:
     for key in model:
         if not key.startswith("gdn_") and key not in _OVERRIDABLE:
             raise ConfigError(f"model.{key}: {command} takes overrides of the model.gdn_* fields, model.dtype, "
-                              "model.param_dtype, model.scan_layers and model.quantize(_block) only (the checkpoint "
-                              "fixes the architecture)")
+                              "model.param_dtype, model.scan_layers and model.quantize(_block|_activations) only (the "
+                              "checkpoint fixes the architecture)")
     return model
 
 

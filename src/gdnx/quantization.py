@@ -14,6 +14,19 @@ smaller blocks than FP8's 128 x 128 for its 15 levels: (1, 128), one
 output row by 128 inputs, is the usual group. qwix does the quantizing (absmax per block,
 its rounding and float8 saturation).
 
+With activations=fp8 (model.quantize_activations) an fp8 weight's product
+takes its input in float8 too: one float32 factor per token and group of
+the block's columns (the weight's input blocks), from the input's own
+absmax (DeepSeek's 1 x 128 activation tiles against 128 x 128 weight
+blocks), for every matrix the blocks tile (the others: weight-only). On
+GPUs tokamax's Triton kernel reads both operands in float8 (half of
+bfloat16's bytes) and applies both factors per tile; its products run on
+the tensor cores in float16 (mma.sync in the PTX for H100: XLA's Triton
+pipeline issues no float8 wgmma for it, and tokamax's Mosaic GPU kernel,
+which does, takes per-channel weight factors only, not 128 x 128 blocks).
+Elsewhere the same numbers come from the dequantized operands in float32
+(CPUs and TPUs before v7 have no float8 products).
+
 What stays unquantized: the embeddings and the LM head, norms, the
 routers and the shared experts' gates, the delta-rule layers' small
 parameters and convolutions, and LoRA adapters (trained over a frozen
@@ -27,8 +40,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
+from qwix import QArray
 
 from gdnx.parallel.rules import current_mesh, is_explicit
 
@@ -54,6 +69,37 @@ def tiles(shape: tuple[int, ...], block: tuple[int, int]) -> bool:
     return shape[-2] % cols == 0 and shape[-1] % rows == 0
 
 
+def activations_for(activations: str, shape: tuple[int, ...], block: tuple[int, int]) -> str:
+    """The activations a weight [..., in, out] multiplies: fp8 only where the
+    blocks tile it (the activation groups are its input blocks); a matrix
+    they do not tile (Qwen3-Next's 64-wide in_proj_ba at 128 x 128) keeps
+    its products in the activations' dtype."""
+    return activations if tiles(shape, block) else "none"
+
+
+def quantize_tokens(x: jax.Array, group: int) -> QArray:
+    """x [M, K] as float8_e4m3fn with one float32 factor per row and group of
+    `group` columns (K a multiple of it), from the group's absmax."""
+    return qwix.quantize(x.astype(jnp.float32), jnp.float8_e4m3fn, channelwise_axes=[0], tiled_axes={1: group})
+
+
+def fp8_product(x: jax.Array, values: jax.Array, scale: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """x [..., K] @ the fp8 weight [K, N] (values, factors per block; the
+    blocks tile it) with x quantized per token group: in float32."""
+    from gdnx.ops.grouped_matmul import grouped_matmul, traced_platform
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq = quantize_tokens(x.reshape(-1, k), block[1])
+    if traced_platform() == "gpu":  # one group: tokamax's kernel, float8 on the tensor cores
+        w = QArray(values[None], scale[None], qtype=values.dtype)
+        sizes = jnp.full((1,), xq.shape[0], jnp.int32)
+        y = grouped_matmul(xq, w, sizes, implementation="triton", out_dtype=jnp.float32)
+    else:
+        y = jnp.dot(qwix.dequantize(xq), dequantize(values, scale, block, jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(*lead, y.shape[-1])
+
+
 def _padded(w, block: tuple[int, int]):
     rows, cols = block
     g = grid(w.shape, block)
@@ -64,8 +110,6 @@ def _padded(w, block: tuple[int, int]):
 def quantize(w: jax.Array, kind: str, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
     """(values in int8 / int4 / float8_e4m3fn of w's shape, float32 factors of its
     block grid) for w [..., in, out] in float: w ~ values x factor."""
-    import qwix
-
     rows, cols = block
     padded = _padded(w.astype(jnp.float32), block)
     # one grid per leading index (each expert its own factors)

@@ -260,3 +260,33 @@ def test_quantized_experts_reach_the_gpu_kernel_as_they_are_held():
         assert "__gpu$xla.gpu.triton" in text and "f8e4m3fn[512,2048,256]" in text
         assert "bf16[512,2048,256]" not in text
         assert jax.jit(backward).lower(*args).compile().memory_analysis() is not None
+
+
+@pytest.mark.deviceless
+def test_fp8_activations_reach_the_gpu_kernel_in_float8():
+    """quantize_activations=fp8 (gdnx.quantization.fp8_product) on H100: the
+    activations, quantized per token and 128 columns, and the weight's
+    float8 blocks both enter tokamax's Triton kernel as float8, whose
+    products are on the tensor cores (float16 mma.sync: see
+    gdnx.quantization)."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    from gdnx import aot, quantization
+
+    device = aot.device("h100")
+    place = jax.sharding.SingleDeviceSharding(device)
+    args = (jax.ShapeDtypeStruct((4096, HIDDEN), jnp.bfloat16, sharding=place),
+            jax.ShapeDtypeStruct((HIDDEN, 4096), jnp.float8_e4m3fn, sharding=place),
+            jax.ShapeDtypeStruct((HIDDEN // 128, 4096 // 128), jnp.float32, sharding=place))
+
+    def product(x, values, scale):
+        return quantization.fp8_product(x, values, scale, (128, 128)).astype(jnp.bfloat16)
+
+    with aot.targeting(device), tempfile.TemporaryDirectory() as dump:
+        compiled = jax.jit(product).lower(*args).compile(compiler_options={"xla_dump_to": dump})
+        call = next(line for line in compiled.as_text().splitlines() if "__gpu$xla.gpu.triton" in line)
+        assert "f8e4m3fn[4096,2048]" in call and "f8e4m3fn[1,2048,4096]" in call, call
+        ptx = " ".join(p.read_text() for p in Path(dump).glob("*.ptx"))
+        assert re.search(r"\b(?:wgmma\.mma_async|mma\.sync)\S*", ptx)

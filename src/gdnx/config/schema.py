@@ -176,6 +176,10 @@ class ModelConfig(_Strict):
     # in `dtype`
     quantize: Literal["none", "int8", "int4", "fp8"] = "none"
     quantize_block: tuple[PositiveInt, PositiveInt] = (128, 128)
+    # fp8 weights' products with the activations in float8 too, one factor per token and group of
+    # quantize_block's columns (dynamic, from the activations' own absmax): fp8 tensor cores on H100/H200
+    # (tokamax's kernel); inference only
+    quantize_activations: Literal["none", "fp8"] = "none"
     remat_policy: Literal["none", "full", "save_gdn_residuals"] = "none"
     # the decoder stack under one scan over its repeating cycle of layers
     # (compile time flat in depth) or unrolled; null: scanned from
@@ -214,6 +218,9 @@ class ModelConfig(_Strict):
         # config that transformers loads (say, every layer dense through
         # mlp_only_layers with MoE fields at their defaults) loads here too.
         errors = []
+        if self.quantize_activations != "none" and self.quantize != "fp8":
+            errors.append(("quantize_activations", f"fp8 activations multiply fp8 weights: needs quantize=fp8, got "
+                           f"quantize={self.quantize}"))
         used = set(self.resolved_layer_types)
         if "linear_attention" in used and self.linear_num_value_heads % self.linear_num_key_heads:
             errors.append(("linear_num_value_heads", f"must be a multiple of linear_num_key_heads="

@@ -128,17 +128,27 @@ class Linear(nnx.Linear):
     lora: LoRA | None = None
     kernel_scale: nnx.Param | None = None
     block: tuple[int, int] | None = None
+    activations: str = "none"
 
-    def quantize(self, kind: str, block: tuple[int, int]) -> None:
-        """Hold the kernel quantized (its values replaced in place)."""
+    def quantize(self, kind: str, block: tuple[int, int], activations: str = "none") -> None:
+        """Hold the kernel quantized (its values replaced in place);
+        activations=fp8: products with the input in float8 per token group
+        where the blocks tile the kernel (gdnx.quantization.fp8_product)."""
         values, scale = quantization.quantize(self.kernel[...], kind, block)
         self.kernel = nnx.Param(values)
         self.kernel_scale = nnx.Param(scale)
         self.block = block
+        self.activations = quantization.activations_for(activations, values.shape, block)
 
     def __call__(self, x: jax.Array, *, out_sharding: P | None = None) -> jax.Array:  # type: ignore[override]
         if self.kernel_scale is None:
             y = super().__call__(x, out_sharding=out_sharding)
+        elif self.activations == "fp8":
+            assert self.block is not None
+            x = x.astype(self.dtype or x.dtype)
+            y = quantization.fp8_product(x, self.kernel[...], self.kernel_scale[...], self.block).astype(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias[...].astype(y.dtype)
         else:
             x = x.astype(self.dtype or x.dtype)
             y = jnp.einsum("...i,io->...o", x, self._dequantized(x.dtype), precision=self.precision,

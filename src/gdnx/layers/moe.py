@@ -76,6 +76,7 @@ class SparseMoE(nnx.Module):
         (gdnx.parallel.moe.split_experts: auto, width or experts)."""
         self.implementation, self.split = implementation, split
         self.block: tuple[int, int] | None = None  # quantized weights' blocks (quantize)
+        self.activations = "none"  # fp8: the experts' inputs in float8 per token group (quantize)
         h, i, e, std = hidden_size, expert_size, num_experts, init_std
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.router, self.n_group, self.topk_group = router, n_group, topk_group
@@ -132,10 +133,15 @@ class SparseMoE(nnx.Module):
         tokens = jnp.asarray(x.shape[0] * x.shape[1], jnp.float32)
         return routed + shared, RouterStats(counts, jnp.sum(probs, axis=(0, 1)), tokens)
 
-    def quantize(self, kind: str, block: tuple[int, int]) -> None:
+    def quantize(self, kind: str, block: tuple[int, int], activations: str = "none") -> None:
         """Hold the routed experts' weights quantized (gdnx.quantization:
-        values in place, block factors in <name>_scale)."""
+        values in place, block factors in <name>_scale); activations=fp8:
+        their inputs in float8 per token group where the blocks tile all
+        three matrices."""
         self.block = block
+        shapes = [getattr(self, name).shape for name in EXPERT_WEIGHTS]
+        self.activations = "fp8" if all(quantization.activations_for(activations, s, block) == "fp8"
+                                         for s in shapes) else "none"
         for name in EXPERT_WEIGHTS:
             values, scale = quantization.quantize(getattr(self, name)[...], kind, block)
             setattr(self, name, nnx.Param(values))
@@ -233,9 +239,17 @@ class SparseMoE(nnx.Module):
         rows = order // k
         sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
         xs = x[rows]
-        gmm = functools.partial(grouped_matmul, group_sizes=sizes, implementation=self.implementation)
-        act = swiglu(gmm(xs, w_gate), gmm(xs, w_up), self.limit)
-        ys = gmm(act, w_down)
+        gmm = functools.partial(grouped_matmul, group_sizes=sizes, implementation=self.implementation,
+                                out_dtype=x.dtype)
+        if self.activations == "fp8":  # the inputs in float8 per token group (gdnx.quantization)
+            assert self.block is not None
+            group = self.block[1]
+            xq = quantization.quantize_tokens(xs, group)
+            act = swiglu(gmm(xq, w_gate), gmm(xq, w_up), self.limit)
+            ys = gmm(quantization.quantize_tokens(act, group), w_down)
+        else:
+            act = swiglu(gmm(xs, w_gate), gmm(xs, w_up), self.limit)
+            ys = gmm(act, w_down)
         weight = jnp.where(mine, top_p.reshape(-1), 0)[order]
         ys = ys * weight[:, None].astype(ys.dtype)
         return jnp.zeros_like(x).at[rows].add(ys)

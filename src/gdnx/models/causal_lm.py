@@ -238,14 +238,14 @@ def _run_layer(layer, *args):
     return layer(*args)
 
 
-def _quantize(layer: DecoderLayer, kind: str, block: tuple[int, int]) -> None:
+def _quantize(layer: DecoderLayer, kind: str, block: tuple[int, int], activations: str) -> None:
     """Hold the layer's projections and routed experts quantized
     (gdnx.quantization), all but the routers and shared experts' gates."""
     for path, module in nnx.iter_modules(layer):
         if isinstance(module, SparseMoE):
-            module.quantize(kind, block)
+            module.quantize(kind, block, activations)
         elif isinstance(module, Linear) and path and path[-1] not in quantization.KEPT:
-            module.quantize(kind, block)
+            module.quantize(kind, block, activations)
 
 
 def _stack(layers: list[DecoderLayer]) -> DecoderLayer:
@@ -286,7 +286,8 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"train.lora.targets: none of {sorted(adapters.targets)} is in this model")
         if config.quantize != "none":
             for layer in layers:
-                _quantize(layer, config.quantize, (config.quantize_block[0], config.quantize_block[1]))
+                _quantize(layer, config.quantize, (config.quantize_block[0], config.quantize_block[1]),
+                          config.quantize_activations)
         if config.scanned:
             # Built as the unrolled stack (the same initial values), then
             # stacked per position in the cycle; the layers before the first

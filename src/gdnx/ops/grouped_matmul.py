@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import qwix
+from jax.typing import DTypeLike
 from qwix import QArray
 
 IMPLEMENTATIONS = ("tiled", "xla", "triton", "mosaic")
@@ -107,26 +108,35 @@ def _tokamax():
     return tokamax
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array | QArray, group_sizes: jax.Array, *,
-                   implementation: str | None = None) -> jax.Array:
-    """x [M, K] rows sorted by group, w [G, K, N] (or a qwix.QArray of that
-    shape whose factors tile it), group_sizes int32 [G] (summing to at most
-    M) -> [M, N] in x's dtype. implementation: one of IMPLEMENTATIONS, None
-    for the default backend's."""
-    if x.ndim != 2 or len(w.shape) != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
+def grouped_matmul(x: jax.Array | QArray, w: jax.Array | QArray, group_sizes: jax.Array, *,
+                   implementation: str | None = None, out_dtype: DTypeLike | None = None) -> jax.Array:
+    """x [M, K] rows sorted by group, w [G, K, N], group_sizes int32 [G]
+    (summing to at most M) -> [M, N] in out_dtype (default x's dtype).
+    Either operand may be a qwix.QArray whose factors tile it (x: one per
+    row and group of columns, float8 activations: inference only, no
+    gradient). implementation: one of IMPLEMENTATIONS, None for the default
+    backend's."""
+    if len(x.shape) != 2 or len(w.shape) != 3 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"grouped_matmul: expected x [M, K], w [G, K, N], group_sizes [G], got {x.shape}, "
                          f"{w.shape}, {group_sizes.shape}")
     name = resolve(implementation, traced_platform(), "implementation")
     group_sizes = group_sizes.astype(jnp.int32)
+    if isinstance(x, QArray):
+        out_dtype = out_dtype or jnp.float32
+        if name in ("triton", "mosaic"):
+            return _tokamax().ragged_dot(x, w, group_sizes, implementation=name,
+                                         preferred_element_type=jnp.float32).astype(out_dtype)
+        x = qwix.dequantize(x)
+    out_dtype = out_dtype or x.dtype
     if isinstance(w, QArray):
         if name in ("triton", "mosaic"):
-            return _quantized(x, w, group_sizes, name)
+            return _quantized(x, w, group_sizes, name).astype(out_dtype)
         w = qwix.dequantize(w).astype(x.dtype)
     if name == "tiled":
-        return _tiled(x, w, group_sizes)
+        return _tiled(x, w, group_sizes).astype(out_dtype)
     if name == "xla":
-        return jax.lax.ragged_dot(x, w, group_sizes)
-    return _tokamax().ragged_dot(x, w, group_sizes, implementation=name)
+        return jax.lax.ragged_dot(x, w, group_sizes).astype(out_dtype)
+    return _tokamax().ragged_dot(x, w, group_sizes, implementation=name).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -247,6 +247,9 @@ def build_trainer(config: Config) -> Trainer:
     out_dir, the mesh, the out_dir's earlier config, whether the model fits,
     the platform, the data. Raises ValueError (or OSError for a file) naming
     the field or path."""
+    if config.model.quantize_activations != "none":
+        raise ValueError("model.quantize_activations: float8 activations are for inference (serve, generate, eval); "
+                         "train with model.quantize_activations=none")
     if config.model.quantize != "none" and config.train.lora is None:
         raise ValueError(f"model.quantize: {config.model.quantize} weights are frozen; train LoRA adapters over them "
                          "(train.lora) or train unquantized (model.quantize=none)")
