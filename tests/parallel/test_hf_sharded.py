@@ -97,6 +97,21 @@ def test_sharded_quantized_load_equals_whole_load(hf_dirs, kind, scan):
                  CausalLM.from_pretrained(hf_dirs["qwen3_next_moe"], **over), m)
 
 
+def test_sharded_load_of_an_mtp_module(hf_dirs, tmp_path):
+    """The multi-token prediction module is split like the layers it copies:
+    equal bit for bit to the whole load, and so are its logits."""
+    from tests.helpers.mtp import mtp_checkpoint
+
+    directory, _, _ = mtp_checkpoint(hf_dirs["qwen3_next_moe"], tmp_path / "mtp", np.random.default_rng(0))
+    m = mesh("auto", **MESHES["fsdp4_tensor2"])
+    sharded, whole = CausalLM.from_pretrained(directory, mesh=m), CausalLM.from_pretrained(directory)
+    _assert_same(sharded, whole, m)
+    toks = np.random.default_rng(0).integers(0, 97, (2, 12))
+    with jax.set_mesh(m):
+        got = np.asarray(jax.jit(lambda t: sharded.mtp_logits(t))(toks))
+    np.testing.assert_allclose(got, np.asarray(whole.mtp_logits(toks)), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["auto", "explicit"])
 def test_quantized_experts_on_an_expert_axis_compute_what_one_device_does(hf_dirs, mode):
     """Experts quantized in blocks that tile them (16 x 16) reach the grouped

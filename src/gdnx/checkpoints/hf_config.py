@@ -232,6 +232,8 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
         fields["num_experts"] = 0
     if family == "lara_mini" and given.get("layer_types") is None:
         fields["layer_types"] = [LARA_PATTERN[i % len(LARA_PATTERN)] for i in range(hf["num_hidden_layers"])]
+    if family in ("qwen3_next", "qwen3_5") and given.get("mtp_num_hidden_layers"):
+        fields["mtp_num_layers"] = given["mtp_num_hidden_layers"]
     fields.update(overrides or {})
     return _validated(fields)
 
@@ -307,6 +309,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
     out: dict[str, object] = {"architectures": [arch], "model_type": model_type}
     out.update({k: getattr(cfg, k) for k in FIELDS[kind]})
     out["layer_types"] = list(cfg.resolved_layer_types)
+    if cfg.mtp_num_layers:
+        out["mtp_num_hidden_layers"] = cfg.mtp_num_layers
     if cfg.rope_theta is None:
         out["rope_parameters"] = None
     else:

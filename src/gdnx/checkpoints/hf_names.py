@@ -223,13 +223,26 @@ def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.", in_memory: boo
         return _transposed("lm_head.weight")
     if path == ("norm", "weight"):
         return _same(prefix + "norm.weight")
-    _, i, block, *tail = path
+    if path[0] == "mtp":  # the multi-token prediction module, top-level mtp.* (also beside a vision tower)
+        if path[1] == "fc":
+            return _transposed("mtp.fc.weight")
+        if path[1] != "layers":
+            return _same(f"mtp.{path[1]}.weight")
+        return _layer(cfg, path[2:], "mtp.", full_attention=True)
+    return _layer(cfg, path[1:], prefix)
+
+
+def _layer(cfg: ModelConfig, path: tuple, prefix: str, full_attention: bool = False) -> Tensors | Experts:
+    """A decoder layer's parameter at (index, block, ...) under `prefix`
+    (full_attention: a multi-token prediction layer's)."""
+    ling = cfg.family == "bailing_hybrid"
+    i, block, *tail = path
     layer = f"{prefix}layers.{i}."
     if block.endswith("layernorm"):
         if cfg.family == "olmo_hybrid":
             block = _OLMO_NORMS.get(block, block)
         return _same(layer + block + ".weight")
-    linear = cfg.resolved_layer_types[int(i)] == "linear_attention"
+    linear = not full_attention and cfg.resolved_layer_types[int(i)] == "linear_attention"
     if block == "mixer" and linear and cfg.linear_kind == "kda":
         return _kda(cfg, tail[0], layer)
     if block == "mixer" and tail[0] in ("conv_weight", "dt_bias", "A_log", "norm_weight", "in_proj_qkvz",

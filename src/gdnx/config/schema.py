@@ -152,6 +152,10 @@ class ModelConfig(_Strict):
     # (each device whole experts, a share of them), auto (experts where a width slice would not fill 128 lanes and
     # the axis divides the experts, else width; docs/sharding.md)
     moe_split: Literal["auto", "width", "experts"] = "auto"
+    # multi-token prediction (Qwen3-Next's and Qwen3.5's mtp.*: config.json's mtp_num_hidden_layers): one
+    # module of fc over [normed embedding of the next token | normed hidden state], then this many
+    # full-attention decoder layers (the k-th draft through the k-th), a final norm and the model's head
+    mtp_num_layers: int = Field(0, ge=0)
 
     # special tokens, carried to and from Hugging Face config.json
     bos_token_id: int | None = None
@@ -218,6 +222,9 @@ class ModelConfig(_Strict):
         # config that transformers loads (say, every layer dense through
         # mlp_only_layers with MoE fields at their defaults) loads here too.
         errors = []
+        if self.mtp_num_layers and self.family not in ("qwen3_next", "qwen3_5"):
+            errors.append(("mtp_num_layers", f"multi-token prediction modules are built for qwen3_next and qwen3_5, "
+                           f"got family {self.family}"))
         if self.quantize_activations != "none" and self.quantize != "fp8":
             errors.append(("quantize_activations", f"fp8 activations multiply fp8 weights: needs quantize=fp8, got "
                            f"quantize={self.quantize}"))

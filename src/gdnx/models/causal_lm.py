@@ -85,8 +85,10 @@ class DecoderLayer(nnx.Module):
     """Pre-norm, x + mixer(norm(x)) then x + mlp(norm(x)); post-norm (OLMo
     Hybrid's attention layers), x + norm(mixer(x)) then x + norm(mlp(x))."""
 
-    def __init__(self, cfg: ModelConfig, index: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
-        self.layer_type = cfg.resolved_layer_types[index]
+    def __init__(self, cfg: ModelConfig, index: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
+                 full_attention: bool = False):
+        # full_attention: a multi-token prediction layer (MultiTokenPredictor), beside the index-th's MLP kind
+        self.layer_type = "full_attention" if full_attention else cfg.resolved_layer_types[index]
         olmo, ling = cfg.family == "olmo_hybrid", cfg.family == "bailing_hybrid"
         # the model reads the config; each layer gets the sizes it uses
         h = cfg.hidden_size
@@ -181,6 +183,32 @@ class DecoderLayer(nnx.Module):
         x = constrain(x + h, HIDDEN)
         h, stats = self._feed_forward(self.post_attention_layernorm(x))
         return constrain(x + h, HIDDEN), new_cache, stats
+
+
+class MultiTokenPredictor(nnx.Module):
+    """Qwen3-Next's and Qwen3.5's multi-token prediction module (mtp.*): the
+    normed embedding of the next token and the normed final hidden state,
+    concatenated through fc (2H -> H), then one of `mtp_num_layers`
+    full-attention decoder layers (the k-th draft's), a final norm; the
+    model's head gives the logits of the token after the next."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+        h, norm = cfg.hidden_size, _norm(cfg)
+        self.pre_fc_norm_embedding = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.pre_fc_norm_hidden = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.fc = linear(2 * h, h, dtype, param_dtype, cfg.initializer_range, rngs)
+        # each layer with the MLP kind of the model's last layer (a MoE model's module routes too)
+        self.layers = nnx.List([DecoderLayer(cfg, cfg.num_hidden_layers - 1, dtype=dtype, param_dtype=param_dtype,
+                                             rngs=rngs, full_attention=True) for _ in range(cfg.mtp_num_layers)])
+        self.norm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+
+    def __call__(self, hidden: jax.Array, next_embedded: jax.Array, rope: Rope, positions: jax.Array,
+                 step: int = 0) -> jax.Array:
+        """Normed output [B, T, H] from the final hidden states [B, T, H] at
+        `positions` and the embeddings of each position's next token."""
+        x = jnp.concatenate([self.pre_fc_norm_embedding(next_embedded), self.pre_fc_norm_hidden(hidden)], axis=-1)
+        x, _, _ = self.layers[step](self.fc(x), rope, positions, None, jnp.zeros((), jnp.int32))
+        return self.norm(x)
 
 
 def _limit(limits: list[float] | None, index: int) -> float | None:
@@ -302,6 +330,12 @@ class CausalLM(nnx.Module):
         self.norm = _norm(config)(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, dtype, param_dtype, config.initializer_range, rngs)
+        self.mtp = MultiTokenPredictor(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) \
+            if config.mtp_num_layers else None
+        if self.mtp is not None and config.quantize != "none":
+            for layer in self.mtp.layers:
+                _quantize(layer, config.quantize, (config.quantize_block[0], config.quantize_block[1]),
+                          config.quantize_activations)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
@@ -352,6 +386,22 @@ class CausalLM(nnx.Module):
         positions restart)."""
         out = self.hidden_states(tokens, cache, segments)
         return ModelOutput(self.logits(out.hidden), out.cache, out.aux_loss)
+
+    def mtp_logits(self, tokens: jax.Array, step: int = 0) -> jax.Array:
+        """Teacher-forced multi-token prediction: float32 [B, T - 1, vocab],
+        position t's logits of token t + 2 from the final hidden state at t
+        and the embedding of token t + 1 (through the module's step-th
+        layer)."""
+        if self.mtp is None:
+            raise ValueError("model.mtp_num_layers: this model has no multi-token prediction module (0)")
+        if not 0 <= step < len(self.mtp.layers):
+            raise ValueError(f"step: the module has {len(self.mtp.layers)} layers, got {step}")
+        cfg = self.config
+        hidden = self.hidden_states(tokens).hidden[:, :-1]
+        t = hidden.shape[1]
+        positions = jnp.arange(t, dtype=jnp.int32)
+        rope = None if cfg.rope_theta is None else rope_tables(positions[None], _rotary_dim(cfg), cfg.rope_theta)
+        return self.logits(self.mtp(hidden, self._embed(tokens[:, 1:]), rope, positions, step))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """The LM head on final hidden states [B, T, hidden]: float32 [B, T, vocab]."""

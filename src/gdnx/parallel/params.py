@@ -65,6 +65,7 @@ _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("gate", "kernel"): ("embed", None),
     ("shared_expert_gate", "kernel"): ("embed", None),
     ("mixer", "conv_weight"): (None, None),  # [width, channels]: small, kept whole
+    ("fc", "kernel"): (None, "embed"),  # multi-token prediction's [2 hidden, hidden]: fsdp splits its output
 }
 
 

@@ -1,0 +1,84 @@
+"""Multi-token prediction modules (mtp.*, model.mtp_num_layers): a
+Qwen3-Next (MoE) and a Qwen3.5 (dense) checkpoint with an MTP module, built here (its decoder layer
+from one of the model's full-attention layers, perturbed; fc and norms
+random), loads it beside the language model and writes it back bit for
+bit. Its teacher-forced logits equal an independent reference assembled
+from transformers' own pieces (the model's embeddings, final hidden states,
+rotary tables, RMSNorm, head, and its decoder layer class holding the MTP
+layer's weights), float32 on both sides: 1e-5, as the other parity tests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from gdnx.measure import relative_error
+from gdnx.models import CausalLM
+from tests.helpers.hf_models import tokens
+from tests.helpers.mtp import mtp_checkpoint
+
+
+def _reference(directory, mtp, layer, toks):
+    """The MTP logits from transformers' pieces (the MTP layer as the model's
+    layer `layer`, written into a copy of the checkpoint and loaded there)."""
+    as_layer = directory.parent / "as_layer"
+    shutil.copytree(directory, as_layer)
+    tensors = load_file(directory / "model.safetensors")
+    for k, v in mtp.items():
+        if k.startswith("mtp.layers.0."):
+            tensors[f"model.layers.{layer}.{k.removeprefix('mtp.layers.0.')}"] = v
+    save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, as_layer / "model.safetensors")
+    main = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    holder = transformers.AutoModelForCausalLM.from_pretrained(as_layer, attn_implementation="eager").eval()
+    norm_cls = type(main.model.norm)
+    eps = main.config.rms_norm_eps
+
+    def norm(name):
+        n = norm_cls(main.config.hidden_size, eps=eps)
+        n.weight.data = torch.from_numpy(mtp[f"mtp.{name}.weight"])
+        return n
+
+    with torch.no_grad():
+        ids = torch.from_numpy(np.asarray(toks)).long()
+        hidden = main.model(ids).last_hidden_state[:, :-1]
+        x = torch.cat([norm("pre_fc_norm_embedding")(main.model.embed_tokens(ids[:, 1:])),
+                       norm("pre_fc_norm_hidden")(hidden)], dim=-1)
+        x = x @ torch.from_numpy(mtp["mtp.fc.weight"]).T
+        t = x.shape[1]
+        positions = torch.arange(t)[None]
+        rope = main.model.rotary_emb(x, positions)
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = holder.model.layers[layer](x, position_embeddings=rope, attention_mask=mask, position_ids=positions)
+        out = out[0] if isinstance(out, tuple) else out
+        return main.lm_head(norm("norm")(out)).float().numpy()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5"])
+def test_an_mtp_module_loads_computes_as_transformers_pieces_and_is_written_back(hf_checkpoints, tmp_path, kind):
+    directory, mtp, layer = mtp_checkpoint(hf_checkpoints.path(kind), tmp_path / "mtp", np.random.default_rng(0))
+    model = CausalLM.from_pretrained(directory)
+    assert model.config.mtp_num_layers == 1 and model.mtp is not None
+    toks = tokens(2, 16)
+    got = np.asarray(model.mtp_logits(toks))
+    assert got.shape == (2, 15, model.config.vocab_size)
+    ref = _reference(directory, mtp, layer, toks)
+    assert relative_error(got, ref) <= 1e-5
+    # the language model is the one without the module
+    plain = CausalLM.from_pretrained(hf_checkpoints.path(kind))
+    np.testing.assert_array_equal(np.asarray(model(toks)), np.asarray(plain(toks)))
+    # written back: the same tensors, and config.json's mtp_num_hidden_layers
+    model.save_pretrained(tmp_path / "out")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    for k, v in mtp.items():
+        np.testing.assert_array_equal(written[k], v, err_msg=k)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    # without the module (mtp_num_layers=0) the tensors are skipped, and asking for its logits says so
+    bare = CausalLM.from_pretrained(directory, mtp_num_layers=0)
+    with pytest.raises(ValueError, match="model.mtp_num_layers: this model has no multi-token prediction module"):
+        bare.mtp_logits(toks)
