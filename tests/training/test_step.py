@@ -38,3 +38,49 @@ def test_accumulated_gradients_equal_the_whole_batch(tmp_path, count):
     assert relative_error(*flat) <= 1e-6
     for a, b in zip(jax.tree.leaves(grads_n), jax.tree.leaves(grads), strict=True):
         assert relative_error(a, b) <= 1e-5
+
+
+def test_the_mtp_loss_is_the_modules_cross_entropy_and_trains_it(tmp_path):
+    """train.mtp_loss_weight over a model with a multi-token prediction
+    module (model.mtp_num_layers=2, chained): each depth's loss is the
+    cross-entropy of its teacher-forced logits at the targets k + 1 ahead
+    (the mask's counted positions), summed over the main loss's token count,
+    computed here from mtp_hidden and the head directly; the loss adds their
+    mean at the weight; micro-batches add up to the whole batch; the
+    module's parameters get a gradient, and without the weight none."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from gdnx.measure import relative_error
+    from gdnx.training.step import accumulated_gradients, batch_totals, loss_and_metrics
+
+    trainer = Trainer(load_config("tiny", SMALL_RUN + ["train.batch_size=8", f"train.out_dir={tmp_path}",
+                                                       "model.mtp_num_layers=2"]))
+    batch = trainer.source.train(0)(jnp.int32(3))
+    model = nnx.merge(trainer.graphdef, trainer.params)
+    loss, metrics = loss_and_metrics(model, batch, 0.0, mtp_weight=0.3)
+    plain, _ = loss_and_metrics(model, batch, 0.0)
+    tokens = batch_totals(batch).tokens
+    hidden = model.mtp_hidden(model.hidden_states(batch.inputs).hidden, batch.inputs)
+    want = []
+    for k, h in enumerate(hidden):
+        logits = np.asarray(model.logits(h), np.float64)
+        lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        tgt = np.asarray(batch.targets[:, k + 1:])
+        nll = lse - np.take_along_axis(logits, tgt[..., None], -1)[..., 0]
+        want.append(float(np.sum(nll * np.asarray(batch.mask[:, k + 1:])) / float(tokens)))
+        assert relative_error(metrics[f"mtp_loss_{k + 1}"], want[-1]) <= 1e-5
+    assert relative_error(loss, float(plain) + 0.3 * np.mean(want)) <= 1e-6
+
+    def loss_fn(p, data, totals, share):
+        return loss_and_metrics(nnx.merge(trainer.graphdef, p), data, 0.0, totals, 0.3)
+
+    (whole, _), grads = jax.jit(lambda p: accumulated_gradients(loss_fn, p, batch, 1))(trainer.params)
+    (split, _), _ = jax.jit(lambda p: accumulated_gradients(loss_fn, p, batch, 2))(trainer.params)
+    assert relative_error(split, whole) <= 1e-6
+    assert float(jnp.abs(grads["mtp"]["fc"]["kernel"][...]).sum()) > 0
+    _, frozen = jax.value_and_grad(lambda p: loss_and_metrics(nnx.merge(trainer.graphdef, p), batch, 0.0)[0])(
+        trainer.params)
+    assert float(jnp.abs(frozen["mtp"]["fc"]["kernel"][...]).sum()) == 0

@@ -488,6 +488,10 @@ class TrainConfig(_Strict):
     # steps in a row whose loss or gradient norm is not finite (the parameters
     # are not updated) before the run stops
     nonfinite_steps_limit: PositiveInt = 5
+    # a model with a multi-token prediction module (model.mtp_num_layers) trains it beside the model: its
+    # loss (the mean over its depths) at this weight, as DeepSeek-V3 and MaxText do; 0 leaves it as it is.
+    # Under LoRA the module stays frozen with the base
+    mtp_loss_weight: float = Field(0.3, ge=0.0)
     # LoRA adapters on a frozen base (model.init_from); null trains every weight
     lora: LoraConfig | None = None
     # where metrics go besides metrics.jsonl (always written): tensorboard (event files under

@@ -203,11 +203,12 @@ class MultiTokenPredictor(nnx.Module):
         self.norm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
 
     def __call__(self, hidden: jax.Array, next_embedded: jax.Array, rope: Rope, positions: jax.Array,
-                 step: int = 0) -> jax.Array:
+                 step: int = 0, segments: jax.Array | None = None) -> jax.Array:
         """Normed output [B, T, H] from the final hidden states [B, T, H] at
-        `positions` and the embeddings of each position's next token."""
+        `positions` (or the previous step's output) and the embeddings of
+        each position's next token; segments [B, T]: packed documents."""
         x = jnp.concatenate([self.pre_fc_norm_embedding(next_embedded), self.pre_fc_norm_hidden(hidden)], axis=-1)
-        x, _, _ = self.layers[step](self.fc(x), rope, positions, None, jnp.zeros((), jnp.int32))
+        x, _, _ = self.layers[step](self.fc(x), rope, positions, None, jnp.zeros((), jnp.int32), segments)
         return self.norm(x)
 
 
@@ -392,16 +393,32 @@ class CausalLM(nnx.Module):
         position t's logits of token t + 2 from the final hidden state at t
         and the embedding of token t + 1 (through the module's step-th
         layer)."""
+        if not 0 <= step < self.config.mtp_num_layers:
+            raise ValueError(f"step: the multi-token prediction module has {self.config.mtp_num_layers} layers "
+                             f"(model.mtp_num_layers), got {step}")
+        return self.logits(self.mtp_hidden(self.hidden_states(tokens).hidden, tokens)[step])
+
+    def mtp_hidden(self, hidden: jax.Array, tokens: jax.Array, segments: jax.Array | None = None,
+                   ) -> list[jax.Array]:
+        """The multi-token prediction module's normed outputs, chained: the
+        k-th [B, T - 1 - k, H] at position t from the k-th layer over the
+        previous output (the model's final hidden states [B, T, H] first) and
+        the embedding of token t + k + 1: the head on it predicts token
+        t + k + 2."""
         if self.mtp is None:
             raise ValueError("model.mtp_num_layers: this model has no multi-token prediction module (0)")
-        if not 0 <= step < len(self.mtp.layers):
-            raise ValueError(f"step: the module has {len(self.mtp.layers)} layers, got {step}")
         cfg = self.config
-        hidden = self.hidden_states(tokens).hidden[:, :-1]
-        t = hidden.shape[1]
-        positions = jnp.arange(t, dtype=jnp.int32)
-        rope = None if cfg.rope_theta is None else rope_tables(positions[None], _rotary_dim(cfg), cfg.rope_theta)
-        return self.logits(self.mtp(hidden, self._embed(tokens[:, 1:]), rope, positions, step))
+        out = []
+        for k in range(cfg.mtp_num_layers):
+            t = tokens.shape[1] - 1 - k
+            hidden = hidden[:, :t]
+            seg = None if segments is None else segments[:, :t]
+            positions = jnp.arange(t, dtype=jnp.int32)
+            rope = None if cfg.rope_theta is None else rope_tables(
+                positions[None] if seg is None else document_positions(seg), _rotary_dim(cfg), cfg.rope_theta)
+            hidden = self.mtp(hidden, self._embed(tokens[:, k + 1:]), rope, positions, k, seg)
+            out.append(hidden)
+        return out
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """The LM head on final hidden states [B, T, hidden]: float32 [B, T, vocab]."""

@@ -52,12 +52,14 @@ def batch_totals(batch: Batch) -> Totals:
 
 
 def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float, totals: Totals | None = None,
-                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                     mtp_weight: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy over the masked positions (+ the MoE balancing loss),
     computed in blocks of positions (gdnx.loss). Metrics: loss and accuracy;
     MQAR adds first-query accuracy, text bits per byte. Sums are divided by
     `totals` (the batch's own by default; a micro-batch gets its whole
-    batch's, and aux_coef its share)."""
+    batch's, and aux_coef its share). mtp_weight: the multi-token prediction
+    module's loss (`mtp_loss_sums`) added at that weight, the mean over its
+    depths."""
     totals = totals or batch_totals(batch)
     out = model.hidden_states(batch.inputs, segments=batch.segments)
     sums = blocked_cross_entropy(out.hidden, model.logits, batch.targets, batch.mask, batch.first,
@@ -68,7 +70,32 @@ def loss_and_metrics(model: CausalLM, batch: Batch, aux_coef: float, totals: Tot
         metrics["first_query_accuracy"] = sums.first_hits / totals.first_tokens
     else:
         metrics["bits_per_byte"] = sums.nll / math.log(2.0) / totals.text_bytes
-    return loss + aux_coef * out.aux_loss, metrics
+    total = loss + aux_coef * out.aux_loss
+    if mtp_weight and model.mtp is not None:
+        depths = mtp_loss_sums(model, out.hidden, batch)
+        for k, (nll, hits) in enumerate(depths):
+            metrics[f"mtp_loss_{k + 1}"] = nll / totals.tokens
+            metrics[f"mtp_accuracy_{k + 1}"] = hits / totals.tokens
+        total = total + mtp_weight * sum(nll for nll, _ in depths) / totals.tokens / len(depths)
+    return total, metrics
+
+
+def mtp_loss_sums(model: CausalLM, hidden: jax.Array, batch: Batch) -> list[tuple[jax.Array, jax.Array]]:
+    """(summed cross-entropy, hits) of each depth k of the multi-token
+    prediction module: position t predicts the target of t + k + 1 (token
+    t + k + 2) where that target is counted (batch.mask: SFT's completion
+    masks hold) and, in a packed row, in t's document. Divided by the main
+    loss's token count, as the other sums, so micro-batches add up."""
+    out = []
+    for k, h in enumerate(model.mtp_hidden(hidden, batch.inputs, batch.segments)):
+        t = h.shape[1]
+        mask = batch.mask[:, k + 1:]
+        if batch.segments is not None:
+            mask = mask & (batch.segments[:, k + 1:] == batch.segments[:, :t])
+        sums = blocked_cross_entropy(h, model.logits, batch.targets[:, k + 1:], mask, jnp.zeros_like(mask),
+                                     vocab=model.config.vocab_size)
+        out.append((sums.nll, sums.hits))
+    return out
 
 
 def micro_batches(batch: Batch, count: int) -> Batch:
@@ -135,12 +162,13 @@ def make_step_fn(config: Config, graphdef: nnx.GraphDef, tx: optax.GradientTrans
     were."""
     aux = aux_loss_coef(config)
     lora = config.train.lora
+    mtp = config.train.mtp_loss_weight if config.model.mtp_num_layers and lora is None else 0.0
 
     def step_fn(params, opt_state, step, batch, frozen=None):
         """frozen: the base weights under LoRA (params are the adapters)."""
         def loss_fn(p, data, totals, share):
             model = nnx.merge(graphdef, p) if frozen is None else nnx.merge(graphdef, p, frozen)
-            return loss_and_metrics(model, data, aux * share, totals)
+            return loss_and_metrics(model, data, aux * share, totals, mtp)
 
         key = None
         if lora is not None and lora.dropout:
