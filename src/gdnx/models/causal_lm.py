@@ -393,7 +393,7 @@ class CausalLM(nnx.Module):
         position t's logits of token t + 2 from the final hidden state at t
         and the embedding of token t + 1 (through the module's step-th
         layer)."""
-        if not 0 <= step < self.config.mtp_num_layers:
+        if self.mtp is not None and not 0 <= step < self.config.mtp_num_layers:
             raise ValueError(f"step: the multi-token prediction module has {self.config.mtp_num_layers} layers "
                              f"(model.mtp_num_layers), got {step}")
         return self.logits(self.mtp_hidden(self.hidden_states(tokens).hidden, tokens)[step])
