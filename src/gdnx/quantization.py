@@ -1,5 +1,6 @@
-"""Weight-only quantization: int8, int4 or float8_e4m3fn weights, one
-float32 scale per block, bf16 (the model's dtype) activations.
+"""Quantization: int8, int4 or float8_e4m3fn weights, one float32 scale
+per block; activations in the model's dtype (weight-only) or, with fp8
+weights, in float8 per token group.
 
 A quantized matrix keeps its place and layout ([in, out], the routed
 experts [E, in, out]) in the weight's dtype int8, int4 or float8_e4m3fn, beside a

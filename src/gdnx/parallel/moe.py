@@ -87,9 +87,15 @@ def holds_whole_blocks(shape: tuple[int, ...], split: bool) -> bool:
     mesh = current_mesh()
     if mesh is None:
         return True
-    gate_up_axes, _ = expert_axes(split)
-    return all(a is None for a in spec(tuple(None if a == "embed" else a for a in gate_up_axes), shape,
-                                       mesh=mesh)[1:])
+    gate_up_axes, _ = _product_axes(split)
+    return all(a is None for a in spec(gate_up_axes, shape, mesh=mesh)[1:])
+
+
+def _product_axes(split: bool) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
+    """expert_axes without their fsdp split: the weights as the products take
+    them (gathered over fsdp)."""
+    gate_up, down = expert_axes(split)
+    return tuple(None if a == "embed" else a for a in gate_up), tuple(None if a == "embed" else a for a in down)
 
 
 def _weight_spec(w, weight_spec: P):
@@ -114,7 +120,7 @@ def run_experts(local: Callable, x: jax.Array, top_p: jax.Array, top_i: jax.Arra
         return local(x, top_p, top_i, w_gate, w_up, w_down, ShardAxes())
     tok = spec(TOKENS, x.shape, mesh=mesh)
     # the weights without their fsdp split (gathered for the products)
-    gate_up_axes, down_axes = (tuple(None if a == "embed" else a for a in axes) for axes in expert_axes(split))
+    gate_up_axes, down_axes = _product_axes(split)
     gate_up, down = spec(gate_up_axes, w_gate.shape, mesh=mesh), spec(down_axes, w_down.shape, mesh=mesh)
     weights = (w_gate, w_up, w_down)
     specs = (tok, P(*tok[:2], None), P(*tok[:2], None), *(_weight_spec(w, s) for w, s in
