@@ -502,8 +502,8 @@ def fp8_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
     its `_scale_inv` per block of model.quantize_block. Where gdnx's layout
     is the file's transposed, the values and factors are the model's (the
     factors to a float32 ulp: the weights pass through float32); a tensor
-    gdnx regroups (the GDN input projections) is quantized again in the
-    file's blocks."""
+    gdnx fuses or regroups by head (the GDN input projections, KDA's
+    q|k|v) is quantized again in the file's blocks."""
     cfg = _config_of(model)
     block = (cfg.quantize_block[0], cfg.quantize_block[1])
     for key, tensor, quantized in _tensors(model, jnp.dtype(jnp.float32)):
