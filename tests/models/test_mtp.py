@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
-from tests.helpers.hf_models import tokens
+from tests.helpers.hf_models import hf_logits, tokens
 from tests.helpers.mtp import mtp_checkpoint
 
 
@@ -78,6 +78,9 @@ def test_an_mtp_module_loads_computes_as_transformers_pieces_and_is_written_back
     for k, v in mtp.items():
         np.testing.assert_array_equal(written[k], v, err_msg=k)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    # and transformers loads the export (its language model; it has no MTP module for these families)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert relative_error(hf_logits(hf, toks), np.asarray(model(toks))) <= 1e-5
     # without the module (mtp_num_layers=0) the tensors are skipped, and asking for its logits says so
     bare = CausalLM.from_pretrained(directory, mtp_num_layers=0)
     with pytest.raises(ValueError, match="model.mtp_num_layers: this model has no multi-token prediction module"):

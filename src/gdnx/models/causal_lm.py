@@ -267,14 +267,15 @@ def _run_layer(layer, *args):
     return layer(*args)
 
 
-def _quantize(layer: DecoderLayer, kind: str, block: tuple[int, int], activations: str) -> None:
-    """Hold the layer's projections and routed experts quantized
-    (gdnx.quantization), all but the routers and shared experts' gates."""
+def _quantize(layer: DecoderLayer, cfg: ModelConfig) -> None:
+    """Hold the layer's projections and routed experts quantized as the
+    config says (gdnx.quantization), all but the routers and shared
+    experts' gates."""
+    block = (cfg.quantize_block[0], cfg.quantize_block[1])
     for path, module in nnx.iter_modules(layer):
-        if isinstance(module, SparseMoE):
-            module.quantize(kind, block, activations)
-        elif isinstance(module, Linear) and path and path[-1] not in quantization.KEPT:
-            module.quantize(kind, block, activations)
+        if isinstance(module, SparseMoE) or (
+                isinstance(module, Linear) and path and path[-1] not in quantization.KEPT):
+            module.quantize(cfg.quantize, block, cfg.quantize_activations)
 
 
 def _stack(layers: list[DecoderLayer]) -> DecoderLayer:
@@ -315,8 +316,7 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"train.lora.targets: none of {sorted(adapters.targets)} is in this model")
         if config.quantize != "none":
             for layer in layers:
-                _quantize(layer, config.quantize, (config.quantize_block[0], config.quantize_block[1]),
-                          config.quantize_activations)
+                _quantize(layer, config)
         if config.scanned:
             # Built as the unrolled stack (the same initial values), then
             # stacked per position in the cycle; the layers before the first
@@ -335,8 +335,7 @@ class CausalLM(nnx.Module):
             if config.mtp_num_layers else None
         if self.mtp is not None and config.quantize != "none":
             for layer in self.mtp.layers:
-                _quantize(layer, config.quantize, (config.quantize_block[0], config.quantize_block[1]),
-                          config.quantize_activations)
+                _quantize(layer, config)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, mesh: jax.sharding.Mesh | None = None,
@@ -396,20 +395,20 @@ class CausalLM(nnx.Module):
         if self.mtp is not None and not 0 <= step < self.config.mtp_num_layers:
             raise ValueError(f"step: the multi-token prediction module has {self.config.mtp_num_layers} layers "
                              f"(model.mtp_num_layers), got {step}")
-        return self.logits(self.mtp_hidden(self.hidden_states(tokens).hidden, tokens)[step])
+        return self.logits(self.mtp_hidden(self.hidden_states(tokens).hidden, tokens, depths=step + 1)[step])
 
     def mtp_hidden(self, hidden: jax.Array, tokens: jax.Array, segments: jax.Array | None = None,
-                   ) -> list[jax.Array]:
+                   depths: int | None = None) -> list[jax.Array]:
         """The multi-token prediction module's normed outputs, chained: the
         k-th [B, T - 1 - k, H] at position t from the k-th layer over the
         previous output (the model's final hidden states [B, T, H] first) and
         the embedding of token t + k + 1: the head on it predicts token
-        t + k + 2."""
+        t + k + 2. depths: the first that many (default: all)."""
         if self.mtp is None:
             raise ValueError("model.mtp_num_layers: this model has no multi-token prediction module (0)")
         cfg = self.config
         out = []
-        for k in range(cfg.mtp_num_layers):
+        for k in range(cfg.mtp_num_layers if depths is None else depths):
             t = tokens.shape[1] - 1 - k
             hidden = hidden[:, :t]
             seg = None if segments is None else segments[:, :t]
