@@ -172,13 +172,11 @@ def pair_products(pairs, dec: Decays, *, matmul_dtype=None, split_segments: bool
 
 
 def pair_products_bwd(terms, dec: Decays, *, matmul_dtype=None, split_segments: bool = False,
-                      bits=unrolled_bits, into=None):
+                      bits=unrolled_bits):
     """Adjoints of `pair_products` for terms [(a, b, dM, strict)] (dM [C, C]
     read on and below the diagonal): [(da, db, dG)], dG the cotangent of the
     cumulative gates G [C, K] through the decays (to be summed over i >= l
-    into dg_l). into: per term, None or the (da, db) to add the adjoints to
-    (dG is then a da - b db of the sums: the caller takes back the part of
-    its own terms)."""
+    into dg_l)."""
     c = dec.g.shape[0]
 
     def level(bit, grads):
@@ -191,9 +189,7 @@ def pair_products_bwd(terms, dec: Decays, *, matmul_dtype=None, split_segments: 
                         db + eout * mm_tn(x, a * ein, matmul_dtype=matmul_dtype)))
         return tuple(out)
 
-    inits = into or [None] * len(terms)
-    grads = bits(c, level, tuple((jnp.zeros_like(a), jnp.zeros_like(b)) if init is None else tuple(init)
-                                 for (a, b, _, _), init in zip(terms, inits, strict=True)))
+    grads = bits(c, level, tuple((jnp.zeros_like(a), jnp.zeros_like(b)) for a, b, _, _ in terms))
     r, j = iotas(c)
     out = []
     for (da, db), (a, b, dm, strict) in zip(grads, terms):
