@@ -46,6 +46,34 @@ def test_prompts_file_results_in_order(checkpoint, tmp_path, capsys):
     assert "wrote 4 results" in err and "4/4" in err
 
 
+def test_the_checkpoints_mtp_module_drafts_and_keeps_the_plain_tokens(checkpoint, tmp_path, capsys):
+    """--speculative mtp on a Qwen3.5 checkpoint with an MTP module (mtp.*):
+    the plain path's greedy tokens, its drafts verified."""
+    from tests.helpers.mtp import mtp_checkpoint
+
+    src, model = checkpoint
+    path, _, _ = mtp_checkpoint(src, tmp_path / "mtp", np.random.default_rng(0))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, VOCAB, n).tolist() for n in (9, 20)]
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text("\n".join(json.dumps({"prompt": words(p)}) for p in prompts) + "\n")
+    out = tmp_path / "results.jsonl"
+    assert main(["generate", "--checkpoint", str(path), "--prompts-file", str(lines), "--out", str(out),
+                 "--max-new-tokens", "6", "--max-slots", "2", "--speculative", "mtp", "model.gdn_chunk_size=16"]) == 0
+    got = [json.loads(x)["tokens"] for x in out.read_text().splitlines()]
+    assert got == [np.asarray(generate(model, jnp.asarray([p]), 6))[0].tolist() for p in prompts]
+    assert "speculative acceptance" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["mtp:x", "eagle", "ngram", "mtp:0"])
+def test_a_bad_speculative_value_is_one_line(checkpoint, tmp_path, capsys, value):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "w1"}\n')
+    err = refused(capsys, ["generate", "--checkpoint", str(checkpoint[0]), "--prompts-file", str(src), "--out",
+                           str(tmp_path / "o.jsonl"), "--speculative", value])
+    assert "--speculative: " in err, err
+
+
 @pytest.mark.parametrize("line,match", [
     ("not json", "line 1: not JSON"),
     ('{"text": "w1"}', 'line 1: expected an object with a "prompt" string'),

@@ -28,7 +28,9 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys):
     (["--grace", "-5"], "--grace: expected a non-negative integer"),
     (["--port", "70000"], "--port: expected 0 (any free port) to 65535"),
     (["--max-length", "100000"], "--max-length: 100000 exceeds the model's"),
-    (["--speculative", "-1"], "--speculative: expected a non-negative integer"),
+    (["--speculative", "-1"], "--speculative: expected K (n-gram drafts, 0: off), ngram:K, mtp or mtp:K, got '-1'"),
+    (["--speculative", "mtp"], "--speculative: mtp drafts with the model's multi-token prediction module, and this "
+                               "model has none"),
     (["--max-prefill-batch", "9"], "--max-prefill-batch: expected an integer in [1, --max-slots=8]"),
     (["model.hidden_size=8"], "model.hidden_size: serve takes overrides of the model.gdn_* fields"),
 ])

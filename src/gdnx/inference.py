@@ -21,7 +21,8 @@ from gdnx.errors import FieldError
 
 # the command-line flag of each engine field (a refusal names the flag)
 ENGINE_FLAGS = {"max_slots": "--max-slots", "max_length": "--max-length", "prefix_cache_bytes": "--prefix-cache-mb",
-                "draft_tokens": "--speculative", "batch_invariant": "--batch-invariant",
+                "draft_tokens": "--speculative", "draft_method": "--speculative", "draft_rows": "--draft-rows",
+                "batch_invariant": "--batch-invariant",
                 "decode_steps": "--decode-steps", "max_logprobs": "--max-logprobs", "mesh": "parallel",
                 "max_prefill_batch": "--max-prefill-batch"}
 
@@ -187,6 +188,29 @@ def _chat_eos(loaded: Loaded, chat: Any) -> int | None:
     name = chat.special.get("eos_token") if chat is not None else None
     found = loaded.tokenizer.token_id(name) if name is not None else None
     return None if found is None else int(found)
+
+
+def speculation(value: str, model_config: Any = None) -> dict[str, Any]:
+    """--speculative's value as EngineConfig fields: K (n-gram drafts, 0:
+    off), ngram:K, mtp (one draft per layer of the model's multi-token
+    prediction module) or mtp:K (K drafts, its first layer chained). A
+    refusal is a ConfigError naming the flag; without the model's config,
+    only the value's form is checked (before a checkpoint loads)."""
+    method, _, count = value.partition(":")
+    if not count and method.isdigit():
+        method, count = "ngram", method
+    if method not in ("ngram", "mtp") or (count and not count.isdigit()) or (method == "ngram" and not count):
+        raise ConfigError(f"--speculative: expected K (n-gram drafts, 0: off), ngram:K, mtp or mtp:K, got {value!r}")
+    if model_config is None:
+        return {}
+    depth = model_config.mtp_num_layers
+    if method == "mtp" and not depth:
+        raise ConfigError("--speculative: mtp drafts with the model's multi-token prediction module, and this model "
+                          "has none (the checkpoint holds no mtp.* weights; model.mtp_num_layers=0)")
+    tokens = int(count) if count else depth
+    if method == "mtp" and tokens < 1:
+        raise ConfigError(f"--speculative: mtp:K drafts K >= 1 tokens, got {value!r}")
+    return {"draft_method": method, "draft_tokens": tokens}
 
 
 def engine_config(**fields: Any) -> Any:

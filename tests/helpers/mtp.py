@@ -26,3 +26,49 @@ def mtp_checkpoint(src, dst, rng):
     save_file({**tensors, **mtp}, dst / "model.safetensors")
     (dst / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
     return dst, mtp, layer
+
+
+def progressions(rng, rows: int, length: int, vocab: int) -> np.ndarray:
+    """Token rows that count up from a random start by a random step in
+    {1, 2, 3} (mod vocab): after two tokens every next one follows, so a
+    model learns them in a few hundred steps, and its multi-token
+    prediction module the one after."""
+    start = rng.integers(0, vocab, (rows, 1))
+    step = rng.integers(1, 4, (rows, 1))
+    return ((start + step * np.arange(length)[None]) % vocab).astype(np.int32)
+
+
+def trained_mtp_model(fields: dict, steps: int = 300, seed: int = 0, length: int = 24, rows: int = 16):
+    """A CausalLM of these config fields with an MTP module, trained with
+    gdnx's loss (the module's at weight 1) on `progressions` with Adam: its
+    drafts are mostly accepted."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from gdnx.config import ModelConfig
+    from gdnx.data.source import Batch
+    from gdnx.models import CausalLM
+    from gdnx.training.step import loss_and_metrics
+
+    model = CausalLM(ModelConfig(**{**fields, "mtp_num_layers": 1}), seed=seed)
+    graphdef, params = nnx.split(model)
+    optimizer = optax.adam(3e-3)
+    opt = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt, tokens):
+        batch = Batch(tokens[:, :-1], tokens[:, 1:], jnp.ones_like(tokens[:, 1:], bool),
+                      jnp.ones_like(tokens[:, 1:], bool))
+
+        def loss(p):
+            return loss_and_metrics(nnx.merge(graphdef, p), batch, 0.0, mtp_weight=1.0)[0]
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = optimizer.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value
+
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        params, opt, _ = step(params, opt, jnp.asarray(progressions(rng, rows, length + 1, fields["vocab_size"])))
+    return nnx.merge(graphdef, params)

@@ -18,7 +18,7 @@ from tests.parallel.helpers import mesh
 from tests.parallel.helpers import FAMILIES, MODEL
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
-SETTINGS = dict(max_slots=4, max_length=64, block_size=16, decode_steps=4, prefix_cache_bytes=1 << 24)
+SETTINGS = dict(max_slots=4, max_length=64, block_size=16, decode_steps=4, prefix_cache_bytes=1 << 24, draft_rows=4)
 
 
 @functools.cache
@@ -98,3 +98,22 @@ def test_a_mesh_the_engine_cannot_use_is_named():
         Engine(model, mesh=mesh("auto", data=1, context=2, tensor=4))
     with pytest.raises(ValueError, match="mesh: expected a jax.sharding.Mesh"):
         Engine(model, mesh="tensor=8")
+
+
+def test_mtp_drafting_on_a_mesh_gives_the_one_device_tokens():
+    """The multi-token prediction module as the drafter on a data x tensor
+    mesh (its keys and values split with its heads, the slots over data;
+    its layer routes, as the model's last does): the plain one-device
+    engine's tokens and logprobs, prefix-cache hits included."""
+    model = CausalLM(load_config("tiny", MODEL + ["model.mtp_num_layers=1"]).model, seed=0)
+    prompts = _prompts(model.config.vocab_size)
+    ref = Engine(model, **SETTINGS).generate(prompts, PARAMS)
+    engine = Engine(model, **SETTINGS, draft_method="mtp", draft_tokens=2, mesh=mesh("explicit", data=2, tensor=4))
+    first = engine.generate(prompts, PARAMS)
+    again = engine.generate(prompts[::-1], PARAMS)[::-1]
+    assert engine.stats.cached_tokens > 0 and engine.stats.verify_calls > 0
+    assert not engine.runner.slots.mtp.cache.k.sharding.is_fully_replicated
+    for a, b, r in zip(first, again, ref, strict=True):
+        assert a.tokens == b.tokens == r.tokens
+        for got in (a, b):
+            np.testing.assert_allclose([x for x, _ in got.logprobs], [x for x, _ in r.logprobs], rtol=1e-5, atol=1e-6)

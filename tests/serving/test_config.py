@@ -6,13 +6,16 @@ import pytest
 from gdnx.cli import build_parser
 from gdnx.config import ModelConfig
 from gdnx.errors import FieldError
+from gdnx.inference import speculation
 from gdnx.serving import EngineConfig
+from tests.helpers.configs import TINY_HYBRID
 
 
 @pytest.mark.parametrize("field,value,match", [
     ("max_slots", 0, "max_slots: expected an integer >= 1, got 0"),
     ("max_length", 1, "max_length: expected an integer >= 2"),
     ("prefix_cache_bytes", -1, "prefix_cache_bytes: expected an integer >= 0"),
+    ("draft_method", "eagle", "draft_method: expected one of ngram, mtp, got 'eagle'"),
     ("decode_steps", True, "decode_steps: expected an integer >= 1, got True"),
     ("max_logprobs", 2.5, "max_logprobs: expected an integer >= 0"),
     ("draft_tokens", -2, "draft_tokens: expected an integer >= 0"),
@@ -33,7 +36,9 @@ def test_the_commands_flags_default_to_the_config():
                  ["plan", "tiny", "--topology", "v5e:2x2", "--serve"]):
         args = build_parser().parse_args(argv)
         assert (args.max_slots, args.speculative, args.max_prefill_batch) == (
-            default.max_slots, default.draft_tokens, default.max_prefill_batch), argv
+            default.max_slots, str(default.draft_tokens), default.max_prefill_batch), argv
+        assert speculation(args.speculative, ModelConfig(**TINY_HYBRID)) == {
+            "draft_method": default.draft_method, "draft_tokens": default.draft_tokens}
         if hasattr(args, "decode_steps"):
             assert args.decode_steps == default.decode_steps
 
@@ -50,3 +55,14 @@ def test_the_shapes_it_fixes():
     assert one.decode_rows == (6,) and one.prefill_batches == (3,) and one.block_size == 64
     with pytest.raises(FieldError, match="block_size: expected a multiple of the model's gdn_chunk_size 16, got 24"):
         EngineConfig(block_size=24).shapes(cfg)
+
+
+@pytest.mark.parametrize("value,fields", [
+    ("0", {"draft_method": "ngram", "draft_tokens": 0}), ("3", {"draft_method": "ngram", "draft_tokens": 3}),
+    ("ngram:2", {"draft_method": "ngram", "draft_tokens": 2}), ("mtp", {"draft_method": "mtp", "draft_tokens": 1}),
+    ("mtp:3", {"draft_method": "mtp", "draft_tokens": 3}),
+])
+def test_speculative_values_as_engine_fields(value, fields):
+    """--speculative: K or ngram:K (n-gram), mtp (one draft per MTP layer) or mtp:K (chained)."""
+    assert speculation(value, ModelConfig(**TINY_HYBRID, mtp_num_layers=1)) == fields
+    EngineConfig(**fields)

@@ -29,7 +29,7 @@ LENGTHS = (5, 13, 30, 17, 40, 3)
 
 def _engine(model, **kw):
     return Engine(model, **{"max_slots": 4, "max_length": 64, "block_size": 16, "decode_steps": 4, "max_logprobs": 5,
-                            **kw})
+                            "draft_rows": 4, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +328,8 @@ def test_scanned_layers_with_prefix_cache_speculation_and_invariance(prompts, la
 def test_warm_up_compiles_every_decode_batch_and_changes_no_result(model, prompts, plain):
     engine = _engine(model, speculative=NgramDrafter(num_tokens=2))
     engine.warm_up()
-    assert {s for name, s in engine.stats.programs if name in ("decode", "verify")} == {(1, 4), (4, 4), (4, 2)}
+    assert {(name, s) for name, s in engine.stats.programs if name in ("decode", "verify")} == {
+        ("decode", (1, 4)), ("decode", (4, 4)), ("verify", (1, 2)), ("verify", (4, 2))}
     assert [c.tokens for c in engine.generate(prompts[:3], GREEDY)] == plain[:3]
     engine.add_request(prompts[0], GREEDY)
     engine.step()

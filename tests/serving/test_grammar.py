@@ -39,7 +39,7 @@ def setup(tmp_path_factory):
 def _engine(setup, **kw):
     model, tok, grammars = setup
     return Engine(model, max_slots=4, max_length=96, block_size=16, decode_steps=4, tokenizer=tok,
-                  eos_token_ids=[0], grammars=grammars, **kw)
+                  eos_token_ids=[0], grammars=grammars, draft_rows=4, **kw)
 
 
 def test_sampled_outputs_follow_each_kind_of_constraint(setup):
@@ -133,7 +133,8 @@ def test_after_warm_up_no_request_compiles_a_program(setup):
                     eos_token_ids=[0], grammars=grammars, speculative=NgramDrafter(2), prefix_cache_bytes=1 << 22,
                     max_prefill_batch=3, keep_logits=False, max_logprobs=3, seed=11)
     ran = engine.warm_up()
-    # decode at 1, 4 rows (constrained calls run the same programs); verify; prefill at buckets 16, 32, 64, 96
+    # decode at 1, 4 rows (constrained calls run the same programs); verify at 1 row (draft_rows' default on
+    # CPU); prefill at buckets 16, 32, 64, 96
     # x batches 1, 3, and with prompt logprobs at batch 1 (such a prompt is prefilled alone); restore
     assert ran == 2 + 1 + 4 * 2 + 4 + 1
     lowered = []

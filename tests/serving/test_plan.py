@@ -20,13 +20,15 @@ SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_atte
 
 
 @pytest.mark.parametrize("topology,axes,speculative,prefill", [
-    ("v5e:2x2", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2"], 2, None),
+    # the multi-token prediction module drafting: its layer, keys and values counted
+    ("v5e:2x2", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2", "model.mtp_num_layers=1"], 2, None),
     ("v5p:2x2x1", ["parallel.data=2", "parallel.tensor=2"], 0, 1),
 ])
 def test_the_engines_programs_compile_for_a_slice(topology, axes, speculative, prefill):
     config = load_config("tiny", SMALL + axes)
+    mtp = config.model.mtp_num_layers > 0
     engine = EngineConfig(max_slots=4, max_length=256, draft_tokens=speculative, decode_steps=2,
-                          max_prefill_batch=prefill)
+                          max_prefill_batch=prefill, draft_method="mtp" if mtp else "ngram")
     p = serve_plan(config, topology, engine, prefix_cache=prefill is None)  # the second without its snapshots
     assert p.chips == 4 and p.fits
     assert (p.max_prefill_batch, p.prefill_follows_slots) == ((4, True) if prefill is None else (prefill, False))
@@ -35,6 +37,10 @@ def test_the_engines_programs_compile_for_a_slice(topology, axes, speculative, p
     # the slot caches, counted independently: every chip holds at least its share and at most all of them
     model = jax.eval_shape(lambda: CausalLM(config.model))
     caches = cache_bytes(model, p.capacity, batch=4, rollback=speculative)
+    cfg = config.model
+    if mtp:  # the drafter's keys and values and a hidden state per slot (float32)
+        caches += 4 * 4 * (2 * p.capacity * cfg.num_key_value_heads * cfg.head_dim + cfg.hidden_size)
+        assert p.drafter == "mtp"
     assert caches / p.chips <= p.slot_bytes <= caches + 4 * 2 * 4 * config.model.vocab_size + 4096
     assert p.weight_bytes >= 4 * p.parameters / p.chips  # float32 weights, at least a chip's share
     assert p.largest_slots >= 4 and p.decode_flops > 0 and p.xla_flops["decode"] > 0

@@ -41,7 +41,7 @@ def checkpoint(hf_checkpoints):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     s = Server(checkpoint[0], "--max-slots", "4", "--max-length", "128", "--decode-steps", "4",
-               "--prefix-cache-mb", "8", "--speculative", "2", "--max-request-bytes", str(MAX_BYTES),
+               "--prefix-cache-mb", "8", "--speculative", "2", "--draft-rows", "4", "--max-request-bytes", str(MAX_BYTES),
                "--request-timeout", str(TIMEOUT_S), env={"GDNX_API_KEY": KEY})
     yield s
     assert s.stop() == 0, "".join(s.lines)

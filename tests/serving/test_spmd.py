@@ -2,8 +2,8 @@
 replays the leader's messages makes the same steps and gets the same
 tokens (sampled, with seeds the leader drew, aborts and a failed step
 included). As processes: `gdnx serve` on 2 processes x 4 CPU devices
-answers with the one-device tokens and logprobs (prefix cache and
-speculation on), stops both processes on SIGTERM to process 0, and when a
+answers with the one-device tokens and logprobs (prefix cache on, the
+model's multi-token prediction module drafting), stops both processes on SIGTERM to process 0, and when a
 process dies mid-request ends the requests in flight with an error naming
 the loss and exits with status 4 in one line."""
 
@@ -25,6 +25,7 @@ from gdnx.serving.spmd import Leader, follow
 from tests.helpers.configs import TINY_HYBRID
 from tests.helpers.processes import LIMIT_S, cpu_env, free_port, gdnx
 from tests.helpers.hf_models import VOCAB, words
+from tests.helpers.mtp import mtp_checkpoint
 
 
 class _Memory:
@@ -169,14 +170,18 @@ def test_a_step_that_fails_on_every_process_ends_alike():
 # --- gdnx serve as 2 processes x 4 CPU devices ---------------------------------------------------------------------
 
 SERVE = ["--served-model-name", "m", "--warm-up", "decode", "--max-slots", "4", "--max-length", "128",
-         "--prefix-cache-mb", "16", "--speculative", "2",
+         "--prefix-cache-mb", "16", "--speculative", "mtp:2", "--draft-rows", "4",
          "--decode-steps", "2", "model.gdn_chunk_size=16", "parallel.data=2", "parallel.tensor=4"]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(hf_checkpoints):
+def checkpoint(hf_checkpoints, tmp_path_factory):
+    """The tiny Qwen3-Next with a multi-token prediction module, which the
+    servers draft with (the model without it: the reference's tokens)."""
     _, model = hf_checkpoints.hf_and_gdnx("qwen3_next", scale=5.0, tokenizer="words", gdn_chunk_size=16)
-    return hf_checkpoints.path("qwen3_next", scale=5.0, tokenizer="words"), model
+    path, _, _ = mtp_checkpoint(hf_checkpoints.path("qwen3_next", scale=5.0, tokenizer="words"),
+                                tmp_path_factory.mktemp("mtp") / "checkpoint", np.random.default_rng(0))
+    return path, model
 
 
 class _Served:
@@ -232,6 +237,9 @@ def test_two_processes_serve_the_one_device_tokens_and_stop_together(checkpoint,
         got = list(pool.map(lambda p: served.complete(p, max_tokens=6, logprobs=1), prompts))
     again = served.complete(prompts[2], max_tokens=6, logprobs=1)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    drafted = re.search(r"^gdnx_speculative_drafted_tokens_total (\S+)$",
+                        httpx.get(f"http://127.0.0.1:{served.port}/metrics", timeout=LIMIT_S).text, re.M)
+    assert drafted and float(drafted.group(1)) > 0  # the MTP module's drafts were verified
     for g, w in zip([*got, again], [*want, want[2]], strict=True):
         choice = g["choices"][0]
         assert _tokens(choice["text"]) == w.tokens

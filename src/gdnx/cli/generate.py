@@ -258,7 +258,7 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from gdnx.distributed import PREEMPTED_STATUS
-    from gdnx.inference import build_engine, engine_config
+    from gdnx.inference import build_engine, engine_config, speculation
     from gdnx.serving import SamplingParams
     from gdnx.serving.offline import Finished, run_to_completion
 
@@ -284,7 +284,8 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
     max_length = need if args.max_length is None else args.max_length
     engine = build_engine(found, engine_config(
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
-        draft_tokens=args.speculative, batch_invariant=args.batch_invariant,
+        **speculation(args.speculative, found.model.config), draft_rows=args.draft_rows,
+        batch_invariant=args.batch_invariant,
         max_prefill_batch=args.max_prefill_batch))
     for ids, params, where in requests:  # every line is checked before any runs
         try:
@@ -339,5 +340,5 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
         if failed else ""
     print(f"wrote {len(lines) - done} results to {out}{failures}: {s.generated_tokens} tokens in "
           f"{time.perf_counter() - start:.1f} s; prefix cache {s.cached_tokens} of {s.prompt_tokens} prompt tokens"
-          + (f"; speculative acceptance {s.acceptance:.0%}" if args.speculative else ""), file=sys.stderr)
+          + (f"; speculative acceptance {s.acceptance:.0%}" if engine.draft_tokens else ""), file=sys.stderr)
     return FAILED_STATUS if failed else 0

@@ -38,8 +38,13 @@ def engine_options(group: argparse._ActionsContainer, max_length_default: str, p
     group.add_argument("--prefix-cache-mb", type=int, default=prefix_cache_mb,
                        help=f"host memory for the prefix cache of shared prompt blocks (default {prefix_cache_mb}"
                             + ("; 0: off)" if prefix_cache_mb else ": off)"))
-    group.add_argument("--speculative", type=int, default=default.draft_tokens, metavar="K",
-                       help="n-gram (prompt lookup) speculative decoding with K draft tokens (default 0: off)")
+    group.add_argument("--speculative", default=str(default.draft_tokens), metavar="K|mtp[:K]",
+                       help="speculative decoding: K n-gram (prompt lookup) draft tokens, or mtp: the model's "
+                            "multi-token prediction module drafts (mtp:K chains its first layer for K drafts; "
+                            "default 0: off)")
+    group.add_argument("--draft-rows", type=int, default=default.draft_rows, metavar="N",
+                       help="verify drafts while at most N slots decode; past that, decode plainly (default: 1 on CPU, "
+                            "where a verify pass over more rows costs more than its drafts gain; every slot elsewhere)")
     group.add_argument("--batch-invariant", action="store_true",
                        help="each result bit-identical whatever else is batched with it (prefills block by block)")
     group.add_argument("--max-prefill-batch", type=int, default=None, metavar="N",

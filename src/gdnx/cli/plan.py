@@ -33,8 +33,12 @@ def add_parser(sub) -> None:
                          help=f"requests decoded together (default {default.max_slots})")
     serving.add_argument("--max-length", type=int, default=default.max_length,
                          help=f"prompt + generated tokens per request (default {default.max_length})")
-    serving.add_argument("--speculative", type=int, default=default.draft_tokens, metavar="K",
-                         help="draft tokens per verify pass (default 0: no verify program)")
+    serving.add_argument("--speculative", default=str(default.draft_tokens), metavar="K|mtp[:K]",
+                         help="draft tokens per verify pass, as gdnx serve's (mtp: the multi-token prediction "
+                              "module's state and drafting counted too; default 0: no verify program)")
+    serving.add_argument("--draft-rows", type=int, default=default.draft_rows, metavar="N",
+                         help="as gdnx serve's: the verify pass compiled at the most decode rows that draft "
+                              "(default: every slot on the target)")
     serving.add_argument("--decode-steps", type=int, default=default.decode_steps,
                          help=f"tokens per slot per decode call (default {default.decode_steps})")
     serving.add_argument("--max-prefill-batch", type=int, default=None, metavar="N",
@@ -47,7 +51,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> None:
     from gdnx.config import load_config
-    from gdnx.inference import engine_config
+    from gdnx.inference import engine_config, speculation
     from gdnx.train_plan import describe, plan
 
     config = load_config(args.config, overrides(args))
@@ -59,7 +63,8 @@ def run(args) -> None:
             from gdnx.serving.plan import serve_plan
 
             engine = engine_config(max_slots=args.max_slots, max_length=args.max_length,
-                                   draft_tokens=args.speculative, decode_steps=args.decode_steps,
+                                   **speculation(args.speculative, config.model), decode_steps=args.decode_steps,
+                                   draft_rows=args.draft_rows,
                                    max_prefill_batch=args.max_prefill_batch)
             print(describe_serving(serve_plan(config, args.topology, engine, prefix_cache=args.prefix_cache_mb > 0)))
             return

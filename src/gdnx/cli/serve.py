@@ -74,12 +74,14 @@ def add_parser(sub) -> None:
 
 
 def run_serve(args) -> None:
+    from gdnx.inference import speculation
     from gdnx.serving.server import bind
 
     for flag in ("max_slots", "decode_steps", "max_request_bytes", "request_timeout"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}: expected a positive integer")
-    for flag in ("max_queue", "grace", "prefix_cache_mb", "speculative"):
+    speculation(args.speculative)  # its form, before the checkpoint loads
+    for flag in ("max_queue", "grace", "prefix_cache_mb"):
         if getattr(args, flag) < 0:
             raise ConfigError(f"--{flag.replace('_', '-')}: expected a non-negative integer")
     if not 0 <= args.port < 65536:
@@ -141,7 +143,7 @@ def _start(args):
     loaded checkpoint, its chat template, max_length)."""
     from gdnx.distributed import agree
     from gdnx.errors import FieldError
-    from gdnx.inference import build_engine, chat_template, engine_config, load
+    from gdnx.inference import build_engine, chat_template, engine_config, load, speculation
     from gdnx.serving import EngineStats
     from gdnx.serving.runner import TooManyPrograms
     from gdnx.serving.protocol import MAX_LOGPROBS
@@ -152,6 +154,7 @@ def _start(args):
         agree("serve", {"--checkpoint": str(path.resolve()), "overrides": sorted(overrides(args)),
                         "--max-slots": args.max_slots, "--max-length": args.max_length,
                         "--prefix-cache-mb": args.prefix_cache_mb, "--speculative": args.speculative,
+                        "--draft-rows": args.draft_rows,
                         "--batch-invariant": args.batch_invariant, "--decode-steps": args.decode_steps,
                         "--max-prefill-batch": args.max_prefill_batch, "--warm-up": args.warm_up})
     except FieldError as e:
@@ -161,7 +164,9 @@ def _start(args):
     max_length = min(found.max_positions, DEFAULT_MAX_LENGTH) if args.max_length is None else args.max_length
     engine = build_engine(found, engine_config(
         max_slots=args.max_slots, max_length=max_length, prefix_cache_bytes=args.prefix_cache_mb * 2 ** 20,
-        draft_tokens=args.speculative, batch_invariant=args.batch_invariant, decode_steps=args.decode_steps,
+        **speculation(args.speculative, found.model.config), draft_rows=args.draft_rows,
+        batch_invariant=args.batch_invariant,
+        decode_steps=args.decode_steps,
         max_logprobs=MAX_LOGPROBS, max_prefill_batch=args.max_prefill_batch), chat)
     what = "every program" if args.warm_up == "all" else "the decode steps"
     print(f"gdnx serve: loaded {found.description}; compiling {what} (--warm-up {args.warm_up})", file=sys.stderr,

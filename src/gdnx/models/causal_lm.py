@@ -203,13 +203,17 @@ class MultiTokenPredictor(nnx.Module):
         self.norm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
 
     def __call__(self, hidden: jax.Array, next_embedded: jax.Array, rope: Rope, positions: jax.Array,
-                 step: int = 0, segments: jax.Array | None = None) -> jax.Array:
+                 step: int = 0, segments: jax.Array | None = None, cache: KVCache | None = None,
+                 start: jax.Array | None = None) -> tuple[jax.Array, LayerCache | None]:
         """Normed output [B, T, H] from the final hidden states [B, T, H] at
         `positions` (or the previous step's output) and the embeddings of
-        each position's next token; segments [B, T]: packed documents."""
+        each position's next token, and the step-th layer's new cache (with
+        one: its keys and values, the call's written from `start` [B]);
+        segments [B, T]: packed documents."""
         x = jnp.concatenate([self.pre_fc_norm_embedding(next_embedded), self.pre_fc_norm_hidden(hidden)], axis=-1)
-        x, _, _ = self.layers[step](self.fc(x), rope, positions, None, jnp.zeros((), jnp.int32), segments)
-        return self.norm(x)
+        x, new, _ = self.layers[step](self.fc(x), rope, positions, cache,
+                                      jnp.zeros((), jnp.int32) if start is None else start, segments)
+        return self.norm(x), new
 
 
 def _limit(limits: list[float] | None, index: int) -> float | None:
@@ -415,9 +419,27 @@ class CausalLM(nnx.Module):
             positions = jnp.arange(t, dtype=jnp.int32)
             rope = None if cfg.rope_theta is None else rope_tables(
                 positions[None] if seg is None else document_positions(seg), _rotary_dim(cfg), cfg.rope_theta)
-            hidden = self.mtp(hidden, self._embed(tokens[:, k + 1:]), rope, positions, k, seg)
+            hidden, _ = self.mtp(hidden, self._embed(tokens[:, k + 1:]), rope, positions, k, seg)
             out.append(hidden)
         return out
+
+    def mtp_extend(self, hidden: jax.Array, next_tokens: jax.Array, cache: KVCache, start: jax.Array,
+                   ) -> tuple[jax.Array, KVCache]:
+        """The multi-token prediction module's first layer over T positions
+        of each row from start [B], with its own cache (a serving engine's
+        drafter): position t from the final hidden state at t (or the
+        module's output at t - 1, chaining) and next_tokens [B, T], the
+        token at t + 1. Returns its normed outputs [B, T, H] (the head on
+        one predicts the token at t + 2) and the cache with the T
+        positions' keys and values written."""
+        if self.mtp is None:
+            raise ValueError("model.mtp_num_layers: this model has no multi-token prediction module (0)")
+        cfg = self.config
+        positions = start[:, None] + jnp.arange(next_tokens.shape[1], dtype=jnp.int32)
+        rope = None if cfg.rope_theta is None else rope_tables(positions, _rotary_dim(cfg), cfg.rope_theta)
+        out, new = self.mtp(hidden, self._embed(next_tokens), rope, positions, 0, None, cache, start)
+        assert isinstance(new, KVCache)
+        return out, new
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """The LM head on final hidden states [B, T, hidden]: float32 [B, T, vocab]."""

@@ -63,6 +63,7 @@ def quadrupling(limit: int) -> tuple[int, ...]:
 
 
 DEFAULT_PREFILL_BATCH = 8
+DRAFT_METHODS = ("ngram", "mtp")
 
 _MINIMA = {"max_slots": 1, "max_length": 2, "prefix_cache_bytes": 0, "decode_steps": 1, "max_logprobs": 0,
            "draft_tokens": 0}
@@ -84,8 +85,16 @@ class EngineConfig:
       DEFAULT_PREFILL_BATCH: each batch size is a program per length bucket
       to compile, and 8 prompts of a bucket already fill a prefill call).
     max_logprobs: the most top-N log-probabilities a request may ask for.
-    draft_tokens: n-gram (prompt lookup) draft tokens per verify pass
-      (0: none; an engine given its own drafter takes that one's).
+    draft_tokens: draft tokens per verify pass (0: none; an engine given
+      its own drafter takes that one's).
+    draft_method: who drafts them: "ngram" (prompt lookup) or "mtp" (the
+      model's multi-token prediction module, its first layer chained
+      draft_tokens times).
+    draft_rows: drafts are verified while the decode batch (the first
+      slots up to the highest in use, rounded up to a decode batch size)
+      holds at most this many rows; past it the engine decodes plainly.
+      None: 1 on CPU, where a verify pass over more rows costs more than
+      the tokens it gains (docs/benchmarks.md), every slot elsewhere.
     batch_invariant: a request's tokens and logits are bit-identical
       whatever else runs (every program keeps one shape; see Engine).
     keep_logits: also return every generated token's logits.
@@ -100,6 +109,8 @@ class EngineConfig:
     max_prefill_batch: int | None = None
     max_logprobs: int = 20
     draft_tokens: int = 0
+    draft_method: str = "ngram"
+    draft_rows: int | None = None
     batch_invariant: bool = False
     keep_logits: bool = False
     seed: int = 0
@@ -117,6 +128,14 @@ class EngineConfig:
                                  or not 1 <= rows <= self.max_slots):
             raise FieldError("max_prefill_batch", f"expected an integer in [1, max_slots={self.max_slots}], "
                              f"got {rows!r}")
+        if self.draft_method not in DRAFT_METHODS:
+            raise FieldError("draft_method", f"expected one of {', '.join(DRAFT_METHODS)}, got {self.draft_method!r}")
+        if self.draft_method == "mtp" and self.draft_tokens < 1:
+            raise FieldError("draft_tokens", "the multi-token prediction drafter drafts at least one token per pass, "
+                             f"got {self.draft_tokens}")
+        if self.draft_rows is not None and (not isinstance(self.draft_rows, int) or isinstance(self.draft_rows, bool)
+                                            or self.draft_rows < 1):
+            raise FieldError("draft_rows", f"expected None or an integer >= 1, got {self.draft_rows!r}")
         for name in ("batch_invariant", "keep_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"expected a bool, got {getattr(self, name)!r}")
@@ -129,6 +148,13 @@ class EngineConfig:
         if self.max_prefill_batch is None:
             return min(self.max_slots, DEFAULT_PREFILL_BATCH)
         return self.max_prefill_batch
+
+    def drafting_rows(self, platform: str) -> int:
+        """The most decode rows at which drafts are verified, on `platform`
+        (jax's backend name: cpu, gpu, tpu): draft_rows or its default."""
+        if self.draft_rows is not None:
+            return self.draft_rows
+        return 1 if platform == "cpu" else self.max_slots
 
     def shapes(self, model_config: Any, draft: int | None = None) -> EngineShapes:
         """The shapes these settings fix for a model (draft: the drafter's

@@ -71,12 +71,30 @@ class EngineStats:
     verified_requests: int = 0      # requests advanced by them, summed over the passes
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    drafted_at: list[int] = dataclasses.field(default_factory=list)   # drafts verified, by position in the pass
+    accepted_at: list[int] = dataclasses.field(default_factory=list)  # drafts accepted, by position
     programs: set = dataclasses.field(default_factory=set)  # (name, shape) of each compiled program
 
     @property
     def acceptance(self) -> float:
         """Accepted draft tokens / drafted ones."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def acceptance_at(self) -> list[float]:
+        """Per draft position (the first draft of a pass, the second, ...):
+        the share of the drafts proposed there that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        """One request's pass: `drafted` drafts verified, its first `accepted` kept."""
+        grow = max(0, drafted - len(self.drafted_at))
+        self.drafted_at += [0] * grow
+        self.accepted_at += [0] * grow
+        for j in range(drafted):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += j < accepted
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
 
     @property
     def tokens_per_pass(self) -> float:
@@ -151,8 +169,12 @@ class Engine:
       the programs do not state; `context` must be 1). None: the model's
       own placement.
     speculative: a Drafter (e.g. NgramDrafter) to propose tokens verified
-      in one pass; None: an NgramDrafter of config.draft_tokens, or plain
-      decoding when that is 0.
+      in one pass; None: config.draft_method's drafter of
+      config.draft_tokens (an NgramDrafter, or the model's multi-token
+      prediction module), or plain decoding when that is 0. The module
+      drafts on the device: each program returns every row's next drafts,
+      and its own keys and values per slot follow the tokens each row
+      keeps (gdnx.serving.programs).
     tokenizer: anything with decode(ids) -> str; needed for stop strings
       and Completion.text.
     eos_token_ids: end-of-sequence tokens (default: the model config's).
@@ -178,7 +200,11 @@ class Engine:
                              f"got {type(speculative).__name__}")
         if speculative is not None and config.draft_tokens:
             raise FieldError("draft_tokens", "given together with a drafter (speculative); give one")
-        if speculative is None and config.draft_tokens:
+        mtp = config.draft_method == "mtp"
+        if mtp and getattr(model, "mtp", None) is None:
+            raise FieldError("draft_method", "mtp: this model has no multi-token prediction module (the checkpoint "
+                             "holds no mtp.* weights; model.mtp_num_layers=0)")
+        if speculative is None and config.draft_tokens and not mtp:
             speculative = NgramDrafter(config.draft_tokens)
         if mesh is not None and (not isinstance(mesh, jax.sharding.Mesh)
                                  or not set(mesh.axis_names) <= set(MESH_AXES)):
@@ -195,7 +221,12 @@ class Engine:
         if eos_token_ids is None:
             eos = cfg.eos_token_id
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        draft = speculative.num_tokens if speculative is not None else 0
+        # drafts per pass from the multi-token prediction module, which proposes on the device
+        self.mtp_drafts = config.draft_tokens if mtp else 0
+        draft = speculative.num_tokens if speculative is not None else self.mtp_drafts
+        self.draft_tokens = draft  # per verify pass (0: no verify pass)
+        platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        self.draft_rows = config.drafting_rows(platform)  # the most decode rows with a verify pass
         self.config, self.shapes = config, config.shapes(cfg, draft)
         self.model, self.mesh = model, mesh
         self.tokenizer, self.speculative, self.grammars = tokenizer, speculative, grammars
@@ -203,7 +234,9 @@ class Engine:
         self.stats = EngineStats()
         # a sliding window's ring keeps the drafts a verify pass may take back beyond its window
         self.runner = ModelRunner(model, config, self.shapes, mesh=mesh, eos_token_ids=self.eos_token_ids,
-                                  rollback=draft, prefix_cache=config.prefix_cache_bytes > 0)
+                                  rollback=draft, prefix_cache=config.prefix_cache_bytes > 0,
+                                  mtp_drafts=self.mtp_drafts)
+        self._mtp_proposals: dict[int, list[int]] = {}  # per slot: the drafts its last program returned
         self.scheduler = Scheduler(config, self.shapes, self.runner.cache_entries())
         self._next_id = 0
         self._rng = np.random.default_rng(config.seed)
@@ -320,8 +353,8 @@ class Engine:
         counts them)."""
         if self.scheduler.running:
             raise RuntimeError("warm_up: requests are running; call it before adding any")
-        draft = 0 if self.speculative is None else self.speculative.num_tokens
-        ran = self.runner.warm_up(prefill=prefill, draft=draft)
+        ran = self.runner.warm_up(prefill=prefill, draft=self.draft_tokens,
+                                  draft_rows=self.draft_rows)
         self.stats.programs.update(ran)
         return len(ran)
 
@@ -433,6 +466,10 @@ class Engine:
             seen[i, req.prompt] = True
             starts[i], lengths[i], slots[i] = start, n, req.held_slot
         lengths[len(group):] = 1
+        follows = np.full(rows, -1, np.int32)  # the prompt's next token after the call's, for the MTP drafter
+        for i, (req, start) in enumerate(group):
+            if start + lengths[i] < len(req.prompt):
+                follows[i] = req.prompt[start + lengths[i]]
         targets = None  # each position's next prompt token, for the requests that score their prompt
         if any(req.params.prompt_logprobs is not None for req, _ in group):
             targets = np.zeros((rows, length), np.int32)
@@ -443,7 +480,8 @@ class Engine:
                                  [r.seed for r, _ in group] + [0] * (rows - len(group)))
         # the first token each constrained request may draw (every token for the others: one program for both)
         allowed = grammar.masks([req.matcher for req, _ in group] + [None] * (rows - len(group)), vocab)
-        got = self.runner.prefill(PrefillBatch(slots, tokens, starts, lengths, params, seen, targets, allowed))
+        got = self.runner.prefill(PrefillBatch(slots, tokens, starts, lengths, params, seen, targets, allowed,
+                                               follows))
         self.stats.programs.add(("prefill", (rows, length) + (("prompt logprobs",) if targets is not None else ())))
         self.stats.prefill_calls += 1
         if got.snapshot is not None:
@@ -455,18 +493,23 @@ class Engine:
                                                        got.prompt.top[i], wanted,
                                                        min(int(lengths[i]), len(req.prompt) - 1 - start))
             if self.scheduler.prefilled(req, int(lengths[i])):
+                self._proposed(req, got.drafts, i)
                 self._emit(req, [int(got.tokens[i])], got.logprobs, i,
                            None if got.logits is None else got.logits[i][None], results)
 
+    def _rows(self) -> int:
+        """The decode batch size that holds every slot in use (the first ones)."""
+        used = int(np.flatnonzero(self.scheduler.active())[-1]) + 1
+        return next(r for r in self.decode_rows if r >= used)
+
     def _decode(self, results: _StepResults) -> None:
         active = self.scheduler.active()
-        used = int(np.flatnonzero(active)[-1]) + 1
         decoding = self.scheduler.decoding()
         matchers: list = [None] * self.max_slots
         for req in decoding:
             matchers[req.held_slot] = req.matcher
         constrained = any(m is not None for m in matchers)
-        rows = next(r for r in self.decode_rows if r >= used)
+        rows = self._rows()
         draws = 1 if constrained else self.config.decode_steps  # the host masks a constrained row's next token
         allowed = grammar.masks(matchers, self.model.config.vocab_size) if constrained else self._every_token
         got = self.runner.decode(DecodeBatch(active, allowed, rows, self.config.decode_steps, draws))
@@ -474,20 +517,34 @@ class Engine:
         self.stats.decode_calls += 1
         for req in decoding:
             slot = req.held_slot
+            self._proposed(req, got.drafts, slot)
             logits = None if got.logits is None else got.logits[slot][:draws]
             self._emit(req, [int(t) for t in got.tokens[slot][:draws]], got.logprobs, slot, logits, results)
 
+    def _proposed(self, req: Request, drafts: Any, row: int) -> None:
+        """Keep the MTP drafter's next drafts for a request (row: its row of the call's)."""
+        if drafts is not None:
+            self._mtp_proposals[req.held_slot] = [int(t) for t in drafts[row]]
+
+    def _propose(self, req: Request) -> list[int]:
+        if self.mtp_drafts:
+            return self._mtp_proposals.get(req.held_slot, [])
+        assert self.speculative is not None
+        return [int(t) for t in self.speculative.propose(req.prompt + req.tokens)]
+
     def _drafts(self, results: _StepResults) -> tuple[np.ndarray, np.ndarray] | None:
-        if self.speculative is None or any(req.matcher is not None for req in self.scheduler.decoding()):
+        if not self.draft_tokens or any(req.matcher is not None for req in self.scheduler.decoding()):
             return None  # a constrained request's tokens are checked one at a time: no verify pass then
-        k = self.speculative.num_tokens
+        if self._rows() > self.draft_rows:
+            return None  # under load: a verify pass over this many rows costs more than its drafts gain
+        k = self.draft_tokens
         drafts = np.zeros((self.max_slots, k), np.int32)
         counts = np.zeros(self.max_slots, np.int32)
         vocab = self.model.config.vocab_size
         for req in self.scheduler.decoding():
             room = req.params.max_tokens - len(req.tokens) - 1  # the pass also yields one token of its own
             try:
-                proposal = [int(t) for t in self.speculative.propose(req.prompt + req.tokens)][:max(0, min(k, room))]
+                proposal = self._propose(req)[:max(0, min(k, room))]
             except Exception as e:  # the drafter's failure on this request's context: this request alone fails
                 self._fail(req, f"the drafter failed: {type(e).__name__}: {e}", results)
                 continue
@@ -501,15 +558,16 @@ class Engine:
         return drafts, counts
 
     def _verify(self, drafts: np.ndarray, counts: np.ndarray, results: _StepResults) -> None:
-        got = self.runner.verify(VerifyBatch(self.scheduler.active(), drafts, counts))
-        self.stats.programs.add(("verify", drafts.shape))
+        rows = self._rows()
+        got = self.runner.verify(VerifyBatch(self.scheduler.active(), drafts, counts, rows))
+        self.stats.programs.add(("verify", (rows, drafts.shape[1])))
         self.stats.verify_calls += 1
-        self.stats.drafted_tokens += int(counts.sum())
         for req in self.scheduler.decoding():
             slot = req.held_slot
             a = int(got.accepted[slot])
-            self.stats.accepted_tokens += a
+            self.stats.count_drafts(int(counts[slot]), a)
             self.stats.verified_requests += 1
+            self._proposed(req, got.step.drafts, slot)
             logits = None if got.step.logits is None else got.step.logits[slot][:a + 1]
             self._emit(req, [int(t) for t in got.step.tokens[slot][:a + 1]], got.step.logprobs, slot, logits,
                        results)

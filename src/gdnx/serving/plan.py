@@ -57,7 +57,8 @@ class ServePlan:
     prefill_follows_slots: bool   # max_prefill_batch is max_slots, not set apart
     prefix_cache: bool            # the prefill also returns the states at block ends (the prefix cache's)
     capacity: int                 # tokens each slot's cache holds (max_length in blocks, plus drafts)
-    speculative: int
+    speculative: int              # draft tokens per verify pass
+    drafter: str                  # who drafts them (EngineConfig.draft_method)
     weight_bytes: int             # per chip
     slot_bytes: int               # per chip: every slot's cache and sampling state
     temp_bytes: dict[str, int]    # per chip, per program
@@ -154,10 +155,14 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
         model = nnx.eval_shape(lambda: CausalLM(cfg))
     graphdef, state = nnx.split(model)
     s, pr, k = engine.max_slots, engine.prefill_rows, engine.draft_tokens
+    mtp = k if engine.draft_method == "mtp" else 0
+    if mtp and not cfg.mtp_num_layers:
+        raise ValueError("--speculative: mtp drafts with the multi-token prediction module, which this model has "
+                         "none of (model.mtp_num_layers=0)")
     flops = decode_flops(cfg, nnx.state(model, nnx.Param), s, engine.max_length)
     state = abstract(state, shardings(state, cfg, mesh))
     shapes = engine.shapes(cfg)
-    static = programs.Static(graphdef, cfg, row_axes(model), (), logprobs, False)
+    static = programs.Static(graphdef, cfg, row_axes(model), (), logprobs, False, mtp)
     compiled_programs = programs.compile_programs(static)
     replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -167,7 +172,9 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
     batches: dict[str, PrefillBatch | DecodeBatch | VerifyBatch] = {
         "prefill": PrefillBatch.idle(pr, shapes.padded_length, max_slots=s, vocab=cfg.vocab_size),
         "decode": DecodeBatch.idle(s, max_slots=s, steps=engine.decode_steps, vocab=cfg.vocab_size),
-        "verify": VerifyBatch.idle(max_slots=s, draft=k)}
+        # the largest verify pass: at the most decode rows that still draft
+        "verify": VerifyBatch.idle(max([r for r in shapes.decode_rows if r <= engine.drafting_rows(
+            devices[0].platform)] or [1]), max_slots=s, draft=k)}
     history = shapes.history_every(shapes.padded_length, prefix_cache)
     compile_s: dict[str, float] = {}
     temp: dict[str, int] = {}
@@ -194,7 +201,8 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
                 kernels = text.count("tpu_custom_call") + text.count("__gpu$xla.gpu.triton")
     return ServePlan(topology, len(devices), dict(mesh.shape),
                      sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))), s,
-                     engine.max_length, pr, engine.max_prefill_batch is None and pr == s, prefix_cache, shapes.capacity, k,
+                     engine.max_length, pr, engine.max_prefill_batch is None and pr == s, prefix_cache, shapes.capacity,
+                     k, engine.draft_method,
                      _per_chip(state), _per_chip(slots), temp, compile_s, cost, flops, hbm, kernels, largest)
 
 
@@ -208,7 +216,7 @@ def describe(p: ServePlan) -> str:
         f"{p.topology}: {p.chips} chips, mesh {axes}; {p.parameters / 1e9:,.2f}B parameters; {p.max_slots} slots of "
         f"{p.max_length} tokens (a cache of {p.capacity} each), prefills of {p.max_prefill_batch} prompts"
         f"{' with the prefix cache' if p.prefix_cache else ''}"
-        f"{f', {p.speculative} draft tokens' if p.speculative else ''}",
+        f"{f', {p.speculative} draft tokens ({p.drafter})' if p.speculative else ''}",
         f"per chip: weights {gib(p.weight_bytes)}, slot state {gib(p.slot_bytes)} "
         f"({gib(p.slot_bytes / p.max_slots)} per slot), temporaries {temps}",
         f"peak per chip {gib(p.peak_bytes)} of {gib(p.hbm_bytes)} HBM: {verdict}; at {p.max_length} tokens about "

@@ -7,7 +7,9 @@ it could with Python's unkeyed hash of integers), so an entry stands for
 its whole prefix. An entry
 holds what continuing after the block needs: each GDN layer's conv and
 recurrent state at the block's end, and each attention layer's keys and
-values for the block's tokens. Entries live in host memory, least recently
+values for the block's tokens (with a multi-token prediction drafter, its
+keys and values too, and the model's final hidden state at the block's
+end). Entries live in host memory, least recently
 used evicted first once their bytes pass the budget.
 """
 
@@ -27,7 +29,8 @@ Key = bytes
 class CacheEntries(NamedTuple):
     """How the model's cache entries sit in the engine's slot state."""
     row_axes: tuple[int, ...]      # per entry: the axis of its rows (1 in a scanned cycle's stack)
-    # per entry: a GDN or KDA (conv, recurrent) state, else attention's (k, v) or (latent, rope)
+    # per entry: arrays at a block's end (a GDN or KDA layer's (conv, recurrent)), else per token (attention's
+    # (k, v) or (latent, rope))
     is_state: tuple[bool, ...]
     rings: tuple[int | None, ...]  # per entry: a sliding window's ring size (position p at slot p % ring), else None
     capacity: int                  # tokens a slot's cache holds
@@ -36,13 +39,12 @@ class CacheEntries(NamedTuple):
 @dataclasses.dataclass
 class Block:
     tokens: tuple[int, ...]
-    # per cache entry of the model: (conv, recurrent) of a GDN or KDA layer, (k, v) or (latent, rope)
-    # of an attention layer
-    layers: list[tuple[np.ndarray, np.ndarray]]
+    # per cache entry: (conv, recurrent) of a GDN or KDA layer, (k, v) or (latent, rope) of an attention layer
+    layers: list[tuple[np.ndarray, ...]]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.layers)
+        return sum(part.nbytes for parts in self.layers for part in parts)
 
 
 class PrefixCache:
@@ -111,9 +113,8 @@ class PrefixCache:
         start = len(blocks) * self.block_size
         layers = []
         for i, axis in enumerate(entries.row_axes):
-            a, b = blocks[-1].layers[i]
             if entries.is_state[i]:
-                layers.append((a, b))
+                layers.append(blocks[-1].layers[i])
                 continue
             ring = entries.rings[i] if entries.rings else None
 
@@ -128,7 +129,7 @@ class PrefixCache:
                     kept = np.arange(max(0, start - ring), start)
                     out[(slice(None),) * axis + (kept % ring,)] = np.take(seen, kept, axis=axis)
                 return out
-            layers.append((whole(0, a), whole(1, b)))
+            layers.append(tuple(whole(j, part) for j, part in enumerate(blocks[-1].layers[i])))
         return tuple(layers)
 
     def store(self, prompt: Sequence[int], row: int, start: int, length: int, snapshot: tuple) -> None:
@@ -145,12 +146,10 @@ class PrefixCache:
             local = j - first
             layers = []
             for e, axis in enumerate(self.entries.row_axes):
-                a, b = snapshot[e]
                 pick = (slice(None),) * axis + (row,)
-                a, b = a[pick], b[pick]
                 if self.entries.is_state[e]:
                     at = (slice(None),) * axis + (local,)
                 else:
                     at = (slice(None),) * axis + (slice(local * bs, (local + 1) * bs),)
-                layers.append((np.array(a[at]), np.array(b[at])))
+                layers.append(tuple(np.array(part[pick][at]) for part in snapshot[e]))
             self.put(keys[j], Block(tuple(prompt[j * bs:(j + 1) * bs]), layers))

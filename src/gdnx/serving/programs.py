@@ -12,6 +12,17 @@ state. Programs (each jitted once per shape; the slot state is donated):
   verify   speculative: the last token and K drafts in one pass, the
            drafts accepted or refused, and each GDN layer's state after the
            last accepted token selected from the pass's per-token states.
+
+With the multi-token prediction module as the drafter (Static.mtp_drafts),
+the slots also hold the module's own keys and values (`MtpState`), and
+every program that advances a row advances them too: position t's entry
+from the model's final hidden state at t and the token at t + 1, written
+for the tokens the row keeps (prefill: its prompt; decode: each token
+drawn; verify: the accepted drafts and the next token), so a refused draft
+leaves nothing behind. Each program then returns the next K drafts of
+every row: the module's greedy token from its last kept position, chained
+K - 1 times through its own output (entries past the kept positions are
+provisional: the next program writes over them).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gdnx.layers.attention import RingCache
+from gdnx.layers.attention import KVCache, RingCache
 from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.loss import position_scores
 from gdnx.models.cache import Cache, place_cache
@@ -34,6 +45,15 @@ from gdnx.serving.params import SamplingParams
 from gdnx.serving.sampling import SlotParams, TokenLogprobs
 
 
+class MtpState(NamedTuple):
+    """The multi-token prediction drafter's state per slot."""
+    cache: KVCache          # [S, capacity, kv heads, head dim]: the module's keys and values
+    # [S, H]: the final hidden state at the row's last prefilled position: a prefill that continues the row
+    # (a prefix-cache hit, the next block of a prompt) writes that position's entry again from it, the token
+    # after it being known only then
+    hidden: jax.Array
+
+
 class Slots(NamedTuple):
     cache: Cache            # per-row lengths [S]
     params: SlotParams      # [S] each
@@ -41,6 +61,7 @@ class Slots(NamedTuple):
     seen: jax.Array         # bool [S, V]: each row's prompt tokens
     generated: jax.Array    # int32 [S]: tokens drawn so far
     last: jax.Array         # int32 [S]: the last token drawn (the next input)
+    mtp: MtpState | None    # the drafter's state, with multi-token prediction drafting
 
 
 class Static(NamedTuple):
@@ -51,6 +72,7 @@ class Static(NamedTuple):
     eos_ids: tuple[int, ...]
     logprobs: int               # top-N computed per token
     keep_logits: bool
+    mtp_drafts: int             # drafts per pass from the multi-token prediction module (0: it does not draft)
 
 
 def _take(x, rows, axis):
@@ -102,16 +124,47 @@ def place(static: Static, slots: Slots) -> Slots:
     donates to the next keeps one layout."""
     def rows(x):
         return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-    return Slots(place_cache(slots.cache, static.config, static.row_axes),
-                 *(jax.tree.map(rows, getattr(slots, f)) for f in Slots._fields[1:]))
+    mtp = slots.mtp
+    if mtp is not None:  # its keys and values as an attention layer's
+        mtp = MtpState(place_cache(Cache((mtp.cache,), slots.cache.length), static.config, (0,)).layers[0],
+                       rows(mtp.hidden))
+    rest = {f: jax.tree.map(rows, getattr(slots, f)) for f in Slots._fields if f not in ("cache", "mtp")}
+    return Slots(cache=place_cache(slots.cache, static.config, static.row_axes), mtp=mtp, **rest)
 
 
-def empty_slots(model: Any, max_slots: int, capacity: int, rollback: int = 0) -> Slots:
-    vocab = model.config.vocab_size
+def empty_slots(model: Any, max_slots: int, capacity: int, rollback: int = 0, mtp: bool = False) -> Slots:
+    """mtp: with the multi-token prediction drafter's state."""
+    cfg = model.config
+    vocab, dtype = cfg.vocab_size, jnp.dtype(cfg.dtype)
     zeros = SlotParams.rows([SamplingParams(temperature=0.0)] * max_slots, [0] * max_slots)
+    drafter = None
+    if mtp:
+        shape = (max_slots, capacity, cfg.num_key_value_heads, cfg.head_dim)
+        drafter = MtpState(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
+                           jnp.zeros((max_slots, cfg.hidden_size), dtype))
     return Slots(Cache.init(model, max_slots, capacity, per_row=True, rollback=rollback), zeros,
                  jnp.zeros((max_slots, vocab), jnp.int32), jnp.zeros((max_slots, vocab), bool),
-                 jnp.zeros((max_slots,), jnp.int32), jnp.zeros((max_slots,), jnp.int32))
+                 jnp.zeros((max_slots,), jnp.int32), jnp.zeros((max_slots,), jnp.int32), drafter)
+
+
+def _mtp_drafts(model: Any, cache: KVCache, out: jax.Array, position: jax.Array, k: int,
+                ) -> tuple[jax.Array, KVCache]:
+    """k greedy drafts per row [S, k] from the module's output out [S, H]
+    at position [S] (its last kept entry), chaining: each next draft from
+    the module at the next position over the previous output and draft
+    (entries the next program writes over)."""
+    drafts: list[jax.Array] = []
+    for j in range(k):
+        if j:
+            chained, cache = model.mtp_extend(out[:, None], drafts[-1][:, None], cache, position + j)
+            out = chained[:, 0]
+        drafts.append(jnp.argmax(model.logits(out[:, None])[:, 0], axis=-1).astype(jnp.int32))
+    return jnp.stack(drafts, axis=1), cache
+
+
+def _row_window(x: jax.Array, starts: jax.Array, length: int) -> jax.Array:
+    """Each row's [start, start + length) of x [rows, positions, ...]."""
+    return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, length, axis=0))(x, starts)
 
 
 class PrefillOut(NamedTuple):
@@ -120,17 +173,24 @@ class PrefillOut(NamedTuple):
     logits: jax.Array | None          # float32 [P, V]
     # per cache entry: (conv, recurrent) [.., P, NB, ...], or an attention cache's two parts ((k, v) or
     # (latent, rope)) [.., P, L, ...]
+    # followed, with multi-token prediction drafting, by the drafter's keys and values (k, v) [P, L, ...] and
+    # its final hidden states at block ends (hidden,) [P, NB, H]
     snapshot: tuple | None
     prompt: TokenLogprobs | None      # [P, L], [P, L, N]: each position's next prompt token and the top N
+    drafts: jax.Array | None          # int32 [P, K]: each row's next drafts (multi-token prediction drafting)
 
 
 def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, starts: jax.Array, lengths: jax.Array,
             params: SlotParams, seen: jax.Array, targets: jax.Array | None = None, allowed: jax.Array | None = None,
-            *, static: Static, history_every: int | None) -> tuple[Slots, PrefillOut]:
+            follows: jax.Array | None = None, *, static: Static, history_every: int | None,
+            ) -> tuple[Slots, PrefillOut]:
     """targets [P, L]: the prompt token after each position, when some row
     asks for its prompt's logprobs (the model's own, from this pass).
     allowed [P, W]: the tokens each row may draw first (a bitmask,
-    sampling.allow), when some row's output is constrained."""
+    sampling.allow), when some row's output is constrained. follows [P]:
+    the prompt's token after the call's (-1 where the prompt ends in the
+    call: the token drawn follows), for the multi-token prediction
+    drafter."""
     model = nnx.merge(static.graphdef, state)
     p = tokens.shape[0]
     fresh = starts == 0
@@ -171,34 +231,71 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
     def put(axis, entry, fresh_entry):
         return jax.tree.map(lambda x, y: _put(x, rows, y, axis), entry, _strip(fresh_entry))
 
+    mtp, drafts = slots.mtp, None
+    if static.mtp_drafts:
+        assert mtp is not None and follows is not None
+        held = jax.tree.map(lambda x: _take(x, rows, 0), mtp)
+        # the module over the row's positions [start - 1, start + n) (a fresh row's [0, n)): the hidden states
+        # at them, the last prefill's or restored one first, and each position's next token, the prompt's or
+        # the one drawn
+        length = tokens.shape[1]
+        hidden = jnp.concatenate([held.hidden[:, None].astype(out.hidden.dtype), out.hidden], axis=1)
+        following = jnp.where(follows >= 0, follows, tok)
+        nexts = jnp.concatenate([tokens, jnp.zeros((p, 1), tokens.dtype)], axis=1)
+        nexts = nexts.at[jnp.arange(p), lengths].set(following)
+        shift = fresh.astype(jnp.int32)
+        at = jnp.minimum(jnp.arange(length + 1)[None] + shift[:, None], length)
+        hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
+        nexts = jnp.take_along_axis(nexts, at, axis=1)
+        outs, drafted = model.mtp_extend(hidden, nexts, held.cache, jnp.where(fresh, 0, starts - 1))
+        kept = jnp.take_along_axis(outs, (lengths - shift)[:, None, None], axis=1)[:, 0]
+        drafts, drafted = _mtp_drafts(model, drafted, kept, starts + lengths - 1, static.mtp_drafts)
+        if snapshot is not None:
+            assert history_every is not None
+            snapshot = (*snapshot, tuple(_row_window(x, starts, length) for x in drafted),
+                        (out.hidden[:, history_every - 1::history_every],))
+        mtp = jax.tree.map(lambda x, y: _put(x, rows, y, 0), mtp, MtpState(drafted, last[:, 0]))
+
     vocab = logits.shape[-1]
     slots = Slots(Cache(_map_entries(put, static, slots.cache.layers, new.layers), _put(slots.cache.length, rows,
                                                                                        new.length, 0)),
                   jax.tree.map(lambda x, y: _put(x, rows, y, 0), slots.params, params),
                   _put(slots.counts, rows, jax.nn.one_hot(tok, vocab, dtype=jnp.int32), 0),
-                  _put(slots.seen, rows, seen, 0), _put(slots.generated, rows, zero + 1, 0), _put(slots.last, rows, tok, 0))
+                  _put(slots.seen, rows, seen, 0), _put(slots.generated, rows, zero + 1, 0), _put(slots.last, rows, tok, 0),
+                  mtp)
     prompt = None
     if targets is not None:  # a block of positions at a time: never the whole [P, L, vocab]
         scores = position_scores(out.hidden, model.logits, targets, vocab=vocab, top=static.logprobs)
         prompt = TokenLogprobs(scores.chosen, scores.top_ids, scores.top)
-    return slots, PrefillOut(tok, lp, logits if static.keep_logits else None, snapshot, prompt)
+    return slots, PrefillOut(tok, lp, logits if static.keep_logits else None, snapshot, prompt, drafts)
 
 
 def restore(slots: Slots, row: jax.Array, layers: tuple, *, static: Static) -> Slots:
     """Write a prefix-cache hit's states into slot `row`: per cache entry
     (conv, recurrent) of a GDN or KDA layer, the two parts ((k, v) or
     (latent, rope)) [capacity, ...] of an attention layer (the hit's tokens
-    first), each without the row axis."""
+    first), each without the row axis; with multi-token prediction
+    drafting, then the drafter's (k, v) [capacity, ...] and (hidden,) [H]
+    at the hit's end."""
     def put(axis, entry, parts):
         arrays = [x.at[(slice(None),) * axis + (row,)].set(y.astype(x.dtype)) for x, y in zip(entry[:2], parts)]
         return entry._replace(**dict(zip(entry._fields[:2], arrays)))
-    return slots._replace(cache=slots.cache._replace(layers=_map_entries(put, static, slots.cache.layers, layers)))
+    main = len(static.row_axes)
+    slots = slots._replace(cache=slots.cache._replace(
+        layers=_map_entries(put, static, slots.cache.layers, layers[:main])))
+    if static.mtp_drafts:
+        assert slots.mtp is not None
+        (k, v), (hidden,) = layers[main:]
+        slots = slots._replace(mtp=MtpState(put(0, slots.mtp.cache, (k, v)),
+                                            slots.mtp.hidden.at[row].set(hidden.astype(slots.mtp.hidden.dtype))))
+    return slots
 
 
 class Step(NamedTuple):
     tokens: jax.Array            # int32 [S, n]
     logprobs: TokenLogprobs      # [S, n], [S, n, N]
     logits: jax.Array | None     # float32 [S, n, V]
+    drafts: jax.Array | None = None  # int32 [S, K]: each row's next drafts (multi-token prediction drafting)
 
 
 
@@ -234,17 +331,22 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
 
     params = sampling.quiet(slots.params, active)
 
-    def one(slots: Slots) -> tuple[Slots, tuple]:
-        out = model.forward(slots.last[:, None], slots.cache)
-        out = out._replace(cache=_keep_inactive(static, out.cache, slots.cache, active))
-        logits = out.logits[:, 0]
+    def one(slots: Slots, drafter_out: jax.Array) -> tuple[Slots, jax.Array, tuple]:
+        out = model.hidden_states(slots.last[:, None], slots.cache)
+        logits = model.logits(out.hidden)[:, 0]
         adj = sampling.allow(sampling.adjust(logits, params, slots.counts, slots.seen, slots.generated,
                                              static.eos_ids), allowed)
         tok = sampling.draw(adj, params, sampling.token_keys(params, slots.generated))
         lp = sampling.logprobs(adj, tok, static.logprobs, params.logprobs)
-        slots = slots._replace(cache=out.cache, counts=slots.counts.at[index, tok].add(1),
-                               generated=slots.generated + 1, last=tok)
-        return slots, (tok, lp, logits.astype(jnp.float32) if static.keep_logits else None)
+        mtp = slots.mtp
+        if static.mtp_drafts:  # the drafter's entry at the input's position, from its hidden state and the draw
+            assert mtp is not None
+            outs, drafted = model.mtp_extend(out.hidden, tok[:, None], mtp.cache, slots.cache.length)
+            mtp, drafter_out = mtp._replace(cache=drafted), outs[:, 0]
+        slots = slots._replace(cache=_keep_inactive(static, out.cache, slots.cache, active),
+                               counts=slots.counts.at[index, tok].add(1), generated=slots.generated + 1, last=tok,
+                               mtp=mtp)
+        return slots, drafter_out, (tok, lp, logits.astype(jnp.float32) if static.keep_logits else None)
 
     # a while loop (not a scan) so that the call stops after `draws` tokens; each token's outputs go into
     # [steps, ...] buffers in place
@@ -255,15 +357,24 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
                jnp.zeros((steps, s, vocab), jnp.float32) if static.keep_logits else None)
 
     def body(carry):
-        i, slots, buffers = carry
-        slots, got = one(slots)
+        i, slots, drafter_out, buffers = carry
+        slots, drafter_out, got = one(slots, drafter_out)
         buffers = jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buffers, got)
-        return i + 1, slots, buffers
+        return i + 1, slots, drafter_out, buffers
 
-    _, slots, (tok, lp, logits) = jax.lax.while_loop(lambda c: c[0] < jnp.minimum(draws, steps), body,
-                                                     (jnp.int32(0), slots, buffers))
+    # the drafter's output at each row's last kept position ([S, 0] without drafting)
+    width = static.config.hidden_size if static.mtp_drafts else 0
+    drafter_out = jnp.zeros((s, width), jnp.dtype(static.config.dtype))
+    _, slots, drafter_out, (tok, lp, logits) = jax.lax.while_loop(
+        lambda c: c[0] < jnp.minimum(draws, steps), body, (jnp.int32(0), slots, drafter_out, buffers))
+    drafts = None
+    if static.mtp_drafts:
+        assert slots.mtp is not None
+        drafts, drafted = _mtp_drafts(model, slots.mtp.cache, drafter_out, slots.cache.length - 1,
+                                      static.mtp_drafts)
+        slots = slots._replace(mtp=slots.mtp._replace(cache=drafted))
     swap = functools.partial(jnp.swapaxes, axis1=0, axis2=1)
-    return slots, Step(swap(tok), jax.tree.map(swap, lp), None if logits is None else swap(logits))
+    return slots, Step(swap(tok), jax.tree.map(swap, lp), None if logits is None else swap(logits), drafts)
 
 
 class Verified(NamedTuple):
@@ -272,7 +383,15 @@ class Verified(NamedTuple):
 
 
 def verify(state: nnx.State, slots: Slots, active: jax.Array, drafts: jax.Array, num_drafts: jax.Array, *,
-           static: Static) -> tuple[Slots, Verified]:
+           static: Static, rows: int | None = None) -> tuple[Slots, Verified]:
+    """The last token and drafts [S, K] (the first num_drafts [S] of each
+    row real) in one pass, over the first `rows` slots (the others idle,
+    as decode's)."""
+    if rows is not None and rows < slots.last.shape[0]:
+        part = _over_rows(static, lambda axis, x: jax.lax.slice_in_dim(x, 0, rows, axis=axis), slots)
+        part, out = verify(state, part, active[:rows], drafts[:rows], num_drafts[:rows], static=static)
+        return _over_rows(static, lambda axis, x, y: jax.lax.dynamic_update_slice_in_dim(x, y, 0, axis),
+                          slots, part), out
     model = nnx.merge(static.graphdef, state)
     s, k = drafts.shape
     tokens = jnp.concatenate([slots.last[:, None], drafts], axis=1)
@@ -305,10 +424,17 @@ def verify(state: nnx.State, slots: Slots, active: jax.Array, drafts: jax.Array,
 
     cache = _keep_inactive(static, Cache(_map_entries(select, static, out.cache.layers), slots.cache.length + a + 1),
                            slots.cache, active)
+    mtp, next_drafts = slots.mtp, None
+    if static.mtp_drafts:  # the drafter's entries at the pass's positions: those past the kept ones are overwritten
+        assert mtp is not None
+        outs, mtp_cache = model.mtp_extend(out.hidden, emitted, mtp.cache, slots.cache.length)
+        kept_out = jnp.take_along_axis(outs, a[:, None, None], axis=1)[:, 0]
+        next_drafts, mtp_cache = _mtp_drafts(model, mtp_cache, kept_out, slots.cache.length + a, static.mtp_drafts)
+        mtp = mtp._replace(cache=mtp_cache)
     kept = (position[None] <= a[:, None])[..., None]
     counts = slots.counts + jnp.sum(jax.nn.one_hot(emitted, vocab, dtype=jnp.int32) * kept, axis=1)
-    slots = slots._replace(cache=cache, counts=counts, generated=slots.generated + a + 1, last=verdict.next)
-    return slots, Verified(Step(emitted, lp, logits if static.keep_logits else None), a)
+    slots = slots._replace(cache=cache, counts=counts, generated=slots.generated + a + 1, last=verdict.next, mtp=mtp)
+    return slots, Verified(Step(emitted, lp, logits if static.keep_logits else None, next_drafts), a)
 
 
 class Programs(NamedTuple):
@@ -330,4 +456,4 @@ def compile_programs(static: Static) -> Programs:
         placed.__name__ = fn.__name__
         placed.__signature__ = inspect.signature(bound)  # jit reads the argument names
         return jax.jit(placed, static_argnames=static_names, donate_argnames=("slots",))
-    return Programs(jit(prefill, "history_every"), jit(restore), jit(decode, "steps", "rows"), jit(verify))
+    return Programs(jit(prefill, "history_every"), jit(restore), jit(decode, "steps", "rows"), jit(verify, "rows"))

@@ -67,6 +67,7 @@ class PrefillBatch(NamedTuple):
     seen: np.ndarray            # bool [P, V]: each row's prompt tokens
     targets: np.ndarray | None  # int32 [P, L]: the next prompt token, when some row scores its prompt
     allowed: np.ndarray         # int32 [P, W]: the first token each row may draw (sampling.allow)
+    follows: np.ndarray         # int32 [P]: the prompt's token after the row's (-1: the prompt ends in this call)
 
     @classmethod
     def idle(cls, rows: int, length: int, *, max_slots: int, vocab: int, targets: bool = False) -> PrefillBatch:
@@ -74,7 +75,7 @@ class PrefillBatch(NamedTuple):
         return cls(np.full(rows, max_slots, np.int32), np.zeros((rows, length), np.int32), np.zeros(rows, np.int32),
                    np.ones(rows, np.int32), SlotParams.rows([SamplingParams()] * rows, [0] * rows),
                    np.zeros((rows, vocab), bool), np.zeros((rows, length), np.int32) if targets else None,
-                   grammar.masks([None] * rows, vocab))
+                   grammar.masks([None] * rows, vocab), np.full(rows, -1, np.int32))
 
 
 class DecodeBatch(NamedTuple):
@@ -93,14 +94,16 @@ class DecodeBatch(NamedTuple):
 
 
 class VerifyBatch(NamedTuple):
-    """One speculative pass over every slot: the last token and K drafts."""
+    """One speculative pass over the first `rows` slots: the last token and K drafts."""
     active: np.ndarray          # bool [S]
     drafts: np.ndarray          # int32 [S, K]
     counts: np.ndarray          # int32 [S]: each slot's real drafts
+    rows: int
 
     @classmethod
-    def idle(cls, *, max_slots: int, draft: int) -> VerifyBatch:
-        return cls(np.zeros(max_slots, bool), np.zeros((max_slots, draft), np.int32), np.zeros(max_slots, np.int32))
+    def idle(cls, rows: int, *, max_slots: int, draft: int) -> VerifyBatch:
+        return cls(np.zeros(max_slots, bool), np.zeros((max_slots, draft), np.int32), np.zeros(max_slots, np.int32),
+                   rows)
 
 
 def lower(compiled: programs.Programs, state: Any, slots: Any, batch: PrefillBatch | DecodeBatch | VerifyBatch,
@@ -113,14 +116,16 @@ def lower(compiled: programs.Programs, state: Any, slots: Any, batch: PrefillBat
     if isinstance(batch, DecodeBatch):
         return compiled.decode.lower(state, slots, host(batch.active), host(batch.allowed),
                                      host(np.int32(batch.draws)), steps=batch.steps, rows=batch.rows)
-    return compiled.verify.lower(state, slots, *(host(x) for x in batch))
+    return compiled.verify.lower(state, slots, host(batch.active), host(batch.drafts), host(batch.counts),
+                                 rows=batch.rows)
 
 
 def new_slots(static: programs.Static, model: Any, config: EngineConfig, shapes: EngineShapes,
               rollback: int) -> programs.Slots:
     """Empty slot state for these settings, placed on the ambient mesh (under
     jit it is created in place)."""
-    return programs.place(static, programs.empty_slots(model, config.max_slots, shapes.capacity, rollback))
+    return programs.place(static, programs.empty_slots(model, config.max_slots, shapes.capacity, rollback,
+                                                       mtp=static.mtp_drafts > 0))
 
 
 class ModelRunner:
@@ -130,11 +135,13 @@ class ModelRunner:
     fix for the model (EngineConfig.shapes); mesh: a Mesh with gdnx's axes
     (context 1) or None; eos_token_ids: the tokens that end a request;
     rollback: a sliding window's extra room for drafts a verify pass takes
-    back; prefix_cache: the prefill also returns the states at block ends.
+    back; prefix_cache: the prefill also returns the states at block ends;
+    mtp_drafts: drafts per pass from the model's multi-token prediction
+    module (0: it does not draft).
     """
 
     def __init__(self, model: Any, config: EngineConfig, shapes: EngineShapes, *, mesh: jax.sharding.Mesh | None,
-                 eos_token_ids: tuple[int, ...], rollback: int, prefix_cache: bool):
+                 eos_token_ids: tuple[int, ...], rollback: int, prefix_cache: bool, mtp_drafts: int = 0):
         cfg = model.config
         self.model, self.config, self.shapes, self.mesh = model, config, shapes, mesh
         self.rollback, self.prefix_cache = rollback, prefix_cache
@@ -144,7 +151,7 @@ class ModelRunner:
             self.state = shard(self.state, cfg, mesh)
         # engines on one model with the same settings share compiled programs
         shared = _PROGRAMS.setdefault(model, {})
-        key = (eos_token_ids, config.max_logprobs, config.keep_logits)
+        key = (eos_token_ids, config.max_logprobs, config.keep_logits, mtp_drafts)
         if key not in shared:
             static = programs.Static(graphdef, cfg, row_axes(model), *key)
             shared[key] = (static, programs.compile_programs(static))
@@ -166,11 +173,15 @@ class ModelRunner:
             return jax.jit(make)()
 
     def cache_entries(self) -> CacheEntries:
-        """How the model's cache entries sit in the slot state."""
+        """How the model's cache entries sit in the slot state (the
+        multi-token prediction drafter's last: its keys and values, then
+        its final hidden state at a block's end)."""
         layers = self.slots.cache.layers
-        return CacheEntries(self.static.row_axes, tuple(isinstance(entry, DeltaRuleState) for entry in layers),
-                            tuple(entry.ring if isinstance(entry, RingCache) else None for entry in layers),
-                            self.shapes.capacity)
+        drafter = self.static.mtp_drafts > 0
+        return CacheEntries(self.static.row_axes + (0, 0) * drafter,
+                            tuple(isinstance(entry, DeltaRuleState) for entry in layers) + (False, True) * drafter,
+                            tuple(entry.ring if isinstance(entry, RingCache) else None for entry in layers)
+                            + (None, None) * drafter, self.shapes.capacity)
 
     def reset(self) -> None:
         """Fresh slot state (after a failed call, whose buffers it may have consumed)."""
@@ -190,7 +201,8 @@ class ModelRunner:
 
     def _verify(self, batch: VerifyBatch) -> Any:
         with self.on_mesh():
-            self.slots, out = self.programs.verify(self.state, self.slots, *batch)
+            self.slots, out = self.programs.verify(self.state, self.slots, batch.active, batch.drafts, batch.counts,
+                                                   rows=batch.rows)
         return out
 
     def prefill(self, batch: PrefillBatch) -> programs.PrefillOut:
@@ -209,10 +221,11 @@ class ModelRunner:
 
     # ---- warm-up --------------------------------------------------------------------------------------------
 
-    def warm_up(self, *, prefill: bool, draft: int) -> list[tuple[str, tuple]]:
+    def warm_up(self, *, prefill: bool, draft: int, draft_rows: int = 0) -> list[tuple[str, tuple]]:
         """Compile and run every program on idle slots (rows that write
         nowhere): each decode batch size (plain and constrained calls share
-        it), the verify pass with `draft` tokens, and with `prefill` every
+        it), the verify pass with `draft` tokens at each decode batch size up
+        to `draft_rows` (EngineConfig.draft_rows), and with `prefill` every
         prefill shape with and without prompt targets and the prefix
         cache's restore. Returns once they have run (dispatch is
         asynchronous): (name, shape) of each program run, as the engine's
@@ -223,9 +236,11 @@ class ModelRunner:
             self.room_for_code(len(ran))
             self._decode(DecodeBatch.idle(rows, max_slots=c.max_slots, steps=c.decode_steps, vocab=self.vocab))
             ran.append(("decode", (rows, c.decode_steps)))
-        if draft:
-            self._verify(VerifyBatch.idle(max_slots=c.max_slots, draft=draft))
-            ran.append(("verify", (c.max_slots, draft)))
+        for rows in s.decode_rows if draft else ():
+            if rows <= draft_rows:
+                self.room_for_code(len(ran))
+                self._verify(VerifyBatch.idle(rows, max_slots=c.max_slots, draft=draft))
+                ran.append(("verify", (rows, draft)))
         if prefill:
             lengths = (s.block_size,) if c.batch_invariant else s.buckets
             # a prompt that scores itself is prefilled alone (the scheduler's rule), or in the one fixed shape
@@ -237,8 +252,11 @@ class ModelRunner:
                                                     targets=targets))
                     ran.append(("prefill", (rows, length) + (("prompt logprobs",) if targets else ())))
             if self.prefix_cache:  # a hit's states written into an idle slot
+                entries = list(zip(self.slots.cache.layers, self.static.row_axes, strict=True))
+                if self.slots.mtp is not None:
+                    entries += [(self.slots.mtp.cache, 0), ((self.slots.mtp.hidden,), 0)]
                 parts = tuple(tuple(np.zeros(np.delete(x.shape, axis), x.dtype) for x in entry[:2])
-                              for entry, axis in zip(self.slots.cache.layers, self.static.row_axes, strict=True))
+                              for entry, axis in entries)
                 self.restore(0, parts)
                 ran.append(("restore", ()))
         jax.block_until_ready(self.slots)  # dispatch is asynchronous: done means run, not queued

@@ -1,0 +1,133 @@
+"""The multi-token prediction module as the engine's drafter, on this
+machine's CPU: acceptance per draft position and tokens/s against plain
+decoding at 1, 8 and 32 requests, and what a verify pass costs against a
+decode step.
+
+    python benchmarks/mtp_serving.py [--steps 300] [--width 512]
+
+Model: Qwen3-Next's pattern (3 GDN layers, then attention; 8 layers) with
+an MTP module, float32, trained here with gdnx's loss (the module's at
+weight 1) on counting sequences (a random start, a step of 1-3, mod the
+vocabulary) until its first drafts are mostly right. Requests: counting
+prompts of 32 tokens, 64 greedy tokens each (ignore_eos). Each timing is
+the median of --repeats runs after an untimed one that compiles; every
+run's tokens are asserted equal to plain decoding's. Prints markdown for
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: the counting sequences
+
+from gdnx.config import ModelConfig  # noqa: E402
+from gdnx.data.source import Batch  # noqa: E402
+from gdnx.models import CausalLM  # noqa: E402
+from gdnx.models.causal_lm import parameter_count  # noqa: E402
+from gdnx.serving import Engine, SamplingParams  # noqa: E402
+from gdnx.training.step import loss_and_metrics  # noqa: E402
+from tests.helpers.mtp import progressions  # noqa: E402
+
+
+def model_fields(width: int) -> dict:
+    return dict(vocab_size=1024, hidden_size=width, num_hidden_layers=8, full_attention_interval=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=width // 4, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=width // 4, linear_value_head_dim=width // 4,
+                intermediate_size=3 * width, num_experts=0, mtp_num_layers=1, gdn_chunk_size=32)
+
+
+def train(fields: dict, steps: int, seed: int = 0) -> tuple[CausalLM, float, float, float]:
+    """(the trained model, the last step's loss, the MTP module's, seconds)."""
+    model = CausalLM(ModelConfig(**fields), seed=seed)
+    graphdef, params = nnx.split(model)
+    optimizer = optax.adam(optax.warmup_cosine_decay_schedule(0.0, 2e-3, 20, steps, 2e-4))
+    opt = optimizer.init(params)
+
+    @jax.jit
+    def step(params, opt, tokens):
+        batch = Batch(tokens[:, :-1], tokens[:, 1:], jnp.ones_like(tokens[:, 1:], bool),
+                      jnp.ones_like(tokens[:, 1:], bool))
+
+        def loss(p):
+            return loss_and_metrics(nnx.merge(graphdef, p), batch, 0.0, mtp_weight=1.0)
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt = optimizer.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value, metrics
+
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    for _ in range(steps):
+        params, opt, value, metrics = step(params, opt, jnp.asarray(progressions(rng, 16, 49, fields["vocab_size"])))
+    return nnx.merge(graphdef, params), float(metrics["loss"]), float(metrics["mtp_loss_1"]), \
+        time.perf_counter() - start
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams, repeats: int):
+    """(median seconds, tokens) of generating `prompts` on a warm engine."""
+    out = engine.generate(prompts, params)  # compiles
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, params)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), [c.tokens for c in out]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="training steps (16 sequences of 48 tokens)")
+    parser.add_argument("--width", type=int, default=512, help="hidden size")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3])
+    args = parser.parse_args()
+
+    fields = model_fields(args.width)
+    model, loss, mtp_loss, seconds = train(fields, args.steps)
+    print(f"## The MTP module as the drafter on CPU ({datetime.date.today()})\n")
+    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}; "
+          f"`python benchmarks/mtp_serving.py --steps {args.steps} --width {args.width}`. Model: width "
+          f"{args.width}, 8 layers (GDN x3, attention), {parameter_count(model.config) / 1e6:.1f}M parameters with "
+          f"the MTP layer, float32; trained {args.steps} steps in {seconds:.0f} s: loss {loss:.3f}, MTP loss "
+          f"{mtp_loss:.3f}. Requests: counting prompts of 32 tokens, 64 greedy tokens each.\n")
+    print("| requests | decoding | tokens/s | vs plain | acceptance by draft position | tokens per pass "
+          "| ms per call |")
+    print("|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(1)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for n in args.requests:
+        prompts = progressions(rng, n, 32, fields["vocab_size"]).tolist()
+        settings = dict(max_slots=n, max_length=128, block_size=32, decode_steps=8)
+        plain = Engine(model, **settings)
+        base, want = run(plain, prompts, params, args.repeats)
+        tokens = n * params.max_tokens
+        calls = plain.stats.decode_calls / (args.repeats + 1)
+        print(f"| {n} | plain ({settings['decode_steps']} tokens per call) | {tokens / base:,.0f} | 1.00x | - | - | "
+              f"{1000 * base / calls:.1f} |")
+        for k in args.drafts:
+            engine = Engine(model, **settings, draft_method="mtp", draft_tokens=k)
+            t, got = run(engine, prompts, params, args.repeats)
+            assert got == want, f"mtp:{k} at {n} requests changed the tokens"
+            s = engine.stats
+            by = ", ".join(f"{a:.2f}" for a in s.acceptance_at())
+            calls = (s.verify_calls + s.decode_calls) / (args.repeats + 1)
+            print(f"| {n} | mtp:{k} | {tokens / t:,.0f} | {base / t:.2f}x | {by} | {s.tokens_per_pass:.2f} | "
+                  f"{1000 * t / calls:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
