@@ -10,8 +10,9 @@ an MTP module, float32, trained here with gdnx's loss (the module's at
 weight 1) on counting sequences (a random start, a step of 1-3, mod the
 vocabulary) until its first drafts are mostly right. Requests: counting
 prompts of 32 tokens, 64 greedy tokens each (ignore_eos). Each timing is
-the median of --repeats runs after an untimed one that compiles; every
-run's tokens are asserted equal to plain decoding's. Prints markdown for
+the median of --repeats runs (at least 32 / requests) after an untimed one
+that compiles, the engines taking turns in each round; every engine's
+tokens are asserted equal to plain decoding's. Prints markdown for
 docs/benchmarks.md.
 """
 
@@ -76,15 +77,19 @@ def train(fields: dict, steps: int, seed: int = 0) -> tuple[CausalLM, float, flo
         time.perf_counter() - start
 
 
-def run(engine: Engine, prompts: list[list[int]], params: SamplingParams, repeats: int):
-    """(median seconds, tokens) of generating `prompts` on a warm engine."""
-    out = engine.generate(prompts, params)  # compiles
-    times = []
+def interleaved(engines: dict[str, Engine], prompts: list[list[int]], params: SamplingParams,
+                repeats: int) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
+    """Median seconds of generating `prompts` on each warm engine, the
+    engines taking turns in each round (the machine's drift falls on all
+    alike), and each engine's tokens."""
+    tokens = {name: [c.tokens for c in e.generate(prompts, params)] for name, e in engines.items()}  # compiles
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, params)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), [c.tokens for c in out]
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.generate(prompts, params)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}, tokens
 
 
 def main() -> None:
@@ -112,22 +117,29 @@ def main() -> None:
     for n in args.requests:
         prompts = progressions(rng, n, 32, fields["vocab_size"]).tolist()
         settings = dict(max_slots=n, max_length=128, block_size=32, decode_steps=8)
-        plain = Engine(model, **settings)
-        base, want = run(plain, prompts, params, args.repeats)
-        tokens = n * params.max_tokens
-        calls = plain.stats.decode_calls / (args.repeats + 1)
-        print(f"| {n} | plain ({settings['decode_steps']} tokens per call) | {tokens / base:,.0f} | 1.00x | - | - | "
-              f"{1000 * base / calls:.1f} |")
+        engines = {"plain": Engine(model, **settings)}
+        # every step drafting (draft_rows=n), then the engine's default rule (draft_rows 1 on CPU)
         for k in args.drafts:
-            engine = Engine(model, **settings, draft_method="mtp", draft_tokens=k)
-            t, got = run(engine, prompts, params, args.repeats)
-            assert got == want, f"mtp:{k} at {n} requests changed the tokens"
+            engines[f"mtp:{k}" + (" (draft_rows=n)" if n > 1 else "")] = Engine(
+                model, **settings, draft_method="mtp", draft_tokens=k, draft_rows=n)
+        if n > 1:
+            engines[f"mtp:{args.drafts[-1]}, the default draft_rows"] = Engine(
+                model, **settings, draft_method="mtp", draft_tokens=args.drafts[-1])
+        repeats = max(args.repeats, 32 // n)
+        times, got = interleaved(engines, prompts, params, repeats)
+        tokens = n * params.max_tokens
+        for name, engine in engines.items():
+            assert got[name] == got["plain"], f"{name} at {n} requests changed the tokens"
             s = engine.stats
-            by = ", ".join(f"{a:.2f}" for a in s.acceptance_at())
-            calls = (s.verify_calls + s.decode_calls) / (args.repeats + 1)
-            print(f"| {n} | mtp:{k} | {tokens / t:,.0f} | {base / t:.2f}x | {by} | {s.tokens_per_pass:.2f} | "
-                  f"{1000 * t / calls:.1f} |")
-
+            calls = (s.verify_calls + s.decode_calls) / (repeats + 1)
+            if name == "plain":
+                by, per_pass = "-", "-"
+            else:
+                by = ", ".join(f"{a:.2f}" for a in s.acceptance_at()) or "- (no drafts)"
+                per_pass = f"{s.tokens_per_pass:.2f}" if s.verify_calls else "1.00"
+            label = f"plain ({settings['decode_steps']} tokens per call)" if name == "plain" else name
+            print(f"| {n} | {label} | {tokens / times[name]:,.0f} | {times['plain'] / times[name]:.2f}x | {by} | "
+                  f"{per_pass} | {1000 * times[name] / calls:.1f} |")
 
 if __name__ == "__main__":
     main()

@@ -72,3 +72,27 @@ def trained_mtp_model(fields: dict, steps: int = 300, seed: int = 0, length: int
     for _ in range(steps):
         params, opt, _ = step(params, opt, jnp.asarray(progressions(rng, rows, length + 1, fields["vocab_size"])))
     return nnx.merge(graphdef, params)
+
+
+def ling_mtp_checkpoint(src, dst, rng):
+    """A Ling 3 (bailing_hybrid) checkpoint with its multi-token prediction
+    layer as Ling stores it, the layer after the decoder's (model.layers.N:
+    enorm, hnorm, eh_proj, shared_head.norm and a full-attention decoder
+    layer, copied from the model's last one, perturbed), and the config
+    fields transformers' MTP module builds from: (directory, its tensors)."""
+    shutil.copytree(src, dst)
+    config = json.loads((src / "config.json").read_text())
+    n, h = config["num_hidden_layers"], config["hidden_size"]
+    last = max(i for i, t in enumerate(config["layer_types"]) if t == "full_attention")
+    tensors = load_file(src / "model.safetensors")
+    mtp = {f"model.layers.{n}.{k.removeprefix(f'model.layers.{last}.')}":
+           (v + 0.02 * rng.standard_normal(v.shape)).astype(v.dtype)
+           for k, v in tensors.items() if k.startswith(f"model.layers.{last}.")}
+    mtp[f"model.layers.{n}.eh_proj.weight"] = (0.1 * rng.standard_normal((h, 2 * h))).astype(np.float32)
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.{n}.{name}.weight"] = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+    save_file({**tensors, **mtp}, dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1,
+                                                 "mtp_layer_types": ["full_attention"],
+                                                 "mtp_mlp_layer_types": [config["mlp_layer_types"][-1]]}))
+    return dst, mtp

@@ -166,10 +166,12 @@ def test_linear_attention_heads_that_do_not_fit_the_tensors_name_the_fields(hf_c
         CausalLM.from_pretrained(tmp_path)
 
 
-def test_ling_multi_token_prediction_layers_are_skipped_once(tmp_path, caplog):
+def test_ling_multi_token_prediction_layers_left_out_are_skipped_once(tmp_path, caplog):
     """A Ling 3 checkpoint stores its multi-token prediction layer after the
-    decoder's (model.layers.4.* here): loading skips it with one line, the
-    logits are the model's, and the export holds the loaded layers only."""
+    decoder's (model.layers.4.* here): loaded without it
+    (model.mtp_num_layers=0; tests/models/test_mtp.py loads it), its
+    tensors are skipped with one line, the logits are the model's, and the
+    export holds the loaded layers only."""
     hf = random_hf_model("bailing_hybrid")
     hf.save_pretrained(tmp_path / "hf")
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
@@ -177,7 +179,7 @@ def test_ling_multi_token_prediction_layers_are_skipped_once(tmp_path, caplog):
     mtp["model.layers.4.eh_proj.weight"] = np.zeros((32, 64), np.float32)
     save_file({**tensors, **mtp}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level(logging.WARNING, logger="gdnx"):
-        model = CausalLM.from_pretrained(tmp_path / "hf")
+        model = CausalLM.from_pretrained(tmp_path / "hf", mtp_num_layers=0)
     notes = [r.getMessage() for r in caplog.records]
     assert len(notes) == 1 and f"skipped the multi-token prediction layers ({len(mtp)} tensors under " \
         "model.layers.4.*)" in notes[0], notes

@@ -65,8 +65,10 @@ def _run(engine, prompts, params):
             tokens[event.request_id] += event.tokens
         for i, rid in enumerate(ids):
             req = engine.scheduler.get(rid)
-            if engine.mtp_drafts and req is not None and req.status is RequestStatus.RUNNING:
-                drafts.append((i, req.prompt + req.tokens, engine._mtp_proposals[req.held_slot][0]))
+            running = req is not None and req.status is RequestStatus.RUNNING
+            proposal = engine._mtp_proposals.get(req.held_slot) if running else None
+            if proposal:
+                drafts.append((i, req.prompt + req.tokens, proposal[0]))
     return [tokens[i] for i in ids], drafts
 
 
@@ -143,6 +145,18 @@ def test_constrained_requests_decode_and_keep_the_drafter_in_step(tmp_path):
     assert out == want and tok.decode(out[1]).removesuffix(tok.decode([0])) in ("yes", "no")
     assert drafting.stats.decode_calls > 0 and drafting.stats.verify_calls > 0
     _check_drafts(model, prompts, out, drafts)
+
+
+def test_under_load_the_engine_decodes_plainly_and_drafts_again_for_new_requests(model, prompts, plain):
+    """draft_rows=1: three requests decode together (4 rows) without a
+    verify pass and without the module (no drafts for them from then on);
+    a request alone afterwards drafts again, with the module's predictions."""
+    engine = Engine(model, **{**SETTINGS, "draft_rows": 1}, draft_method="mtp", draft_tokens=2)
+    out, drafts = _run(engine, prompts[:3], GREEDY)
+    assert out == plain[:3] and engine.stats.verify_calls == 0 and engine.stats.decode_calls > 0
+    alone, more = _run(engine, prompts[3:4], GREEDY)
+    assert alone == plain[3:4] and engine.stats.verify_calls > 0
+    _check_drafts(model, prompts[3:4], alone, more)
 
 
 def test_mtp_drafting_is_refused_without_the_module_or_drafts():

@@ -205,3 +205,31 @@ def test_lora_on_a_quantized_base_trains_resumes_and_exports_merged(bases, tmp_p
     assert config["quantization_config"]["weight_block_size"] == [16, 24]
     fp8 = CausalLM.from_pretrained(tmp_path / "merged_fp8")
     assert relative_error(_gdnx_logits(fp8, toks), hf_logits(hf, toks)) <= 0.05
+
+
+def test_adapters_on_the_mtp_module_train_with_its_loss_and_merge(bases, tmp_path):
+    """train.lora.mtp: the multi-token prediction module's layer gets
+    adapters, which its loss trains (mtp_loss_1 in the metrics) and the
+    merged export carries (its mtp.* weights moved, the rest of the module
+    as the base had it); without it the module stays frozen and unscored."""
+    from safetensors.numpy import load_file
+
+    from tests.helpers.mtp import mtp_checkpoint
+
+    base, mtp, _ = mtp_checkpoint(bases / "qwen3_5", tmp_path / "base", np.random.default_rng(0))
+    (bases / "qwen3_5_mtp").symlink_to(base)
+    trainer, _ = _train(bases, "qwen3_5_mtp", tmp_path / "run", "train.lora.mtp=true")
+    adapted = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(trainer.params)
+               if "'mtp'" in jax.tree_util.keystr(p)]
+    assert adapted and all("lora" in n for n in adapted)
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("mtp_loss_1" in m for m in metrics)
+    export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
+    written = load_file(tmp_path / "merged" / "model.safetensors")
+    moved = [k for k, v in mtp.items() if not np.array_equal(written[k], v)]
+    assert "mtp.layers.0.self_attn.q_proj.weight" in moved and "mtp.fc.weight" not in moved, moved
+    from gdnx.layers.lora import AdapterSpec
+
+    cfg = trainer.config.model
+    without = nnx.eval_shape(lambda: CausalLM(cfg, adapters=AdapterSpec(4, 8.0, 0.0, frozenset({"q_proj"}))))
+    assert not [p for p, _ in nnx.to_flat_state(nnx.state(without, nnx.LoRAParam)) if p[0] == "mtp"]

@@ -303,7 +303,8 @@ def _mtp_layer(cfg: ModelConfig, key: str) -> bool:
     """Whether `key` belongs to a Ling 3 checkpoint's multi-token prediction
     layers, which it stores as the layers after the decoder's."""
     m = _LAYER.match(key)
-    return cfg.family == "bailing_hybrid" and m is not None and int(m.group(1)) >= cfg.num_hidden_layers
+    return cfg.family == "bailing_hybrid" and m is not None and int(m.group(1)) >= cfg.num_hidden_layers \
+        + cfg.mtp_num_layers
 
 
 def _note_skipped(directory: Path, keys: list[str], cfg: ModelConfig) -> None:
@@ -326,6 +327,15 @@ def read_config(path: str | os.PathLike, overrides: dict | None = None) -> Model
     quantized again as int8 is refused."""
     hf = _hf_config(Path(path))
     cfg = model_config_from_hf(hf, overrides)
+    if cfg.family == "bailing_hybrid" and "mtp_num_layers" not in (overrides or {}) and hf.get(
+            "num_nextn_predict_layers", hf.get("num_mtp_layers", 0)):
+        # Ling 3's multi-token prediction layer, where the files hold it (transformers writes none)
+        try:
+            held = _Reader(Path(path)).has(f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight")
+        except FileNotFoundError:  # a config without weights
+            held = False
+        if held:
+            cfg = cfg.model_copy(update={"mtp_num_layers": 1})
     layout = fp8.quantization(hf, str(path))
     if layout is None or cfg.quantize == "none":
         return cfg

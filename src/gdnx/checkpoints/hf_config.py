@@ -276,8 +276,11 @@ def _kda_family_config(cfg: ModelConfig) -> dict:
                    rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                    kda_safe_gate=cfg.linear_gate_lower_bound is not None,
                    kda_lower_bound=cfg.linear_gate_lower_bound if cfg.linear_gate_lower_bound is not None else -5.0,
-                   num_nextn_predict_layers=0,  # the multi-token prediction layers are not loaded
+                   num_nextn_predict_layers=cfg.mtp_num_layers,
                    expert_swiglu_limit_list=cfg.swiglu_limits, share_expert_swiglu_limit_list=cfg.swiglu_limits_shared)
+        if cfg.mtp_num_layers:  # what transformers' MTP module builds its layer from
+            out.update(mtp_layer_types=["full_attention"],
+                       mtp_mlp_layer_types=["sparse" if cfg.is_moe_layer(cfg.num_hidden_layers - 1) else "dense"])
     out["dtype"] = cfg.param_dtype
     return out
 

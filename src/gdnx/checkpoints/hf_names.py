@@ -223,6 +223,13 @@ def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.", in_memory: boo
         return _transposed("lm_head.weight")
     if path == ("norm", "weight"):
         return _same(prefix + "norm.weight")
+    if path[0] == "mtp" and ling:  # the layer after the decoder's (DeepSeek's layout), its head the model's
+        layer = f"{prefix}layers.{cfg.num_hidden_layers}."
+        if path[1] == "fc":
+            return _transposed(layer + "eh_proj.weight")
+        if path[1] != "layers":
+            return _same(layer + _LING_MTP[path[1]] + ".weight")
+        return _layer(cfg, (cfg.num_hidden_layers + int(path[2]), *path[3:]), prefix, full_attention=True)
     if path[0] == "mtp":  # the multi-token prediction module, top-level mtp.* (also beside a vision tower)
         if path[1] == "fc":
             return _transposed("mtp.fc.weight")
@@ -230,6 +237,10 @@ def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.", in_memory: boo
             return _same(f"mtp.{path[1]}.weight")
         return _layer(cfg, path[2:], "mtp.", full_attention=True)
     return _layer(cfg, path[1:], prefix)
+
+
+# Ling 3's names for the multi-token prediction module's norms
+_LING_MTP = {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head.norm"}
 
 
 def _layer(cfg: ModelConfig, path: tuple, prefix: str, full_attention: bool = False) -> Tensors | Experts:

@@ -152,9 +152,10 @@ class ModelConfig(_Strict):
     # (each device whole experts, a share of them), auto (experts where a width slice would not fill 128 lanes and
     # the axis divides the experts, else width; docs/sharding.md)
     moe_split: Literal["auto", "width", "experts"] = "auto"
-    # multi-token prediction (Qwen3-Next's and Qwen3.5's mtp.*: config.json's mtp_num_hidden_layers): one
-    # module of fc over [normed embedding of the next token | normed hidden state], then this many
-    # full-attention decoder layers (the k-th draft through the k-th), a final norm and the model's head
+    # multi-token prediction (Qwen3-Next's and Qwen3.5's mtp.*: config.json's mtp_num_hidden_layers; Ling 3's
+    # layer after the decoder's, DeepSeek's layout: one): one module of fc over [normed embedding of the next
+    # token | normed hidden state], then this many full-attention decoder layers (the k-th draft through the
+    # k-th), a final norm and the model's head
     mtp_num_layers: int = Field(0, ge=0)
 
     # special tokens, carried to and from Hugging Face config.json
@@ -222,9 +223,12 @@ class ModelConfig(_Strict):
         # config that transformers loads (say, every layer dense through
         # mlp_only_layers with MoE fields at their defaults) loads here too.
         errors = []
-        if self.mtp_num_layers and self.family not in ("qwen3_next", "qwen3_5"):
-            errors.append(("mtp_num_layers", f"multi-token prediction modules are built for qwen3_next and qwen3_5, "
-                           f"got family {self.family}"))
+        if self.mtp_num_layers and self.family not in ("qwen3_next", "qwen3_5", "bailing_hybrid"):
+            errors.append(("mtp_num_layers", f"multi-token prediction modules are built for qwen3_next, qwen3_5 and "
+                           f"bailing_hybrid, got family {self.family}"))
+        if self.mtp_num_layers > 1 and self.family == "bailing_hybrid":
+            errors.append(("mtp_num_layers", f"gdnx builds one of Ling 3's multi-token prediction layers (each "
+                           f"carries its own norms and projection), got {self.mtp_num_layers}"))
         if self.quantize_activations != "none" and self.quantize != "fp8":
             errors.append(("quantize_activations", f"fp8 activations multiply fp8 weights: needs quantize=fp8, got "
                            f"quantize={self.quantize}"))
@@ -452,6 +456,9 @@ class LoraConfig(_Strict):
     alpha: PositiveFloat = 32.0
     dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the adapter's input (not on routed experts)
     targets: list[LoraTarget] = Field(default_factory=lambda: list(_DEFAULT_LORA_TARGETS), min_length=1)
+    # adapters on the multi-token prediction module's layers too, trained with its loss (train.mtp_loss_weight)
+    # so that the drafter follows the fine-tuned model; off: the module stays frozen with the base
+    mtp: bool = False
 
 
 class WandbConfig(_Strict):
@@ -557,6 +564,9 @@ class Config(_Strict):
         if self.train.lora is not None and self.model.init_from is None:
             raise ValueError("train.lora: adapters train on a frozen base; set model.init_from to the checkpoint "
                              "to adapt")
+        if self.train.lora is not None and self.train.lora.mtp and not self.model.mtp_num_layers:
+            raise ValueError("train.lora.mtp: the model has no multi-token prediction module to adapt "
+                             "(model.mtp_num_layers 0)")
         if self.data.seq_len > self.model.max_position_embeddings:
             # what generation would refuse later is refused before training
             raise ValueError(f"data.seq_len: {self.data.seq_len} is more than the model's "

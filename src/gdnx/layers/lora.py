@@ -46,6 +46,7 @@ class AdapterSpec(NamedTuple):
     alpha: float
     dropout: float
     targets: frozenset[str]
+    mtp: bool = False   # the multi-token prediction module's layers adapted too
 
     @property
     def scale(self) -> float:

@@ -24,7 +24,7 @@ def adapter_spec(lora: LoraConfig | None) -> AdapterSpec | None:
     """The adapters train.lora asks for (None: no LoRA)."""
     if lora is None:
         return None
-    return AdapterSpec(lora.rank, lora.alpha, lora.dropout, frozenset(lora.targets))
+    return AdapterSpec(lora.rank, lora.alpha, lora.dropout, frozenset(lora.targets), lora.mtp)
 
 
 def _path(path: tuple) -> str:

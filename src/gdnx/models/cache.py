@@ -40,12 +40,8 @@ class Cache(NamedTuple):
         cfg, dtype = model.config, jnp.dtype(model.config.dtype)
 
         def empty(layer, lead: tuple[int, ...] = ()):
-            if layer.layer_type == "full_attention" and cfg.attention_kind == "latent":
-                return LatentCache(jnp.zeros((*lead, batch, max_length, cfg.kv_lora_rank), dtype),
-                                   jnp.zeros((*lead, batch, max_length, cfg.qk_rope_head_dim), dtype))
             if layer.layer_type == "full_attention":
-                shape = (*lead, batch, max_length, cfg.num_key_value_heads, cfg.head_dim)
-                return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                return attention_entry(cfg, batch, max_length, lead)
             if layer.layer_type == "sliding_attention":
                 ring = min(max_length, cfg.sliding_window + rollback)
                 shape = (*lead, batch, ring, cfg.num_key_value_heads, cfg.head_dim)
@@ -60,6 +56,17 @@ class Cache(NamedTuple):
         layers += [empty(layer, (cfg.cycle_repeats,)) for layer in model.cycle]
         layers += [empty(layer) for layer in model.tail]
         return cls(tuple(layers), length)
+
+
+def attention_entry(cfg: ModelConfig, batch: int, length: int, lead: tuple[int, ...] = ()) -> KVCache | LatentCache:
+    """An empty cache entry of a full-attention layer of this config (the
+    latents and rope keys of latent attention), `lead` dims first."""
+    dtype = jnp.dtype(cfg.dtype)
+    if cfg.attention_kind == "latent":
+        return LatentCache(jnp.zeros((*lead, batch, length, cfg.kv_lora_rank), dtype),
+                           jnp.zeros((*lead, batch, length, cfg.qk_rope_head_dim), dtype))
+    shape = (*lead, batch, length, cfg.num_key_value_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
 def row_axes(model: Any) -> tuple[int, ...]:

@@ -87,8 +87,10 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, index: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
                  full_attention: bool = False):
-        # full_attention: a multi-token prediction layer (MultiTokenPredictor), beside the index-th's MLP kind
+        # full_attention: a multi-token prediction layer (MultiTokenPredictor), beside the index-th's MLP kind;
+        # its SwiGLU bounds are the lists' first (its own index 0 in transformers' module)
         self.layer_type = "full_attention" if full_attention else cfg.resolved_layer_types[index]
+        bound_at = 0 if full_attention else index
         olmo, ling = cfg.family == "olmo_hybrid", cfg.family == "bailing_hybrid"
         # the model reads the config; each layer gets the sizes it uses
         h = cfg.hidden_size
@@ -136,8 +138,8 @@ class DecoderLayer(nnx.Module):
                                  shared_expert_size=cfg.shared_expert_intermediate_size,
                                  norm_topk_prob=cfg.norm_topk_prob, router=cfg.router_kind, n_group=cfg.n_group,
                                  topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-                                 limit=_limit(cfg.swiglu_limits, index), shared_limit=_limit(cfg.swiglu_limits_shared,
-                                                                                            index),
+                                 limit=_limit(cfg.swiglu_limits, bound_at),
+                                 shared_limit=_limit(cfg.swiglu_limits_shared, bound_at),
                                  shared_gate=cfg.shared_expert_gated,
                                  implementation=None if cfg.moe_implementation == "auto" else cfg.moe_implementation,
                                  split=cfg.moe_split,
@@ -186,11 +188,13 @@ class DecoderLayer(nnx.Module):
 
 
 class MultiTokenPredictor(nnx.Module):
-    """Qwen3-Next's and Qwen3.5's multi-token prediction module (mtp.*): the
-    normed embedding of the next token and the normed final hidden state,
-    concatenated through fc (2H -> H), then one of `mtp_num_layers`
-    full-attention decoder layers (the k-th draft's), a final norm; the
-    model's head gives the logits of the token after the next."""
+    """The multi-token prediction module (Qwen3-Next's and Qwen3.5's mtp.*,
+    Ling 3's layer after the decoder's: enorm, hnorm, eh_proj, the layer,
+    shared_head.norm): the normed embedding of the next token and the normed
+    final hidden state, concatenated through fc (2H -> H), then one of
+    `mtp_num_layers` full-attention decoder layers (the k-th draft's), a
+    final norm; the model's head gives the logits of the token after the
+    next."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         h, norm = cfg.hidden_size, _norm(cfg)
@@ -203,7 +207,7 @@ class MultiTokenPredictor(nnx.Module):
         self.norm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
 
     def __call__(self, hidden: jax.Array, next_embedded: jax.Array, rope: Rope, positions: jax.Array,
-                 step: int = 0, segments: jax.Array | None = None, cache: KVCache | None = None,
+                 step: int = 0, segments: jax.Array | None = None, cache: KVCache | LatentCache | None = None,
                  start: jax.Array | None = None) -> tuple[jax.Array, LayerCache | None]:
         """Normed output [B, T, H] from the final hidden states [B, T, H] at
         `positions` (or the previous step's output) and the embeddings of
@@ -337,6 +341,10 @@ class CausalLM(nnx.Module):
             config.hidden_size, config.vocab_size, dtype, param_dtype, config.initializer_range, rngs)
         self.mtp = MultiTokenPredictor(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) \
             if config.mtp_num_layers else None
+        if self.mtp is not None and adapters is not None and adapters.mtp:
+            mtp_rngs = nnx.Rngs(jax.random.fold_in(jax.random.key(seed), 0x17B))
+            for layer in self.mtp.layers:
+                add_adapters(layer, adapters, param_dtype=param_dtype, rngs=mtp_rngs)
         if self.mtp is not None and config.quantize != "none":
             for layer in self.mtp.layers:
                 _quantize(layer, config)
@@ -423,8 +431,8 @@ class CausalLM(nnx.Module):
             out.append(hidden)
         return out
 
-    def mtp_extend(self, hidden: jax.Array, next_tokens: jax.Array, cache: KVCache, start: jax.Array,
-                   ) -> tuple[jax.Array, KVCache]:
+    def mtp_extend(self, hidden: jax.Array, next_tokens: jax.Array, cache: KVCache | LatentCache,
+                   start: jax.Array) -> tuple[jax.Array, KVCache | LatentCache]:
         """The multi-token prediction module's first layer over T positions
         of each row from start [B], with its own cache (a serving engine's
         drafter): position t from the final hidden state at t (or the
@@ -438,7 +446,7 @@ class CausalLM(nnx.Module):
         positions = start[:, None] + jnp.arange(next_tokens.shape[1], dtype=jnp.int32)
         rope = None if cfg.rope_theta is None else rope_tables(positions, _rotary_dim(cfg), cfg.rope_theta)
         out, new = self.mtp(hidden, self._embed(next_tokens), rope, positions, 0, None, cache, start)
-        assert isinstance(new, KVCache)
+        assert isinstance(new, KVCache | LatentCache)
         return out, new
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -235,8 +235,10 @@ class Engine:
         # a sliding window's ring keeps the drafts a verify pass may take back beyond its window
         self.runner = ModelRunner(model, config, self.shapes, mesh=mesh, eos_token_ids=self.eos_token_ids,
                                   rollback=draft, prefix_cache=config.prefix_cache_bytes > 0,
-                                  mtp_drafts=self.mtp_drafts)
-        self._mtp_proposals: dict[int, list[int]] = {}  # per slot: the drafts its last program returned
+                                  mtp_drafts=self.mtp_drafts, draft_rows=self.draft_rows)
+        # per slot: the drafts its last program returned; a slot decoded past draft_rows (the module skipped)
+        # has none until its next request
+        self._mtp_proposals: dict[int, list[int]] = {}
         self.scheduler = Scheduler(config, self.shapes, self.runner.cache_entries())
         self._next_id = 0
         self._rng = np.random.default_rng(config.seed)
@@ -493,7 +495,7 @@ class Engine:
                                                        got.prompt.top[i], wanted,
                                                        min(int(lengths[i]), len(req.prompt) - 1 - start))
             if self.scheduler.prefilled(req, int(lengths[i])):
-                self._proposed(req, got.drafts, i)
+                self._proposed(req, got.drafts, i, prefilled=True)
                 self._emit(req, [int(got.tokens[i])], got.logprobs, i,
                            None if got.logits is None else got.logits[i][None], results)
 
@@ -521,9 +523,16 @@ class Engine:
             logits = None if got.logits is None else got.logits[slot][:draws]
             self._emit(req, [int(t) for t in got.tokens[slot][:draws]], got.logprobs, slot, logits, results)
 
-    def _proposed(self, req: Request, drafts: Any, row: int) -> None:
-        """Keep the MTP drafter's next drafts for a request (row: its row of the call's)."""
-        if drafts is not None:
+    def _proposed(self, req: Request, drafts: Any, row: int, prefilled: bool = False) -> None:
+        """Keep the MTP drafter's next drafts for a request (row: its row of
+        the call's; prefilled: its prompt is just through). A call that
+        skipped the module (a decode past draft_rows) leaves the request
+        without drafts from then on: the module's cache lacks its tokens."""
+        if not self.mtp_drafts:
+            return
+        if drafts is None:
+            self._mtp_proposals.pop(req.held_slot, None)
+        elif prefilled or req.held_slot in self._mtp_proposals:
             self._mtp_proposals[req.held_slot] = [int(t) for t in drafts[row]]
 
     def _propose(self, req: Request) -> list[int]:

@@ -162,7 +162,8 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
     flops = decode_flops(cfg, nnx.state(model, nnx.Param), s, engine.max_length)
     state = abstract(state, shardings(state, cfg, mesh))
     shapes = engine.shapes(cfg)
-    static = programs.Static(graphdef, cfg, row_axes(model), (), logprobs, False, mtp)
+    static = programs.Static(graphdef, cfg, row_axes(model), (), logprobs, False, mtp,
+                             engine.drafting_rows(devices[0].platform))
     compiled_programs = programs.compile_programs(static)
     replicated = NamedSharding(mesh, PartitionSpec())
 

@@ -15,7 +15,8 @@ state. Programs (each jitted once per shape; the slot state is donated):
 
 With the multi-token prediction module as the drafter (Static.mtp_drafts),
 the slots also hold the module's own keys and values (`MtpState`), and
-every program that advances a row advances them too: position t's entry
+every program that advances a row advances them too (but a decode over
+more rows than draft only: its rows no longer draft): position t's entry
 from the model's final hidden state at t and the token at t + 1, written
 for the tokens the row keeps (prefill: its prompt; decode: each token
 drawn; verify: the accepted drafts and the next token), so a refused draft
@@ -38,7 +39,8 @@ from flax import nnx
 from gdnx.layers.attention import KVCache, RingCache
 from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.loss import position_scores
-from gdnx.models.cache import Cache, place_cache
+from gdnx.layers.latent_attention import LatentCache
+from gdnx.models.cache import Cache, attention_entry, place_cache
 from gdnx.parallel.rules import constrain
 from gdnx.serving import sampling
 from gdnx.serving.params import SamplingParams
@@ -47,7 +49,7 @@ from gdnx.serving.sampling import SlotParams, TokenLogprobs
 
 class MtpState(NamedTuple):
     """The multi-token prediction drafter's state per slot."""
-    cache: KVCache          # [S, capacity, kv heads, head dim]: the module's keys and values
+    cache: KVCache | LatentCache  # [S, capacity, ...]: the module's keys and values (latent attention's latents)
     # [S, H]: the final hidden state at the row's last prefilled position: a prefill that continues the row
     # (a prefix-cache hit, the next block of a prompt) writes that position's entry again from it, the token
     # after it being known only then
@@ -73,6 +75,7 @@ class Static(NamedTuple):
     logprobs: int               # top-N computed per token
     keep_logits: bool
     mtp_drafts: int             # drafts per pass from the multi-token prediction module (0: it does not draft)
+    draft_rows: int             # the most decode rows that draft: a decode over more skips the module
 
 
 def _take(x, rows, axis):
@@ -139,16 +142,14 @@ def empty_slots(model: Any, max_slots: int, capacity: int, rollback: int = 0, mt
     zeros = SlotParams.rows([SamplingParams(temperature=0.0)] * max_slots, [0] * max_slots)
     drafter = None
     if mtp:
-        shape = (max_slots, capacity, cfg.num_key_value_heads, cfg.head_dim)
-        drafter = MtpState(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-                           jnp.zeros((max_slots, cfg.hidden_size), dtype))
+        drafter = MtpState(attention_entry(cfg, max_slots, capacity), jnp.zeros((max_slots, cfg.hidden_size), dtype))
     return Slots(Cache.init(model, max_slots, capacity, per_row=True, rollback=rollback), zeros,
                  jnp.zeros((max_slots, vocab), jnp.int32), jnp.zeros((max_slots, vocab), bool),
                  jnp.zeros((max_slots,), jnp.int32), jnp.zeros((max_slots,), jnp.int32), drafter)
 
 
-def _mtp_drafts(model: Any, cache: KVCache, out: jax.Array, position: jax.Array, k: int,
-                ) -> tuple[jax.Array, KVCache]:
+def _mtp_drafts(model: Any, cache: KVCache | LatentCache, out: jax.Array, position: jax.Array, k: int,
+                ) -> tuple[jax.Array, KVCache | LatentCache]:
     """k greedy drafts per row [S, k] from the module's output out [S, H]
     at position [S] (its last kept entry), chaining: each next draft from
     the module at the next position over the previous output and draft
@@ -330,6 +331,8 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
     index = jnp.arange(slots.last.shape[0])
 
     params = sampling.quiet(slots.params, active)
+    # the module keeps up only where the engine drafts: under load, decode costs what it costs without it
+    drafting = static.mtp_drafts > 0 and slots.last.shape[0] <= static.draft_rows
 
     def one(slots: Slots, drafter_out: jax.Array) -> tuple[Slots, jax.Array, tuple]:
         out = model.hidden_states(slots.last[:, None], slots.cache)
@@ -339,7 +342,7 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
         tok = sampling.draw(adj, params, sampling.token_keys(params, slots.generated))
         lp = sampling.logprobs(adj, tok, static.logprobs, params.logprobs)
         mtp = slots.mtp
-        if static.mtp_drafts:  # the drafter's entry at the input's position, from its hidden state and the draw
+        if drafting:  # the drafter's entry at the input's position, from its hidden state and the draw
             assert mtp is not None
             outs, drafted = model.mtp_extend(out.hidden, tok[:, None], mtp.cache, slots.cache.length)
             mtp, drafter_out = mtp._replace(cache=drafted), outs[:, 0]
@@ -363,12 +366,12 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
         return i + 1, slots, drafter_out, buffers
 
     # the drafter's output at each row's last kept position ([S, 0] without drafting)
-    width = static.config.hidden_size if static.mtp_drafts else 0
+    width = static.config.hidden_size if drafting else 0
     drafter_out = jnp.zeros((s, width), jnp.dtype(static.config.dtype))
     _, slots, drafter_out, (tok, lp, logits) = jax.lax.while_loop(
         lambda c: c[0] < jnp.minimum(draws, steps), body, (jnp.int32(0), slots, drafter_out, buffers))
     drafts = None
-    if static.mtp_drafts:
+    if drafting:
         assert slots.mtp is not None
         drafts, drafted = _mtp_drafts(model, slots.mtp.cache, drafter_out, slots.cache.length - 1,
                                       static.mtp_drafts)

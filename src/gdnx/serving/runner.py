@@ -137,11 +137,13 @@ class ModelRunner:
     rollback: a sliding window's extra room for drafts a verify pass takes
     back; prefix_cache: the prefill also returns the states at block ends;
     mtp_drafts: drafts per pass from the model's multi-token prediction
-    module (0: it does not draft).
+    module (0: it does not draft); draft_rows: the most decode rows that
+    draft.
     """
 
     def __init__(self, model: Any, config: EngineConfig, shapes: EngineShapes, *, mesh: jax.sharding.Mesh | None,
-                 eos_token_ids: tuple[int, ...], rollback: int, prefix_cache: bool, mtp_drafts: int = 0):
+                 eos_token_ids: tuple[int, ...], rollback: int, prefix_cache: bool, mtp_drafts: int = 0,
+                 draft_rows: int = 0):
         cfg = model.config
         self.model, self.config, self.shapes, self.mesh = model, config, shapes, mesh
         self.rollback, self.prefix_cache = rollback, prefix_cache
@@ -151,7 +153,7 @@ class ModelRunner:
             self.state = shard(self.state, cfg, mesh)
         # engines on one model with the same settings share compiled programs
         shared = _PROGRAMS.setdefault(model, {})
-        key = (eos_token_ids, config.max_logprobs, config.keep_logits, mtp_drafts)
+        key = (eos_token_ids, config.max_logprobs, config.keep_logits, mtp_drafts, draft_rows if mtp_drafts else 0)
         if key not in shared:
             static = programs.Static(graphdef, cfg, row_axes(model), *key)
             shared[key] = (static, programs.compile_programs(static))

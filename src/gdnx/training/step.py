@@ -162,7 +162,8 @@ def make_step_fn(config: Config, graphdef: nnx.GraphDef, tx: optax.GradientTrans
     were."""
     aux = aux_loss_coef(config)
     lora = config.train.lora
-    mtp = config.train.mtp_loss_weight if config.model.mtp_num_layers and lora is None else 0.0
+    # under LoRA the module trains only with adapters of its own (train.lora.mtp): frozen, its loss is no use
+    mtp = config.train.mtp_loss_weight if config.model.mtp_num_layers and (lora is None or lora.mtp) else 0.0
 
     def step_fn(params, opt_state, step, batch, frozen=None):
         """frozen: the base weights under LoRA (params are the adapters)."""
