@@ -206,7 +206,7 @@ def speculation(value: str, model_config: Any = None) -> dict[str, Any]:
     depth = model_config.mtp_num_layers
     if method == "mtp" and not depth:
         raise ConfigError("--speculative: mtp drafts with the model's multi-token prediction module, and this model "
-                          "has none (the checkpoint holds no mtp.* weights; model.mtp_num_layers=0)")
+                          "has none (its checkpoint holds none of the module's weights; model.mtp_num_layers=0)")
     tokens = int(count) if count else depth
     if method == "mtp" and tokens < 1:
         raise ConfigError(f"--speculative: mtp:K drafts K >= 1 tokens, got {value!r}")

@@ -202,8 +202,8 @@ class Engine:
             raise FieldError("draft_tokens", "given together with a drafter (speculative); give one")
         mtp = config.draft_method == "mtp"
         if mtp and getattr(model, "mtp", None) is None:
-            raise FieldError("draft_method", "mtp: this model has no multi-token prediction module (the checkpoint "
-                             "holds no mtp.* weights; model.mtp_num_layers=0)")
+            raise FieldError("draft_method", "mtp: this model has no multi-token prediction module (its checkpoint "
+                             "holds none of the module's weights; model.mtp_num_layers=0)")
         if speculative is None and config.draft_tokens and not mtp:
             speculative = NgramDrafter(config.draft_tokens)
         if mesh is not None and (not isinstance(mesh, jax.sharding.Mesh)
