@@ -68,7 +68,7 @@ def test_gated_residual_matches_qwen4_exp(combine):
             p.copy_(0.3 * torch.randn_like(p))
     ours = GatedResidual(H, N, 6, combine=combine, eps=config.rms_norm_eps, init_std=0.02, dtype=jnp.float32,
                          param_dtype=jnp.float32, rngs=nnx.Rngs(0))
-    ours.norm_weight[...] = jnp.asarray(theirs.hc_norm.weight.detach().numpy())
+    ours.norm.weight[...] = jnp.asarray(theirs.hc_norm.weight.detach().numpy())
     ours.down.kernel[...] = jnp.asarray(theirs.input_mix_weight_down.weight.detach().numpy().T)
     ours.up.kernel[...] = jnp.asarray(theirs.input_mix_weight_up.weight.detach().numpy().T)
     if combine:

@@ -44,3 +44,4 @@ def test_ngram_embedding_matches_qwen4_exp(ngram_size, layer):
     cut = 9
     later = hashing.ids(tokens[:, cut:], tokens[:, cut - ngram_size + 1:cut])
     np.testing.assert_array_equal(np.concatenate([hashing.ids(tokens[:, :cut]), later], axis=1), ids)
+

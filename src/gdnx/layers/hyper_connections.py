@@ -27,6 +27,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdnx.layers.linear import linear
+from gdnx.layers.norms import GroupedRMSNorm
 
 
 def expand_streams(x: jax.Array, streams: int) -> jax.Array:
@@ -96,17 +97,12 @@ class GatedResidual(nnx.Module):
                  dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
         if streams < 2:
             raise ValueError(f"streams: Qwen4-Exp's gated residual mixes at least 2 streams, got {streams}")
-        self.hidden_size, self.streams, self.eps = hidden_size, streams, eps
+        self.hidden_size, self.streams = hidden_size, streams
         width = streams * hidden_size
-        self.norm_weight = nnx.Param(jnp.zeros((width,), param_dtype))  # (1 + w): zero-centred, as the checkpoint
+        self.norm = GroupedRMSNorm(width, hidden_size, eps=eps, param_dtype=param_dtype)
         self.down = linear(width, rank, dtype, param_dtype, init_std, rngs)
         self.up = linear(rank, width, dtype, param_dtype, init_std, rngs)
         self.inject_weight = linear(width, streams, dtype, param_dtype, init_std, rngs) if combine else None
-
-    def _norm(self, hyper: jax.Array) -> jax.Array:
-        x = hyper.astype(jnp.float32).reshape(*hyper.shape[:-1], self.streams, self.hidden_size)
-        x = (x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)).reshape(hyper.shape)
-        return (x * (1.0 + self.norm_weight[...].astype(jnp.float32))).astype(hyper.dtype)
 
     def __call__(self, hyper: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """hyper [B, T, N*H] -> (the block's input [B, T, H], the injection
@@ -114,7 +110,7 @@ class GatedResidual(nnx.Module):
         if hyper.shape[-1] != self.streams * self.hidden_size:
             raise ValueError(f"hyper: expected {self.streams * self.hidden_size} features (streams x hidden), got "
                              f"{hyper.shape[-1]}")
-        normed = self._norm(hyper)
+        normed = self.norm(hyper)
         gate = jax.nn.sigmoid(self.up(jax.nn.silu(self.down(normed) / self.streams)))
         split = (*hyper.shape[:-1], self.streams, self.hidden_size)
         mixed = jnp.mean(gate.reshape(split) * normed.reshape(split), axis=-2)

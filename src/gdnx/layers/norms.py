@@ -33,3 +33,19 @@ class ZeroCenteredRMSNorm(RMSNorm):
     """y = x / rms(x) * (1 + w)."""
 
     offset = 1.0
+
+
+class GroupedRMSNorm(ZeroCenteredRMSNorm):
+    """Zero-centred RMSNorm over each group of `group` features of the last
+    dim (Qwen4-Exp's hyper-connection streams: one group per stream), w over
+    the whole dim."""
+
+    def __init__(self, dim: int, group: int, *, eps: float, param_dtype: DTypeLike = jnp.float32):
+        if dim % group:
+            raise ValueError(f"group: expected a divisor of the width {dim}, got {group}")
+        super().__init__(dim, eps=eps, param_dtype=param_dtype)
+        self.group = group
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = rms_normalize(x.reshape(*x.shape[:-1], -1, self.group), self.eps).reshape(x.shape)
+        return (y * (self.offset + self.weight[...].astype(y.dtype))).astype(x.dtype)

@@ -1,0 +1,73 @@
+"""Qwen4-Exp's per-layer embedding (PLE): a layer's hashed n-gram
+embedding of each token (gdnx.layers.ngram_embedding) written into every
+hyper-connection stream, gated by the stream.
+
+Per token: a key per stream and one value from the n-gram embedding; the
+gate per stream is the signed square root of the normed key's dot with
+the normed stream (over sqrt(H)), through a sigmoid, times the value; the
+gated values plus a causal depthwise convolution of their normed copy
+(kernel `conv_kernel`, dilation `ngram_size`, SiLU) are what the layer
+adds to the streams. Generation carries the convolution's last
+(conv_kernel - 1) * dilation inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from gdnx.layers.linear import linear
+from gdnx.layers.ngram_embedding import NGramEmbedding
+from gdnx.layers.norms import GroupedRMSNorm
+
+
+class PerLayerEmbedding(nnx.Module):
+    def __init__(self, hidden_size: int, streams: int, *, rows: int, heads: int, embed_dim: int, conv_kernel: int,
+                 dilation: int, eps: float, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike,
+                 rngs: nnx.Rngs):
+        if embed_dim % heads:
+            raise ValueError(f"embed_dim: expected a multiple of the n-gram heads {heads}, got {embed_dim}")
+        self.hidden_size, self.streams, self.conv_kernel, self.dilation = hidden_size, streams, conv_kernel, dilation
+        width = streams * hidden_size
+        self.embedding = NGramEmbedding(rows, embed_dim // heads, init_std=init_std, param_dtype=param_dtype,
+                                        rngs=rngs)
+        self.key_proj = linear(embed_dim, width, dtype, param_dtype, init_std, rngs)
+        self.value_proj = linear(embed_dim, hidden_size, dtype, param_dtype, init_std, rngs)
+        self.norm_key = GroupedRMSNorm(width, hidden_size, eps=eps, param_dtype=param_dtype)
+        self.norm_query = GroupedRMSNorm(width, hidden_size, eps=eps, param_dtype=param_dtype)
+        self.norm_conv = GroupedRMSNorm(width, hidden_size, eps=eps, param_dtype=param_dtype)
+        # depthwise: one kernel per feature, [conv_kernel, width]
+        self.conv_weight = nnx.Param(nnx.initializers.normal(init_std)(rngs.params(), (conv_kernel, width),
+                                                                       param_dtype))
+
+    @property
+    def state_length(self) -> int:
+        """Inputs of the convolution generation carries."""
+        return (self.conv_kernel - 1) * self.dilation
+
+    def __call__(self, streams: jax.Array, ids: jax.Array, state: jax.Array | None = None,
+                 ) -> tuple[jax.Array, jax.Array]:
+        """streams [B, T, N*H], the n-gram row ids [B, T, heads] and the
+        convolution's last inputs [B, state_length, N*H] (None: a sequence's
+        start) -> (what the layer adds to the streams [B, T, N*H], the new
+        state)."""
+        b, t, width = streams.shape
+        split = (b, t, self.streams, self.hidden_size)
+        embedded = self.embedding(ids)
+        key = self.norm_key(self.key_proj(embedded)).reshape(split)
+        value = self.value_proj(embedded)
+        query = self.norm_query(streams).reshape(split)
+        gate = jnp.sum(key * query, axis=-1, keepdims=True) / math.sqrt(self.hidden_size)
+        gate = jnp.sqrt(jnp.maximum(jnp.abs(gate), 1e-6)) * jnp.sign(gate)
+        gated = (jax.nn.sigmoid(gate) * value[..., None, :]).reshape(b, t, width)
+        normed = self.norm_conv(gated)
+        if state is None:
+            state = jnp.zeros((b, self.state_length, width), normed.dtype)
+        window = jnp.concatenate([state.astype(normed.dtype), normed], axis=1)  # [B, state + T, width]
+        w = self.conv_weight[...].astype(normed.dtype)
+        conv = sum(window[:, k * self.dilation:k * self.dilation + t] * w[k] for k in range(self.conv_kernel))
+        return gated + jax.nn.silu(conv), window[:, t:]
