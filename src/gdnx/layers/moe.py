@@ -67,9 +67,11 @@ class SparseMoE(nnx.Module):
                  norm_topk_prob: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
                  router: Literal["softmax", "sigmoid"] = "softmax", n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, limit: float | None = None, shared_limit: float | None = None,
-                 shared_gate: bool = True, implementation: str | None = None, split: str = "auto"):
+                 shared_gate: bool = True, implementation: str | None = None, split: str = "auto",
+                 clamp_gate: bool = False):
         """limit, shared_limit: bounds on the routed experts' and the shared
-        expert's SwiGLU (gdnx.layers.mlp.swiglu); None: unbounded.
+        expert's SwiGLU (gdnx.layers.mlp.swiglu, clamp_gate its kind); None:
+        unbounded.
         shared_gate: the shared expert scaled by sigmoid(shared_expert_gate(x)).
         implementation: the grouped matmuls' (gdnx.ops.grouped_matmul; None:
         the platform's). split: how a tensor axis splits the experts
@@ -81,7 +83,7 @@ class SparseMoE(nnx.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = e, top_k, norm_topk_prob
         self.router, self.n_group, self.topk_group = router, n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
-        self.limit = limit
+        self.limit, self.clamp_gate = limit, clamp_gate
         self.dtype = dtype
         self.gate = linear(h, e, dtype, param_dtype, std, rngs)
         self.e_score_correction_bias = (nnx.Param(jnp.zeros((e,), jnp.float32)) if router == "sigmoid" else None)
@@ -90,7 +92,7 @@ class SparseMoE(nnx.Module):
         self.experts_up = nnx.Param(init(rngs.params(), (e, h, i), param_dtype))
         self.experts_down = nnx.Param(init(rngs.params(), (e, i, h), param_dtype))
         self.shared_expert = MLP(h, shared_expert_size, dtype=dtype, param_dtype=param_dtype,
-                                 init_std=std, rngs=rngs, limit=shared_limit)
+                                 init_std=std, rngs=rngs, limit=shared_limit, clamp_gate=clamp_gate)
         self.shared_expert_gate = linear(h, 1, dtype, param_dtype, std, rngs) if shared_gate else None
 
     def _route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -245,10 +247,10 @@ class SparseMoE(nnx.Module):
             assert self.block is not None
             group = self.block[1]
             xq = quantization.quantize_tokens(xs, group)
-            act = swiglu(gmm(xq, w_gate), gmm(xq, w_up), self.limit)
+            act = swiglu(gmm(xq, w_gate), gmm(xq, w_up), self.limit, self.clamp_gate)
             ys = gmm(quantization.quantize_tokens(act, group), w_down)
         else:
-            act = swiglu(gmm(xs, w_gate), gmm(xs, w_up), self.limit)
+            act = swiglu(gmm(xs, w_gate), gmm(xs, w_up), self.limit, self.clamp_gate)
             ys = gmm(act, w_down)
         weight = jnp.where(mine, top_p.reshape(-1), 0)[order]
         ys = ys * weight[:, None].astype(ys.dtype)
