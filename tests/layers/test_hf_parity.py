@@ -81,3 +81,31 @@ def test_dense_mlp(hf_checkpoints):
     with torch.no_grad():
         ref = hf.model.layers[1].mlp(torch.tensor(x))
     _check(model.layers[1].mlp(jnp.asarray(x)), ref)
+
+
+def test_gated_deltanet_with_qwen4_exps_sigmoid_output_gate(hf_checkpoints):
+    """Qwen4-Exp's GDN layer is Qwen3.5's with a selectable output gate:
+    transformers' Qwen4-Exp layer holding a Qwen3.5 layer's weights, its
+    output gate sigmoid, against gdnx's layer with output_gate="sigmoid"."""
+    import transformers
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextGatedDeltaNet
+
+    hf, model = hf_checkpoints.hf_and_gdnx("qwen3_5")
+    source = hf.model.layers[0].linear_attn
+    c = hf.config
+    config = transformers.Qwen4ExpTextConfig(
+        hidden_size=c.hidden_size, linear_num_value_heads=c.linear_num_value_heads,
+        linear_num_key_heads=c.linear_num_key_heads, linear_key_head_dim=c.linear_key_head_dim,
+        linear_value_head_dim=c.linear_value_head_dim, linear_conv_kernel_dim=c.linear_conv_kernel_dim,
+        rms_norm_eps=c.rms_norm_eps, output_gate_type="sigmoid", layer_types=["linear_attention"],
+        num_hidden_layers=1)
+    theirs = Qwen4ExpTextGatedDeltaNet(config, 0).eval()
+    theirs.load_state_dict(source.state_dict())
+    x = _x(c.hidden_size, 3)
+    with torch.no_grad():
+        ref = theirs(torch.tensor(x))
+        plain = source(torch.tensor(x))
+    mixer = model.layers[0].mixer
+    mixer.output_gate = "sigmoid"
+    _check(mixer(jnp.asarray(x))[0], ref)
+    assert relative_error(ref.numpy(), plain.numpy()) > 1e-2  # the gate changes the output

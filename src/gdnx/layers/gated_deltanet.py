@@ -17,7 +17,7 @@ conv and the delta rule run under shard_map (gdnx.parallel.gdn).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -216,12 +216,14 @@ class DeltaRuleMixer(nnx.Module):
 
 class GatedDeltaNet(DeltaRuleMixer):
     """Gated DeltaNet mixer: projections, causal conv, the gated delta rule
-    (settings in `op`), gated RMSNorm, output projection."""
+    (settings in `op`), gated RMSNorm (its gate z through `output_gate`:
+    silu, or sigmoid as Qwen4-Exp may set it), output projection."""
 
     def __init__(self, hidden_size: int, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                  value_head_dim: int, conv_kernel_size: int, norm_eps: float, op: DeltaRuleOptions,
                  init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
-                 allow_neg_eigval: bool = False):
+                 allow_neg_eigval: bool = False, output_gate: Literal["silu", "sigmoid"] = "silu"):
+        self.output_gate = output_gate
         self.hk, self.hv = num_key_heads, num_value_heads
         self.dk, self.dv = key_head_dim, value_head_dim
         self.width = conv_kernel_size
@@ -278,7 +280,7 @@ class GatedDeltaNet(DeltaRuleMixer):
         beta = self.beta_scale * jax.nn.sigmoid(bb)
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...])
         o, conv_state, rec, history = self._run(mixed, g, beta, state, segments, lengths, history_every)
-        o = gated_rmsnorm(o, z, self.norm_weight[...], eps=self.eps)
+        o = gated_rmsnorm(o, z, self.norm_weight[...], eps=self.eps, gate=self.output_gate)
         o = jnp.reshape(o, (b, t, self.hv * self.dv), out_sharding=out_sharding(
             ("batch", "length", "value_heads"), (b, t, self.hv * self.dv), units=units))
         y = self.out_proj(o, out_sharding=out_sharding(HIDDEN, (b, t, x.shape[-1])))
