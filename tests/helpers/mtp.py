@@ -38,10 +38,12 @@ def progressions(rng, rows: int, length: int, vocab: int) -> np.ndarray:
     return ((start + step * np.arange(length)[None]) % vocab).astype(np.int32)
 
 
-def trained_mtp_model(fields: dict, steps: int = 300, seed: int = 0, length: int = 24, rows: int = 16):
+def trained_mtp_model(fields: dict, steps: int = 300, seed: int = 0, length: int = 24, rows: int = 16,
+                      learning_rate=3e-3):
     """A CausalLM of these config fields with an MTP module, trained with
-    gdnx's loss (the module's at weight 1) on `progressions` with Adam: its
-    drafts are mostly accepted."""
+    gdnx's loss (the module's at weight 1) on `progressions` with Adam (at
+    learning_rate: a float or an optax schedule): its drafts are mostly
+    accepted."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -54,7 +56,7 @@ def trained_mtp_model(fields: dict, steps: int = 300, seed: int = 0, length: int
 
     model = CausalLM(ModelConfig(**{**fields, "mtp_num_layers": 1}), seed=seed)
     graphdef, params = nnx.split(model)
-    optimizer = optax.adam(3e-3)
+    optimizer = optax.adam(learning_rate)
     opt = optimizer.init(params)
 
     @jax.jit
