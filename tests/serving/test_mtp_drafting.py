@@ -35,7 +35,7 @@ SETTINGS = dict(max_slots=4, max_length=64, block_size=16, decode_steps=4, max_l
 
 @pytest.fixture(scope="module")
 def model():
-    return trained_mtp_model(TINY_HYBRID)
+    return trained_mtp_model(TINY_HYBRID, steps=120, learning_rate=6e-3)
 
 
 @pytest.fixture(scope="module")

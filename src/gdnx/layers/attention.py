@@ -45,14 +45,16 @@ class KVStack(NamedTuple):
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-                     segments: jax.Array | None = None, window: int | None = None) -> jax.Array:
+                     segments: jax.Array | None = None, window: int | None = None,
+                     allowed: jax.Array | None = None) -> jax.Array:
     """Softmax attention of q [B, T, H, D] over k [B, S, Hkv, D] and v
     [B, S, Hkv, Dv] (scaled by D^-1/2) where a
     key is visible when its position is <= the query's (positions [T] or
     [B, T] (each row at its own offset), and [S] or [B, S];
     cache slots not yet written carry positions past every query), with a
-    window, more than query - window, and, with segments [B, T] (S = T:
-    packed documents), in the query's document."""
+    window, more than query - window, with segments [B, T] (S = T:
+    packed documents), in the query's document, and with allowed [B, T, S]
+    (a sparse-attention index's choice), where it is true."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
     # on a mesh: tensor goes to the kv-head groups when it divides them, else
@@ -65,6 +67,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     scores = jnp.einsum("btgrd,bsgd->bgrts", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
     # [T, S], or [B, T, S] for positions per row
     visible = k_pos[..., None, :] <= q_pos[..., :, None]
+    if allowed is not None:
+        visible = visible & allowed
     if window is not None:
         visible = visible & (k_pos[..., None, :] > q_pos[..., :, None] - window)
     if segments is not None:
@@ -198,7 +202,7 @@ def attend_window(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
 Rope = tuple[jax.Array, jax.Array] | None  # (cos, sin) [B or 1, T, rotary_dim], or None: no rotary embedding
 
 
-def _rope(x: jax.Array, rope: Rope) -> jax.Array:
+def maybe_rope(x: jax.Array, rope: Rope) -> jax.Array:
     return x if rope is None else apply_rope(x, *rope)
 
 
@@ -227,8 +231,8 @@ class GatedAttention(nnx.Module):
         d = self.head_dim
         qg = constrain(self.q_proj(x).reshape(b, t, self.num_heads, 2 * d), ("batch", "length", "heads", None))
         q, gate = qg[..., :d], qg[..., d:].reshape(b, t, self.num_heads * d)
-        q = _rope(self.q_norm(q), rope)
-        k = _rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), rope)
+        q = maybe_rope(self.q_norm(q), rope)
+        k = maybe_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
         out, cache = attend(q, k, v, positions, cache, start, segments)
         out = out.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(gate)
@@ -256,8 +260,8 @@ class NormedAttention(nnx.Module):
         """As GatedAttention.__call__."""
         b, t, _ = x.shape
         d = self.head_dim
-        q = _rope(self.q_norm(self.q_proj(x)).reshape(b, t, self.num_heads, d), rope)
-        k = _rope(self.k_norm(self.k_proj(x)).reshape(b, t, self.num_kv_heads, d), rope)
+        q = maybe_rope(self.q_norm(self.q_proj(x)).reshape(b, t, self.num_heads, d), rope)
+        k = maybe_rope(self.k_norm(self.k_proj(x)).reshape(b, t, self.num_kv_heads, d), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
         out, cache = attend(q, k, v, positions, cache, start, segments)
         return self.o_proj(out.reshape(b, t, self.num_heads * d), out_sharding=out_sharding(HIDDEN, x.shape)), cache
@@ -289,9 +293,9 @@ class HeadNormedAttention(nnx.Module):
         lengths and keep_fresh as attend_window does."""
         b, t, _ = x.shape
         d = self.head_dim
-        q = _rope(self.q_norm(constrain(self.q_proj(x).reshape(b, t, self.num_heads, d),
+        q = maybe_rope(self.q_norm(constrain(self.q_proj(x).reshape(b, t, self.num_heads, d),
                                         ("batch", "length", "heads", None))), rope)
-        k = _rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), rope)
+        k = maybe_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
         if self.window is None:
             assert cache is None or isinstance(cache, KVCache)  # the model builds the cache per layer

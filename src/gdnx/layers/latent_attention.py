@@ -89,14 +89,72 @@ class LatentAttention(nnx.Module):
         self.o_proj = linear(num_heads * v_head_dim, h, dtype, param_dtype, std, rngs, bias=bias)
         self.g_proj = linear(h, num_heads, dtype, param_dtype, std, rngs) if head_gate else None
 
-    def _query(self, x: jax.Array) -> jax.Array:
+    def _query(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The query [B, T, H, dn + dr], and the normed low-rank one it comes
+        from (None without q_lora_rank)."""
         if self.q_proj is not None:
-            q = self.q_proj(x)
+            q, resid = self.q_proj(x), None
         else:
             assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(resid)
         b, t, _ = x.shape
-        return constrain(q.reshape(b, t, self.num_heads, self.dn + self.dr), ("batch", "length", "heads", None))
+        return constrain(q.reshape(b, t, self.num_heads, self.dn + self.dr), ("batch", "length", "heads", None)), resid
+
+    def _project(self, x: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """q_nope, q_rope [B, T, H, ...], the normed latent [B, T, rank], the
+        shared key part [B, T, dr] (both rotated by rope unless None) and the
+        low-rank query."""
+        q, resid = self._query(x)
+        q_nope, q_rope = q[..., :self.dn], q[..., self.dn:]
+        compressed = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(compressed[..., :self.rank])
+        k_rope = compressed[..., self.rank:]
+        if rope is not None:
+            q_rope = apply_rope_interleaved(q_rope, *rope)
+            k_rope = apply_rope_interleaved(k_rope[:, :, None], *rope)[:, :, 0]
+        return q_nope, q_rope, latent, k_rope, resid
+
+    @staticmethod
+    def _cached(cache: LatentCache | LatentStack, latent: jax.Array, k_rope: jax.Array, start: jax.Array | int
+                ) -> tuple[LatentCache | LatentStack, jax.Array, jax.Array]:
+        """The call's latents written at [start, start + T); returns the cache
+        and every slot's latent and shared key part, in the call's dtype."""
+        layer = cache.layer if isinstance(cache, LatentStack) else None
+        cache = cache._replace(latent=write_cache(cache.latent, latent, start, _LATENT, layer),
+                               rope=write_cache(cache.rope, k_rope, start, _LATENT, layer))
+        all_latent, all_rope = cache.latent, cache.rope
+        if layer is not None:
+            all_latent, all_rope = (jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+                                    for a in (all_latent, all_rope))
+        return cache, all_latent.astype(latent.dtype), all_rope.astype(latent.dtype)
+
+    def _mix(self, q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array, k_rope: jax.Array, positions: jax.Array,
+             k_pos: jax.Array, segments: jax.Array | None, cached: bool, allowed: jax.Array | None = None
+             ) -> jax.Array:
+        """Attention over every slot's latent [B, S, rank] (absorbed when
+        cached and cheaper, else expanded), each key visible as
+        causal_attention decides. Returns [B, T, H, dv]."""
+        b, t = q_nope.shape[:2]
+        r, dn, dv = self.rank, self.dn, self.dv
+        if cached and self.absorb and t * (2 * r - dn - dv) < r * (dn + dv):
+            return self._absorbed(q_nope, q_rope, latent, k_rope, positions, k_pos, allowed)
+        s = latent.shape[1]
+        kv = self.kv_b_proj(latent).reshape(b, s, self.num_heads, self.dn + self.dv)
+        heads = ("batch", None, "heads", None)  # keys whole along the length, as attend keeps them
+        kv = constrain(kv, heads)
+        shared = constrain(jnp.broadcast_to(k_rope[:, :, None], (b, s, self.num_heads, self.dr)), heads)
+        k = jnp.concatenate([kv[..., :self.dn], shared], axis=-1)
+        return causal_attention(jnp.concatenate([q_nope, q_rope], axis=-1), k, kv[..., self.dn:], positions,
+                                k_pos, segments, allowed=allowed)
+
+    def _output(self, x: jax.Array, out: jax.Array) -> jax.Array:
+        """out [B, T, H, dv] through the head gate (if any) and o_proj."""
+        b, t, _ = x.shape
+        if self.g_proj is not None:
+            out = out * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(out.dtype)[..., None]
+        out = out.reshape(b, t, self.num_heads * self.dv)
+        return self.o_proj(out, out_sharding=out_sharding(HIDDEN, x.shape))
 
     def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: LatentCache | LatentStack | None = None,
                  start: jax.Array | int = 0, segments: jax.Array | None = None,
@@ -105,48 +163,21 @@ class LatentAttention(nnx.Module):
         token's position (None: no rotary embedding; else turning adjacent
         pairs of the rope parts), positions [T] or
         [B, T], the cache written at [start, start + T)."""
-        b, t, _ = x.shape
-        q = self._query(x)
-        q_nope, q_rope = q[..., :self.dn], q[..., self.dn:]
-        compressed = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(compressed[..., :self.rank])
-        k_rope = compressed[..., self.rank:]
-        if rope is not None:
-            q_rope = apply_rope_interleaved(q_rope, *rope)
-            k_rope = apply_rope_interleaved(k_rope[:, :, None], *rope)[:, :, 0]
+        q_nope, q_rope, latent, k_rope, _ = self._project(x, rope)
         if cache is not None:
-            layer = cache.layer if isinstance(cache, LatentStack) else None
-            cache = cache._replace(latent=write_cache(cache.latent, latent, start, _LATENT, layer),
-                                   rope=write_cache(cache.rope, k_rope, start, _LATENT, layer))
-            latent, k_rope = cache.latent, cache.rope
-            if layer is not None:
-                latent, k_rope = (jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False) for a in (latent, k_rope))
-            latent, k_rope = latent.astype(x.dtype), k_rope.astype(x.dtype)
+            cache, latent, k_rope = self._cached(cache, latent, k_rope, start)
             k_pos = jnp.arange(latent.shape[1], dtype=positions.dtype)
         else:
             k_pos = positions
-        r, dn, dv = self.rank, self.dn, self.dv
-        if cache is not None and self.absorb and t * (2 * r - dn - dv) < r * (dn + dv):
-            out = self._absorbed(q_nope, q_rope, latent, k_rope, positions, k_pos)
-        else:
-            s = latent.shape[1]
-            kv = self.kv_b_proj(latent).reshape(b, s, self.num_heads, self.dn + self.dv)
-            heads = ("batch", None, "heads", None)  # keys whole along the length, as attend keeps them
-            kv = constrain(kv, heads)
-            shared = constrain(jnp.broadcast_to(k_rope[:, :, None], (b, s, self.num_heads, self.dr)), heads)
-            k = jnp.concatenate([kv[..., :self.dn], shared], axis=-1)
-            out = causal_attention(jnp.concatenate([q_nope, q_rope], axis=-1), k, kv[..., self.dn:], positions,
-                                   k_pos, segments)
-        if self.g_proj is not None:
-            out = out * jax.nn.sigmoid(self.g_proj(x).astype(jnp.float32)).astype(out.dtype)[..., None]
-        out = out.reshape(b, t, self.num_heads * self.dv)
-        return self.o_proj(out, out_sharding=out_sharding(HIDDEN, x.shape)), cache
+        out = self._mix(q_nope, q_rope, latent, k_rope, positions, k_pos, segments, cache is not None)
+        return self._output(x, out), cache
 
-    def _absorbed(self, q_nope, q_rope, latent, k_rope, q_pos, k_pos):
+    def _absorbed(self, q_nope, q_rope, latent, k_rope, q_pos, k_pos, allowed=None):
         """Attention in the latent space: q_nope [B, T, H, dn] into it by
         kv_b_proj's key block, scores against the latents [B, S, rank] plus
         the rope parts', the probabilities' sum of latents out by its value
-        block. Returns [B, T, H, dv]."""
+        block; keys visible by position (and where allowed [B, T, S] holds).
+        Returns [B, T, H, dv]."""
         w = self.kv_b_proj.weight().astype(q_nope.dtype).reshape(self.rank, self.num_heads, self.dn + self.dv)
         f32 = jnp.float32
         q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, w[..., :self.dn], preferred_element_type=f32)
@@ -154,6 +185,8 @@ class LatentAttention(nnx.Module):
                   + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope, preferred_element_type=f32))
         scores = scores * (self.dn + self.dr) ** -0.5
         visible = k_pos[None, :] <= q_pos[..., :, None]  # [T, S], or [B, T, S] for positions per row
+        if allowed is not None:
+            visible = visible & allowed
         scores = jnp.where(visible if visible.ndim == 2 else visible[:, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
         out_latent = jnp.einsum("bhts,bsr->bthr", probs, latent, preferred_element_type=f32)

@@ -1,6 +1,7 @@
 """RMSNorm in two parametrisations: scale by w (w initialised to 1; OLMo
 Hybrid) or by 1 + w (zero-centred, w initialised to 0; Qwen3-Next and
-Qwen3.5). Both normalise in float32 and cast back to x's dtype."""
+Qwen3.5), and LayerNorm (GLM-5-Next's sparse-attention indexer keys). All
+normalise in float32 and cast back to x's dtype."""
 
 from __future__ import annotations
 
@@ -49,3 +50,18 @@ class GroupedRMSNorm(ZeroCenteredRMSNorm):
     def __call__(self, x: jax.Array) -> jax.Array:
         y = rms_normalize(x.reshape(*x.shape[:-1], -1, self.group), self.eps).reshape(x.shape)
         return (y * (self.offset + self.weight[...].astype(y.dtype))).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """y = (x - mean(x)) / std(x) * w + b, w starting at 1 and b at 0."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: DTypeLike = jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        centred = xf - jnp.mean(xf, axis=-1, keepdims=True)
+        y = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        return (y * self.weight[...].astype(y.dtype) + self.bias[...].astype(y.dtype)).astype(x.dtype)

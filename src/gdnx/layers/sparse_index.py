@@ -1,0 +1,257 @@
+"""Sparse-attention indexers: per query, a cheap score for each block of
+`block` consecutive tokens, the `top` best complete blocks kept and the
+query's own unfinished block (its tail) added whole; the attention then
+reads only those tokens.
+
+Two kinds, as transformers builds them:
+
+- `PooledIndexer` (GLM-5-Next's DSA over k-pools): per token an index key
+  (wk, LayerNorm) and per-channel gate logits (a projection of the hidden
+  state plus a learned bias per place in the pool); a pool's key is the
+  softmax-weighted sum (over its tokens, per channel) of its tokens' keys.
+  A pool's score is the sum over index heads of w_h relu(q_h . k / sqrt(d)),
+  with w from the hidden state (weights_proj, / sqrt(heads)) and q from the
+  attention's normed low-rank query (wq_b).
+- `BlockMeanIndexer` (Qwen4-Exp's QSA): per token one raw key, projected
+  with the index queries (index_qk_proj); a block's key is the mean of its
+  tokens' keys, RMS-normed ((1 + w)) and rotated at the block's first
+  position; the score is the sum over heads of relu(q_h . k) / sqrt(d), q
+  normed per head and rotated at the query's position.
+
+Blocks start at position 0: every row's context starts at slot 0 (a cache
+slot is its position), so without a cache the call's tokens are positions
+0..T-1. A block is a candidate for a query once its last token is at or
+before the query; a query with fewer candidates than `top` gets all of them,
+so attention is dense up to top * block + block - 1 tokens and sparse past
+that.
+
+`IndexCache` holds the per-token index keys (and gate logits) and the block
+keys. A call writes its tokens, then rebuilds from the per-token entries
+the key of the block it may complete (every block, after a prefill longer
+than a block): a decode step's indexer pass then costs the scoring of the
+blocks, not a pass over every token. A block's key is read only once the
+block is complete, and the call that writes its last slot rebuilds it, so
+tokens taken back (a refused draft) leave nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from gdnx.layers.attention import write_cache
+from gdnx.layers.linear import linear
+from gdnx.layers.norms import LayerNorm, ZeroCenteredRMSNorm
+from gdnx.layers.rope import apply_rope, rope_tables
+
+_TOKENS = ("batch", None, None)  # the cache's logical axes: the length kept whole
+
+
+class IndexCache(NamedTuple):
+    """Per token: the index key [B, max_len, d] and, for pooled indexers,
+    the gate logits [B, max_len, d] (else None); per block the block's key
+    [B, max_len // block, d]."""
+    keys: jax.Array
+    gates: jax.Array | None
+    blocks: jax.Array
+
+
+class Selection(NamedTuple):
+    """Per query [B, T]: the chosen blocks [B, T, n] (block b covers slots
+    [b * block, (b + 1) * block)) and whether each is real (a context with
+    fewer than n candidates fills the rest with unreal ones), and the query's
+    position [B, T]. A shared-index layer attends with another layer's."""
+    blocks: jax.Array
+    chosen: jax.Array
+    q_pos: jax.Array
+
+
+def select_blocks(scores: jax.Array, q_pos: jax.Array, block: int, top: int) -> Selection:
+    """The `top` best-scoring candidate blocks per query: scores [B, T, P]
+    (float32) for the complete blocks of the context, q_pos [B, T]."""
+    b, t, p = scores.shape
+    n = min(top, p)
+    if n == 0:
+        empty = jnp.zeros((b, t, 0), jnp.int32)
+        return Selection(empty, empty.astype(bool), q_pos)
+    last = (jnp.arange(p, dtype=jnp.int32) + 1) * block - 1
+    candidate = last <= q_pos[..., None]
+    _, blocks = jax.lax.top_k(jnp.where(candidate, scores, -jnp.inf), n)
+    return Selection(blocks.astype(jnp.int32), jnp.take_along_axis(candidate, blocks, axis=-1), q_pos)
+
+
+def _tail_count(q_pos: jax.Array, block: int) -> jax.Array:
+    """How many of the query's context tokens lie past its last complete
+    block: the unfinished block it is in."""
+    return jnp.mod(q_pos + 1, block)
+
+
+def selection_mask(sel: Selection, length: int, block: int, tail: bool) -> jax.Array:
+    """The slots each query reads, [B, T, length] bool: its chosen blocks,
+    and with `tail` its unfinished block up to itself."""
+    b, t, _ = sel.blocks.shape
+    p = length // block
+    bi = jnp.arange(b)[:, None, None]
+    ti = jnp.arange(t)[None, :, None]
+    hit = jnp.zeros((b, t, p + 1), bool).at[bi, ti, jnp.where(sel.chosen, sel.blocks, p)].set(True)
+    hit = hit.at[..., p].set(False)
+    slots = jnp.arange(length, dtype=jnp.int32)
+    visible = jnp.take(hit, jnp.minimum(slots // block, p), axis=-1)
+    if tail:
+        q = sel.q_pos[..., None]
+        visible = visible | ((slots >= q + 1 - _tail_count(q, block)) & (slots <= q))
+    return visible
+
+
+def selection_indices(sel: Selection, block: int, tail: bool) -> tuple[jax.Array, jax.Array]:
+    """The slots each query reads as indices [B, T, K] with their validity
+    (K = n * block, plus block - 1 with `tail`): what a decode step gathers
+    instead of reading the whole cache."""
+    b, t, n = sel.blocks.shape
+    offsets = jnp.arange(block, dtype=jnp.int32)
+    idx = (sel.blocks[..., None] * block + offsets).reshape(b, t, n * block)
+    valid = jnp.broadcast_to(sel.chosen[..., None], (b, t, n, block)).reshape(b, t, n * block)
+    if tail and block > 1:
+        q = sel.q_pos[..., None]
+        count = _tail_count(q, block)
+        off = jnp.arange(block - 1, dtype=jnp.int32)
+        idx = jnp.concatenate([idx, q + 1 - count + off], axis=-1)
+        valid = jnp.concatenate([valid, jnp.broadcast_to(off < count, (b, t, block - 1))], axis=-1)
+    return idx, valid
+
+
+def _query_positions(positions: jax.Array, b: int, t: int) -> jax.Array:
+    return jnp.broadcast_to(positions.astype(jnp.int32).reshape(-1, t), (b, t))
+
+
+PoolFn = Callable[[jax.Array, "jax.Array | None", jax.Array], jax.Array]
+"""Block keys [B, n, d] from their tokens' keys (and gates) [B, n, block,
+d] and the block ids [B, n]."""
+
+
+def _all_blocks(pool: PoolFn, block: int, keys: jax.Array, gates: jax.Array | None) -> jax.Array:
+    b, s, d = keys.shape
+    p = s // block
+
+    def grouped(a):
+        return a[:, :p * block].reshape(b, p, block, d)
+    ids = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    return pool(grouped(keys), None if gates is None else grouped(gates), ids)
+
+
+def block_keys(pool: PoolFn, block: int, cache: IndexCache | None, keys: jax.Array, gates: jax.Array | None,
+               start: jax.Array | int) -> tuple[IndexCache | None, jax.Array]:
+    """The call's entries [B, T, d] written at [start, start + T); returns
+    the cache and the complete blocks' keys [B, P, d] (P: the cache's
+    blocks, or the call's own without a cache)."""
+    if cache is None:
+        return None, _all_blocks(pool, block, keys, gates)
+    b, t, d = keys.shape
+    all_keys = write_cache(cache.keys, keys, start, _TOKENS)
+    all_gates = None if gates is None or cache.gates is None else write_cache(cache.gates, gates, start, _TOKENS)
+    p = cache.blocks.shape[1]
+    if t > block:  # a prefill: every block again, in one pass
+        blocks = _all_blocks(pool, block, all_keys.astype(keys.dtype),
+                             None if all_gates is None else all_gates.astype(keys.dtype))
+        return IndexCache(all_keys, all_gates, blocks.astype(cache.blocks.dtype)), blocks
+    # t <= block tokens complete at most the block they start in (a later
+    # block they reach is completed, and rebuilt, by a later call): rebuild it
+    ids = jnp.minimum(jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,)) // block, p - 1)[:, None]  # [B, 1]
+    slots = (ids[..., None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(b, -1)
+
+    def tokens(a):
+        return jax.vmap(lambda r, i: r[i])(a, slots).astype(keys.dtype).reshape(b, 1, block, d)
+    fresh = pool(tokens(all_keys), None if all_gates is None else tokens(all_gates), ids)
+    blocks = jax.vmap(lambda r, i, v: r.at[i].set(v))(cache.blocks, ids, fresh.astype(cache.blocks.dtype))
+    return IndexCache(all_keys, all_gates, blocks), blocks.astype(keys.dtype)
+
+
+class PooledIndexer(nnx.Module):
+    """GLM-5-Next's DSA indexer over k-pools of `block` tokens, keeping the
+    `budget // block` best pools (budget: index_topk) and, with `tail`, the
+    query's unfinished pool."""
+
+    def __init__(self, hidden_size: int, *, q_lora_rank: int, heads: int, head_dim: int, block: int, budget: int,
+                 tail: bool, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+        if budget % block:
+            raise ValueError(f"index_topk: expected a multiple of index_kpool ({block}), got {budget}")
+        self.heads, self.head_dim, self.block, self.top, self.tail = heads, head_dim, block, budget // block, tail
+        std = init_std
+        self.wq_b = linear(q_lora_rank, heads * head_dim, dtype, param_dtype, std, rngs)
+        self.wk = linear(hidden_size, head_dim, dtype, param_dtype, std, rngs)
+        self.k_norm = LayerNorm(head_dim, eps=1e-6, param_dtype=param_dtype)
+        self.weights_proj = linear(hidden_size, heads, dtype, param_dtype, std, rngs)
+        # transformers' layout and starting values: a bias per place in the
+        # pool, and the gate projection as [head_dim, hidden] of ones
+        self.index_kpool_compress_ape = nnx.Param(jnp.zeros((block, head_dim), param_dtype))
+        self.index_kpool_compress_gate = nnx.Param(jnp.ones((head_dim, hidden_size), param_dtype))
+
+    def _pool(self, keys: jax.Array, gates: jax.Array | None, ids: jax.Array) -> jax.Array:
+        """Each pool's key: its tokens' keys weighted per channel by the
+        softmax (over the pool) of their gate logits plus the place bias."""
+        assert gates is not None
+        logits = gates.astype(jnp.float32) + self.index_kpool_compress_ape[...].astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=2).astype(keys.dtype)
+        return jnp.sum(probs * keys, axis=2)
+
+    def __call__(self, x: jax.Array, q_resid: jax.Array, positions: jax.Array, cache: IndexCache | None = None,
+                 start: jax.Array | int = 0) -> tuple[Selection, IndexCache | None]:
+        """x [B, T, hidden]; q_resid [B, T, q_lora_rank] (the attention's
+        q_a_layernorm(q_a_proj(x))); positions [T] or [B, T]; the cache
+        written at [start, start + T)."""
+        b, t, _ = x.shape
+        h, d = self.heads, self.head_dim
+        q = self.wq_b(q_resid).reshape(b, t, h, d)
+        keys = self.k_norm(self.wk(x))
+        gates = x @ self.index_kpool_compress_gate[...].astype(x.dtype).T
+        cache, pooled = block_keys(self._pool, self.block, cache, keys, gates, start)
+        f32 = jnp.float32
+        scores = jax.nn.relu(jnp.einsum("bthd,bpd->bthp", q.astype(f32), pooled.astype(f32)) * d ** -0.5)
+        weights = self.weights_proj(x).astype(f32) * h ** -0.5
+        index = jnp.einsum("bth,bthp->btp", weights, scores)
+        return select_blocks(index, _query_positions(positions, b, t), self.block, self.top), cache
+
+
+class BlockMeanIndexer(nnx.Module):
+    """Qwen4-Exp's QSA indexer over blocks of `block` tokens, keeping the
+    `budget // block` best blocks and the query's unfinished one; keys and
+    queries rotated as the attention's (default RoPE: `theta`,
+    `rotary_dim`)."""
+
+    def __init__(self, hidden_size: int, *, heads: int, head_dim: int, block: int, budget: int, theta: float,
+                 rotary_dim: int, norm_eps: float, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike,
+                 rngs: nnx.Rngs):
+        if budget % block:
+            raise ValueError(f"indexer_budget: expected a multiple of indexer_compress_ratio ({block}), got {budget}")
+        self.heads, self.head_dim, self.block, self.top = heads, head_dim, block, budget // block
+        self.theta, self.rotary_dim = theta, rotary_dim
+        self.index_qk_proj = linear(hidden_size, (heads + 1) * head_dim, dtype, param_dtype, init_std, rngs)
+        self.q_layernorm = ZeroCenteredRMSNorm(head_dim, eps=norm_eps, param_dtype=param_dtype)
+        self.k_layernorm = ZeroCenteredRMSNorm(head_dim, eps=norm_eps, param_dtype=param_dtype)
+
+    def _pool(self, keys: jax.Array, gates: jax.Array | None, ids: jax.Array) -> jax.Array:
+        """Each block's key: the mean of its tokens' keys, normed, rotated
+        at the block's first position."""
+        mean = jnp.mean(keys.astype(jnp.float32), axis=2).astype(keys.dtype)
+        cos, sin = rope_tables(ids * self.block, self.rotary_dim, self.theta)
+        return apply_rope(self.k_layernorm(mean)[:, :, None], cos, sin)[:, :, 0]
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: IndexCache | None = None,
+                 start: jax.Array | int = 0) -> tuple[Selection, IndexCache | None]:
+        """As PooledIndexer.__call__, without the low-rank query."""
+        b, t, _ = x.shape
+        h, d = self.heads, self.head_dim
+        qk = self.index_qk_proj(x)
+        q = self.q_layernorm(qk[..., :h * d].reshape(b, t, h, d))
+        q_pos = _query_positions(positions, b, t)
+        q = apply_rope(q, *rope_tables(q_pos, self.rotary_dim, self.theta))
+        cache, blocks = block_keys(self._pool, self.block, cache, qk[..., h * d:], None, start)
+        f32 = jnp.float32
+        scores = jax.nn.relu(jnp.einsum("bthd,bpd->bthp", q.astype(f32), blocks.astype(f32)))
+        index = jnp.sum(scores, axis=2) / d ** 0.5
+        return select_blocks(index, q_pos, self.block, self.top), cache
