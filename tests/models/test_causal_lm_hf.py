@@ -120,8 +120,8 @@ def test_vision_language_checkpoint_loads_its_language_model(tmp_path, caplog, m
 
 
 def test_unsupported_model_type_is_one_line(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "glm5_next"}')
-    with pytest.raises(ValueError, match=r"model_type 'glm5_next' is not a GDN hybrid gdnx builds \(supported: "):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=r"model_type 'llama' is not a GDN hybrid gdnx builds \(supported: "):
         CausalLM.from_pretrained(tmp_path)
 
 

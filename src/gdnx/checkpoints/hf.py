@@ -297,21 +297,32 @@ def _part_reader(reader: _Reader, cfg: ModelConfig, prefix: str, path: tuple, sh
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_LM_LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
 
 
 def _mtp_layer(cfg: ModelConfig, key: str) -> bool:
-    """Whether `key` belongs to a Ling 3 checkpoint's multi-token prediction
-    layers, which it stores as the layers after the decoder's."""
-    m = _LAYER.match(key)
-    return cfg.family == "bailing_hybrid" and m is not None and int(m.group(1)) >= cfg.num_hidden_layers \
-        + cfg.mtp_num_layers
+    """Whether `key` belongs to a Ling 3 or GLM-5-Next checkpoint's
+    multi-token prediction layers, which they store as the layers after the
+    decoder's (under model.layers. or model.language_model.layers.)."""
+    m = _LAYER.match(key) or _LM_LAYER.match(key)
+    return cfg.family in ("bailing_hybrid", "glm5_next") and m is not None and \
+        int(m.group(1)) >= cfg.num_hidden_layers + cfg.mtp_num_layers
+
+
+def language_model_prefix(hf: dict, reader: Any) -> str:
+    """Where the language model's tensors are: model.language_model. in a
+    vision-language checkpoint (a GLM-5-Next one may be flat), else model."""
+    if hf.get("model_type") in VISION_LANGUAGE or reader.has("model.language_model.embed_tokens.weight"):
+        return "model.language_model."
+    return "model."
 
 
 def _note_skipped(directory: Path, keys: list[str], cfg: ModelConfig) -> None:
-    mtp_layers = sorted({int(m.group(1)) for k in keys if _mtp_layer(cfg, k) and (m := _LAYER.match(k))})
+    mtp_layers = sorted({int(m.group(1)) for k in keys
+                         if _mtp_layer(cfg, k) and (m := _LAYER.match(k) or _LM_LAYER.match(k))})
     if mtp_layers:
         count = sum(_mtp_layer(cfg, k) for k in keys)
-        log.warning(f"{directory}: skipped the multi-token prediction layers ({count} tensors under model.layers."
+        log.warning(f"{directory}: skipped the multi-token prediction layers ({count} tensors under layers."
                     f"{', '.join(map(str, mtp_layers))}.*); gdnx builds the language model")
     for start, what in (("model.visual.", "the vision tower"), ("mtp.", "the multi-token prediction head")):
         count = sum(k.startswith(start) for k in keys)
@@ -385,9 +396,9 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
     sharded parameter. None: every parameter whole on the default device.
     In a multi-process run each process reads its devices' parts."""
     directory = Path(path)
-    prefix = "model.language_model." if _hf_config(directory).get("model_type") in VISION_LANGUAGE else "model."
     layout = fp8.quantization(_hf_config(directory), str(directory))
     reader = _Reader(directory, ALIASES.get(cfg.family, ()), layout)
+    prefix = language_model_prefix(_hf_config(directory), reader)
     if layout is not None and cfg.quantize == "none":
         log.warning(f"{directory}: FP8 weights (blocks of {layout.block[0]} x {layout.block[1]}) dequantized to "
                     f"{cfg.param_dtype} on load; model.quantize=fp8 (--quantize fp8) holds them as fp8")

@@ -1,6 +1,6 @@
 """Hugging Face config.json <-> gdnx ModelConfig, for every family gdnx
 builds. A config.json's model_type picks the family; a vision-language
-checkpoint (qwen3_5, qwen3_5_moe) gives its text_config. Kimi Linear's and
+checkpoint (qwen3_5, qwen3_5_moe, glm5_next) gives its text_config. Kimi Linear's and
 Ling 3's config.json spell several fields their own way (KIMI_NAMES);
 Kimi's may hold its KDA layers' sizes and pattern in linear_attn_config,
 Ling's KDA layers take the attention heads and head_dim, and its pattern
@@ -97,6 +97,28 @@ _KIMI_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps"
                 "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
                 "n_group", "topk_group", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                 "qk_rope_head_dim", "v_head_dim", "bos_token_id", "eos_token_id", "pad_token_id")
+# GLM-5-Next (GLM-5.3-Flash): transformers' text config defaults, under its own names
+TRANSFORMERS_DEFAULTS["glm5_next"] = {
+    "vocab_size": 154880, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 45, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
+    "n_routed_experts": 288, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 0, "v_head_dim": 256, "qk_nope_head_dim": 256, "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 1048576,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-5, "pad_token_id": 154820, "bos_token_id": None,
+    "eos_token_id": None, "tie_word_embeddings": False, "attention_bias": False, "index_topk": 2048,
+    "index_head_dim": 128, "index_n_heads": 32, "swiglu_limit": 10.0, "linear_head_dim": 128,
+    "linear_num_heads": 64, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0, "hc_mult": 4, "hc_eps": 1e-6,
+    "hc_sinkhorn_iters": 20, "router_aux_loss_coef": 0.001, "index_kpool": 16,
+    "index_kpool_always_select_tail": True}
+# the fields gdnx reads under the same name
+_GLM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank",
+               "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+               "norm_topk_prob", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+               "pad_token_id", "bos_token_id", "eos_token_id", "tie_word_embeddings", "attention_bias",
+               "index_topk", "index_head_dim", "index_n_heads", "swiglu_limit", "linear_conv_kernel_dim",
+               "hc_mult", "hc_eps", "hc_sinkhorn_iters", "router_aux_loss_coef", "index_kpool",
+               "index_kpool_always_select_tail")
 # model_type -> (family, the FIELDS entry); the vision-language ones carry a text_config
 MODEL_TYPES = {
     "qwen3_next": ("qwen3_next", "qwen3_next"),
@@ -106,6 +128,7 @@ MODEL_TYPES = {
     "kimi_linear": ("kimi_linear", "kimi_linear"),
     "bailing_hybrid": ("bailing_hybrid", "bailing_hybrid"),
     "lara_mini": ("lara_mini", "lara_mini"),
+    "glm5_next": ("glm5_next", "glm5_next"), "glm5_next_text": ("glm5_next", "glm5_next"),
 }
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
 # Qwen3.5's multimodal RoPE sections: with text-only positions (the same
@@ -207,6 +230,62 @@ def _kda_family(hf: dict, family: str) -> dict:
     return fields
 
 
+def _glm5_next(hf: dict) -> dict:
+    """ModelConfig fields of a GLM-5-Next config.json (its text_config, or
+    the text fields at the top level of a flat one), read as transformers
+    reads it: its defaults, its layer, MLP and indexer patterns."""
+    text = dict(hf.get("text_config") or hf)
+    if "tie_word_embeddings" in hf and "text_config" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    linear = text.get("linear_attn_config")
+    if linear is not None and not isinstance(linear, dict):
+        raise ValueError("config.json: linear_attn_config: expected an object")
+    if linear:  # the original layout's names for the KDA layers' fields
+        text = {**text, "linear_head_dim": linear.get("head_dim", text.get("linear_head_dim")),
+                "linear_num_heads": linear.get("num_heads", text.get("linear_num_heads")),
+                "linear_conv_kernel_dim": linear.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim")),
+                "linear_lower_bound": linear.get("gate_lower_bound", text.get("linear_lower_bound"))}
+        if linear.get("safe_gate", True) and text.get("linear_lower_bound") is None:
+            text["linear_lower_bound"] = -5.0
+    cfg = {**TRANSFORMERS_DEFAULTS["glm5_next"], **{k: v for k, v in text.items() if v is not None or k in (
+        "q_lora_rank", "linear_lower_bound", "swiglu_limit", "bos_token_id", "eos_token_id", "pad_token_id")}}
+    n = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types") or ["linear_attention" if i % 4 != 3 else "indexed_attention"
+                                             for i in range(n)]
+    if not isinstance(layer_types, list) or not set(layer_types) <= {
+            "linear_attention", "indexed_attention", "full_attention"}:
+        raise ValueError(f"config.json: layer_types: expected a list of 'linear_attention' and 'indexed_attention', "
+                         f"got {layer_types!r}")
+    mlp_types = cfg.get("mlp_layer_types") or ["dense"] * min(3, n) + ["sparse"] * (n - 3)
+    if not isinstance(mlp_types, list) or not set(mlp_types) <= {"dense", "sparse"}:
+        raise ValueError(f"config.json: mlp_layer_types: expected a list of 'dense' and 'sparse', got {mlp_types!r}")
+    indexer_types = cfg.get("indexer_types")
+    if indexer_types is None and cfg.get("index_topk_pattern") is not None:
+        pattern = cfg["index_topk_pattern"]
+        try:
+            indexer_types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) \
+                else list(pattern)
+        except KeyError:
+            raise ValueError(f"config.json: index_topk_pattern: expected F and S, got {pattern!r}") from None
+    elif indexer_types is None:
+        freq, offset = max(cfg.get("index_topk_freq", 1), 1), cfg.get("index_skip_topk_offset", 2)
+        indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    shared = cfg["n_shared_experts"]
+    if not isinstance(shared, int) or shared < 1:
+        raise ValueError(f"config.json: n_shared_experts: gdnx builds GLM-5-Next's MoE with its shared experts "
+                         f"(1 or more), got {shared!r}")
+    fields = {k: cfg[k] for k in _GLM_FIELDS}
+    heads, dim = cfg["linear_num_heads"], cfg["linear_head_dim"]
+    fields.update(
+        layer_types=["linear_attention" if t == "linear_attention" else "full_attention" for t in layer_types],
+        mlp_only_layers=[i for i, t in enumerate(mlp_types) if t == "dense"], indexer_types=indexer_types,
+        num_experts=cfg.get("num_local_experts", cfg["n_routed_experts"]),
+        shared_expert_intermediate_size=cfg["moe_intermediate_size"] * shared, rope_theta=None,
+        linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=dim, linear_value_head_dim=dim,
+        linear_gate_lower_bound=cfg["linear_lower_bound"])
+    return fields
+
+
 def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig:
     """ModelConfig from a config.json dict; overrides are ModelConfig fields."""
     model_type = hf.get("model_type", "qwen3_next")
@@ -216,6 +295,8 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
     family, kind = MODEL_TYPES[model_type]
     if family in ("kimi_linear", "bailing_hybrid"):
         return _validated({"family": family, **_kda_family(hf, family), **(overrides or {})})
+    if family == "glm5_next":
+        return _validated({"family": family, **_glm5_next(hf), **(overrides or {})})
     # a field config.json leaves out is transformers' default (an explicit null stays null)
     given = language_model_config(hf)
     defaults = dict(TRANSFORMERS_DEFAULTS[kind])

@@ -14,7 +14,9 @@ published checkpoints' dense layers under mlp, which the reader takes as
 an alias: ALIASES), its shared expert as shared_experts and its routed
 experts as w1 / w3 / w2 (gate, up, down). Ling 3's name the embeddings
 word_embeddings, the mixers attention (their output projections dense),
-the correction bias expert_bias, and keep A_log as [H]. Every conversion is a reshape,
+the correction bias expert_bias, and keep A_log as [H]. GLM-5-Next's keep
+KDA as Kimi's with A_log as [H], the hyper-connections' parameters as
+layers.N.hc_{attn,ffn}_{fn,base,scale}, and the experts one by one. Every conversion is a reshape,
 transpose, split or concatenation, so a load and a save give back the same
 bits. The conversions to a parameter take numpy arrays (a load reads
 slices on the host) or jax values (a shape check under eval_shape), and
@@ -192,7 +194,7 @@ def _kda(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
         return Tensors(tuple(p + f"{x}_conv1d.weight" for x in "qkv"),
                        lambda q, k, v: _xp(q, k, v).concatenate([q, k, v], axis=0)[:, 0],
                        lambda w: tuple(x[:, None] for x in _xp(w).split(w, [d, 2 * d], axis=0)))
-    if name == "A_log" and ling:
+    if name == "A_log" and (ling or cfg.family == "glm5_next"):
         return _same(p + "A_log")
     if name == "A_log":
         return Tensors((p + "A_log",), lambda w: w.reshape(-1), lambda a: (a.reshape(1, 1, -1, 1),))
@@ -253,6 +255,9 @@ def _layer(cfg: ModelConfig, path: tuple, prefix: str, full_attention: bool = Fa
         if cfg.family == "olmo_hybrid":
             block = _OLMO_NORMS.get(block, block)
         return _same(layer + block + ".weight")
+    if block in ("attn_hc", "ffn_hc"):  # GLM-5-Next's hyper-connections: hc_attn_fn, hc_ffn_base, ...
+        key = f"{layer}hc_{block.removesuffix('_hc')}_{tail[0]}"
+        return _transposed(key) if tail[0] == "fn" else _same(key)
     linear = not full_attention and cfg.resolved_layer_types[int(i)] == "linear_attention"
     if block == "mixer" and linear and cfg.linear_kind == "kda":
         return _kda(cfg, tail[0], layer)
@@ -267,7 +272,7 @@ def _layer(cfg: ModelConfig, path: tuple, prefix: str, full_attention: bool = Fa
                        fused=cfg.family == "lara_mini")
     if block == "mlp" and tail == ["e_score_correction_bias"]:
         return _same(layer + mlp + ("gate.expert_bias" if ling else "gate.e_score_correction_bias"))
-    if (kimi or ling) and tail[0] == "shared_expert":
+    if (kimi or ling or cfg.family == "glm5_next") and tail[0] == "shared_expert":
         tail = ["shared_experts", *tail[1:]]
     if ling and block == "mixer" and tail[0] == "o_proj":
         tail = ["dense", *tail[1:]]

@@ -31,11 +31,13 @@ LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention")
 # olmo_hybrid: OLMo Hybrid; kimi_linear: Kimi Linear (KDA and latent
 # attention); bailing_hybrid: Ling 3 (KDA with the bounded gate, latent
 # attention with RoPE and a head gate); lara_mini: Lara 4 Mini (GDN,
-# sliding-window and full attention). docs/model.md has what differs
+# sliding-window and full attention); glm5_next: GLM-5-Next (KDA with the
+# bounded gate, latent attention without RoPE reading the tokens a sparse
+# indexer picks, hyper-connection streams). docs/model.md has what differs
 # between them.
-Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lara_mini"]
+Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lara_mini", "glm5_next"]
 # the families whose linear-attention layers are KDA and whose full attention is latent attention
-KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")
+KDA_FAMILIES = ("kimi_linear", "bailing_hybrid", "glm5_next")
 FAMILIES: tuple[str, ...] = get_args(Family)
 # depth from which scan_layers: null scans the stack
 SCAN_MIN_LAYERS = 8
@@ -105,13 +107,34 @@ class ModelConfig(_Strict):
     kv_lora_rank: PositiveInt = 512
     q_lora_rank: PositiveInt | None = None
     qk_nope_head_dim: PositiveInt = 128
-    qk_rope_head_dim: PositiveInt = 64
+    qk_rope_head_dim: int = Field(64, ge=0)  # 0: no rope part (glm5_next)
     v_head_dim: PositiveInt = 128
     # calls with a cache and few queries (decode, verify; a prefill while it
     # costs fewer FLOPs) attend over the cached latents with kv_b_proj folded
     # into the query and output (DeepSeek's); false always expands keys and
     # values from the latents
     mla_absorb: bool = True
+
+    # glm5_next's sparse attention (DeepSeek's DSA over k-pools): per query, an
+    # indexer of index_n_heads x index_head_dim scores every complete pool of
+    # index_kpool tokens and the attention reads the index_topk / index_kpool
+    # best pools plus (index_kpool_always_select_tail) the query's unfinished
+    # one; a "shared" layer (indexer_types; null: every layer "full") reads the
+    # tokens the last "full" layer picked
+    index_topk: PositiveInt = 2048
+    index_kpool: PositiveInt = 16
+    index_n_heads: PositiveInt = 32
+    index_head_dim: PositiveInt = 128
+    index_kpool_always_select_tail: bool = True
+    indexer_types: list[Literal["full", "shared"]] | None = None
+    # glm5_next's manifold-constrained hyper-connections: hc_mult residual
+    # streams, mixed by a matrix of hc_sinkhorn_iters Sinkhorn-Knopp steps
+    hc_mult: PositiveInt = 4
+    hc_eps: PositiveFloat = 1e-6
+    hc_sinkhorn_iters: PositiveInt = 20
+    # glm5_next's SwiGLUs (dense and experts): gate capped at it before the
+    # activation, up clipped to [-it, it]; null: unbounded
+    swiglu_limit: PositiveFloat | None = None
 
     # Gated DeltaNet, or KDA (KDA_FAMILIES; key and value heads alike)
     linear_num_key_heads: PositiveInt = 16
@@ -257,9 +280,13 @@ class ModelConfig(_Strict):
         elif moe and self.num_experts_per_tok > self.topk_group * per_group:
             errors.append(("num_experts_per_tok", f"must be <= the {self.topk_group * per_group} experts of "
                            f"topk_group={self.topk_group} groups, got {self.num_experts_per_tok}"))
-        if self.family == "kimi_linear" and self.rope_theta is not None:
-            errors.append(("rope_theta", f"kimi_linear's latent attention has no rotary embedding; set it to null, "
-                           f"got {self.rope_theta}"))
+        if self.family == "glm5_next":
+            errors += self._glm5_next_errors(used)
+        if self.family != "glm5_next" and self.swiglu_limit is not None:
+            errors.append(("swiglu_limit", f"bounds the SwiGLUs of glm5_next only, not {self.family}'s"))
+        if self.family in ("kimi_linear", "glm5_next") and self.rope_theta is not None:
+            errors.append(("rope_theta", f"{self.family}'s latent attention has no rotary embedding; set it to "
+                           f"null, got {self.rope_theta}"))
         if "sliding_attention" in used and self.family != "lara_mini":
             errors.append(("layer_types", f"sliding_attention layers are lara_mini's, not {self.family}'s"))
         if "sliding_attention" in used and self.sliding_window is None:
@@ -303,6 +330,40 @@ class ModelConfig(_Strict):
             raise ValueError("; ".join(f"{field}: {msg}" for field, msg in errors))
         return self
 
+    def _glm5_next_errors(self, used: set[str]) -> list[tuple[str, str]]:
+        errors = []
+        if self.index_topk % self.index_kpool:
+            errors.append(("index_topk", f"must be a multiple of index_kpool={self.index_kpool}, "
+                           f"got {self.index_topk}"))
+        if self.indexer_types is not None:
+            if len(self.indexer_types) != self.num_hidden_layers:
+                errors.append(("indexer_types", f"expected {self.num_hidden_layers} entries (num_hidden_layers), "
+                               f"got {len(self.indexer_types)}"))
+            else:
+                attention = [i for i, t in enumerate(self.resolved_layer_types) if t == "full_attention"]
+                if attention and self.indexer_types[attention[0]] == "shared":
+                    errors.append(("indexer_types", f"the first attention layer ({attention[0]}) has no full "
+                                   "layer before it to share the selection of; it must be 'full'"))
+        if self.qk_rope_head_dim:
+            errors.append(("qk_rope_head_dim", f"glm5_next's latent attention has no rope part; set it to 0, "
+                           f"got {self.qk_rope_head_dim}"))
+        if "full_attention" in used and self.q_lora_rank is None:
+            errors.append(("q_lora_rank", "glm5_next's indexer reads the low-rank query; set its rank"))
+        return errors
+
+    @property
+    def shared_index_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether it is an attention layer that reads the
+        selection of the last full one (glm5_next's indexer_types)."""
+        kinds = self.indexer_types or ["full"] * self.num_hidden_layers
+        return tuple(t == "full_attention" and k == "shared" for t, k in zip(self.resolved_layer_types, kinds))
+
+    @property
+    def streams(self) -> int:
+        """Residual streams per token: hc_mult for glm5_next, else 1 (a
+        plain residual)."""
+        return self.hc_mult if self.family == "glm5_next" else 1
+
     @property
     def linear_kind(self) -> Literal["gdn", "kda"]:
         """The delta rule of the linear_attention layers: GDN's per-head
@@ -339,8 +400,11 @@ class ModelConfig(_Strict):
 
     @property
     def layer_kinds(self) -> tuple[tuple[str, bool], ...]:
-        """Per layer: its mixer and whether its MLP is a MoE."""
-        return tuple((t, self.is_moe_layer(i)) for i, t in enumerate(self.resolved_layer_types))
+        """Per layer: its mixer (a shared-index attention layer its own
+        kind) and whether its MLP is a MoE."""
+        shared = self.shared_index_layers
+        return tuple((t + ("/shared" if shared[i] else ""), self.is_moe_layer(i))
+                     for i, t in enumerate(self.resolved_layer_types))
 
     @property
     def layer_head(self) -> int:

@@ -14,6 +14,8 @@ from gdnx.config.schema import ModelConfig
 from gdnx.layers.attention import KVCache, RingCache
 from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.layers.latent_attention import LatentCache
+from gdnx.layers.sparse_attention import IndexedLatentCache
+from gdnx.layers.sparse_index import IndexCache
 from gdnx.parallel.params import head_units
 from gdnx.parallel.rules import constrain
 
@@ -27,7 +29,8 @@ class Cache(NamedTuple):
 
     @property
     def max_length(self) -> int:
-        kv = [c for c in self.layers if isinstance(c, KVCache | LatentCache)]
+        kv = [c.latent if isinstance(c, IndexedLatentCache) else c for c in self.layers
+              if isinstance(c, KVCache | LatentCache | IndexedLatentCache)]
         return kv[0].capacity if kv else -1
 
     @classmethod
@@ -41,7 +44,11 @@ class Cache(NamedTuple):
 
         def empty(layer, lead: tuple[int, ...] = ()):
             if layer.layer_type == "full_attention":
-                return attention_entry(cfg, batch, max_length, lead)
+                entry = attention_entry(cfg, batch, max_length, lead)
+                if not isinstance(entry, LatentCache) or cfg.family != "glm5_next":
+                    return entry
+                index = None if layer.mixer.indexer is None else index_entry(cfg, batch, max_length, lead)
+                return IndexedLatentCache(entry, index)
             if layer.layer_type == "sliding_attention":
                 ring = min(max_length, cfg.sliding_window + rollback)
                 shape = (*lead, batch, ring, cfg.num_key_value_heads, cfg.head_dim)
@@ -67,6 +74,14 @@ def attention_entry(cfg: ModelConfig, batch: int, length: int, lead: tuple[int, 
                            jnp.zeros((*lead, batch, length, cfg.qk_rope_head_dim), dtype))
     shape = (*lead, batch, length, cfg.num_key_value_heads, cfg.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def index_entry(cfg: ModelConfig, batch: int, length: int, lead: tuple[int, ...] = ()) -> IndexCache:
+    """An empty cache entry of a pooled sparse-attention indexer (glm5_next):
+    per token its key and gate logits, per pool its key."""
+    dtype, d = jnp.dtype(cfg.dtype), cfg.index_head_dim
+    return IndexCache(jnp.zeros((*lead, batch, length, d), dtype), jnp.zeros((*lead, batch, length, d), dtype),
+                      jnp.zeros((*lead, batch, length // cfg.index_kpool, d), dtype))
 
 
 def row_axes(model: Any) -> tuple[int, ...]:
@@ -111,6 +126,11 @@ def place_cache(cache: Cache, cfg: ModelConfig, row_axes: tuple[int, ...]) -> Ca
         if isinstance(entry, LatentCache):
             return LatentCache(place(entry.latent, (*lead, "batch", None, None)),
                                place(entry.rope, (*lead, "batch", None, None)))
+        if isinstance(entry, IndexedLatentCache):
+            # the indexer's entries, like the latents, are one "head" every query reads: kept whole per row
+            index = None if entry.indexer is None else jax.tree.map(
+                lambda a: place(a, (*lead, "batch", None, None)), entry.indexer)
+            return IndexedLatentCache(one(entry.latent, axis), index)
         raise TypeError(f"a cache entry of type {type(entry).__name__}")
     length = place(cache.length, ("batch",) * cache.length.ndim)
     return Cache(tuple(one(e, a) for e, a in zip(cache.layers, row_axes, strict=True)), length)

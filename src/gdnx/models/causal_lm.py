@@ -38,6 +38,7 @@ from gdnx.layers.attention import (GatedAttention, HeadNormedAttention, KVCache,
                                    Rope)
 from gdnx.layers.documents import document_positions
 from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, DeltaRuleState
+from gdnx.layers.hyper_connections import ManifoldHyperConnection, expand_streams, stream_mean
 from gdnx.layers.kimi_delta_attention import KimiDeltaAttention
 from gdnx.layers.latent_attention import LatentAttention, LatentCache, LatentStack
 from gdnx.layers.linear import linear
@@ -46,6 +47,8 @@ from gdnx.layers.mlp import MLP
 from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import rope_tables, rotary_dim
+from gdnx.layers.sparse_attention import IndexedLatentAttention, IndexedLatentCache
+from gdnx.layers.sparse_index import Selection
 from gdnx.models.adapters import add_adapters
 from gdnx.models.cache import Cache
 from gdnx.ops import grouped_matmul
@@ -78,12 +81,23 @@ OLMO_GATED_NORM_EPS = 1e-5
 # latent attention's norms (on the query and key/value latents) have a fixed eps
 LATENT_NORM_EPS = 1e-6
 Mixer = GatedDeltaNet | KimiDeltaAttention | GatedAttention | NormedAttention | HeadNormedAttention | LatentAttention
-LayerCache = KVCache | KVStack | RingCache | LatentCache | LatentStack | DeltaRuleState
+LayerCache = KVCache | KVStack | RingCache | LatentCache | LatentStack | DeltaRuleState | IndexedLatentCache
+
+
+class HyperState(NamedTuple):
+    """What each layer of a model with hyper-connection streams (glm5_next)
+    passes to the next: the streams [B, T, N, H] and the sparse-attention
+    selection of the last full-index layer (what a shared-index layer reads;
+    before the first, an empty one)."""
+    streams: jax.Array
+    selection: Selection
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm, x + mixer(norm(x)) then x + mlp(norm(x)); post-norm (OLMo
-    Hybrid's attention layers), x + norm(mixer(x)) then x + norm(mlp(x))."""
+    Hybrid's attention layers), x + norm(mixer(x)) then x + norm(mlp(x));
+    with hyper-connection streams (GLM-5-Next), each block between a
+    ManifoldHyperConnection's read and write."""
 
     def __init__(self, cfg: ModelConfig, index: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
                  full_attention: bool = False):
@@ -91,7 +105,7 @@ class DecoderLayer(nnx.Module):
         # its SwiGLU bounds are the lists' first (its own index 0 in transformers' module)
         self.layer_type = "full_attention" if full_attention else cfg.resolved_layer_types[index]
         bound_at = 0 if full_attention else index
-        olmo, ling = cfg.family == "olmo_hybrid", cfg.family == "bailing_hybrid"
+        olmo, ling, glm = cfg.family == "olmo_hybrid", cfg.family == "bailing_hybrid", cfg.family == "glm5_next"
         # the model reads the config; each layer gets the sizes it uses
         h = cfg.hidden_size
         kw: dict[str, Any] = dict(init_std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -121,6 +135,15 @@ class DecoderLayer(nnx.Module):
             self.mixer = HeadNormedAttention(h, num_heads=cfg.num_attention_heads,
                                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                                              bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps, window=window, **kw)
+        elif cfg.attention_kind == "latent" and glm:
+            assert cfg.q_lora_rank is not None  # the config requires it
+            self.mixer = IndexedLatentAttention(
+                h, num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps, absorb=cfg.mla_absorb,
+                index_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, block=cfg.index_kpool,
+                budget=cfg.index_topk, tail=cfg.index_kpool_always_select_tail,
+                shared=cfg.shared_index_layers[index], **kw)
         elif cfg.attention_kind == "latent":
             self.mixer = LatentAttention(
                 h, num_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
@@ -138,14 +161,20 @@ class DecoderLayer(nnx.Module):
                                  shared_expert_size=cfg.shared_expert_intermediate_size,
                                  norm_topk_prob=cfg.norm_topk_prob, router=cfg.router_kind, n_group=cfg.n_group,
                                  topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-                                 limit=_limit(cfg.swiglu_limits, bound_at),
-                                 shared_limit=_limit(cfg.swiglu_limits_shared, bound_at),
+                                 limit=cfg.swiglu_limit if glm else _limit(cfg.swiglu_limits, bound_at),
+                                 shared_limit=cfg.swiglu_limit if glm else _limit(cfg.swiglu_limits_shared, bound_at),
                                  shared_gate=cfg.shared_expert_gated,
                                  implementation=None if cfg.moe_implementation == "auto" else cfg.moe_implementation,
-                                 split=cfg.moe_split,
+                                 split=cfg.moe_split, clamp_gate=glm,
                                  **kw)
         else:
-            self.mlp = MLP(h, cfg.intermediate_size, **kw)
+            self.mlp = MLP(h, cfg.intermediate_size, limit=cfg.swiglu_limit, clamp_gate=glm, **kw)
+        # glm5_next: manifold-constrained hyper-connections around the mixer and the MLP
+        hc: dict[str, Any] = dict(sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
+                                  init_std=cfg.initializer_range, param_dtype=param_dtype, rngs=rngs)
+        hyper = cfg.streams > 1
+        self.attn_hc = ManifoldHyperConnection(h, cfg.streams, **hc) if hyper else None
+        self.ffn_hc = ManifoldHyperConnection(h, cfg.streams, **hc) if hyper else None
 
     def _mix(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: LayerCache | None,
              start: jax.Array, segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None,
@@ -171,11 +200,17 @@ class DecoderLayer(nnx.Module):
             return self.mlp(x)
         return self.mlp(x), None
 
-    def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: LayerCache | None,
+    def __call__(self, x: Any, rope: Rope, positions: jax.Array, cache: LayerCache | None,
                  start: jax.Array, segments: jax.Array | None = None, lengths: jax.Array | None = None,
                  history_every: int | None = None,
-                 ) -> tuple[jax.Array, LayerCache | None, RouterStats | None]:
+                 ) -> tuple[Any, LayerCache | None, RouterStats | None]:
+        """x: the residual stream [B, T, hidden], or with hyper-connections a
+        HyperState; returns (x after the layer, its new cache entry, router
+        statistics of a MoE)."""
         mix = (rope, positions, cache, start, segments, lengths, history_every)
+        if self.attn_hc is not None:
+            assert isinstance(x, HyperState)  # the model passes streams to a layer with hyper-connections
+            return self._hyper(x, *mix)
         if self.post_norm:
             h, new_cache = self._mix(x, *mix)
             x = constrain(x + self.post_attention_layernorm(h), HIDDEN)
@@ -185,6 +220,28 @@ class DecoderLayer(nnx.Module):
         x = constrain(x + h, HIDDEN)
         h, stats = self._feed_forward(self.post_attention_layernorm(x))
         return constrain(x + h, HIDDEN), new_cache, stats
+
+
+    def _hyper(self, x: HyperState, rope: Rope, positions: jax.Array, cache: LayerCache | None, start: jax.Array,
+               segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None,
+               ) -> tuple[HyperState, LayerCache | None, RouterStats | None]:
+        """GLM-5-Next's layer: each block reads a mix of the streams and
+        writes its output back into each (ManifoldHyperConnection); an
+        indexed attention layer passes its selection on."""
+        assert self.attn_hc is not None and self.ffn_hc is not None
+        streams, selection = x
+        post, comb, h = self.attn_hc(streams)
+        h = self.input_layernorm(h)
+        new_cache: LayerCache | None
+        if isinstance(self.mixer, IndexedLatentAttention):
+            assert cache is None or isinstance(cache, IndexedLatentCache)
+            h, new_cache, selection = self.mixer(h, rope, positions, cache, start, selection)
+        else:
+            h, new_cache = self._mix(h, rope, positions, cache, start, segments, lengths, history_every)
+        streams = ManifoldHyperConnection.combine(post, comb, h, streams)
+        post, comb, h = self.ffn_hc(streams)
+        h, stats = self._feed_forward(self.post_attention_layernorm(h))
+        return HyperState(ManifoldHyperConnection.combine(post, comb, h, streams), selection), new_cache, stats
 
 
 class MultiTokenPredictor(nnx.Module):
@@ -487,6 +544,11 @@ class CausalLM(nnx.Module):
             positions.reshape(-1, t) if segments is None else document_positions(segments), _rotary_dim(cfg),
             cfg.rope_theta)
         x = self._embed(constrain(tokens, ("batch", "length")))
+        if cfg.streams > 1:
+            if segments is not None:
+                raise ValueError(f"segments: {cfg.family}'s sparse attention indexes one document per row; "
+                                 "packed documents are not supported")
+            x = HyperState(expand_streams(x, cfg.streams), self._no_selection(tokens, positions, cache))
         run = _run_layer
         if cfg.remat_policy != "none" and cache is None:  # remat is for training; decoding keeps nothing
             run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat_policy))
@@ -508,7 +570,19 @@ class CausalLM(nnx.Module):
         else:
             x, new_layers, stats = self._scan(through, x, caches)
         new_cache = None if cache is None else Cache(new_layers, cache.length + (t if lengths is None else lengths))
+        if isinstance(x, HyperState):
+            x = stream_mean(x.streams)
         return HiddenOutput(self.norm(x), new_cache, load_balancing_loss(stats, cfg.num_experts))
+
+    def _no_selection(self, tokens: jax.Array, positions: jax.Array, cache: Cache | None) -> Selection:
+        """The selection before the first indexed layer: none, shaped as the
+        indexed layers' (the best of the context's pools, up to the budget)."""
+        cfg = self.config
+        b, t = tokens.shape
+        context = t if cache is None else cache.max_length
+        n = min(cfg.index_topk // cfg.index_kpool, context // cfg.index_kpool)
+        return Selection(jnp.zeros((b, t, n), jnp.int32), jnp.zeros((b, t, n), bool),
+                         jnp.broadcast_to(positions.reshape(-1, t), (b, t)))
 
     def _cache_slots(self) -> int:
         """Entries of a Cache: one per layer, or per head layer, cycle
@@ -601,11 +675,13 @@ def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of CausalLM(cfg), counted on a model of one layer of each
     kind (mixer, MoE or dense MLP) and multiplied out: building every layer,
     even abstractly, takes time that grows faster than the depth."""
-    kinds = [(t, cfg.is_moe_layer(i)) for i, t in enumerate(cfg.resolved_layer_types)]
+    kinds = list(cfg.layer_kinds)
     unique = list(dict.fromkeys(kinds))
+    mixers = [t.split("/") for t, _ in unique]
     small = cfg.model_copy(update={
-        "num_hidden_layers": len(unique), "layer_types": [t for t, _ in unique], "scan_layers": False,
-        "decoder_sparse_step": 1, "mlp_only_layers": [i for i, (_, moe) in enumerate(unique) if not moe]})
+        "num_hidden_layers": len(unique), "layer_types": [m[0] for m in mixers], "scan_layers": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": [i for i, (_, moe) in enumerate(unique) if not moe],
+        "indexer_types": ["shared" if m[1:] else "full" for m in mixers]})
     state = jax.eval_shape(lambda: nnx.state(CausalLM(small), nnx.Param))
     per_kind = [0] * len(unique)
     rest = 0

@@ -1,0 +1,122 @@
+"""GLM-5-Next (glm5_next) against transformers: a tiny vision-language
+checkpoint written by transformers (its vision tower skipped by name), the
+language model's logits unrolled and scanned at lengths below and well past
+the sparse-attention budget (8 tokens in pools of 4: past 11 tokens a query
+reads fewer tokens than it sees), a shared-index layer after each full one,
+KDA with the bounded gate, hyper-connection streams, clamped SwiGLUs, a
+dense first layer and grouped sigmoid routing; greedy generation through
+gdnx's cache (one-token steps gather only the selected rows) equal to
+transformers' generate.
+
+Tolerance: relative error <= 1e-4 on the logits (float32, 7 layers;
+measured about 2e-7)."""
+
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from gdnx.checkpoints.hf_config import model_config_from_hf
+from gdnx.generate import generate
+from gdnx.measure import relative_error
+from gdnx.models import CausalLM
+from tests.helpers.hf_models import VOCAB, hf_logits, tokens
+
+TOL = 1e-4
+# a dense first layer, then twice: KDA, a full-index attention layer, a shared-index one (transformers
+# shares a selection only with the layer right after the full one)
+LAYERS = ["linear_attention"] + ["linear_attention", "indexed_attention", "indexed_attention"] * 2
+TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=2,
+            kv_lora_rank=12, q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=8, v_head_dim=6,
+            intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+            topk_group=2, index_n_heads=16, index_head_dim=8, index_kpool=4, index_topk=8, linear_num_heads=2,
+            linear_head_dim=8, hc_mult=4, hc_sinkhorn_iters=5, swiglu_limit=0.8, layer_types=LAYERS,
+            indexer_types=["full", "full", "full", "shared", "full", "full", "shared"],
+            mlp_layer_types=["dense"] + ["sparse"] * 6, pad_token_id=None)
+VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
+              projection_intermediate_size=32)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The transformers model and its directory: HF's init, plus noise on
+    what it starts at constants (norms, biases, the pools' gate and bias)."""
+    torch.manual_seed(0)
+    config = transformers.Glm5NextConfig(text_config=TEXT, vision_config=VISION)
+    hf = transformers.Glm5NextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "index_kpool_compress" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            elif p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
+    path = tmp_path_factory.mktemp("glm5_next")
+    hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["unrolled", "scanned"])
+def pair(checkpoint, request):
+    hf, path = checkpoint
+    model = CausalLM.from_pretrained(path, scan_layers=request.param)
+    assert model.config.scanned == request.param
+    return hf, model
+
+
+@pytest.mark.parametrize("length", [6, 45])
+def test_logits_match_transformers(pair, length):
+    hf, model = pair
+    toks = tokens(2, length)
+    err = relative_error(model(jnp.asarray(toks, jnp.int32)), hf_logits(hf, toks))
+    assert err <= TOL, err
+
+
+def test_the_config_reads_as_transformers_does(checkpoint, caplog):
+    """Layer, MLP and indexer patterns; the vision tower skipped with one
+    line naming it."""
+    _, path = checkpoint
+    with caplog.at_level(logging.WARNING, logger="gdnx"):
+        model = CausalLM.from_pretrained(path)
+    notes = [r.getMessage() for r in caplog.records]
+    assert len(notes) == 1 and "skipped the vision tower" in notes[0], notes
+    cfg = model.config
+    assert cfg.family == "glm5_next" and cfg.rope_theta is None and cfg.mlp_only_layers == [0]
+    assert cfg.resolved_layer_types == tuple("full_attention" if t == "indexed_attention" else t for t in LAYERS)
+    assert cfg.shared_index_layers == (False,) * 3 + (True, False, False, True)
+    assert cfg.linear_gate_lower_bound == -5.0 and cfg.swiglu_limit == 0.8 and cfg.streams == 4
+    # transformers' defaults and patterns for what a config.json leaves out
+    default = model_config_from_hf({"model_type": "glm5_next", "text_config": {"num_hidden_layers": 8}})
+    assert default.resolved_layer_types[3] == "full_attention" and default.mlp_only_layers == [0, 1, 2]
+    patterned = model_config_from_hf({"model_type": "glm5_next", "text_config": {
+        "num_hidden_layers": 8, "index_topk_pattern": "FFFFFFFS"}})
+    assert patterned.shared_index_layers == (False,) * 7 + (True,)
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    """A 30-token prompt and 16 new tokens: past the budget from the first
+    step, each decode step gathering its selected rows."""
+    hf, path = checkpoint
+    model = CausalLM.from_pretrained(path)
+    prompt = tokens(1, 30, seed=1)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    np.testing.assert_array_equal(np.asarray(generate(model, prompt, 16)), ref[:, prompt.shape[1]:].numpy())
+
+
+@pytest.mark.parametrize("edit, named", [
+    ({"index_topk": 10}, "index_topk: must be a multiple of index_kpool=4, got 10"),
+    ({"indexer_types": ["full", "full", "shared", "full", "full", "full", "shared"]},
+     "indexer_types: the first attention layer (2) has no full layer before it"),
+    ({"qk_rope_head_dim": 4}, "qk_rope_head_dim: glm5_next's latent attention has no rope part"),
+    ({"n_shared_experts": 0}, "n_shared_experts"),
+])
+def test_config_mistakes_name_the_field(edit, named):
+    with pytest.raises(ValueError) as error:
+        model_config_from_hf({"model_type": "glm5_next", "text_config": {**TEXT, **edit}})
+    assert named in str(error.value) and "\n" not in str(error.value), str(error.value)
