@@ -54,6 +54,11 @@ def export_run(run_dir: Path, out: Path, form: Form = "model", fp8: bool = False
     if lora is not None and form == "model":
         raise ValueError("RUN_DIR: the run trained LoRA adapters on a frozen base: export them merged into it "
                          "(--merge-lora) or as a PEFT adapter for it (--adapter)")
+    # a GLM-5-Next run started from a vision-language checkpoint: the export carries its vision tower
+    base_dir = Path(config.model.init_from) if config.model.init_from else None
+    vision_from = base_dir if config.model.family == "glm5_next" and base_dir is not None and (
+        base_dir / "config.json").is_file() and "vision_config" in read_json_object(base_dir / "config.json") \
+        else None
     if form == "adapter":
         assert lora is not None and config.model.init_from is not None
         base = Path(config.model.init_from)
@@ -63,7 +68,7 @@ def export_run(run_dir: Path, out: Path, form: Form = "model", fp8: bool = False
         adapters = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
         save_adapter(config.model, lora, {p: v[...] for p, v in adapters.items()}, out, str(base), prefix)
     elif form == "model" and not fp8:
-        model.save_pretrained(out)
+        model.save_pretrained(out, vision_from=vision_from)
     else:
         flat = {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
         cfg = config.model
@@ -82,7 +87,7 @@ def export_run(run_dir: Path, out: Path, form: Form = "model", fp8: bool = False
             if scale in held:
                 flat[path], flat[scale] = quantize(jnp.asarray(flat[path]), "fp8", block)
         params = nnx.from_flat_state([(p, var.replace(flat[p])) for p, var in held.items()])
-        nnx.merge(graphdef, params).save_pretrained(out, fp8_layout=fp8)
+        nnx.merge(graphdef, params).save_pretrained(out, fp8_layout=fp8, vision_from=vision_from)
     tokenizer = run_tokenizer(config)
     if tokenizer is None:
         notes.append(f"the run ({config.data.source}{' as raw bytes' if config.data.source != 'mqar' else ''}) "

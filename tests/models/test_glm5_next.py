@@ -13,6 +13,8 @@ measured about 2e-7)."""
 
 import logging
 
+from safetensors import safe_open
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,6 +109,32 @@ def test_greedy_generation_matches_transformers(checkpoint):
     with torch.no_grad():
         ref = hf.generate(torch.tensor(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     np.testing.assert_array_equal(np.asarray(generate(model, prompt, 16)), ref[:, prompt.shape[1]:].numpy())
+
+
+def test_save_pretrained_loads_in_transformers_bit_identical(pair, checkpoint, tmp_path, caplog):
+    """gdnx -> save_pretrained (carrying the source's vision tower) ->
+    transformers: every tensor equals the original's bit for bit, and so do
+    the logits. Without vision_from: the language model alone, said once."""
+    hf, model = pair
+    _, source = checkpoint
+    model.save_pretrained(tmp_path / "with", vision_from=source)
+    back = type(hf).from_pretrained(tmp_path / "with").eval()
+    src = dict(hf.state_dict())
+    assert set(back.state_dict()) == set(src)
+    for name, tensor in back.state_dict().items():
+        torch.testing.assert_close(tensor, src[name], rtol=0, atol=0, msg=name)
+    toks = tokens(1, 20)
+    np.testing.assert_array_equal(hf_logits(back, toks), hf_logits(hf, toks))
+    with caplog.at_level(logging.WARNING, logger="gdnx"):
+        model.save_pretrained(tmp_path / "alone")
+    assert [r.getMessage() for r in caplog.records if "without a vision tower" in r.getMessage()]
+    assert _file_keys(tmp_path / "alone") == {k for k in _file_keys(source) if not k.startswith("model.visual.")}
+    assert _file_keys(tmp_path / "with") == _file_keys(source)
+
+
+def _file_keys(path) -> set[str]:
+    with safe_open(path / "model.safetensors", "np") as f:
+        return set(f.keys())
 
 
 @pytest.mark.parametrize("edit, named", [

@@ -14,6 +14,7 @@ part of the language model: loading skips them and says so in one line.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -309,6 +310,13 @@ def _mtp_layer(cfg: ModelConfig, key: str) -> bool:
         int(m.group(1)) >= cfg.num_hidden_layers + cfg.mtp_num_layers
 
 
+def export_prefix(cfg: ModelConfig) -> str:
+    """Where an export puts the language model's tensors: under
+    model.language_model. for GLM-5-Next (transformers has no text-only
+    class for it), else model."""
+    return "model.language_model." if cfg.family == "glm5_next" else "model."
+
+
 def language_model_prefix(hf: dict, reader: Any) -> str:
     """Where the language model's tensors are: model.language_model. in a
     vision-language checkpoint (a GLM-5-Next one may be flat), else model."""
@@ -562,7 +570,7 @@ def _tensors(model: nnx.Module, dequantized: np.dtype) -> Iterator[tuple[str, np
                                                        dequantized))
         paths, stacked = layer_paths(cfg, p)
         for i, q in enumerate(paths):
-            where = locate(cfg, q)
+            where = locate(cfg, q, export_prefix(cfg))
             value = whole[i] if stacked else whole
             if isinstance(where, Experts) and where.fused:  # gate_up [E, 2I, H], down [E, H, I]
                 if where.part == "down":
@@ -583,6 +591,25 @@ def _tensors(model: nnx.Module, dequantized: np.dtype) -> Iterator[tuple[str, np
     assert not pending, f"tensors missing a part: {sorted(pending)}"  # every shared tensor's parameters are built
 
 
+def _vision_tower(directory: Path, cfg: ModelConfig) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
+    """A vision-language checkpoint's tower: its config.json's fields
+    besides the language model's (vision_config, the image and video token
+    ids) and its model.visual.* tensors, read one at a time."""
+    if cfg.family != "glm5_next":
+        raise ValueError(f"vision_from: carries a GLM-5-Next vision tower; this model is {cfg.family}")
+    hf = _hf_config(directory)
+    if hf.get("model_type") != "glm5_next" or not isinstance(hf.get("vision_config"), dict):
+        raise ValueError(f"vision_from {directory}: not a GLM-5-Next vision-language checkpoint (model_type "
+                         f"glm5_next with a vision_config); got model_type {hf.get('model_type')!r}")
+    reader = _Reader(directory, (), None)
+    keys = sorted(k for k in reader.weight_map if k.startswith("model.visual."))
+    if not keys:
+        raise ValueError(f"vision_from {directory}: holds no vision tower tensors (model.visual.*)")
+    fields = {k: v for k, v in hf.items() if k not in ("text_config", "architectures", "model_type", "dtype",
+                                                        "torch_dtype", "transformers_version")}
+    return fields, ((k, reader.handles[reader.weight_map[k]].get_tensor(k)) for k in keys)
+
+
 def hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     return dict(hf_tensors(model))
 
@@ -592,7 +619,7 @@ def _save_shard(tensors: dict[str, np.ndarray], path: str) -> None:
 
 
 def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: int = SHARD_BYTES,
-                    fp8_layout: bool = False) -> None:
+                    fp8_layout: bool = False, vision_from: str | os.PathLike | None = None) -> None:
     """Write config.json and the weights as safetensors, in files of up to
     shard_bytes (with model.safetensors.index.json when more than one),
     filled tensor by tensor: the host holds one file's tensors at a time. A
@@ -600,8 +627,12 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: 
     processes every process takes part and process 0 writes the files.
     fp8_layout: a model held in fp8 written as an FP8 checkpoint
     (`fp8_tensors`, config.json's quantization_config); otherwise quantized
-    weights are written dequantized."""
+    weights are written dequantized. vision_from: a vision-language
+    checkpoint (GLM-5-Next's) whose vision tower (model.visual.*, its
+    vision_config and token ids) the export carries beside the language
+    model; without one a GLM-5-Next export has none."""
     cfg = _config_of(model)
+    tower = _vision_tower(Path(vision_from), cfg) if vision_from is not None else None
     if fp8_layout and cfg.quantize != "fp8":
         raise ValueError(f"fp8_layout: the model is held {cfg.quantize!r}, not fp8; the FP8 layout writes an fp8 "
                          "model's blocks as they are (load it with quantize='fp8')")
@@ -621,7 +652,10 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: 
         shard.clear()
 
     kept: set[str] = set()
-    for key, tensor in (fp8_tensors if fp8_layout else hf_tensors)(model):
+    tensors = (fp8_tensors if fp8_layout else hf_tensors)(model)
+    if tower is not None:
+        tensors = itertools.chain(tensors, tower[1])
+    for key, tensor in tensors:
         if fp8_layout and tensor.dtype != ml_dtypes.float8_e4m3fn and not key.endswith(fp8.SCALE_SUFFIX):
             kept.add(key.rsplit(".", 1)[0])
         if shard and sum(v.nbytes for v in shard.values()) + tensor.nbytes > shard_bytes:
@@ -640,6 +674,11 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: 
                  "weight_map": {k: name for (_, keys), name in zip(written, names) for k in keys}}
         atomic_write_text(directory / "model.safetensors.index.json", json.dumps(index, indent=2))
     config = hf_config_from_model(cfg)
+    if tower is not None:
+        config = {**tower[0], **config}
+    elif cfg.family == "glm5_next":
+        log.warning(f"{directory}: written without a vision tower (no vision_from): transformers builds one at its "
+                    "default sizes, randomly initialised; the language model is the export's")
     if fp8_layout:
         config["quantization_config"] = fp8.quantization_config(cfg.quantize_block, sorted(kept))
     atomic_write_text(directory / "config.json", json.dumps(config, indent=2))

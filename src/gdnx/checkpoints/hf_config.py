@@ -366,10 +366,36 @@ def _kda_family_config(cfg: ModelConfig) -> dict:
     return out
 
 
+def _glm5_next_config(cfg: ModelConfig) -> dict:
+    """GLM-5-Next's config.json: transformers' vision-language layout, the
+    language model's fields in text_config (no vision_config: the caller
+    adds the tower's, or transformers builds its default)."""
+    if cfg.num_experts and cfg.shared_expert_intermediate_size % cfg.moe_intermediate_size:
+        raise ValueError(f"model.shared_expert_intermediate_size: a glm5_next checkpoint stores shared experts of "
+                         f"moe_intermediate_size={cfg.moe_intermediate_size} each, got "
+                         f"{cfg.shared_expert_intermediate_size}")
+    _refuse(cfg, "glm5_next", {"decoder_sparse_step": 1, "num_key_value_heads": cfg.num_attention_heads,
+                               "linear_num_value_heads": cfg.linear_num_key_heads,
+                               "linear_value_head_dim": cfg.linear_key_head_dim})
+    text: dict[str, object] = {k: getattr(cfg, k) for k in _GLM_FIELDS}
+    shared = cfg.shared_index_layers
+    text.update(
+        model_type="glm5_next_text", n_routed_experts=cfg.num_experts,
+        n_shared_experts=cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
+        layer_types=["indexed_attention" if t == "full_attention" else t for t in cfg.resolved_layer_types],
+        mlp_layer_types=["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(cfg.num_hidden_layers)],
+        indexer_types=["shared" if s else "full" for s in shared], linear_num_heads=cfg.linear_num_key_heads,
+        linear_head_dim=cfg.linear_key_head_dim, linear_lower_bound=cfg.linear_gate_lower_bound)
+    return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": cfg.param_dtype}
+
+
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """A config.json dict of the family's text model that transformers reads."""
     if cfg.family in ("kimi_linear", "bailing_hybrid"):
         return _kda_family_config(cfg)
+    if cfg.family == "glm5_next":
+        return _glm5_next_config(cfg)
     moe = cfg.num_experts > 0
     if cfg.family == "qwen3_next":
         kind, arch = "qwen3_next", "Qwen3NextForCausalLM"

@@ -423,14 +423,16 @@ class CausalLM(nnx.Module):
         placement = None if mesh is None else lambda params, cfg: shardings(params, cfg, mesh)
         return load_pretrained(cls, path, placement=placement, **config_overrides)
 
-    def save_pretrained(self, path: str | os.PathLike, *, fp8_layout: bool = False) -> None:
+    def save_pretrained(self, path: str | os.PathLike, *, fp8_layout: bool = False,
+                        vision_from: str | os.PathLike | None = None) -> None:
         """Write config.json + safetensors in the family's own layout, which
         transformers loads; fp8_layout: a model held in fp8 as published FP8
         checkpoints store it (quantized weights are otherwise written
-        dequantized)."""
+        dequantized); vision_from: a GLM-5-Next vision-language checkpoint
+        whose vision tower the export carries."""
         from gdnx.checkpoints.hf import save_pretrained
 
-        save_pretrained(self, path, fp8_layout=fp8_layout)
+        save_pretrained(self, path, fp8_layout=fp8_layout, vision_from=vision_from)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens).logits
