@@ -78,16 +78,16 @@ def glm_rows(context: int, repeats: int, rng: np.random.Generator) -> dict[str, 
     latent = LatentCache(jnp.asarray(rng.standard_normal((1, cap, 512)), F32), jnp.zeros((1, cap, 0), F32))
     index = IndexCache(jnp.asarray(rng.standard_normal((1, cap, 128)), F32),
                        jnp.asarray(rng.standard_normal((1, cap, 128)), F32),
-                       jnp.asarray(rng.standard_normal((1, cap // 16, 128)), F32))
+                       jnp.asarray(rng.standard_normal((1, cap, 128)), F32))
     full = IndexedLatentAttention(h, **GLM, **GLM_INDEX, shared=False, **_common())
     shared = IndexedLatentAttention(h, **GLM, **GLM_INDEX, shared=True, **_common())
     dense = LatentAttention(h, **GLM, **_common())
     run_full = _step(full, lambda m, x, c: m(x, None, pos, c, context))
-    _, _, sel = run_full(x, IndexedLatentCache(*_copies(latent, index)))
+    _, _, sel = run_full(x, IndexedLatentCache.of(*_copies(latent, index)))
     run_shared = _step(shared, lambda m, x, c, s: m(x, None, pos, c, context, selection=s))
     run_dense = _step(dense, lambda m, x, c: m(x, None, pos, c, context))
-    return {"GLM-5-Next indexed (full)": _timed(run_full, x, IndexedLatentCache(*_copies(latent, index)), repeats),
-            "GLM-5-Next indexed (shared)": _timed(run_shared, x, IndexedLatentCache(_copies(latent), None),
+    return {"GLM-5-Next indexed (full)": _timed(run_full, x, IndexedLatentCache.of(*_copies(latent, index)), repeats),
+            "GLM-5-Next indexed (shared)": _timed(run_shared, x, IndexedLatentCache.of(_copies(latent), None),
                                                   repeats, sel),
             "GLM-5-Next dense MLA": _timed(run_dense, x, _copies(latent), repeats)}
 
@@ -100,7 +100,7 @@ def qwen_rows(context: int, repeats: int, rng: np.random.Generator) -> dict[str,
     cap = context + 1
     kv = KVCache(*(jnp.asarray(rng.standard_normal((1, cap, 2, 256)), F32) for _ in range(2)))
     index = IndexCache(jnp.asarray(rng.standard_normal((1, cap, 128)), F32), None,
-                       jnp.asarray(rng.standard_normal((1, cap // 16, 128)), F32))
+                       jnp.asarray(rng.standard_normal((1, cap, 128)), F32))
     sparse = IndexedGatedAttention(h, **QWEN, **QWEN_INDEX, **_common())
     dense = GatedAttention(h, **QWEN, **_common())
     run_sparse = _step(sparse, lambda m, x, c: m(x, rope, pos, c, context))

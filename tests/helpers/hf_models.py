@@ -73,24 +73,49 @@ KINDS = {
                        shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2, sliding_window=6,
                        pad_token_id=None, bos_token_id=None, eos_token_id=None)),
 }
+# GLM-5-Next: transformers has it as a vision-language model only (a
+# one-block vision tower here); a dense first layer, then twice KDA (the
+# bounded gate), a full-index attention layer and a shared-index one right
+# after it (transformers shares a selection only with the next layer); a
+# budget of 8 tokens in pools of 4 (16 index heads: with few, a pool every
+# head scores below zero ties at 0, and transformers breaks ties its own
+# way); 4 hyper-connection streams; clamped SwiGLUs. Not in KINDS: its
+# export carries a vision tower only from a source (vision_from).
+GLM5_NEXT_TEXT = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=2,
+    kv_lora_rank=12, q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=8, v_head_dim=6, intermediate_size=48,
+    moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, index_n_heads=16,
+    index_head_dim=8, index_kpool=4, index_topk=8, linear_num_heads=2, linear_head_dim=8, hc_mult=4,
+    hc_sinkhorn_iters=5, swiglu_limit=0.8,
+    layer_types=["linear_attention"] + ["linear_attention", "indexed_attention", "indexed_attention"] * 2,
+    indexer_types=["full", "full", "full", "shared", "full", "full", "shared"],
+    mlp_layer_types=["dense"] + ["sparse"] * 6, pad_token_id=None)
+VISION_LANGUAGE_KINDS = {
+    "glm5_next": ("Glm5NextConfig", "Glm5NextForConditionalGeneration",
+                  dict(text_config=GLM5_NEXT_TEXT, vision_config=dict(
+                      depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
+                      projection_intermediate_size=32))),
+}
 # the kinds whose configs take _BASE's fields
 _BASED = ("qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "olmo_hybrid")
 
 
 def tiny_hf_config(kind: str, **kw):
-    config_cls, _, fields = KINDS[kind]
+    config_cls, _, fields = {**KINDS, **VISION_LANGUAGE_KINDS}[kind]
     return getattr(transformers, config_cls)(**{**(_BASE if kind in _BASED else {}), **fields, **kw})
 
 
 def random_hf_model(kind: str, seed: int = 0, scale: float = 1.0, **kw):
     """HF's own init, plus noise on the parameters it initialises to
-    constants (norm weights, dt_bias, routers' correction biases), so a
-    swapped or skipped one shows."""
+    constants (norm weights, dt_bias, routers' correction biases, GLM-5-Next's
+    pool gates and biases), so a swapped or skipped one shows."""
     torch.manual_seed(seed)
-    model = getattr(transformers, KINDS[kind][1])(tiny_hf_config(kind, **kw)).eval()
+    model = getattr(transformers, {**KINDS, **VISION_LANGUAGE_KINDS}[kind][1])(tiny_hf_config(kind, **kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if "index_kpool_compress" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            elif p.dim() == 1:
                 p.add_(0.2 * torch.randn_like(p))
             elif scale != 1.0:
                 p.mul_(scale)

@@ -129,9 +129,8 @@ def test_indexed_latent_attention_matches_glm5_next():
 
 
 def _latent_cache(layer: IndexedLatentAttention) -> IndexedLatentCache:
-    index = None if layer.indexer is None else IndexCache(jnp.zeros((B, CAPACITY, 8)), jnp.zeros((B, CAPACITY, 8)),
-                                                          jnp.zeros((B, CAPACITY // POOL, 8)))
-    return IndexedLatentCache(LatentCache(jnp.zeros((B, CAPACITY, 12)), jnp.zeros((B, CAPACITY, 0))), index)
+    index = None if layer.indexer is None else IndexCache(*(jnp.zeros((B, CAPACITY, 8)) for _ in range(3)))
+    return IndexedLatentCache.of(LatentCache(jnp.zeros((B, CAPACITY, 12)), jnp.zeros((B, CAPACITY, 0))), index)
 
 
 @pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "expanded"])
@@ -204,7 +203,7 @@ def test_indexed_gated_attention_matches_qwen4_exp():
     got, _ = ours(jnp.asarray(x), rope, jnp.arange(T))
     assert relative_error(got, want.numpy()) <= 1e-5
     cache = IndexedKVCache(KVCache(jnp.zeros((B, CAPACITY, 2, HEAD_DIM)), jnp.zeros((B, CAPACITY, 2, HEAD_DIM))),
-                           IndexCache(jnp.zeros((B, CAPACITY, QSA_DIM)), None, jnp.zeros((B, CAPACITY // POOL, QSA_DIM))))
+                           IndexCache(jnp.zeros((B, CAPACITY, QSA_DIM)), None, jnp.zeros((B, CAPACITY, QSA_DIM))))
     steps = []
     for a, z in [(0, 10), (10, 13)] + [(i, i + 1) for i in range(13, T)]:
         y, cache = ours(jnp.asarray(x[:, a:z]), rope_tables(jnp.arange(a, z)[None], HEAD_DIM // 2, 10000.0),

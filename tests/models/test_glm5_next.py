@@ -13,54 +13,26 @@ measured about 2e-7)."""
 
 import logging
 
-from safetensors import safe_open
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
+from safetensors import safe_open
 
 from gdnx.checkpoints.hf_config import model_config_from_hf
 from gdnx.generate import generate
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
-from tests.helpers.hf_models import VOCAB, hf_logits, tokens
+from tests.helpers.hf_models import GLM5_NEXT_TEXT, hf_logits, tokens
 
 TOL = 1e-4
-# a dense first layer, then twice: KDA, a full-index attention layer, a shared-index one (transformers
-# shares a selection only with the layer right after the full one)
-LAYERS = ["linear_attention"] + ["linear_attention", "indexed_attention", "indexed_attention"] * 2
-TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=2,
-            kv_lora_rank=12, q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=8, v_head_dim=6,
-            intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-            topk_group=2, index_n_heads=16, index_head_dim=8, index_kpool=4, index_topk=8, linear_num_heads=2,
-            linear_head_dim=8, hc_mult=4, hc_sinkhorn_iters=5, swiglu_limit=0.8, layer_types=LAYERS,
-            indexer_types=["full", "full", "full", "shared", "full", "full", "shared"],
-            mlp_layer_types=["dense"] + ["sparse"] * 6, pad_token_id=None)
-VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
-              projection_intermediate_size=32)
+LAYERS = GLM5_NEXT_TEXT["layer_types"]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """The transformers model and its directory: HF's init, plus noise on
-    what it starts at constants (norms, biases, the pools' gate and bias)."""
-    torch.manual_seed(0)
-    config = transformers.Glm5NextConfig(text_config=TEXT, vision_config=VISION)
-    hf = transformers.Glm5NextForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "index_kpool_compress" in name:
-                p.copy_(0.3 * torch.randn_like(p))
-            elif p.dim() == 1:
-                p.add_(0.2 * torch.randn_like(p))
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.add_(0.1 * torch.randn_like(b))
-    path = tmp_path_factory.mktemp("glm5_next")
-    hf.save_pretrained(path)
-    return hf, path
+def checkpoint(hf_checkpoints):
+    """The transformers model (its vision tower of one block) and its directory."""
+    return hf_checkpoints.hf("glm5_next"), hf_checkpoints.path("glm5_next")
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["unrolled", "scanned"])
@@ -146,5 +118,5 @@ def _file_keys(path) -> set[str]:
 ])
 def test_config_mistakes_name_the_field(edit, named):
     with pytest.raises(ValueError) as error:
-        model_config_from_hf({"model_type": "glm5_next", "text_config": {**TEXT, **edit}})
+        model_config_from_hf({"model_type": "glm5_next", "text_config": {**GLM5_NEXT_TEXT, **edit}})
     assert named in str(error.value) and "\n" not in str(error.value), str(error.value)

@@ -48,3 +48,41 @@ def test_prompt_logprobs_are_transformers_log_softmax(hf_checkpoints, batch_inva
         for row, (_, top) in zip(ref, got.prompt_logprobs):
             assert list(top) == np.argsort(-row)[:3].tolist()
             np.testing.assert_allclose(list(top.values()), np.sort(row)[::-1][:3], rtol=1e-5, atol=1e-5)
+
+
+
+@pytest.fixture(scope="module")
+def glm5_next(hf_checkpoints):
+    """The GLM-5-Next checkpoint loaded, its prompts (the last sharing its
+    first two blocks with the one before) and transformers' greedy tokens."""
+    hf, model = hf_checkpoints.hf_and_gdnx("glm5_next", scale=5.0, gdn_chunk_size=16)
+    prompts = [tokens(1, n, seed=n)[0].tolist() for n in (3, 20, 37)]
+    prompts.append(prompts[2][:32] + [5, 6, 7])
+    refs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        refs.append(ref[0, len(prompt):].numpy())
+    return model, prompts, refs
+
+
+@pytest.mark.parametrize("settings", [{"prefix_cache_bytes": 1 << 24}, {"draft_method": "ngram", "draft_tokens": 3},
+                                      {"batch_invariant": True, "prefix_cache_bytes": 1 << 24}],
+                         ids=["prefix-cache", "ngram", "batch-invariant"])
+def test_glm5_next_sparse_attention_in_the_engine(glm5_next, settings):
+    """GLM-5-Next (a budget of 8 tokens in pools of 4, shared-index layers,
+    hyper-connection streams) in the engine: transformers' greedy tokens,
+    with a prefix cache (a second pass restores the indexer's per-token
+    entries and pool keys with the attention's: hits, the same tokens),
+    n-gram speculation (a refused draft's pool keys rebuilt) and
+    block-by-block prefill."""
+    model, prompts, refs = glm5_next
+    engine = Engine(model, max_slots=2, max_length=64, block_size=16, decode_steps=4, **settings)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = [engine.generate(prompts, greedy)]
+    if settings.get("prefix_cache_bytes"):
+        runs.append(engine.generate(prompts[::-1], greedy)[::-1])
+        assert sum(c.cached_tokens for c in runs[1]) > 0
+    for out in runs:
+        for got, ref in zip(out, refs, strict=True):
+            np.testing.assert_array_equal(got.tokens, ref)

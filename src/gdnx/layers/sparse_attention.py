@@ -31,10 +31,28 @@ from gdnx.parallel.rules import HIDDEN, out_sharding
 
 
 class IndexedLatentCache(NamedTuple):
-    """A latent attention layer's cache and its indexer's (None on a
-    shared-index layer)."""
-    latent: LatentCache
-    indexer: IndexCache | None
+    """A latent attention layer's cache (LatentCache's latent and rope) and
+    its indexer's (IndexCache's keys, gates and blocks; None on a
+    shared-index layer), every array [B, max_len, ...]."""
+    latent: jax.Array
+    rope: jax.Array
+    keys: jax.Array | None = None
+    gates: jax.Array | None = None
+    blocks: jax.Array | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the cache holds."""
+        return self.latent.shape[-2]
+
+    @property
+    def parts(self) -> tuple[LatentCache, IndexCache | None]:
+        index = None if self.keys is None or self.blocks is None else IndexCache(self.keys, self.gates, self.blocks)
+        return LatentCache(self.latent, self.rope), index
+
+    @classmethod
+    def of(cls, latent: LatentCache, index: IndexCache | None) -> "IndexedLatentCache":
+        return cls(latent.latent, latent.rope, *(index if index is not None else (None, None, None)))
 
 
 class IndexedKVCache(NamedTuple):
@@ -86,8 +104,9 @@ class IndexedLatentAttention(LatentAttention):
         otherwise). Returns (y, new cache or None, the selection used)."""
         q_nope, q_rope, latent, k_rope, resid = self._project(x, rope)
         assert resid is not None  # the indexer reads the low-rank query; the config requires q_lora_rank
+        lat_cache, index = (None, None) if cache is None else cache.parts
         if self.indexer is not None:
-            selection, index = self.indexer(x, resid, positions, None if cache is None else cache.indexer, start)
+            selection, index = self.indexer(x, resid, positions, index, start)
         else:
             if selection is None:
                 raise ValueError("selection: a shared-index layer attends with a previous full layer's selection")
@@ -96,9 +115,10 @@ class IndexedLatentAttention(LatentAttention):
             out = self._mix(q_nope, q_rope, latent, k_rope, positions, positions, None, False,
                             selection_mask(selection, latent.shape[1], self.block, self.tail))
             return self._output(x, out), None, selection
-        lat_cache, latent, k_rope = self._cached(cache.latent, latent, k_rope, start)
-        assert isinstance(lat_cache, LatentCache)
-        new = IndexedLatentCache(lat_cache, index)
+        assert lat_cache is not None
+        written, latent, k_rope = self._cached(lat_cache, latent, k_rope, start)
+        assert isinstance(written, LatentCache)
+        new = IndexedLatentCache.of(written, index)
         t, s = x.shape[1], latent.shape[1]
         if t * (self.top * self.block + self.block - 1) < s:
             idx, valid = selection_indices(selection, self.block, self.tail)

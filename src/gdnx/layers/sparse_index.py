@@ -53,9 +53,10 @@ _TOKENS = ("batch", None, None)  # the cache's logical axes: the length kept who
 
 
 class IndexCache(NamedTuple):
-    """Per token: the index key [B, max_len, d] and, for pooled indexers,
-    the gate logits [B, max_len, d] (else None); per block the block's key
-    [B, max_len // block, d]."""
+    """Per token slot [B, max_len, d]: the index key, for pooled indexers
+    the gate logits (else None), and at each block's last slot the block's
+    key (the others unused). Every array is per slot so that a prefix cache
+    keeps a block of positions as it keeps attention's keys."""
     keys: jax.Array
     gates: jax.Array | None
     blocks: jax.Array
@@ -154,11 +155,13 @@ def block_keys(pool: PoolFn, block: int, cache: IndexCache | None, keys: jax.Arr
     b, t, d = keys.shape
     all_keys = write_cache(cache.keys, keys, start, _TOKENS)
     all_gates = None if gates is None or cache.gates is None else write_cache(cache.gates, gates, start, _TOKENS)
-    p = cache.blocks.shape[1]
+    s = all_keys.shape[1]
+    p = s // block
     if t > block:  # a prefill: every block again, in one pass
         blocks = _all_blocks(pool, block, all_keys.astype(keys.dtype),
                              None if all_gates is None else all_gates.astype(keys.dtype))
-        return IndexCache(all_keys, all_gates, blocks.astype(cache.blocks.dtype)), blocks
+        ends = cache.blocks.at[:, block - 1:p * block:block].set(blocks.astype(cache.blocks.dtype))
+        return IndexCache(all_keys, all_gates, ends), blocks
     # t <= block tokens complete at most the block they start in (a later
     # block they reach is completed, and rebuilt, by a later call): rebuild it
     ids = jnp.minimum(jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,)) // block, p - 1)[:, None]  # [B, 1]
@@ -167,8 +170,9 @@ def block_keys(pool: PoolFn, block: int, cache: IndexCache | None, keys: jax.Arr
     def tokens(a):
         return jax.vmap(lambda r, i: r[i])(a, slots).astype(keys.dtype).reshape(b, 1, block, d)
     fresh = pool(tokens(all_keys), None if all_gates is None else tokens(all_gates), ids)
-    blocks = jax.vmap(lambda r, i, v: r.at[i].set(v))(cache.blocks, ids, fresh.astype(cache.blocks.dtype))
-    return IndexCache(all_keys, all_gates, blocks), blocks.astype(keys.dtype)
+    ends = jax.vmap(lambda r, i, v: r.at[i].set(v))(cache.blocks, ids[:, 0] * block + block - 1,
+                                                    fresh[:, 0].astype(cache.blocks.dtype))
+    return IndexCache(all_keys, all_gates, ends), ends[:, block - 1:p * block:block].astype(keys.dtype)
 
 
 class PooledIndexer(nnx.Module):

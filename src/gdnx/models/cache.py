@@ -29,8 +29,7 @@ class Cache(NamedTuple):
 
     @property
     def max_length(self) -> int:
-        kv = [c.latent if isinstance(c, IndexedLatentCache) else c for c in self.layers
-              if isinstance(c, KVCache | LatentCache | IndexedLatentCache)]
+        kv = [c for c in self.layers if isinstance(c, KVCache | LatentCache | IndexedLatentCache)]
         return kv[0].capacity if kv else -1
 
     @classmethod
@@ -48,7 +47,7 @@ class Cache(NamedTuple):
                 if not isinstance(entry, LatentCache) or cfg.family != "glm5_next":
                     return entry
                 index = None if layer.mixer.indexer is None else index_entry(cfg, batch, max_length, lead)
-                return IndexedLatentCache(entry, index)
+                return IndexedLatentCache.of(entry, index)
             if layer.layer_type == "sliding_attention":
                 ring = min(max_length, cfg.sliding_window + rollback)
                 shape = (*lead, batch, ring, cfg.num_key_value_heads, cfg.head_dim)
@@ -78,10 +77,9 @@ def attention_entry(cfg: ModelConfig, batch: int, length: int, lead: tuple[int, 
 
 def index_entry(cfg: ModelConfig, batch: int, length: int, lead: tuple[int, ...] = ()) -> IndexCache:
     """An empty cache entry of a pooled sparse-attention indexer (glm5_next):
-    per token its key and gate logits, per pool its key."""
-    dtype, d = jnp.dtype(cfg.dtype), cfg.index_head_dim
-    return IndexCache(jnp.zeros((*lead, batch, length, d), dtype), jnp.zeros((*lead, batch, length, d), dtype),
-                      jnp.zeros((*lead, batch, length // cfg.index_kpool, d), dtype))
+    per token its key and gate logits, and each pool's key at its last slot."""
+    shape = (*lead, batch, length, cfg.index_head_dim)
+    return IndexCache(*(jnp.zeros(shape, jnp.dtype(cfg.dtype)) for _ in range(3)))
 
 
 def row_axes(model: Any) -> tuple[int, ...]:
@@ -128,9 +126,7 @@ def place_cache(cache: Cache, cfg: ModelConfig, row_axes: tuple[int, ...]) -> Ca
                                place(entry.rope, (*lead, "batch", None, None)))
         if isinstance(entry, IndexedLatentCache):
             # the indexer's entries, like the latents, are one "head" every query reads: kept whole per row
-            index = None if entry.indexer is None else jax.tree.map(
-                lambda a: place(a, (*lead, "batch", None, None)), entry.indexer)
-            return IndexedLatentCache(one(entry.latent, axis), index)
+            return jax.tree.map(lambda a: place(a, (*lead, "batch", None, None)), entry)
         raise TypeError(f"a cache entry of type {type(entry).__name__}")
     length = place(cache.length, ("batch",) * cache.length.ndim)
     return Cache(tuple(one(e, a) for e, a in zip(cache.layers, row_axes, strict=True)), length)

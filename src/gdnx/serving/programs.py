@@ -226,7 +226,7 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
             def window(x):  # the length axis follows the rows' (after a scanned cycle's repeats)
                 return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, tokens.shape[1], axis=axis),
                                 in_axes=(axis, 0), out_axes=axis)(x, starts)
-            return tuple(window(x) for x in entry)
+            return tuple(window(x) for x in entry if x is not None)  # a shared-index layer has no indexer's
         snapshot = _map_entries(snap, static, new.layers)
 
     def put(axis, entry, fresh_entry):
@@ -273,14 +273,17 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
 
 def restore(slots: Slots, row: jax.Array, layers: tuple, *, static: Static) -> Slots:
     """Write a prefix-cache hit's states into slot `row`: per cache entry
-    (conv, recurrent) of a GDN or KDA layer, the two parts ((k, v) or
-    (latent, rope)) [capacity, ...] of an attention layer (the hit's tokens
-    first), each without the row axis; with multi-token prediction
+    (conv, recurrent) of a GDN or KDA layer, the parts ((k, v), (latent,
+    rope), and an indexed layer's indexer entries) [capacity, ...] of an
+    attention layer (the hit's tokens first), each without the row axis; with multi-token prediction
     drafting, then the drafter's (k, v) [capacity, ...] and (hidden,) [H]
     at the hit's end."""
     def put(axis, entry, parts):
-        arrays = [x.at[(slice(None),) * axis + (row,)].set(y.astype(x.dtype)) for x, y in zip(entry[:2], parts)]
-        return entry._replace(**dict(zip(entry._fields[:2], arrays)))
+        # the entry's arrays, in order, past the ones a call adds (a ring's fresh keys, a state's history)
+        fields = [f for f in entry._fields if getattr(entry, f) is not None]
+        arrays = [getattr(entry, f).at[(slice(None),) * axis + (row,)].set(y.astype(getattr(entry, f).dtype))
+                  for f, y in zip(fields, parts, strict=True)]
+        return entry._replace(**dict(zip(fields, arrays)))
     main = len(static.row_axes)
     slots = slots._replace(cache=slots.cache._replace(
         layers=_map_entries(put, static, slots.cache.layers, layers[:main])))
