@@ -210,3 +210,21 @@ def test_indexed_gated_attention_matches_qwen4_exp():
                         jnp.arange(a, z), cache, a)
         steps.append(y)
     assert relative_error(jnp.concatenate(steps, 1), want.numpy()) <= 1e-5
+
+
+def test_qsa_packed_documents_equal_each_document_alone():
+    """Qwen4-Exp's layer over a row packing two documents (17 and 14
+    tokens; blocks from each document's first token, rotated at their
+    positions in it): each document's output alone."""
+    ours = _qwen_ours()
+    rng = np.random.default_rng(7)
+    for _, p in nnx.iter_graph(ours):
+        if isinstance(p, nnx.Param):
+            p[...] = jnp.asarray(0.3 * rng.standard_normal(p.shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((1, 31, H)), jnp.float32)
+    segments = jnp.asarray(np.repeat([0, 1], [17, 14])[None], jnp.int32)
+    doc_pos = jnp.concatenate([jnp.arange(17), jnp.arange(14)])[None]
+    packed, _ = ours(x, rope_tables(doc_pos, HEAD_DIM // 2, 10000.0), jnp.arange(31), segments=segments)
+    for a, z in ((0, 17), (17, 31)):
+        alone, _ = ours(x[:, a:z], rope_tables(jnp.arange(z - a)[None], HEAD_DIM // 2, 10000.0), jnp.arange(z - a))
+        assert relative_error(packed[:, a:z], alone) <= 1e-5

@@ -51,6 +51,24 @@ def test_logits_match_transformers(pair, length):
     assert err <= TOL, err
 
 
+def test_packed_documents_equal_each_document_alone(pair):
+    """A row packing three documents (13, 22 and 10 tokens: pools from each
+    document's first token, unfinished last pools) gives each document's
+    logits alone (training and scoring pack rows so)."""
+    _, model = pair
+    lengths = (13, 22, 10)
+    docs = [tokens(1, n, seed=10 + n)[0] for n in lengths]
+    segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None]
+    packed = model.forward(jnp.asarray(np.concatenate(docs)[None], jnp.int32),
+                           segments=jnp.asarray(segments, jnp.int32)).logits[0]
+    # each document alone, in one batch: padded after its end, which its (causal) logits do not see
+    alone = model(jnp.asarray(np.stack([np.pad(d, (0, max(lengths) - len(d))) for d in docs]), jnp.int32))
+    at = 0
+    for i, n in enumerate(lengths):
+        assert relative_error(packed[at:at + n], alone[i, :n]) <= 1e-5
+        at += n
+
+
 def test_the_config_reads_as_transformers_does(checkpoint, caplog):
     """Layer, MLP and indexer patterns; the vision tower skipped with one
     line naming it."""

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdnx.layers.attention import GatedAttention, KVCache, Rope, causal_attention, maybe_rope, write_cache
+from gdnx.layers.documents import document_positions
 from gdnx.layers.latent_attention import LatentAttention, LatentCache
 from gdnx.layers.sparse_index import (BlockMeanIndexer, IndexCache, PooledIndexer, Selection, selection_indices,
                                       selection_mask)
@@ -96,23 +97,25 @@ class IndexedLatentAttention(LatentAttention):
 
     def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array,  # type: ignore[override]
                  cache: IndexedLatentCache | None = None, start: jax.Array | int = 0,
-                 selection: Selection | None = None,
+                 selection: Selection | None = None, segments: jax.Array | None = None,
                  ) -> tuple[jax.Array, IndexedLatentCache | None, Selection]:
         """x [B, T, hidden], rope (None: no rotary embedding), positions [T]
         or [B, T], the cache written at [start, start + T); `selection`: the
         last full layer's (required on a shared-index layer, ignored
-        otherwise). Returns (y, new cache or None, the selection used)."""
+        otherwise); segments [B, T]: packed documents (without a cache), each
+        indexed and attended on its own. Returns (y, new cache or None, the
+        selection used)."""
         q_nope, q_rope, latent, k_rope, resid = self._project(x, rope)
         assert resid is not None  # the indexer reads the low-rank query; the config requires q_lora_rank
         lat_cache, index = (None, None) if cache is None else cache.parts
         if self.indexer is not None:
-            selection, index = self.indexer(x, resid, positions, index, start)
+            selection, index = self.indexer(x, resid, positions, index, start, segments)
         else:
             if selection is None:
                 raise ValueError("selection: a shared-index layer attends with a previous full layer's selection")
             index = None
         if cache is None:
-            out = self._mix(q_nope, q_rope, latent, k_rope, positions, positions, None, False,
+            out = self._mix(q_nope, q_rope, latent, k_rope, positions, positions, segments, False,
                             selection_mask(selection, latent.shape[1], self.block, self.tail))
             return self._output(x, out), None, selection
         assert lat_cache is not None
@@ -169,13 +172,11 @@ class IndexedGatedAttention(GatedAttention):
                                         init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, rope: Rope, positions: jax.Array,  # type: ignore[override]
-                 cache: IndexedKVCache | None = None, start: jax.Array | int = 0, segments: None = None,
-                 ) -> tuple[jax.Array, IndexedKVCache | None]:
-        """As GatedAttention.__call__ (rope for the call's positions, made
-        with the indexer's theta and rotary_dim); packed documents
-        (segments) are not supported: blocks run from position 0."""
-        if segments is not None:
-            raise ValueError("segments: sparse-attention layers attend within one document per row")
+                 cache: IndexedKVCache | None = None, start: jax.Array | int = 0,
+                 segments: jax.Array | None = None) -> tuple[jax.Array, IndexedKVCache | None]:
+        """As GatedAttention.__call__ (rope for each token's position in its
+        document, made with the indexer's theta and rotary_dim); segments
+        [B, T]: packed documents (without a cache), each indexed on its own."""
         b, t, _ = x.shape
         d, idx_block = self.head_dim, self.indexer.block
         qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * d)
@@ -183,10 +184,11 @@ class IndexedGatedAttention(GatedAttention):
         q = maybe_rope(self.q_norm(q), rope)
         k = maybe_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
-        selection, index = self.indexer(x, positions, None if cache is None else cache.indexer, start)
+        rotated = positions if segments is None else document_positions(segments)
+        selection, index = self.indexer(x, rotated, None if cache is None else cache.indexer, start, segments)
         new: IndexedKVCache | None = None
         if cache is None:
-            out = causal_attention(q, k, v, positions, positions,
+            out = causal_attention(q, k, v, positions, positions, segments,
                                    allowed=selection_mask(selection, t, idx_block, True))
         else:
             axes = ("batch", None, "kv_heads", None)

@@ -45,6 +45,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from gdnx.layers.attention import write_cache
+from gdnx.layers.documents import document_positions
 from gdnx.layers.linear import linear
 from gdnx.layers.norms import LayerNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import apply_rope, rope_tables
@@ -64,26 +65,70 @@ class IndexCache(NamedTuple):
 
 class Selection(NamedTuple):
     """Per query [B, T]: the chosen blocks [B, T, n] (block b covers slots
-    [b * block, (b + 1) * block)) and whether each is real (a context with
-    fewer than n candidates fills the rest with unreal ones), and the query's
-    position [B, T]. A shared-index layer attends with another layer's."""
+    [b * block, (b + 1) * block), or in packed rows [starts[b], starts[b] +
+    block)) and whether each is real (a context with fewer than n candidates
+    fills the rest with unreal ones), and the query's slot [B, T]. Packed
+    rows (documents one after another, each with its own blocks): starts
+    [B, P], each block's first slot, and q_doc [B, T], each query's position
+    in its document. A shared-index layer attends with another layer's."""
     blocks: jax.Array
     chosen: jax.Array
     q_pos: jax.Array
+    starts: jax.Array | None = None
+    q_doc: jax.Array | None = None
 
 
-def select_blocks(scores: jax.Array, q_pos: jax.Array, block: int, top: int) -> Selection:
+def select_blocks(scores: jax.Array, q_pos: jax.Array, block: int, top: int,
+                  packed: "PackedBlocks | None" = None) -> Selection:
     """The `top` best-scoring candidate blocks per query: scores [B, T, P]
-    (float32) for the complete blocks of the context, q_pos [B, T]."""
+    (float32) for the complete blocks of the context, q_pos [B, T]; packed:
+    the blocks of packed documents (a block is then a candidate for the
+    queries of its own document only)."""
     b, t, p = scores.shape
     n = min(top, p)
     if n == 0:
         empty = jnp.zeros((b, t, 0), jnp.int32)
         return Selection(empty, empty.astype(bool), q_pos)
-    last = (jnp.arange(p, dtype=jnp.int32) + 1) * block - 1
-    candidate = last <= q_pos[..., None]
+    if packed is None:
+        last = (jnp.arange(p, dtype=jnp.int32) + 1) * block - 1
+        candidate = last <= q_pos[..., None]
+    else:
+        candidate = ((packed.starts[:, None, :] + block - 1 <= q_pos[..., None])
+                     & (packed.documents[:, None, :] == packed.segments[..., None]))
     _, blocks = jax.lax.top_k(jnp.where(candidate, scores, -jnp.inf), n)
-    return Selection(blocks.astype(jnp.int32), jnp.take_along_axis(candidate, blocks, axis=-1), q_pos)
+    chosen = jnp.take_along_axis(candidate, blocks, axis=-1)
+    if packed is None:
+        return Selection(blocks.astype(jnp.int32), chosen, q_pos)
+    return Selection(blocks.astype(jnp.int32), chosen, q_pos, packed.starts, packed.doc_pos)
+
+
+class PackedBlocks(NamedTuple):
+    """The complete blocks of packed rows ([B, T] tokens, documents one
+    after another, each cut into blocks from its first token): at most
+    T // block of them per row, in order; a document's unfinished last
+    block is none. starts [B, P]: each block's first slot (T for none);
+    documents [B, P]: its document (-1 for none); segments, doc_pos [B, T]:
+    each token's document and position in it."""
+    starts: jax.Array
+    documents: jax.Array
+    segments: jax.Array
+    doc_pos: jax.Array
+
+
+def packed_blocks(segments: jax.Array, block: int) -> PackedBlocks:
+    """Where the complete blocks of packed rows lie (segments [B, T] number
+    each token's document, non-decreasing)."""
+    b, t = segments.shape
+    p = t // block
+    doc_pos = document_positions(segments)
+    slots = jnp.arange(t, dtype=jnp.int32)
+    last = jnp.minimum(slots + block - 1, t - 1)
+    complete = (doc_pos % block == 0) & (slots + block - 1 < t) & (jnp.take(segments, last, axis=1) == segments)
+    index = jnp.where(complete, jnp.cumsum(complete, axis=1) - 1, p)  # the block's place, p: none
+    rows = jnp.arange(b)[:, None]
+    starts = jnp.full((b, p + 1), t, jnp.int32).at[rows, index].set(jnp.broadcast_to(slots, (b, t)))[:, :p]
+    documents = jnp.full((b, p + 1), -1, segments.dtype).at[rows, index].set(segments)[:, :p]
+    return PackedBlocks(starts, documents, segments, doc_pos)
 
 
 def _tail_count(q_pos: jax.Array, block: int) -> jax.Array:
@@ -102,17 +147,27 @@ def selection_mask(sel: Selection, length: int, block: int, tail: bool) -> jax.A
     hit = jnp.zeros((b, t, p + 1), bool).at[bi, ti, jnp.where(sel.chosen, sel.blocks, p)].set(True)
     hit = hit.at[..., p].set(False)
     slots = jnp.arange(length, dtype=jnp.int32)
-    visible = jnp.take(hit, jnp.minimum(slots // block, p), axis=-1)
+    if sel.starts is None:
+        visible = jnp.take(hit, jnp.minimum(slots // block, p), axis=-1)
+    else:  # each slot's block in packed rows (p: in none), from the blocks' first slots
+        starts = sel.starts[:, :p]
+        owner = jnp.full((b, length + block), p, jnp.int32)
+        spans = (starts[..., None] + jnp.arange(block, dtype=jnp.int32)).reshape(b, -1)
+        owner = owner.at[jnp.arange(b)[:, None], spans].set(
+            jnp.repeat(jnp.arange(p, dtype=jnp.int32), block)[None], mode="drop")[:, :length]
+        visible = jnp.take_along_axis(hit, jnp.broadcast_to(owner[:, None, :], (b, t, length)), axis=-1)
     if tail:
         q = sel.q_pos[..., None]
-        visible = visible | ((slots >= q + 1 - _tail_count(q, block)) & (slots <= q))
+        count = _tail_count(q if sel.q_doc is None else sel.q_doc[..., None], block)
+        visible = visible | ((slots >= q + 1 - count) & (slots <= q))
     return visible
 
 
 def selection_indices(sel: Selection, block: int, tail: bool) -> tuple[jax.Array, jax.Array]:
     """The slots each query reads as indices [B, T, K] with their validity
     (K = n * block, plus block - 1 with `tail`): what a decode step gathers
-    instead of reading the whole cache."""
+    instead of reading the whole cache (one document per row)."""
+    assert sel.starts is None  # a cache holds one document per row
     b, t, n = sel.blocks.shape
     offsets = jnp.arange(block, dtype=jnp.int32)
     idx = (sel.blocks[..., None] * block + offsets).reshape(b, t, n * block)
@@ -126,6 +181,14 @@ def selection_indices(sel: Selection, block: int, tail: bool) -> tuple[jax.Array
     return idx, valid
 
 
+def _packed(segments: jax.Array | None, cache: IndexCache | None, block: int) -> PackedBlocks | None:
+    if segments is None:
+        return None
+    if cache is not None:
+        raise ValueError("segments: packed documents are for training and scoring; a cache holds one per row")
+    return packed_blocks(segments, block)
+
+
 def _query_positions(positions: jax.Array, b: int, t: int) -> jax.Array:
     return jnp.broadcast_to(positions.astype(jnp.int32).reshape(-1, t), (b, t))
 
@@ -135,23 +198,32 @@ PoolFn = Callable[[jax.Array, "jax.Array | None", jax.Array], jax.Array]
 d] and the block ids [B, n]."""
 
 
-def _all_blocks(pool: PoolFn, block: int, keys: jax.Array, gates: jax.Array | None) -> jax.Array:
+def _all_blocks(pool: PoolFn, block: int, keys: jax.Array, gates: jax.Array | None,
+                packed: PackedBlocks | None = None) -> jax.Array:
     b, s, d = keys.shape
     p = s // block
+    if packed is not None:  # each block's tokens from its first slot (a block of none: any, never read)
+        slots = jnp.minimum(packed.starts[..., None] + jnp.arange(block, dtype=jnp.int32), s - 1).reshape(b, -1)
 
-    def grouped(a):
-        return a[:, :p * block].reshape(b, p, block, d)
-    ids = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        def grouped(a):
+            return jax.vmap(lambda r, i: r[i])(a, slots).reshape(b, p, block, d)
+        # a block's rotation (QSA) follows its position in its document
+        ids = jnp.take_along_axis(packed.doc_pos, jnp.minimum(packed.starts, s - 1), axis=1) // block
+    else:
+        def grouped(a):
+            return a[:, :p * block].reshape(b, p, block, d)
+        ids = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     return pool(grouped(keys), None if gates is None else grouped(gates), ids)
 
 
 def block_keys(pool: PoolFn, block: int, cache: IndexCache | None, keys: jax.Array, gates: jax.Array | None,
-               start: jax.Array | int) -> tuple[IndexCache | None, jax.Array]:
+               start: jax.Array | int, packed: PackedBlocks | None = None) -> tuple[IndexCache | None, jax.Array]:
     """The call's entries [B, T, d] written at [start, start + T); returns
     the cache and the complete blocks' keys [B, P, d] (P: the cache's
-    blocks, or the call's own without a cache)."""
+    blocks, or the call's own without a cache; packed: those of packed
+    documents, without a cache)."""
     if cache is None:
-        return None, _all_blocks(pool, block, keys, gates)
+        return None, _all_blocks(pool, block, keys, gates, packed)
     b, t, d = keys.shape
     all_keys = write_cache(cache.keys, keys, start, _TOKENS)
     all_gates = None if gates is None or cache.gates is None else write_cache(cache.gates, gates, start, _TOKENS)
@@ -204,21 +276,25 @@ class PooledIndexer(nnx.Module):
         return jnp.sum(probs * keys, axis=2)
 
     def __call__(self, x: jax.Array, q_resid: jax.Array, positions: jax.Array, cache: IndexCache | None = None,
-                 start: jax.Array | int = 0) -> tuple[Selection, IndexCache | None]:
+                 start: jax.Array | int = 0, segments: jax.Array | None = None
+                 ) -> tuple[Selection, IndexCache | None]:
         """x [B, T, hidden]; q_resid [B, T, q_lora_rank] (the attention's
         q_a_layernorm(q_a_proj(x))); positions [T] or [B, T]; the cache
-        written at [start, start + T)."""
+        written at [start, start + T); segments [B, T]: packed documents
+        (without a cache), each indexed on its own."""
         b, t, _ = x.shape
         h, d = self.heads, self.head_dim
         q = self.wq_b(q_resid).reshape(b, t, h, d)
         keys = self.k_norm(self.wk(x))
         gates = x @ self.index_kpool_compress_gate[...].astype(x.dtype).T
-        cache, pooled = block_keys(self._pool, self.block, cache, keys, gates, start)
+        packed = _packed(segments, cache, self.block)
+        cache, pooled = block_keys(self._pool, self.block, cache, keys, gates, start, packed)
         f32 = jnp.float32
         scores = jax.nn.relu(jnp.einsum("bthd,bpd->bthp", q.astype(f32), pooled.astype(f32)) * d ** -0.5)
         weights = self.weights_proj(x).astype(f32) * h ** -0.5
         index = jnp.einsum("bth,bthp->btp", weights, scores)
-        return select_blocks(index, _query_positions(positions, b, t), self.block, self.top), cache
+        q_pos = _query_positions(jnp.arange(t) if packed is not None else positions, b, t)
+        return select_blocks(index, q_pos, self.block, self.top, packed), cache
 
 
 class BlockMeanIndexer(nnx.Module):
@@ -246,16 +322,21 @@ class BlockMeanIndexer(nnx.Module):
         return apply_rope(self.k_layernorm(mean)[:, :, None], cos, sin)[:, :, 0]
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: IndexCache | None = None,
-                 start: jax.Array | int = 0) -> tuple[Selection, IndexCache | None]:
-        """As PooledIndexer.__call__, without the low-rank query."""
+                 start: jax.Array | int = 0, segments: jax.Array | None = None
+                 ) -> tuple[Selection, IndexCache | None]:
+        """As PooledIndexer.__call__, without the low-rank query (positions:
+        the tokens' positions in their documents, which the rotation takes)."""
         b, t, _ = x.shape
         h, d = self.heads, self.head_dim
         qk = self.index_qk_proj(x)
         q = self.q_layernorm(qk[..., :h * d].reshape(b, t, h, d))
         q_pos = _query_positions(positions, b, t)
         q = apply_rope(q, *rope_tables(q_pos, self.rotary_dim, self.theta))
-        cache, blocks = block_keys(self._pool, self.block, cache, qk[..., h * d:], None, start)
+        packed = _packed(segments, cache, self.block)
+        cache, blocks = block_keys(self._pool, self.block, cache, qk[..., h * d:], None, start, packed)
         f32 = jnp.float32
         scores = jax.nn.relu(jnp.einsum("bthd,bpd->bthp", q.astype(f32), blocks.astype(f32)))
         index = jnp.sum(scores, axis=2) / d ** 0.5
-        return select_blocks(index, q_pos, self.block, self.top), cache
+        if packed is not None:
+            q_pos = _query_positions(jnp.arange(t), b, t)
+        return select_blocks(index, q_pos, self.block, self.top, packed), cache

@@ -235,7 +235,7 @@ class DecoderLayer(nnx.Module):
         new_cache: LayerCache | None
         if isinstance(self.mixer, IndexedLatentAttention):
             assert cache is None or isinstance(cache, IndexedLatentCache)
-            h, new_cache, selection = self.mixer(h, rope, positions, cache, start, selection)
+            h, new_cache, selection = self.mixer(h, rope, positions, cache, start, selection, segments)
         else:
             h, new_cache = self._mix(h, rope, positions, cache, start, segments, lengths, history_every)
         streams = ManifoldHyperConnection.combine(post, comb, h, streams)
@@ -547,10 +547,7 @@ class CausalLM(nnx.Module):
             cfg.rope_theta)
         x = self._embed(constrain(tokens, ("batch", "length")))
         if cfg.streams > 1:
-            if segments is not None:
-                raise ValueError(f"segments: {cfg.family}'s sparse attention indexes one document per row; "
-                                 "packed documents are not supported")
-            x = HyperState(expand_streams(x, cfg.streams), self._no_selection(tokens, positions, cache))
+            x = HyperState(expand_streams(x, cfg.streams), self._no_selection(tokens, positions, cache, segments))
         run = _run_layer
         if cfg.remat_policy != "none" and cache is None:  # remat is for training; decoding keeps nothing
             run = nnx.remat(_run_layer, policy=_remat_policy(cfg.remat_policy))
@@ -576,15 +573,21 @@ class CausalLM(nnx.Module):
             x = stream_mean(x.streams)
         return HiddenOutput(self.norm(x), new_cache, load_balancing_loss(stats, cfg.num_experts))
 
-    def _no_selection(self, tokens: jax.Array, positions: jax.Array, cache: Cache | None) -> Selection:
+    def _no_selection(self, tokens: jax.Array, positions: jax.Array, cache: Cache | None,
+                      segments: jax.Array | None) -> Selection:
         """The selection before the first indexed layer: none, shaped as the
         indexed layers' (the best of the context's pools, up to the budget)."""
         cfg = self.config
         b, t = tokens.shape
         context = t if cache is None else cache.max_length
         n = min(cfg.index_topk // cfg.index_kpool, context // cfg.index_kpool)
-        return Selection(jnp.zeros((b, t, n), jnp.int32), jnp.zeros((b, t, n), bool),
-                         jnp.broadcast_to(positions.reshape(-1, t), (b, t)))
+        empty = Selection(jnp.zeros((b, t, n), jnp.int32), jnp.zeros((b, t, n), bool),
+                          jnp.broadcast_to(positions.reshape(-1, t), (b, t)))
+        if segments is None:
+            return empty
+        # packed rows: the indexed layers' selections carry their blocks' first slots and the documents' positions
+        return empty._replace(starts=jnp.zeros((b, context // cfg.index_kpool), jnp.int32),
+                              q_doc=jnp.zeros((b, t), jnp.int32))
 
     def _cache_slots(self) -> int:
         """Entries of a Cache: one per layer, or per head layer, cycle
