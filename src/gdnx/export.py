@@ -30,7 +30,7 @@ def export_run(run_dir: Path, out: Path, form: Form = "model", fp8: bool = False
     import jax.numpy as jnp
     from flax import nnx
 
-    from gdnx.checkpoints.hf_config import VISION_LANGUAGE
+    from gdnx.checkpoints.hf import checkpoint_prefix
     from gdnx.checkpoints.orbax import is_run
     from gdnx.checkpoints.peft import save_adapter
     from gdnx.files import read_json_object
@@ -62,9 +62,8 @@ def export_run(run_dir: Path, out: Path, form: Form = "model", fp8: bool = False
     if form == "adapter":
         assert lora is not None and config.model.init_from is not None
         base = Path(config.model.init_from)
-        hf = base / "config.json"
-        prefix = "model.language_model." if hf.is_file() and read_json_object(hf).get(
-            "model_type") in VISION_LANGUAGE else "model."
+        hf_dir = (base / "config.json").is_file() and any(base.glob("*.safetensors"))
+        prefix = checkpoint_prefix(base) if hf_dir else "model."
         adapters = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
         save_adapter(config.model, lora, {p: v[...] for p, v in adapters.items()}, out, str(base), prefix)
     elif form == "model" and not fp8:

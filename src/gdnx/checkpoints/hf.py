@@ -317,6 +317,13 @@ def export_prefix(cfg: ModelConfig) -> str:
     return "model.language_model." if cfg.family == "glm5_next" else "model."
 
 
+def checkpoint_prefix(path: str | os.PathLike) -> str:
+    """Where a Hugging Face directory keeps its language model's tensors
+    (language_model_prefix)."""
+    directory = Path(path)
+    return language_model_prefix(_hf_config(directory), _Reader(directory))
+
+
 def language_model_prefix(hf: dict, reader: Any) -> str:
     """Where the language model's tensors are: model.language_model. in a
     vision-language checkpoint (a GLM-5-Next one may be flat), else model."""

@@ -80,6 +80,8 @@ ALIASES: dict[str, tuple[tuple[str, str], ...]] = {"kimi_linear": ((".block_spar
 MODULE_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "kimi_linear": ((".block_sparse_moe.", ".mlp."), (".self_attn.f_a_proj", ".self_attn.forget_gate.f_a_proj"),
                     (".self_attn.f_b_proj", ".self_attn.forget_gate.f_b_proj")),
+    "glm5_next": ((".self_attn.f_a_proj", ".self_attn.forget_gate.f_a_proj"),
+                  (".self_attn.f_b_proj", ".self_attn.forget_gate.f_b_proj")),
     "bailing_hybrid": ((".attention.f_proj", ".self_attn.forget_gate.f_proj"),
                        (".attention.dense", ".self_attn.o_proj"), (".attention.", ".self_attn.")),
 }
