@@ -190,20 +190,23 @@ def test_ling_multi_token_prediction_layers_left_out_are_skipped_once(tmp_path, 
 
 
 @pytest.mark.parametrize("name,arch", [("kimi-linear-48b-a3b", "KimiLinear"), ("ling-3.0-flash", "BailingHybrid"),
-                                       ("lara-4-mini", "LaraMini")])
+                                       ("lara-4-mini", "LaraMini"), ("glm-5.3-flash", "Glm5Next")])
 def test_bundled_configs_count_transformers_parameters(name, arch):
-    """The bundled Kimi-Linear-48B-A3B, Ling-3.0-Flash and Lara 4 Mini
-    configs, exported to config.json and built by transformers on the meta
-    device (no memory): gdnx's parameter count equals transformers'
-    parameters plus the routers' correction biases (buffers there,
+    """The bundled Kimi-Linear-48B-A3B, Ling-3.0-Flash, Lara 4 Mini and
+    GLM-5.3-Flash configs, exported to config.json and built by transformers
+    on the meta device (no memory): gdnx's parameter count equals
+    transformers' parameters (GLM's language model and head: its vision
+    tower aside) plus the routers' correction biases (buffers there,
     parameters without gradient here), and the layer pattern is theirs."""
     cfg = load_config(name).model
     hf = hf_config_from_model(cfg)
     config = getattr(transformers, f"{arch}Config")(**{k: v for k, v in hf.items()
                                                       if k not in ("architectures", "model_type", "dtype")})
+    model_class = f"{arch}ForConditionalGeneration" if arch == "Glm5Next" else f"{arch}ForCausalLM"
     with torch.device("meta"):
-        theirs = getattr(transformers, f"{arch}ForCausalLM")(config)
-    count = sum(p.numel() for p in theirs.parameters())
+        theirs = getattr(transformers, model_class)(config)
+    count = sum(p.numel() for n, p in theirs.named_parameters() if not n.startswith("model.visual."))
     count += sum(b.numel() for n, b in theirs.named_buffers() if n.endswith("e_score_correction_bias"))
     assert parameter_count(cfg) == count
-    assert list(theirs.config.layer_types) == list(cfg.resolved_layer_types)
+    layer_types = theirs.config.get_text_config().layer_types
+    assert [t.replace("indexed_", "full_") for t in layer_types] == list(cfg.resolved_layer_types)

@@ -43,6 +43,11 @@ def pair(checkpoint, request):
     return hf, model
 
 
+@pytest.fixture(scope="module")
+def unrolled(checkpoint):
+    return checkpoint[0], CausalLM.from_pretrained(checkpoint[1])
+
+
 @pytest.mark.parametrize("length", [6, 45])
 def test_logits_match_transformers(pair, length):
     hf, model = pair
@@ -51,11 +56,11 @@ def test_logits_match_transformers(pair, length):
     assert err <= TOL, err
 
 
-def test_packed_documents_equal_each_document_alone(pair):
+def test_packed_documents_equal_each_document_alone(unrolled):
     """A row packing three documents (13, 22 and 10 tokens: pools from each
     document's first token, unfinished last pools) gives each document's
     logits alone (training and scoring pack rows so)."""
-    _, model = pair
+    _, model = unrolled
     lengths = (13, 22, 10)
     docs = [tokens(1, n, seed=10 + n)[0] for n in lengths]
     segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None]
@@ -90,22 +95,21 @@ def test_the_config_reads_as_transformers_does(checkpoint, caplog):
     assert patterned.shared_index_layers == (False,) * 7 + (True,)
 
 
-def test_greedy_generation_matches_transformers(checkpoint):
+def test_greedy_generation_matches_transformers(unrolled):
     """A 30-token prompt and 16 new tokens: past the budget from the first
     step, each decode step gathering its selected rows."""
-    hf, path = checkpoint
-    model = CausalLM.from_pretrained(path)
+    hf, model = unrolled
     prompt = tokens(1, 30, seed=1)
     with torch.no_grad():
         ref = hf.generate(torch.tensor(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     np.testing.assert_array_equal(np.asarray(generate(model, prompt, 16)), ref[:, prompt.shape[1]:].numpy())
 
 
-def test_save_pretrained_loads_in_transformers_bit_identical(pair, checkpoint, tmp_path, caplog):
+def test_save_pretrained_loads_in_transformers_bit_identical(unrolled, checkpoint, tmp_path, caplog):
     """gdnx -> save_pretrained (carrying the source's vision tower) ->
     transformers: every tensor equals the original's bit for bit, and so do
     the logits. Without vision_from: the language model alone, said once."""
-    hf, model = pair
+    hf, model = unrolled
     _, source = checkpoint
     model.save_pretrained(tmp_path / "with", vision_from=source)
     back = type(hf).from_pretrained(tmp_path / "with").eval()
