@@ -134,6 +134,17 @@ def hf_logits(hf, toks) -> np.ndarray:
         return hf(torch.tensor(toks)).logits.numpy()
 
 
+def assert_same_model(back, hf) -> None:
+    """back (transformers' load of an export) holds hf's tensors bit for
+    bit and gives its logits."""
+    src = dict(hf.state_dict())
+    assert set(back.state_dict()) == set(src)
+    for name, tensor in back.state_dict().items():
+        torch.testing.assert_close(tensor, src[name], rtol=0, atol=0, msg=name)
+    toks = tokens(1, 20)
+    np.testing.assert_array_equal(hf_logits(back, toks), hf_logits(hf, toks))
+
+
 # A ChatML template as Qwen's checkpoints carry (the roles it knows; a system
 # turn only first), over a word-level tokenizer of the tiny models' vocabulary
 CHAT_TEMPLATE = (

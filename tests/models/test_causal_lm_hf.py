@@ -24,7 +24,7 @@ from gdnx.generate import generate
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import parameter_count
-from tests.helpers.hf_models import KINDS, _BASE, hf_logits, random_hf_model, tokens
+from tests.helpers.hf_models import KINDS, _BASE, assert_same_model, hf_logits, random_hf_model, tokens
 
 TOL = 1e-4
 
@@ -56,12 +56,7 @@ def test_save_pretrained_loads_in_transformers_bit_identical(pair, tmp_path):
     hf, model = pair
     model.save_pretrained(tmp_path)
     back = type(hf).from_pretrained(tmp_path).eval()
-    src = dict(hf.state_dict())
-    assert set(back.state_dict()) == set(src)
-    for name, tensor in back.state_dict().items():
-        torch.testing.assert_close(tensor, src[name], rtol=0, atol=0, msg=name)
-    toks = tokens(1, 20)
-    np.testing.assert_array_equal(hf_logits(back, toks), hf_logits(hf, toks))
+    assert_same_model(back, hf)
 
 
 def test_aux_loss_matches_transformers(hf_checkpoints):

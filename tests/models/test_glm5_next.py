@@ -4,9 +4,8 @@ language model's logits unrolled and scanned at lengths below and well past
 the sparse-attention budget (8 tokens in pools of 4: past 11 tokens a query
 reads fewer tokens than it sees), a shared-index layer after each full one,
 KDA with the bounded gate, hyper-connection streams, clamped SwiGLUs, a
-dense first layer and grouped sigmoid routing; greedy generation through
-gdnx's cache (one-token steps gather only the selected rows) equal to
-transformers' generate.
+dense first layer and grouped sigmoid routing; packed documents; the export.
+Generation against transformers' generate: tests/serving/test_engine_hf.py.
 
 Tolerance: relative error <= 1e-4 on the logits (float32, 7 layers;
 measured about 2e-7)."""
@@ -16,14 +15,12 @@ import logging
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from safetensors import safe_open
 
 from gdnx.checkpoints.hf_config import model_config_from_hf
-from gdnx.generate import generate
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
-from tests.helpers.hf_models import GLM5_NEXT_TEXT, hf_logits, tokens
+from tests.helpers.hf_models import GLM5_NEXT_TEXT, assert_same_model, hf_logits, tokens
 
 TOL = 1e-4
 LAYERS = GLM5_NEXT_TEXT["layer_types"]
@@ -95,16 +92,6 @@ def test_the_config_reads_as_transformers_does(checkpoint, caplog):
     assert patterned.shared_index_layers == (False,) * 7 + (True,)
 
 
-def test_greedy_generation_matches_transformers(unrolled):
-    """A 30-token prompt and 16 new tokens: past the budget from the first
-    step, each decode step gathering its selected rows."""
-    hf, model = unrolled
-    prompt = tokens(1, 30, seed=1)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    np.testing.assert_array_equal(np.asarray(generate(model, prompt, 16)), ref[:, prompt.shape[1]:].numpy())
-
-
 def test_save_pretrained_loads_in_transformers_bit_identical(unrolled, checkpoint, tmp_path, caplog):
     """gdnx -> save_pretrained (carrying the source's vision tower) ->
     transformers: every tensor equals the original's bit for bit, and so do
@@ -113,12 +100,7 @@ def test_save_pretrained_loads_in_transformers_bit_identical(unrolled, checkpoin
     _, source = checkpoint
     model.save_pretrained(tmp_path / "with", vision_from=source)
     back = type(hf).from_pretrained(tmp_path / "with").eval()
-    src = dict(hf.state_dict())
-    assert set(back.state_dict()) == set(src)
-    for name, tensor in back.state_dict().items():
-        torch.testing.assert_close(tensor, src[name], rtol=0, atol=0, msg=name)
-    toks = tokens(1, 20)
-    np.testing.assert_array_equal(hf_logits(back, toks), hf_logits(hf, toks))
+    assert_same_model(back, hf)
     with caplog.at_level(logging.WARNING, logger="gdnx"):
         model.save_pretrained(tmp_path / "alone")
     assert [r.getMessage() for r in caplog.records if "without a vision tower" in r.getMessage()]

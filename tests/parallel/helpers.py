@@ -47,7 +47,8 @@ MODEL = ["model.vocab_size=256", "model.hidden_size=64", "model.num_hidden_layer
 # the heads of a tensor-sharded projection, post-norm attention, beta in [0,
 # 2]), Kimi Linear (KDA heads over tensor and its per-channel gates over
 # context, latent attention's heads over tensor, the grouped sigmoid
-# router), Ling 3 (RoPE on the latent attention's rope part, the head gate)
+# router), Ling 3 (RoPE on the latent attention's rope part, the head gate),
+# GLM-5-Next (sparse attention, hyper-connection streams)
 FAMILIES = {
     "kimi_linear": ["model.family=kimi_linear", "model.rope_theta=null", "model.linear_num_value_heads=4",
                     "model.num_key_value_heads=4", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
@@ -62,6 +63,15 @@ FAMILIES = {
                        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
                        "model.linear_gate_lower_bound=-5.0", "model.swiglu_limits=[0, 0.5, 0.7]"],
     "qwen3_5_gva3": ["model.family=qwen3_5", "model.linear_num_value_heads=12"],
+    # GLM-5-Next: KDA, latent attention without RoPE reading 8 tokens in pools of 4 (a full-index layer,
+    # then a shared one), the indexer's heads whole, 4 hyper-connection streams, clamped SwiGLUs
+    "glm5_next": ["model.family=glm5_next", "model.rope_theta=null", "model.linear_num_value_heads=4",
+                  "model.num_key_value_heads=4", "model.kv_lora_rank=16", "model.q_lora_rank=8",
+                  "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=0", "model.v_head_dim=16",
+                  "model.linear_gate_lower_bound=-5.0", "model.index_topk=8", "model.index_kpool=4",
+                  "model.index_n_heads=4", "model.index_head_dim=8", "model.hc_sinkhorn_iters=1",
+                  "model.swiglu_limit=0.8", "model.layer_types=[linear_attention, full_attention, full_attention]",
+                  "model.indexer_types=[full, full, shared]"],
     "olmo_hybrid": ["model.family=olmo_hybrid", "model.num_experts=0", "model.linear_allow_neg_eigval=true",
                     "model.partial_rotary_factor=1.0"],
 }

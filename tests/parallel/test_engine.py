@@ -21,9 +21,13 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
 SETTINGS = dict(max_slots=4, max_length=64, block_size=16, decode_steps=4, prefix_cache_bytes=1 << 24, draft_rows=4)
 
 
+# the tiny model with a multi-token prediction module (the engine drafts with it)
+_MTP = {"qwen3_next_mtp": ["model.mtp_num_layers=1"]}
+
+
 @functools.cache
 def _model(family: str) -> CausalLM:
-    return CausalLM(load_config("tiny", MODEL + FAMILIES.get(family, [])).model, seed=0)
+    return CausalLM(load_config("tiny", MODEL + FAMILIES.get(family, []) + _MTP.get(family, [])).model, seed=0)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -43,7 +47,7 @@ class _Repeat:
 
 
 def _run(model, **kw):
-    engine = Engine(model, **SETTINGS, speculative=_Repeat(), **kw)
+    engine = Engine(model, **SETTINGS, **({"speculative": _Repeat()} if "draft_method" not in kw else {}), **kw)
     prompts = _prompts(model.config.vocab_size)
     first = engine.generate(prompts, PARAMS)
     again = engine.generate(prompts[::-1], PARAMS)[::-1]  # the shared block now cached, the batch reordered
@@ -51,21 +55,28 @@ def _run(model, **kw):
 
 
 # every tensor size once, tensor x data, both shard modes; every family (Qwen3.5 with
-# value-head groups of 3; Kimi's and Ling's KDA states and latents, Lara's ring, OLMo's dense MLPs)
+# value-head groups of 3; Kimi's and Ling's KDA states and latents, Lara's ring, OLMo's dense MLPs,
+# GLM-5-Next's index caches);
+# qwen3_next_mtp drafts with its multi-token prediction module (its keys and values split with its
+# heads, the slots over data; its layer routes, as the model's last does)
 @pytest.mark.parametrize("family, mode, axes", [
     ("qwen3_next", "auto", dict(data=1, tensor=2, fsdp=4)),
-    ("qwen3_next", "explicit", dict(data=2, tensor=4)),
+    ("qwen3_next_mtp", "explicit", dict(data=2, tensor=4)),
     ("kimi_linear", "auto", dict(data=1, tensor=8)),
     ("lara_mini", "auto", dict(data=2, fsdp=1, tensor=4)),
     ("bailing_hybrid", "explicit", dict(data=4, tensor=2)),
     ("olmo_hybrid", "auto", dict(data=2, tensor=4)),
     ("qwen3_5_gva3", "auto", dict(data=1, fsdp=2, tensor=4)),
+    ("glm5_next", "explicit", dict(data=2, fsdp=2, tensor=2)),
 ])
 def test_the_sharded_engine_gives_the_one_device_tokens(family, mode, axes):
     model = _model(family)
     ref, _, _ = _run(model)
-    first, again, engine = _run(model, mesh=mesh(mode, **axes))
+    drafter = dict(draft_method="mtp", draft_tokens=2) if family.endswith("_mtp") else {}
+    first, again, engine = _run(model, mesh=mesh(mode, **axes), **drafter)
     assert engine.stats.cached_tokens > 0 and engine.stats.verify_calls > 0
+    if drafter:
+        assert not engine.runner.slots.mtp.cache.k.sharding.is_fully_replicated
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(engine.runner.state))
     for a, b, r in zip(first, again, ref, strict=True):
         assert a.tokens == b.tokens == r.tokens
@@ -99,21 +110,3 @@ def test_a_mesh_the_engine_cannot_use_is_named():
     with pytest.raises(ValueError, match="mesh: expected a jax.sharding.Mesh"):
         Engine(model, mesh="tensor=8")
 
-
-def test_mtp_drafting_on_a_mesh_gives_the_one_device_tokens():
-    """The multi-token prediction module as the drafter on a data x tensor
-    mesh (its keys and values split with its heads, the slots over data;
-    its layer routes, as the model's last does): the plain one-device
-    engine's tokens and logprobs, prefix-cache hits included."""
-    model = CausalLM(load_config("tiny", MODEL + ["model.mtp_num_layers=1"]).model, seed=0)
-    prompts = _prompts(model.config.vocab_size)
-    ref = Engine(model, **SETTINGS).generate(prompts, PARAMS)
-    engine = Engine(model, **SETTINGS, draft_method="mtp", draft_tokens=2, mesh=mesh("explicit", data=2, tensor=4))
-    first = engine.generate(prompts, PARAMS)
-    again = engine.generate(prompts[::-1], PARAMS)[::-1]
-    assert engine.stats.cached_tokens > 0 and engine.stats.verify_calls > 0
-    assert not engine.runner.slots.mtp.cache.k.sharding.is_fully_replicated
-    for a, b, r in zip(first, again, ref, strict=True):
-        assert a.tokens == b.tokens == r.tokens
-        for got in (a, b):
-            np.testing.assert_allclose([x for x, _ in got.logprobs], [x for x, _ in r.logprobs], rtol=1e-5, atol=1e-6)

@@ -1,6 +1,7 @@
 """The sharded model equals the single-device model: loss and every
 gradient, relative error <= 1e-5 in float32 (measured ~2e-6: the shards sum
-in another order), with the GDN kernel (Pallas TPU kernel in interpret
+in another order; 5e-5 for GLM-5-Next's hyper-connection biases and scales,
+whose gradients cancel over every token), with the GDN kernel (Pallas TPU kernel in interpret
 mode) and without (XLA path), each on every test mesh; every mesh in both
 shard modes.
 
@@ -26,6 +27,7 @@ from tests.parallel.helpers import MESHES, mesh, worst_relative_error
 from tests.parallel.helpers import FAMILIES, MODEL, SCANNED
 
 TOL = 1e-5
+HC_TOL = 5e-5
 B, T = 8, 32
 def model_config(implementation: str):
     return load_config("tiny", MODEL + [f"model.gdn_implementation={implementation}"]).model
@@ -106,8 +108,14 @@ def test_families_sharded_match_one_device(family_setup, mode, name):
         placed = jax.device_put(batch(), NamedSharding(m, spec(("batch", "length"), (B, T), mesh=m)))
         loss, grads = loss_and_grads(graphdef, shard(params, cfg, m), placed, cfg.router_aux_loss_coef)
     assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
-    err, where = worst_relative_error(grads, ref_grads)
-    assert err <= TOL, f"{cfg.family} {name} {mode}: gradient {where} rel. error {err:.2e}"
+    for (path, ref), got in zip(jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(grads),
+                                strict=True):
+        where = jax.tree_util.keystr(path)
+        # GLM-5-Next's hyper-connection biases and scales: each gradient a sum over every token and stream of
+        # terms of both signs, which the mesh adds in another order (measured 1.3e-5)
+        tol = HC_TOL if "_hc'" in where and "'fn'" not in where else TOL
+        err = relative_error(got, ref)
+        assert err <= tol, f"{cfg.family} {name} {mode}: gradient {where} rel. error {err:.2e}"
 
 
 @pytest.mark.parametrize("mode,name", [("auto", "context8"), ("explicit", "context4_tensor2")])

@@ -333,11 +333,11 @@ def language_model_prefix(hf: dict, reader: Any) -> str:
 
 
 def _note_skipped(directory: Path, keys: list[str], cfg: ModelConfig) -> None:
-    mtp_layers = sorted({int(m.group(1)) for k in keys
-                         if _mtp_layer(cfg, k) and (m := _LAYER.match(k) or _LM_LAYER.match(k))})
+    mtp_keys = [k for k in keys if _mtp_layer(cfg, k)]
+    mtp_layers = sorted({int(m.group(1)) for k in mtp_keys if (m := _LAYER.match(k) or _LM_LAYER.match(k))})
     if mtp_layers:
-        count = sum(_mtp_layer(cfg, k) for k in keys)
-        log.warning(f"{directory}: skipped the multi-token prediction layers ({count} tensors under layers."
+        under = "model.language_model.layers." if _LM_LAYER.match(mtp_keys[0]) else "model.layers."
+        log.warning(f"{directory}: skipped the multi-token prediction layers ({len(mtp_keys)} tensors under {under}"
                     f"{', '.join(map(str, mtp_layers))}.*); gdnx builds the language model")
     for start, what in (("model.visual.", "the vision tower"), ("mtp.", "the multi-token prediction head")):
         count = sum(k.startswith(start) for k in keys)

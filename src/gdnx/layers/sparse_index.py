@@ -49,6 +49,7 @@ from gdnx.layers.documents import document_positions
 from gdnx.layers.linear import linear
 from gdnx.layers.norms import LayerNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import apply_rope, rope_tables
+from gdnx.parallel.rules import constrain, out_sharding
 
 _TOKENS = ("batch", None, None)  # the cache's logical axes: the length kept whole
 
@@ -144,8 +145,10 @@ def selection_mask(sel: Selection, length: int, block: int, tail: bool) -> jax.A
     p = length // block
     bi = jnp.arange(b)[:, None, None]
     ti = jnp.arange(t)[None, :, None]
-    hit = jnp.zeros((b, t, p + 1), bool).at[bi, ti, jnp.where(sel.chosen, sel.blocks, p)].set(True)
-    hit = hit.at[..., p].set(False)
+    rows = ("batch", "length", None)
+    hit = jnp.zeros((b, t, p + 1), bool, out_sharding=out_sharding(rows, (b, t, p + 1)))
+    hit = hit.at[bi, ti, jnp.where(sel.chosen, sel.blocks, p)].set(True, out_sharding=out_sharding(rows, hit.shape))
+    hit = jnp.where(jnp.arange(p + 1) < p, hit, False)  # column p: a slot in no block (or an unreal pick)
     slots = jnp.arange(length, dtype=jnp.int32)
     if sel.starts is None:
         visible = jnp.take(hit, jnp.minimum(slots // block, p), axis=-1)
@@ -289,6 +292,7 @@ class PooledIndexer(nnx.Module):
         gates = x @ self.index_kpool_compress_gate[...].astype(x.dtype).T
         packed = _packed(segments, cache, self.block)
         cache, pooled = block_keys(self._pool, self.block, cache, keys, gates, start, packed)
+        pooled = constrain(pooled, _TOKENS)  # every query scores every pool: whole along the pools (context)
         f32 = jnp.float32
         scores = jax.nn.relu(jnp.einsum("bthd,bpd->bthp", q.astype(f32), pooled.astype(f32)) * d ** -0.5)
         weights = self.weights_proj(x).astype(f32) * h ** -0.5
@@ -334,6 +338,7 @@ class BlockMeanIndexer(nnx.Module):
         q = apply_rope(q, *rope_tables(q_pos, self.rotary_dim, self.theta))
         packed = _packed(segments, cache, self.block)
         cache, blocks = block_keys(self._pool, self.block, cache, qk[..., h * d:], None, start, packed)
+        blocks = constrain(blocks, _TOKENS)  # every query scores every block: whole along the blocks (context)
         f32 = jnp.float32
         scores = jax.nn.relu(jnp.einsum("bthd,bpd->bthp", q.astype(f32), blocks.astype(f32)))
         index = jnp.sum(scores, axis=2) / d ** 0.5

@@ -66,6 +66,16 @@ _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("shared_expert_gate", "kernel"): ("embed", None),
     ("mixer", "conv_weight"): (None, None),  # [width, channels]: small, kept whole
     ("fc", "kernel"): (None, "embed"),  # multi-token prediction's [2 hidden, hidden]: fsdp splits its output
+    # GLM-5-Next's sparse-attention indexer: every query reads the sum over its heads, so they stay whole
+    # (wq_b is 1536 x 4096 at GLM-5.3-Flash's sizes); the model width splits over fsdp
+    ("wq_b", "kernel"): (None, None),
+    ("wk", "kernel"): ("embed", None),
+    ("weights_proj", "kernel"): ("embed", None),
+    ("indexer", "index_kpool_compress_ape"): (None, None),
+    ("indexer", "index_kpool_compress_gate"): (None, "embed"),
+    # hyper-connections' [streams x hidden, (2 + streams) streams]: small, kept whole
+    ("attn_hc", "fn"): (None, None),
+    ("ffn_hc", "fn"): (None, None),
 }
 
 
