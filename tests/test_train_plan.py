@@ -7,6 +7,7 @@ import pytest
 
 from gdnx.config import load_config
 from gdnx.train_plan import plan
+from tests.parallel.helpers import FAMILIES, MODEL
 
 pytestmark = pytest.mark.deviceless
 
@@ -22,9 +23,12 @@ SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_atte
     ("v5p:2x2x1", ["parallel.data=2", "parallel.context=2"]),
     ("v6e:2x2", ["parallel.data=-1", "parallel.expert=2", "parallel.shard_mode=explicit"]),
     ("v4:2x2x1", ["parallel.data=1", "parallel.fsdp=4"]),
+    # GLM-5-Next (unscanned): KDA's kernel, the sparse-attention indexer and the hyper-connections in the step
+    ("v5e:2x2", ["parallel.data=2", "parallel.tensor=2", "GLM"]),
 ])
 def test_train_step_compiles_for_a_slice_with_the_kernel(topology, axes):
-    p = plan(load_config("tiny", SMALL + axes), topology)
+    glm = [*MODEL, *FAMILIES["glm5_next"], "model.gdn_chunk_size=64"]
+    p = plan(load_config("tiny", [*glm, *axes[:-1]] if axes[-1] == "GLM" else SMALL + axes), topology)
     assert p.chips == 4 and p.fits
     assert p.kernel_calls > 0, "the GDN Pallas kernel is not in the compiled program"
     # each chip holds at least its share of the parameters and both AdamW moments (float32)
