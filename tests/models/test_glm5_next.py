@@ -15,6 +15,7 @@ import logging
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors import safe_open
 
 from gdnx.checkpoints.hf_config import model_config_from_hf
@@ -45,11 +46,16 @@ def unrolled(checkpoint):
     return checkpoint[0], CausalLM.from_pretrained(checkpoint[1])
 
 
+@nnx.jit
+def _logits(model, toks, segments=None):
+    return model.forward(toks, segments=segments).logits
+
+
 @pytest.mark.parametrize("length", [6, 45])
 def test_logits_match_transformers(pair, length):
     hf, model = pair
     toks = tokens(2, length)
-    err = relative_error(model(jnp.asarray(toks, jnp.int32)), hf_logits(hf, toks))
+    err = relative_error(_logits(model, jnp.asarray(toks, jnp.int32)), hf_logits(hf, toks))
     assert err <= TOL, err
 
 
@@ -61,10 +67,9 @@ def test_packed_documents_equal_each_document_alone(unrolled):
     lengths = (13, 22, 10)
     docs = [tokens(1, n, seed=10 + n)[0] for n in lengths]
     segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None]
-    packed = model.forward(jnp.asarray(np.concatenate(docs)[None], jnp.int32),
-                           segments=jnp.asarray(segments, jnp.int32)).logits[0]
+    packed = _logits(model, jnp.asarray(np.concatenate(docs)[None], jnp.int32), jnp.asarray(segments, jnp.int32))[0]
     # each document alone, in one batch: padded after its end, which its (causal) logits do not see
-    alone = model(jnp.asarray(np.stack([np.pad(d, (0, max(lengths) - len(d))) for d in docs]), jnp.int32))
+    alone = _logits(model, jnp.asarray(np.stack([np.pad(d, (0, max(lengths) - len(d))) for d in docs]), jnp.int32))
     at = 0
     for i, n in enumerate(lengths):
         assert relative_error(packed[at:at + n], alone[i, :n]) <= 1e-5
@@ -119,6 +124,7 @@ def _file_keys(path) -> set[str]:
      "indexer_types: the first attention layer (2) has no full layer before it"),
     ({"qk_rope_head_dim": 4}, "qk_rope_head_dim: glm5_next's latent attention has no rope part"),
     ({"n_shared_experts": 0}, "n_shared_experts"),
+    ({"index_kpool_always_select_tail": False}, "index_kpool_always_select_tail: without the query's unfinished pool"),
 ])
 def test_config_mistakes_name_the_field(edit, named):
     with pytest.raises(ValueError) as error:

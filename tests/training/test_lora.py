@@ -84,8 +84,13 @@ def qwen3_5_run(bases, tmp_path_factory):
     return out
 
 
+@nnx.jit
+def _forward(model, toks):
+    return model(toks)
+
+
 def _gdnx_logits(model, toks):
-    return np.asarray(model(jnp.asarray(toks, jnp.int32)))
+    return np.asarray(_forward(model, jnp.asarray(toks, jnp.int32)))
 
 
 def test_merged_export_generates_what_gdnx_generates(bases, qwen3_5_run):
@@ -236,15 +241,15 @@ def test_adapters_on_the_mtp_module_train_with_its_loss_and_merge(bases, tmp_pat
 
 
 def test_glm5_next_sft_lora_exports_merged_and_as_peft(hf_checkpoints, bases, tmp_path):
-    """GLM-5-Next (packed SFT rows: each document indexed on its own): LoRA
-    on its KDA, latent attention and MLP projections trains; the merged
+    """GLM-5-Next (packed SFT rows: each document indexed on its own;
+    scanned): LoRA on its KDA, latent attention and MLP projections trains; the merged
     export (carrying the source's vision tower) loads in transformers with
     gdnx's logits, and the PEFT adapter on the base gives the merged
     logits (the KDA gate's low-rank projections under transformers'
     in-memory names)."""
     base_dir = hf_checkpoints.path("glm5_next", tokenizer="chat")
     (bases / "glm5_next").symlink_to(base_dir)
-    _train(bases, "glm5_next", tmp_path / "run",
+    _train(bases, "glm5_next", tmp_path / "run", "model.scan_layers=true",
            "train.lora.targets=[q_proj, k_proj, v_proj, o_proj, f_a_proj, q_b_proj, kv_b_proj, gate_proj]")
     export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
     export_run(tmp_path / "run", tmp_path / "adapter", "adapter")
@@ -253,7 +258,7 @@ def test_glm5_next_sft_lora_exports_merged_and_as_peft(hf_checkpoints, bases, tm
     toks = tokens(2, 20)
     ours = _gdnx_logits(load_run(tmp_path / "run").model, toks)
     assert relative_error(hf_logits(merged, toks), ours) <= 1e-4
-    assert relative_error(_gdnx_logits(CausalLM.from_pretrained(base_dir), toks), ours) > 1e-3
+    assert relative_error(_gdnx_logits(CausalLM.from_pretrained(base_dir, scan_layers=True), toks), ours) > 1e-3
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert "forget_gate.f_a_proj" in config["target_modules"].replace("\\", "")
     adapted = PeftModel.from_pretrained(cls.from_pretrained(base_dir).eval(), tmp_path / "adapter").eval()

@@ -347,6 +347,9 @@ class ModelConfig(_Strict):
         if self.qk_rope_head_dim:
             errors.append(("qk_rope_head_dim", f"glm5_next's latent attention has no rope part; set it to 0, "
                            f"got {self.qk_rope_head_dim}"))
+        if not self.index_kpool_always_select_tail:
+            errors.append(("index_kpool_always_select_tail", "without the query's unfinished pool, a query before "
+                           f"the first complete pool of {self.index_kpool} tokens attends to nothing; set it to true"))
         if "full_attention" in used and self.q_lora_rank is None:
             errors.append(("q_lora_rank", "glm5_next's indexer reads the low-rank query; set its rank"))
         return errors
