@@ -20,8 +20,9 @@ Two kinds, as transformers builds them:
 
 Blocks start at position 0: every row's context starts at slot 0 (a cache
 slot is its position), so without a cache the call's tokens are positions
-0..T-1. A block is a candidate for a query once its last token is at or
-before the query; a query with fewer candidates than `top` gets all of them,
+0..T-1; in packed rows (segments, no cache) each document's blocks start at
+its first token (`packed_blocks`). A block is a candidate for a query once
+its last token is at or before the query (and in its document); a query with fewer candidates than `top` gets all of them,
 so attention is dense up to top * block + block - 1 tokens and sparse past
 that.
 

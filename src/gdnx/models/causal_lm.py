@@ -221,7 +221,6 @@ class DecoderLayer(nnx.Module):
         h, stats = self._feed_forward(self.post_attention_layernorm(x))
         return constrain(x + h, HIDDEN), new_cache, stats
 
-
     def _hyper(self, x: HyperState, rope: Rope, positions: jax.Array, cache: LayerCache | None, start: jax.Array,
                segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None,
                ) -> tuple[HyperState, LayerCache | None, RouterStats | None]:
