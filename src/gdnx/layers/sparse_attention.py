@@ -26,8 +26,8 @@ from jax.typing import DTypeLike
 from gdnx.layers.attention import GatedAttention, KVCache, Rope, causal_attention, maybe_rope, write_cache
 from gdnx.layers.documents import document_positions
 from gdnx.layers.latent_attention import LatentAttention, LatentCache
-from gdnx.layers.sparse_index import (BlockMeanIndexer, IndexCache, PooledIndexer, Selection, selection_indices,
-                                      selection_mask)
+from gdnx.layers.sparse_index import (BlockMeanIndexer, IndexCache, PooledIndexer, Selection, gather_rows,
+                                      selection_indices, selection_mask)
 from gdnx.parallel.rules import HIDDEN, out_sharding
 
 
@@ -60,12 +60,6 @@ class IndexedKVCache(NamedTuple):
     """A gated attention layer's keys and values and its indexer's cache."""
     kv: KVCache
     indexer: IndexCache
-
-
-def _gather(rows: jax.Array, idx: jax.Array) -> jax.Array:
-    """rows [B, S, ...] at idx [B, T, K] (clamped into range): [B, T, K, ...]."""
-    safe = jnp.clip(idx, 0, rows.shape[1] - 1)
-    return jax.vmap(lambda r, i: r[i])(rows, safe)
 
 
 def _softmax_over(scores: jax.Array, valid: jax.Array) -> jax.Array:
@@ -125,7 +119,7 @@ class IndexedLatentAttention(LatentAttention):
         t, s = x.shape[1], latent.shape[1]
         if t * (self.top * self.block + self.block - 1) < s:
             idx, valid = selection_indices(selection, self.block, self.tail)
-            out = self._gathered(q_nope, q_rope, _gather(latent, idx), _gather(k_rope, idx), valid)
+            out = self._gathered(q_nope, q_rope, gather_rows(latent, idx), gather_rows(k_rope, idx), valid)
         else:
             k_pos = jnp.arange(s, dtype=positions.dtype)
             out = self._mix(q_nope, q_rope, latent, k_rope, positions, k_pos, None, True,
@@ -199,7 +193,7 @@ class IndexedGatedAttention(GatedAttention):
             s = keys.shape[1]
             if t * (self.indexer.top * idx_block + idx_block - 1) < s:
                 rows, valid = selection_indices(selection, idx_block, True)
-                out = self._gathered(q, _gather(keys, rows), _gather(values, rows), valid)
+                out = self._gathered(q, gather_rows(keys, rows), gather_rows(values, rows), valid)
             else:
                 slots = jnp.arange(s, dtype=positions.dtype)
                 out = causal_attention(q, keys, values, positions, slots,

@@ -133,6 +133,12 @@ def packed_blocks(segments: jax.Array, block: int) -> PackedBlocks:
     return PackedBlocks(starts, documents, segments, doc_pos)
 
 
+def gather_rows(rows: jax.Array, idx: jax.Array) -> jax.Array:
+    """Each row's entries at its own indices: rows [B, S, ...] at idx
+    [B, ...] (clamped into range) -> [B, ..., ...]."""
+    return jax.vmap(lambda r, i: r[i])(rows, jnp.clip(idx, 0, rows.shape[1] - 1))
+
+
 def _tail_count(q_pos: jax.Array, block: int) -> jax.Array:
     """How many of the query's context tokens lie past its last complete
     block: the unfinished block it is in."""
@@ -207,10 +213,10 @@ def _all_blocks(pool: PoolFn, block: int, keys: jax.Array, gates: jax.Array | No
     b, s, d = keys.shape
     p = s // block
     if packed is not None:  # each block's tokens from its first slot (a block of none: any, never read)
-        slots = jnp.minimum(packed.starts[..., None] + jnp.arange(block, dtype=jnp.int32), s - 1).reshape(b, -1)
+        slots = (packed.starts[..., None] + jnp.arange(block, dtype=jnp.int32)).reshape(b, -1)
 
         def grouped(a):
-            return jax.vmap(lambda r, i: r[i])(a, slots).reshape(b, p, block, d)
+            return gather_rows(a, slots).reshape(b, p, block, d)
         # a block's rotation (QSA) follows its position in its document
         ids = jnp.take_along_axis(packed.doc_pos, jnp.minimum(packed.starts, s - 1), axis=1) // block
     else:
@@ -244,7 +250,7 @@ def block_keys(pool: PoolFn, block: int, cache: IndexCache | None, keys: jax.Arr
     slots = (ids[..., None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(b, -1)
 
     def tokens(a):
-        return jax.vmap(lambda r, i: r[i])(a, slots).astype(keys.dtype).reshape(b, 1, block, d)
+        return gather_rows(a, slots).astype(keys.dtype).reshape(b, 1, block, d)
     fresh = pool(tokens(all_keys), None if all_gates is None else tokens(all_gates), ids)
     ends = jax.vmap(lambda r, i, v: r.at[i].set(v))(cache.blocks, ids[:, 0] * block + block - 1,
                                                     fresh[:, 0].astype(cache.blocks.dtype))
