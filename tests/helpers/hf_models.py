@@ -90,7 +90,25 @@ GLM5_NEXT_TEXT = dict(
     layer_types=["linear_attention"] + ["linear_attention", "indexed_attention", "indexed_attention"] * 2,
     indexer_types=["full", "full", "full", "shared", "full", "full", "shared"],
     mlp_layer_types=["dense"] + ["sparse"] * 6, pad_token_id=None)
+# Qwen4-Exp: transformers has it as a vision-language model only (a
+# one-block vision tower here); GDN (sigmoid output gate) and indexed
+# attention in turn, per-layer embeddings on both GDN layers (trigrams, 2
+# tables per order, primes from 50 on, each table in 4 pieces), a budget of
+# 8 tokens in blocks of 4, 4 streams of rank-8 gates, every layer routed.
+QWEN4_EXP_TEXT = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=16, linear_num_value_heads=4,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention", "indexed_attention"] * 2, num_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24, hc_count=4, hc_lowrank=8,
+    ple_layer_ids=[1, 3], ple_embed_dim=16, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
+    make_ngram_vocab_size_divisible_by=8, split_ngram_parts=4, indexer_n_heads=4, indexer_kv_heads=1,
+    indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4, output_gate_type="sigmoid",
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [1, 1, 0]}, eos_token_id=3, pad_token_id=None)
 VISION_LANGUAGE_KINDS = {
+    "qwen4_exp": ("Qwen4ExpConfig", "Qwen4ExpForConditionalGeneration",
+                  dict(text_config=QWEN4_EXP_TEXT, vision_config=dict(
+                      depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32))),
     "glm5_next": ("Glm5NextConfig", "Glm5NextForConditionalGeneration",
                   dict(text_config=GLM5_NEXT_TEXT, vision_config=dict(
                       depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32,
@@ -108,12 +126,12 @@ def tiny_hf_config(kind: str, **kw):
 def random_hf_model(kind: str, seed: int = 0, scale: float = 1.0, **kw):
     """HF's own init, plus noise on the parameters it initialises to
     constants (norm weights, dt_bias, routers' correction biases, GLM-5-Next's
-    pool gates and biases), so a swapped or skipped one shows."""
+    pool gates and biases, Qwen4-Exp's PLE convolutions), so a swapped or skipped one shows."""
     torch.manual_seed(seed)
     model = getattr(transformers, {**KINDS, **VISION_LANGUAGE_KINDS}[kind][1])(tiny_hf_config(kind, **kw)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "index_kpool_compress" in name:
+            if "index_kpool_compress" in name or ".ple.conv1d." in name:
                 p.copy_(0.3 * torch.randn_like(p))
             elif p.dim() == 1:
                 p.add_(0.2 * torch.randn_like(p))

@@ -185,19 +185,20 @@ def test_ling_multi_token_prediction_layers_left_out_are_skipped_once(tmp_path, 
 
 
 @pytest.mark.parametrize("name,arch", [("kimi-linear-48b-a3b", "KimiLinear"), ("ling-3.0-flash", "BailingHybrid"),
-                                       ("lara-4-mini", "LaraMini"), ("glm-5.3-flash", "Glm5Next")])
+                                       ("lara-4-mini", "LaraMini"), ("glm-5.3-flash", "Glm5Next"),
+                                       ("qwen4-exp", "Qwen4Exp")])
 def test_bundled_configs_count_transformers_parameters(name, arch):
-    """The bundled Kimi-Linear-48B-A3B, Ling-3.0-Flash, Lara 4 Mini and
-    GLM-5.3-Flash configs, exported to config.json and built by transformers
+    """The bundled Kimi-Linear-48B-A3B, Ling-3.0-Flash, Lara 4 Mini,
+    GLM-5.3-Flash and Qwen4-Exp configs, exported to config.json and built by transformers
     on the meta device (no memory): gdnx's parameter count equals
-    transformers' parameters (GLM's language model and head: its vision
-    tower aside) plus the routers' correction biases (buffers there,
+    transformers' parameters (GLM's and Qwen4's language model and head:
+    the vision tower aside) plus the routers' correction biases (buffers there,
     parameters without gradient here), and the layer pattern is theirs."""
     cfg = load_config(name).model
     hf = hf_config_from_model(cfg)
     config = getattr(transformers, f"{arch}Config")(**{k: v for k, v in hf.items()
                                                       if k not in ("architectures", "model_type", "dtype")})
-    model_class = f"{arch}ForConditionalGeneration" if arch == "Glm5Next" else f"{arch}ForCausalLM"
+    model_class = f"{arch}ForConditionalGeneration" if arch in ("Glm5Next", "Qwen4Exp") else f"{arch}ForCausalLM"
     with torch.device("meta"):
         theirs = getattr(transformers, model_class)(config)
     count = sum(p.numel() for n, p in theirs.named_parameters() if not n.startswith("model.visual."))

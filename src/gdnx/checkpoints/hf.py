@@ -36,7 +36,7 @@ from gdnx import quantization
 from gdnx.files import atomic_write, atomic_write_text, read_json_object
 from gdnx.checkpoints import fp8
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
-from gdnx.checkpoints.hf_names import ALIASES, Experts, Index, locate
+from gdnx.checkpoints.hf_names import ALIASES, Experts, Index, locate, ngram_buffers
 from gdnx.config.schema import ModelConfig
 from gdnx.stacking import layer_paths
 
@@ -44,6 +44,8 @@ from gdnx.stacking import layer_paths
 # vision-language checkpoint's vision tower, RoPE tables
 SKIPPED = re.compile(r"^mtp\.|^model\.visual\.|rotary_emb\.inv_freq$")
 SHARD_BYTES = 4 * 2 ** 30
+# the families transformers writes as vision-language models (an export may carry the source's tower)
+VISION_TOWERS = ("glm5_next", "qwen4_exp")
 log = logging.getLogger("gdnx")
 # The model as checkpoints see it: an nnx.Module built from a ModelConfig,
 # holding it as `config`, with parameters named as gdnx.stacking lays them out.
@@ -223,6 +225,8 @@ _SHAPED_BY = {
     "q_a_proj": ("q_lora_rank",),
     "q_a_layernorm": ("q_lora_rank",),
     "q_b_proj": ("q_lora_rank", "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim"),
+    "ple_embedding": ("ngram_vocab_base", "ngram_rows_multiple", "ngram_size", "heads_per_ngram", "ple_embed_dim",
+                      "ngram_split_parts"),
 }
 
 
@@ -312,9 +316,9 @@ def _mtp_layer(cfg: ModelConfig, key: str) -> bool:
 
 def export_prefix(cfg: ModelConfig) -> str:
     """Where an export puts the language model's tensors: under
-    model.language_model. for GLM-5-Next (transformers has no text-only
-    class for it), else model."""
-    return "model.language_model." if cfg.family == "glm5_next" else "model."
+    model.language_model. for GLM-5-Next and Qwen4-Exp (transformers
+    writes them as vision-language models), else model."""
+    return "model.language_model." if cfg.family in VISION_TOWERS else "model."
 
 
 def checkpoint_prefix(path: str | os.PathLike) -> str:
@@ -417,6 +421,7 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
     if layout is not None and cfg.quantize == "none":
         log.warning(f"{directory}: FP8 weights (blocks of {layout.block[0]} x {layout.block[1]}) dequantized to "
                     f"{cfg.param_dtype} on load; model.quantize=fp8 (--quantize fp8) holds them as fp8")
+    _check_ngram_buffers(reader, cfg, prefix, directory)
     missing = []
     flat = nnx.to_flat_state(params)
     for p, var in flat:
@@ -551,6 +556,24 @@ def fp8_tensors(model: nnx.Module) -> Iterator[tuple[str, np.ndarray]]:
         yield key + fp8.SCALE_SUFFIX, np.ascontiguousarray(scale.swapaxes(-1, -2))
 
 
+def _check_ngram_buffers(reader: _Reader, cfg: ModelConfig, prefix: str, directory: Path) -> None:
+    """Refuse a Qwen4-Exp checkpoint whose n-gram hashing constants (its
+    tables' primes, offsets and multipliers) are not what the config gives:
+    the ids would index other rows."""
+    fields = {"layer_multipliers": "ngram_seed", "ngram_heads_vocab_sizes": "ngram_vocab_base",
+              "ngram_heads_offsets": "ngram_vocab_base"}
+    for key, want in ngram_buffers(cfg, prefix).items():
+        if not reader.has(key):
+            continue  # transformers computes them when a file leaves them out
+        got = reader.get(key)
+        reader.used.add(key)
+        if got.shape != want.shape or not np.array_equal(got, want):
+            field = fields[key.rsplit(".", 1)[1]]
+            raise ValueError(f"{directory}: {key}: the checkpoint's n-gram tables hash as {got.tolist()}, this "
+                             f"config as {want.tolist()}; check model.{field} (and ngram_size, heads_per_ngram, "
+                             f"ple_layers)")
+
+
 def _tensors(model: nnx.Module, dequantized: np.dtype) -> Iterator[tuple[str, np.ndarray, bool]]:
     """(key, tensor, whether a quantized weight gave it): a quantized weight
     dequantized in `dequantized`."""
@@ -596,18 +619,21 @@ def _tensors(model: nnx.Module, dequantized: np.dtype) -> Iterator[tuple[str, np
             for key, tensor in out:
                 yield key, tensor, scale is not None
     assert not pending, f"tensors missing a part: {sorted(pending)}"  # every shared tensor's parameters are built
+    for key, buffer in ngram_buffers(cfg, export_prefix(cfg)).items():
+        yield key, buffer, False
 
 
 def _vision_tower(directory: Path, cfg: ModelConfig) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
     """A vision-language checkpoint's tower: its config.json's fields
     besides the language model's (vision_config, the image and video token
     ids) and its model.visual.* tensors, read one at a time."""
-    if cfg.family != "glm5_next":
-        raise ValueError(f"vision_from: carries a GLM-5-Next vision tower; this model is {cfg.family}")
+    if cfg.family not in VISION_TOWERS:
+        raise ValueError(f"vision_from: carries a vision tower of {' or '.join(VISION_TOWERS)}; this model is "
+                         f"{cfg.family}")
     hf = _hf_config(directory)
-    if hf.get("model_type") != "glm5_next" or not isinstance(hf.get("vision_config"), dict):
-        raise ValueError(f"vision_from {directory}: not a GLM-5-Next vision-language checkpoint (model_type "
-                         f"glm5_next with a vision_config); got model_type {hf.get('model_type')!r}")
+    if hf.get("model_type") != cfg.family or not isinstance(hf.get("vision_config"), dict):
+        raise ValueError(f"vision_from {directory}: not a {cfg.family} vision-language checkpoint (model_type "
+                         f"{cfg.family} with a vision_config); got model_type {hf.get('model_type')!r}")
     reader = _Reader(directory, (), None)
     keys = sorted(k for k in reader.weight_map if k.startswith("model.visual."))
     if not keys:
@@ -683,7 +709,7 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: 
     config = hf_config_from_model(cfg)
     if tower is not None:
         config = {**tower[0], **config}
-    elif cfg.family == "glm5_next":
+    elif cfg.family in VISION_TOWERS:
         log.warning(f"{directory}: written without a vision tower (no vision_from): transformers builds one at its "
                     "default sizes, randomly initialised; the language model is the export's")
     if fp8_layout:

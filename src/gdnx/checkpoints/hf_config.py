@@ -119,6 +119,23 @@ _GLM_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermedia
                "index_topk", "index_head_dim", "index_n_heads", "swiglu_limit", "linear_conv_kernel_dim",
                "hc_mult", "hc_eps", "hc_sinkhorn_iters", "router_aux_loss_coef", "index_kpool",
                "index_kpool_always_select_tail")
+# Qwen4-Exp: transformers' text config defaults, under its own names
+TRANSFORMERS_DEFAULTS["qwen4_exp"] = {
+    **_QWEN_DEFAULTS, **_MOE_DEFAULTS, "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "num_key_value_heads": 2, "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": True,
+    "hc_count": 4, "hc_lowrank": 320, "ple_layer_ids": None, "ple_embed_dim": None, "ple_conv_kernel_size": 4,
+    "ngram_size": 3, "heads_per_ngram": 8, "ngram_vocab_size_base": 20_000_000,
+    "make_ngram_vocab_size_divisible_by": 128, "seed": 1234, "split_ngram_parts": 512, "indexer_n_heads": None,
+    "indexer_kv_heads": None, "indexer_head_dim": None, "indexer_budget": None, "indexer_compress_ratio": None,
+    "output_gate_type": None, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+# Qwen4-Exp's config.json names for gdnx's fields
+QWEN4_NAMES = {"hc_mult": "hc_count", "ple_embed_dim": "ple_embed_dim", "ple_conv_kernel": "ple_conv_kernel_size",
+               "ngram_vocab_base": "ngram_vocab_size_base", "ngram_rows_multiple": "make_ngram_vocab_size_divisible_by",
+               "ngram_seed": "seed", "ngram_split_parts": "split_ngram_parts", "index_n_heads": "indexer_n_heads",
+               "index_head_dim": "indexer_head_dim", "index_topk": "indexer_budget",
+               "index_kpool": "indexer_compress_ratio"}
+_QWEN4_FIELDS = (*_COMMON, "head_dim", *_MOE, "norm_topk_prob", "hc_lowrank", "ngram_size", "heads_per_ngram")
 # model_type -> (family, the FIELDS entry); the vision-language ones carry a text_config
 MODEL_TYPES = {
     "qwen3_next": ("qwen3_next", "qwen3_next"),
@@ -129,6 +146,7 @@ MODEL_TYPES = {
     "bailing_hybrid": ("bailing_hybrid", "bailing_hybrid"),
     "lara_mini": ("lara_mini", "lara_mini"),
     "glm5_next": ("glm5_next", "glm5_next"), "glm5_next_text": ("glm5_next", "glm5_next"),
+    "qwen4_exp": ("qwen4_exp", "qwen4_exp"), "qwen4_exp_text": ("qwen4_exp", "qwen4_exp"),
 }
 VISION_LANGUAGE = ("qwen3_5", "qwen3_5_moe")
 # Qwen3.5's multimodal RoPE sections: with text-only positions (the same
@@ -286,6 +304,48 @@ def _glm5_next(hf: dict) -> dict:
     return fields
 
 
+def _qwen4_exp(hf: dict) -> dict:
+    """ModelConfig fields of a Qwen4-Exp config.json (its text_config, or a
+    text one), read as transformers reads it: its defaults, its layer
+    pattern (every full_attention_interval-th layer indexed attention), the
+    PLE layers' 1-based ids, the output gate's activation defaulting to
+    hidden_act; the indexer's fields are required with attention layers."""
+    text = dict(hf.get("text_config") or hf)
+    if "tie_word_embeddings" in hf and "text_config" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    cfg = {**TRANSFORMERS_DEFAULTS["qwen4_exp"], **{k: v for k, v in text.items() if v is not None or k in (
+        "bos_token_id", "eos_token_id", "pad_token_id")}}
+    n = cfg["num_hidden_layers"]
+    interval = cfg.get("full_attention_interval", 4)
+    layer_types = cfg.get("layer_types") or ["linear_attention" if (i + 1) % interval else "indexed_attention"
+                                             for i in range(n)]
+    if not isinstance(layer_types, list) or not set(layer_types) <= {
+            "linear_attention", "indexed_attention", "full_attention"}:
+        raise ValueError(f"config.json: layer_types: expected a list of 'linear_attention' and 'indexed_attention', "
+                         f"got {layer_types!r}")
+    fields = {k: cfg[k] for k in _QWEN4_FIELDS if cfg.get(k) is not None or k in (
+        "bos_token_id", "eos_token_id", "pad_token_id")}
+    fields.update({ours: cfg[theirs] for ours, theirs in QWEN4_NAMES.items() if cfg.get(theirs) is not None})
+    fields["layer_types"] = ["linear_attention" if t == "linear_attention" else "full_attention" for t in layer_types]
+    if any(t != "linear_attention" for t in layer_types):
+        missing = [k for k in ("indexer_n_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+                   if cfg.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json: {', '.join(missing)}: Qwen4-Exp's attention layers read the tokens its "
+                             "indexer picks; the indexer's fields are required")
+        if cfg.get("indexer_kv_heads", 1) not in (None, 1):
+            raise ValueError(f"config.json: indexer_kv_heads: Qwen4-Exp's indexer has one key head, got "
+                             f"{cfg['indexer_kv_heads']!r}")
+    ple = cfg.get("ple_layer_ids") or []
+    if not isinstance(ple, list) or not all(isinstance(i, int) and 1 <= i <= n for i in ple):
+        raise ValueError(f"config.json: ple_layer_ids: expected 1-based layer ids in [1, {n}], got {ple!r}")
+    fields["ple_layers"] = sorted({i - 1 for i in ple})
+    fields["linear_output_gate"] = cfg.get("output_gate_type") or cfg["hidden_act"]
+    fields.update(_rope_fields(cfg, "qwen4_exp"))
+    fields.setdefault("partial_rotary_factor", 1.0)  # transformers' default: the whole head turns
+    return fields
+
+
 def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig:
     """ModelConfig from a config.json dict; overrides are ModelConfig fields."""
     model_type = hf.get("model_type", "qwen3_next")
@@ -297,6 +357,8 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
         return _validated({"family": family, **_kda_family(hf, family), **(overrides or {})})
     if family == "glm5_next":
         return _validated({"family": family, **_glm5_next(hf), **(overrides or {})})
+    if family == "qwen4_exp":
+        return _validated({"family": family, **_qwen4_exp(hf), **(overrides or {})})
     # a field config.json leaves out is transformers' default (an explicit null stays null)
     given = language_model_config(hf)
     defaults = dict(TRANSFORMERS_DEFAULTS[kind])
@@ -390,12 +452,31 @@ def _glm5_next_config(cfg: ModelConfig) -> dict:
             "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": cfg.param_dtype}
 
 
+def _qwen4_exp_config(cfg: ModelConfig) -> dict:
+    """Qwen4-Exp's config.json: transformers' vision-language layout, the
+    language model's fields in text_config (no vision_config: the caller
+    adds the tower's, or transformers builds its default)."""
+    _refuse(cfg, "qwen4_exp", {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True})
+    text: dict[str, object] = {k: getattr(cfg, k) for k in _QWEN4_FIELDS}
+    text.update({theirs: getattr(cfg, ours) for ours, theirs in QWEN4_NAMES.items()})
+    text.update(
+        model_type="qwen4_exp_text", indexer_kv_heads=1, ple_embed_dim=cfg.ple_width,
+        layer_types=["indexed_attention" if t == "full_attention" else t for t in cfg.resolved_layer_types],
+        ple_layer_ids=[i + 1 for i in cfg.ple_layers], output_gate_type=cfg.linear_output_gate,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                         "partial_rotary_factor": cfg.partial_rotary_factor})
+    return {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp", "text_config": text,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": cfg.param_dtype}
+
+
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """A config.json dict of the family's text model that transformers reads."""
     if cfg.family in ("kimi_linear", "bailing_hybrid"):
         return _kda_family_config(cfg)
     if cfg.family == "glm5_next":
         return _glm5_next_config(cfg)
+    if cfg.family == "qwen4_exp":
+        return _qwen4_exp_config(cfg)
     moe = cfg.num_experts > 0
     if cfg.family == "qwen3_next":
         kind, arch = "qwen3_next", "Qwen3NextForCausalLM"

@@ -16,7 +16,13 @@ experts as w1 / w3 / w2 (gate, up, down). Ling 3's name the embeddings
 word_embeddings, the mixers attention (their output projections dense),
 the correction bias expert_bias, and keep A_log as [H]. GLM-5-Next's keep
 KDA as Kimi's with A_log as [H], the hyper-connections' parameters as
-layers.N.hc_{attn,ffn}_{fn,base,scale}, and the experts one by one. Every conversion is a reshape,
+layers.N.hc_{attn,ffn}_{fn,base,scale}, and the experts one by one.
+Qwen4-Exp's keep the GDN layers as Qwen3.5's, the gated residuals'
+parameters as hc_norm / input_mix_weight_{down,up} / block_inject_weight,
+the per-layer embedding's convolution as [W, 1, K] and each n-gram table in
+ngram_split_parts row pieces (torch.chunk's: the last may be shorter, and
+there may be fewer), beside the hashing's constants (`ngram_buffers`).
+Every conversion is a reshape,
 transpose, split or concatenation, so a load and a save give back the same
 bits. The conversions to a parameter take numpy arrays (a load reads
 slices on the host) or jax values (a shape check under eval_shape), and
@@ -35,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gdnx.config.schema import ModelConfig
+from gdnx.layers.ngram_embedding import ngram_hash
 
 # (index into a parameter: one slice per dim) -> that part of the parameter
 Index = tuple[slice, ...]
@@ -207,6 +214,55 @@ def _kda(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
     return _transposed(p + {"out_proj": "dense" if ling else "o_proj"}.get(name, name) + ".weight")
 
 
+# Qwen4-Exp's names for a GatedResidual's parameters
+_GATED_RESIDUAL = {"norm": "hc_norm", "down": "input_mix_weight_down", "up": "input_mix_weight_up",
+                   "inject_weight": "block_inject_weight"}
+
+
+def _gated_residual(module: str, tail: Sequence[str]) -> Tensors:
+    name = f"{module}.{_GATED_RESIDUAL[tail[0]]}.weight"
+    return _same(name) if tail[0] == "norm" else _transposed(name)
+
+
+def chunk_rows(rows: int, parts: int) -> list[int]:
+    """The row counts torch.chunk(rows, parts) gives (transformers' save of
+    a split n-gram table): ceil(rows / parts) each, the last the rest."""
+    size = -(-rows // parts)
+    return [min(size, rows - start) for start in range(0, rows, size)]
+
+
+def _ngram_table(cfg: ModelConfig, layer: int, module: str) -> Tensors:
+    rows = chunk_rows(ngram_hash(cfg, layer).rows, cfg.ngram_split_parts)
+    keys = tuple(f"{module}.ngram_embedding.shard_{i}.weight" for i in range(len(rows)))
+    bounds = np.cumsum([0, *rows])
+
+    def read(get: ReadSlice, index: Index) -> np.ndarray:
+        wanted, columns = index
+        parts = []
+        for key, a, z in zip(keys, bounds[:-1], bounds[1:]):
+            lo, hi = max(wanted.start, a), min(wanted.stop, z)
+            if lo < hi:
+                parts.append(get(key, (slice(lo - a, hi - a), columns)))
+        return np.concatenate(parts, axis=0)
+
+    return Tensors(keys, lambda *shards: _xp(*shards).concatenate(shards, axis=0),
+                   lambda table: tuple(_xp(table).split(table, [int(b) for b in bounds[1:-1]], axis=0)), read)
+
+
+def ngram_buffers(cfg: ModelConfig, prefix: str) -> dict[str, np.ndarray]:
+    """Per PLE layer, the hashing's constants Qwen4-Exp's checkpoints store
+    beside its tables (int64): the multipliers, each table's rows (primes)
+    and first row."""
+    out = {}
+    for layer in cfg.ple_layers:
+        h = ngram_hash(cfg, layer)
+        module = f"{prefix}layers.{layer}.ple.ple_embedding."
+        out[module + "layer_multipliers"] = np.asarray(h.multipliers, np.int64)
+        out[module + "ngram_heads_vocab_sizes"] = np.asarray(h.sizes, np.int64)
+        out[module + "ngram_heads_offsets"] = np.asarray(h.offsets, np.int64)
+    return out
+
+
 # OLMo Hybrid's names for the norms before a layer's mixer and its MLP (or,
 # in its post-norm attention layers, after the mixer)
 _OLMO_NORMS = {"input_layernorm": "attention_layer_norm", "post_attention_layernorm": "feedforward_layer_norm"}
@@ -227,6 +283,8 @@ def locate(cfg: ModelConfig, path: tuple, prefix: str = "model.", in_memory: boo
         return _transposed("lm_head.weight")
     if path == ("norm", "weight"):
         return _same(prefix + "norm.weight")
+    if path[0] == "hyper_connection_mixer":
+        return _gated_residual(prefix + "hyper_connection_mixer", path[1:])
     if path[0] == "mtp" and ling:  # the layer after the decoder's (DeepSeek's layout), its head the model's
         layer = f"{prefix}layers.{cfg.num_hidden_layers}."
         if path[1] == "fc":
@@ -260,6 +318,15 @@ def _layer(cfg: ModelConfig, path: tuple, prefix: str, full_attention: bool = Fa
     if block in ("attn_hc", "ffn_hc"):  # GLM-5-Next's hyper-connections: hc_attn_fn, hc_ffn_base, ...
         key = f"{layer}hc_{block.removesuffix('_hc')}_{tail[0]}"
         return _transposed(key) if tail[0] == "fn" else _same(key)
+    if block in ("attn_hyper_connection", "mlp_hyper_connection"):  # Qwen4-Exp's gated residuals
+        return _gated_residual(layer + block, tail)
+    if block == "ple":
+        if tail[0] == "embedding":
+            return _ngram_table(cfg, int(i), layer + "ple.ple_embedding")
+        if tail[0] == "conv_weight":
+            return Tensors((layer + "ple.conv1d.weight",), lambda w: w[:, 0].T, lambda p: (p.T[:, None],))
+        leaf = tail[-1]
+        return _transposed(f"{layer}ple.{tail[0]}.weight") if leaf == "kernel" else _same(f"{layer}ple.{tail[0]}.{leaf}")
     linear = not full_attention and cfg.resolved_layer_types[int(i)] == "linear_attention"
     if block == "mixer" and linear and cfg.linear_kind == "kda":
         return _kda(cfg, tail[0], layer)

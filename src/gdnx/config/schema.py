@@ -33,9 +33,12 @@ LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention")
 # attention with RoPE and a head gate); lara_mini: Lara 4 Mini (GDN,
 # sliding-window and full attention); glm5_next: GLM-5-Next (KDA with the
 # bounded gate, latent attention without RoPE reading the tokens a sparse
-# indexer picks, hyper-connection streams). docs/model.md has what differs
-# between them.
-Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lara_mini", "glm5_next"]
+# indexer picks, hyper-connection streams); qwen4_exp: Qwen4-Exp (GDN with a
+# selectable output gate, gated attention reading the tokens a block-pooled
+# indexer picks, gated-residual streams, hashed n-gram per-layer
+# embeddings). docs/model.md has what differs between them.
+Family = Literal["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "lara_mini", "glm5_next",
+                 "qwen4_exp"]
 # the families whose linear-attention layers are KDA and whose full attention is latent attention
 KDA_FAMILIES = ("kimi_linear", "bailing_hybrid", "glm5_next")
 FAMILIES: tuple[str, ...] = get_args(Family)
@@ -115,23 +118,45 @@ class ModelConfig(_Strict):
     # values from the latents
     mla_absorb: bool = True
 
-    # glm5_next's sparse attention (DeepSeek's DSA over k-pools): per query, an
+    # Sparse attention. glm5_next (DeepSeek's DSA over k-pools): per query, an
     # indexer of index_n_heads x index_head_dim scores every complete pool of
     # index_kpool tokens and the attention reads the index_topk / index_kpool
     # best pools plus (index_kpool_always_select_tail) the query's unfinished
     # one; a "shared" layer (indexer_types; null: every layer "full") reads the
-    # tokens the last "full" layer picked
+    # tokens the last "full" layer picked. qwen4_exp (QSA): the same budget
+    # over blocks of index_kpool tokens, keys mean-pooled, one key head
     index_topk: PositiveInt = 2048
     index_kpool: PositiveInt = 16
     index_n_heads: PositiveInt = 32
     index_head_dim: PositiveInt = 128
     index_kpool_always_select_tail: bool = True
     indexer_types: list[Literal["full", "shared"]] | None = None
-    # glm5_next's manifold-constrained hyper-connections: hc_mult residual
-    # streams, mixed by a matrix of hc_sinkhorn_iters Sinkhorn-Knopp steps
+    # Hyper-connections: hc_mult residual streams. glm5_next's are mixed by a
+    # matrix of hc_sinkhorn_iters Sinkhorn-Knopp steps; qwen4_exp's blocks
+    # read them through a gate of rank hc_lowrank
     hc_mult: PositiveInt = 4
     hc_eps: PositiveFloat = 1e-6
     hc_sinkhorn_iters: PositiveInt = 20
+    hc_lowrank: PositiveInt = 320
+    # qwen4_exp's per-layer embeddings (PLE) on the linear_attention layers
+    # ple_layers (0-based): per token, its 2..ngram_size-grams within its
+    # document hashed into heads_per_ngram tables per order (each a prime
+    # number of rows from ngram_vocab_base on, all padded to a multiple of
+    # ngram_rows_multiple; multipliers from ngram_seed), ple_embed_dim
+    # features in all (null: hidden_size), a dilated convolution of
+    # ple_conv_kernel taps; checkpoints store each table in
+    # ngram_split_parts pieces
+    ple_layers: list[int] = []
+    ple_embed_dim: PositiveInt | None = None
+    ple_conv_kernel: PositiveInt = 4
+    ngram_size: int = Field(3, ge=2)
+    heads_per_ngram: PositiveInt = 8
+    ngram_vocab_base: PositiveInt = 20_000_000
+    ngram_rows_multiple: PositiveInt = 128
+    ngram_seed: int = 1234
+    ngram_split_parts: PositiveInt = 512
+    # qwen4_exp's GDN output gate on the normed output
+    linear_output_gate: Literal["silu", "sigmoid"] = "silu"
     # glm5_next's SwiGLUs (dense and experts): gate capped at it before the
     # activation, up clipped to [-it, it]; null: unbounded
     swiglu_limit: PositiveFloat | None = None
@@ -282,6 +307,13 @@ class ModelConfig(_Strict):
                            f"topk_group={self.topk_group} groups, got {self.num_experts_per_tok}"))
         if self.family == "glm5_next":
             errors += self._glm5_next_errors(used)
+        if self.family == "qwen4_exp":
+            errors += self._qwen4_exp_errors(used)
+        elif self.ple_layers:
+            errors.append(("ple_layers", f"per-layer embeddings are qwen4_exp's, not {self.family}'s"))
+        if self.family != "qwen4_exp" and self.linear_output_gate != "silu":
+            errors.append(("linear_output_gate", f"qwen4_exp's GDN chooses its output gate, {self.family}'s is "
+                           "silu"))
         if self.family != "glm5_next" and self.swiglu_limit is not None:
             errors.append(("swiglu_limit", f"bounds the SwiGLUs of glm5_next only, not {self.family}'s"))
         if self.family in ("kimi_linear", "glm5_next") and self.rope_theta is not None:
@@ -354,6 +386,41 @@ class ModelConfig(_Strict):
             errors.append(("q_lora_rank", "glm5_next's indexer reads the low-rank query; set its rank"))
         return errors
 
+    def _qwen4_exp_errors(self, used: set[str]) -> list[tuple[str, str]]:
+        errors = []
+        if self.hc_mult < 2:
+            errors.append(("hc_mult", f"qwen4_exp's gated residual mixes at least 2 streams, got {self.hc_mult}"))
+        if not self.num_experts:
+            errors.append(("num_experts", "qwen4_exp routes every layer's MLP; got 0"))
+        if "full_attention" in used:
+            if self.index_topk % self.index_kpool:
+                errors.append(("index_topk", f"must be a multiple of index_kpool={self.index_kpool}, "
+                               f"got {self.index_topk}"))
+            rotary = int(self.head_dim * self.partial_rotary_factor)
+            if rotary > self.index_head_dim:
+                errors.append(("index_head_dim", f"the indexer rotates as the attention does ({rotary} features); "
+                               f"expected >= {rotary}, got {self.index_head_dim}"))
+            if self.rope_theta is None:
+                errors.append(("rope_theta", "qwen4_exp's attention and indexer rotate q and k; set a base"))
+        heads = (self.ngram_size - 1) * self.heads_per_ngram
+        bad = [i for i in self.ple_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            errors.append(("ple_layers", f"layer indices must be in [0, {self.num_hidden_layers}), got {bad}"))
+        elif any(self.resolved_layer_types[i] != "linear_attention" for i in self.ple_layers):
+            errors.append(("ple_layers", "per-layer embeddings go on linear_attention layers only, got "
+                           f"{[i for i in self.ple_layers if self.resolved_layer_types[i] != 'linear_attention']}"))
+        if self.ple_layers and self.ple_width % heads:
+            errors.append(("ple_embed_dim", f"must be a multiple of the {heads} n-gram tables "
+                           f"((ngram_size - 1) x heads_per_ngram), got {self.ple_width}"))
+        if self.ple_layers and self.eos_token_id is None:
+            errors.append(("eos_token_id", "the n-gram context restarts after end-of-sequence; set its id"))
+        return errors
+
+    @property
+    def ple_width(self) -> int:
+        """A per-layer embedding's features (ple_embed_dim, else hidden_size)."""
+        return self.ple_embed_dim or self.hidden_size
+
     @property
     def shared_index_layers(self) -> tuple[bool, ...]:
         """Per layer: whether it is an attention layer that reads the
@@ -363,9 +430,9 @@ class ModelConfig(_Strict):
 
     @property
     def streams(self) -> int:
-        """Residual streams per token: hc_mult for glm5_next, else 1 (a
-        plain residual)."""
-        return self.hc_mult if self.family == "glm5_next" else 1
+        """Residual streams per token: hc_mult for glm5_next and qwen4_exp,
+        else 1 (a plain residual)."""
+        return self.hc_mult if self.family in ("glm5_next", "qwen4_exp") else 1
 
     @property
     def linear_kind(self) -> Literal["gdn", "kda"]:
@@ -385,7 +452,7 @@ class ModelConfig(_Strict):
     @property
     def shared_expert_gated(self) -> bool:
         """Whether a MoE's shared expert is scaled by a sigmoid gate (Qwen's)."""
-        return self.family in ("qwen3_next", "qwen3_5")
+        return self.family in ("qwen3_next", "qwen3_5", "qwen4_exp")
 
     @property
     def router_kind(self) -> Literal["softmax", "sigmoid"]:
@@ -403,11 +470,13 @@ class ModelConfig(_Strict):
 
     @property
     def layer_kinds(self) -> tuple[tuple[str, bool], ...]:
-        """Per layer: its mixer (a shared-index attention layer its own
-        kind) and whether its MLP is a MoE."""
-        shared = self.shared_index_layers
-        return tuple((t + ("/shared" if shared[i] else ""), self.is_moe_layer(i))
-                     for i, t in enumerate(self.resolved_layer_types))
+        """Per layer: its mixer (a shared-index attention layer, and each
+        layer with a per-layer embedding, its own kind) and whether its MLP
+        is a MoE."""
+        # each per-layer embedding's tables have rows of their own (primes): one kind per PLE layer
+        shared, ple = self.shared_index_layers, sorted(self.ple_layers)
+        return tuple((t + ("/shared" if shared[i] else "") + (f"/ple{ple.index(i)}" if i in ple else ""),
+                      self.is_moe_layer(i)) for i, t in enumerate(self.resolved_layer_types))
 
     @property
     def layer_head(self) -> int:

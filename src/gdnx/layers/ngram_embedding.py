@@ -4,17 +4,22 @@ end-of-sequence tokens resetting the context) hashed into `heads_per_ngram`
 tables per n-gram size, each table a prime number of rows, their rows
 concatenated.
 
-The ids are computed on the host (`NGramHash`, numpy int64 with the
-wrapping multiplication and XOR transformers' torch code does on int64):
-no 64-bit arithmetic on the device, which TPUs lack and JAX runs 32-bit by
-default. The device gets int32 row ids into one concatenated table
-(`NGramEmbedding`).
+transformers hashes in int64 (wrapping products, XOR, a remainder by
+each table's prime). TPUs have no 64-bit integers and JAX runs 32-bit by
+default, so gdnx computes the same ids two ways, neither with 64-bit
+arithmetic on the device: `NGramHash.ids` on the host (numpy int64, the
+reference), and `NGramHash.device_ids` inside the model's program from
+the token ids, each 64-bit value as two uint32 halves (products from
+16-bit limbs, the remainder by Horner steps that stay below 2^32). The
+model hashes on the device so that everything that runs it (training
+steps, generation, serving) needs only the tokens; the ids are int32 rows
+of one concatenated table (`NGramEmbedding`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,15 +49,22 @@ def _is_prime(n: int) -> bool:
     return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
 
 
-def _primes_after(start: int, count: int) -> list[int]:
-    """The first `count` primes greater than `start`."""
-    out: list[int] = []
-    n = start
+def _primes_after(start: int, count: int) -> tuple[int, ...]:
+    """The first `count` primes greater than `start` (a layer's tables
+    follow the earlier layers': the longer list extends the shorter)."""
+    # the longest list already found that this one extends
+    known = max((v for (s, c), v in _found.items() if s == start and c <= count), key=len, default=())
+    out: list[int] = list(known)
+    n = known[-1] if known else start
     while len(out) < count:
         n += 1
         if _is_prime(n):
             out.append(n)
-    return out
+    _found[(start, count)] = tuple(out)
+    return tuple(out)
+
+
+_found: dict[tuple[int, int], tuple[int, ...]] = {}
 
 
 class NGramHash(NamedTuple):
@@ -115,6 +127,93 @@ class NGramHash(NamedTuple):
                 sizes = np.asarray(self.sizes[heads], np.int64)
                 blocks.append(np.remainder(mixed[..., None], sizes) + np.asarray(self.offsets[heads], np.int64))
         return np.concatenate(blocks, axis=-1)[:, -t:].astype(np.int32)
+
+
+    def device_ids(self, tokens: jax.Array, context: jax.Array | None = None,
+                   segments: jax.Array | None = None) -> jax.Array:
+        """As `ids`, traced: int32 [B, T, heads] from int32 tokens [B, T]
+        (non-negative) after `context` [B, ngram_size - 1]; segments [B, T]:
+        packed documents, each starting its n-grams afresh as after an
+        end-of-sequence token."""
+        b, t = tokens.shape
+        n = self.ngram_size
+        tokens = tokens.astype(jnp.int32)
+        if context is None:
+            context = jnp.full((b, n - 1), self.eos, jnp.int32)
+        history = jnp.concatenate([context.astype(jnp.int32), tokens], axis=1)
+        positions = jnp.arange(history.shape[1], dtype=jnp.int32)
+        eos_at = jnp.where(history == self.eos, positions, -1)
+        last = jax.lax.cummax(eos_at, axis=1)
+        start = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), last[:, :-1]], axis=1) + 1
+        if segments is not None:  # a packed document's first token starts afresh
+            seg = jnp.concatenate([jnp.full((b, n - 1), -1, jnp.int32), segments.astype(jnp.int32)], axis=1)
+            first = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+            start = jnp.maximum(start, jax.lax.cummax(jnp.where(first, positions, 0), axis=1))
+        within = positions[None] - start
+        hi = lo = jnp.zeros(history.shape, jnp.uint32)
+        blocks = []
+        for k in range(n):
+            shifted = jnp.where((within >= k) & (positions[None] >= k),
+                                jnp.roll(history, k, axis=1), self.eos).astype(jnp.uint32)
+            m = self.multipliers[k]
+            t_hi, t_lo = _mul_wide(shifted, np.uint32(m & 0xFFFFFFFF))
+            t_hi = t_hi + shifted * np.uint32(m >> 32)
+            hi, lo = hi ^ t_hi, lo ^ t_lo
+            if k == 0:
+                continue
+            heads = slice((k - 1) * self.heads_per_ngram, k * self.heads_per_ngram)
+            primes = np.asarray(self.sizes[heads], np.int64)
+            rem = _remainder_signed64(hi[..., None], lo[..., None], primes)
+            blocks.append(rem + jnp.asarray(self.offsets[heads], jnp.int32))
+        return jnp.concatenate(blocks, axis=-1)[:, -t:]
+
+
+def ngram_hash(cfg: Any, layer: int) -> NGramHash:
+    """The n-gram hashing of layer `layer`'s per-layer embedding, from a
+    model config (gdnx.config.ModelConfig: `layer` one of its ple_layers,
+    whose tables' primes follow the earlier PLE layers')."""
+    eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
+    if eos is None:
+        raise ValueError("model.eos_token_id: the n-gram context restarts after end-of-sequence; set its id")
+    return NGramHash.build(vocab_size=cfg.vocab_size, ngram_size=cfg.ngram_size, heads_per_ngram=cfg.heads_per_ngram,
+                           vocab_base=cfg.ngram_vocab_base, layer_index=sorted(cfg.ple_layers).index(layer),
+                           seed=cfg.ngram_seed, divisible_by=cfg.ngram_rows_multiple, eos=eos)
+
+
+def _mul_wide(a: jax.Array, b: np.uint32) -> tuple[jax.Array, jax.Array]:
+    """The 64-bit product of uint32 a and b as (high, low) uint32 halves."""
+    mask = np.uint32(0xFFFF)
+    a0, a1 = a & mask, a >> 16
+    b0, b1 = np.uint32(b & 0xFFFF), np.uint32(b >> 16)
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = (p00 >> 16) + (p01 & mask) + (p10 & mask)
+    return p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16), (p00 & mask) | (mid << 16)
+
+
+def _mulmod(x: jax.Array, y: np.ndarray, primes: np.ndarray) -> jax.Array:
+    """x * y mod p (x uint32 < p, y host constants < p, per prime p < 2^31),
+    by Horner steps over y's bits `w` at a time with p * 2^w <= 2^32 so that
+    nothing exceeds 32 bits."""
+    bits = int(primes.max()).bit_length()
+    w = 32 - bits
+    p = jnp.asarray(primes, jnp.uint32)
+    acc = jnp.zeros_like(x)
+    for shift in range(-(-bits // w) * w - w, -1, -w):
+        chunk = jnp.asarray((y >> shift) & ((1 << w) - 1), jnp.uint32)
+        acc = ((acc << w) % p + (x * chunk) % p) % p
+    return acc
+
+
+def _remainder_signed64(hi: jax.Array, lo: jax.Array, primes: np.ndarray) -> jax.Array:
+    """int32 (v mod p) for the int64 v whose bits are (hi, lo), taken as
+    torch.remainder takes it (non-negative, v signed), per prime p."""
+    p = jnp.asarray(primes, jnp.uint32)
+    two32 = np.asarray([(1 << 32) % int(q) for q in primes], np.int64)
+    unsigned = (_mulmod(hi % p, two32, primes) + lo % p) % p
+    # a negative v is its unsigned bits minus 2^64
+    two64 = jnp.asarray([(1 << 64) % int(q) for q in primes], jnp.uint32)
+    signed = jnp.where(hi >> 31 == 1, (unsigned + p - two64) % p, unsigned)
+    return signed.astype(jnp.int32)
 
 
 class NGramEmbedding(nnx.Module):

@@ -8,12 +8,14 @@ the normed stream (over sqrt(H)), through a sigmoid, times the value; the
 gated values plus a causal depthwise convolution of their normed copy
 (kernel `conv_kernel`, dilation `ngram_size`, SiLU) are what the layer
 adds to the streams. Generation carries the convolution's last
-(conv_kernel - 1) * dilation inputs.
+(conv_kernel - 1) * dilation inputs and the tokens the next call's
+n-grams reach back to (`PLEState`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,16 @@ from jax.typing import DTypeLike
 from gdnx.layers.linear import linear
 from gdnx.layers.ngram_embedding import NGramEmbedding
 from gdnx.layers.norms import GroupedRMSNorm
+
+
+class PLEState(NamedTuple):
+    """What a linear-attention layer with a per-layer embedding carries
+    between generation calls: its mixer's state, the convolution's last
+    inputs [B, state_length, N*H] and the last ngram_size - 1 tokens
+    [B, ngram_size - 1] (int32; end-of-sequence before the first)."""
+    mixer: Any
+    conv: jax.Array
+    context: jax.Array
 
 
 class PerLayerEmbedding(nnx.Module):
@@ -50,11 +62,12 @@ class PerLayerEmbedding(nnx.Module):
         return (self.conv_kernel - 1) * self.dilation
 
     def __call__(self, streams: jax.Array, ids: jax.Array, state: jax.Array | None = None,
-                 ) -> tuple[jax.Array, jax.Array]:
+                 segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """streams [B, T, N*H], the n-gram row ids [B, T, heads] and the
         convolution's last inputs [B, state_length, N*H] (None: a sequence's
         start) -> (what the layer adds to the streams [B, T, N*H], the new
-        state)."""
+        state). segments [B, T] (without a state): packed documents, the
+        convolution kept within each."""
         b, t, width = streams.shape
         split = (b, t, self.streams, self.hidden_size)
         embedded = self.embedding(ids)
@@ -69,5 +82,13 @@ class PerLayerEmbedding(nnx.Module):
             state = jnp.zeros((b, self.state_length, width), normed.dtype)
         window = jnp.concatenate([state.astype(normed.dtype), normed], axis=1)  # [B, state + T, width]
         w = self.conv_weight[...].astype(normed.dtype)
-        conv = sum(window[:, k * self.dilation:k * self.dilation + t] * w[k] for k in range(self.conv_kernel))
+        taps = []
+        for k in range(self.conv_kernel):
+            tap = window[:, k * self.dilation:k * self.dilation + t]
+            back = self.state_length - k * self.dilation  # tokens between the tap and the output
+            if segments is not None and back:
+                earlier = jnp.pad(segments, ((0, 0), (back, 0)), constant_values=-1)[:, :t]
+                tap = jnp.where((earlier == segments)[..., None], tap, 0)
+            taps.append(tap * w[k])
+        conv = sum(taps)
         return gated + jax.nn.silu(conv), window[:, t:]

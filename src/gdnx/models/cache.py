@@ -14,7 +14,8 @@ from gdnx.config.schema import ModelConfig
 from gdnx.layers.attention import KVCache, RingCache
 from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.layers.latent_attention import LatentCache
-from gdnx.layers.sparse_attention import IndexedLatentCache
+from gdnx.layers.per_layer_embedding import PLEState
+from gdnx.layers.sparse_attention import IndexedKVCache, IndexedLatentCache
 from gdnx.layers.sparse_index import IndexCache
 from gdnx.parallel.params import head_units
 from gdnx.parallel.rules import constrain
@@ -29,7 +30,8 @@ class Cache(NamedTuple):
 
     @property
     def max_length(self) -> int:
-        kv = [c for c in self.layers if isinstance(c, KVCache | LatentCache | IndexedLatentCache)]
+        kv = [c.kv if isinstance(c, IndexedKVCache) else c for c in self.layers
+              if isinstance(c, KVCache | LatentCache | IndexedLatentCache | IndexedKVCache)]
         return kv[0].capacity if kv else -1
 
     @classmethod
@@ -44,6 +46,10 @@ class Cache(NamedTuple):
         def empty(layer, lead: tuple[int, ...] = ()):
             if layer.layer_type == "full_attention":
                 entry = attention_entry(cfg, batch, max_length, lead)
+                if cfg.family == "qwen4_exp":
+                    assert isinstance(entry, KVCache)
+                    keys = jnp.zeros((*lead, batch, max_length, cfg.index_head_dim), dtype)
+                    return IndexedKVCache(entry, IndexCache(keys, None, keys))
                 if not isinstance(entry, LatentCache) or cfg.family != "glm5_next":
                     return entry
                 index = None if layer.mixer.indexer is None else index_entry(cfg, batch, max_length, lead)
@@ -53,7 +59,13 @@ class Cache(NamedTuple):
                 shape = (*lead, batch, ring, cfg.num_key_value_heads, cfg.head_dim)
                 return RingCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
             state = layer.mixer.zero_state(batch, dtype)
-            return jax.tree.map(lambda z: jnp.zeros((*lead, *z.shape), z.dtype), state)
+            state = jax.tree.map(lambda z: jnp.zeros((*lead, *z.shape), z.dtype), state)
+            if getattr(layer, "ple", None) is None:
+                return state
+            # a per-layer embedding's convolution inputs, and its n-gram context: end-of-sequence before the start
+            width = cfg.streams * cfg.hidden_size
+            return PLEState(state, jnp.zeros((*lead, batch, layer.ple.state_length, width), dtype),
+                            jnp.full((*lead, batch, cfg.ngram_size - 1), layer.ngram.eos, jnp.int32))
 
         length = jnp.zeros((batch,) if per_row else (), jnp.int32)
         if not cfg.scanned:
@@ -124,6 +136,12 @@ def place_cache(cache: Cache, cfg: ModelConfig, row_axes: tuple[int, ...]) -> Ca
         if isinstance(entry, LatentCache):
             return LatentCache(place(entry.latent, (*lead, "batch", None, None)),
                                place(entry.rope, (*lead, "batch", None, None)))
+        if isinstance(entry, PLEState):
+            return PLEState(one(entry.mixer, axis), place(entry.conv, (*lead, "batch", None, None)),
+                            place(entry.context, (*lead, "batch", None)))
+        if isinstance(entry, IndexedKVCache):
+            indexer = jax.tree.map(lambda a: place(a, (*lead, "batch", None, None)), entry.indexer)
+            return IndexedKVCache(one(entry.kv, axis), indexer)
         if isinstance(entry, IndexedLatentCache):
             # the indexer's entries, like the latents, are one "head" every query reads: kept whole per row
             return jax.tree.map(lambda a: place(a, (*lead, "batch", None, None)), entry)

@@ -38,16 +38,19 @@ from gdnx.layers.attention import (GatedAttention, HeadNormedAttention, KVCache,
                                    Rope)
 from gdnx.layers.documents import document_positions
 from gdnx.layers.gated_deltanet import DeltaRuleMixer, GatedDeltaNet, DeltaRuleState
-from gdnx.layers.hyper_connections import ManifoldHyperConnection, expand_streams, stream_mean
+from gdnx.layers.hyper_connections import GatedResidual, ManifoldHyperConnection, expand_streams, stream_mean
 from gdnx.layers.kimi_delta_attention import KimiDeltaAttention
 from gdnx.layers.latent_attention import LatentAttention, LatentCache, LatentStack
 from gdnx.layers.linear import linear
 from gdnx.layers.lora import AdapterSpec, Linear, fold_dropout
 from gdnx.layers.mlp import MLP
 from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
+from gdnx.layers.ngram_embedding import ngram_hash
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
+from gdnx.layers.per_layer_embedding import PerLayerEmbedding, PLEState
 from gdnx.layers.rope import rope_tables, rotary_dim
-from gdnx.layers.sparse_attention import IndexedLatentAttention, IndexedLatentCache
+from gdnx.layers.sparse_attention import (IndexedGatedAttention, IndexedKVCache, IndexedLatentAttention,
+                                          IndexedLatentCache)
 from gdnx.layers.sparse_index import Selection
 from gdnx.models.adapters import add_adapters
 from gdnx.models.cache import Cache
@@ -81,7 +84,8 @@ OLMO_GATED_NORM_EPS = 1e-5
 # latent attention's norms (on the query and key/value latents) have a fixed eps
 LATENT_NORM_EPS = 1e-6
 Mixer = GatedDeltaNet | KimiDeltaAttention | GatedAttention | NormedAttention | HeadNormedAttention | LatentAttention
-LayerCache = KVCache | KVStack | RingCache | LatentCache | LatentStack | DeltaRuleState | IndexedLatentCache
+LayerCache = (KVCache | KVStack | RingCache | LatentCache | LatentStack | DeltaRuleState | IndexedLatentCache
+              | IndexedKVCache | PLEState)
 
 
 class HyperState(NamedTuple):
@@ -93,11 +97,21 @@ class HyperState(NamedTuple):
     selection: Selection
 
 
+class GatedStreams(NamedTuple):
+    """What each layer of Qwen4-Exp passes to the next: the streams
+    flattened [B, T, N*H] and the call's tokens [B, T] (the per-layer
+    embeddings hash them)."""
+    streams: jax.Array
+    tokens: jax.Array
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm, x + mixer(norm(x)) then x + mlp(norm(x)); post-norm (OLMo
     Hybrid's attention layers), x + norm(mixer(x)) then x + norm(mlp(x));
-    with hyper-connection streams (GLM-5-Next), each block between a
-    ManifoldHyperConnection's read and write."""
+    with hyper-connection streams, each block between a
+    ManifoldHyperConnection's read and write (GLM-5-Next) or a
+    GatedResidual's (Qwen4-Exp, whose per-layer embeddings add to the
+    streams first)."""
 
     def __init__(self, cfg: ModelConfig, index: int, *, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
                  full_attention: bool = False):
@@ -106,12 +120,15 @@ class DecoderLayer(nnx.Module):
         self.layer_type = "full_attention" if full_attention else cfg.resolved_layer_types[index]
         bound_at = 0 if full_attention else index
         olmo, ling, glm = cfg.family == "olmo_hybrid", cfg.family == "bailing_hybrid", cfg.family == "glm5_next"
+        qwen4 = cfg.family == "qwen4_exp"
         # the model reads the config; each layer gets the sizes it uses
         h = cfg.hidden_size
         kw: dict[str, Any] = dict(init_std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = _norm(cfg)
         self.post_norm = olmo and self.layer_type == "full_attention"
-        if self.post_norm:
+        if qwen4:  # the gated residuals norm the streams
+            pass
+        elif self.post_norm:
             self.post_attention_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
             self.post_feedforward_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         else:
@@ -129,7 +146,7 @@ class DecoderLayer(nnx.Module):
                 key_head_dim=cfg.linear_key_head_dim, value_head_dim=cfg.linear_value_head_dim,
                 conv_kernel_size=cfg.linear_conv_kernel_dim, op=delta_rule_options(cfg),
                 norm_eps=OLMO_GATED_NORM_EPS if olmo else cfg.rms_norm_eps,
-                allow_neg_eigval=cfg.linear_allow_neg_eigval, **kw)
+                allow_neg_eigval=cfg.linear_allow_neg_eigval, output_gate=cfg.linear_output_gate, **kw)
         elif cfg.attention_kind == "head_normed":
             window = cfg.sliding_window if self.layer_type == "sliding_attention" else None
             self.mixer = HeadNormedAttention(h, num_heads=cfg.num_attention_heads,
@@ -150,6 +167,12 @@ class DecoderLayer(nnx.Module):
                 qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
                 v_head_dim=cfg.v_head_dim, bias=cfg.attention_bias, norm_eps=LATENT_NORM_EPS,
                 absorb=cfg.mla_absorb, head_gate=ling, **kw)
+        elif qwen4:
+            self.mixer = IndexedGatedAttention(
+                h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps, index_heads=cfg.index_n_heads,
+                index_head_dim=cfg.index_head_dim, block=cfg.index_kpool, budget=cfg.index_topk,
+                theta=cfg.rope_theta or 0.0, rotary_dim=_rotary_dim(cfg), **kw)
         else:
             attention = NormedAttention if olmo else GatedAttention
             self.mixer = attention(h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
@@ -173,8 +196,18 @@ class DecoderLayer(nnx.Module):
         hc: dict[str, Any] = dict(sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps,
                                   init_std=cfg.initializer_range, param_dtype=param_dtype, rngs=rngs)
         hyper = cfg.streams > 1
-        self.attn_hc = ManifoldHyperConnection(h, cfg.streams, **hc) if hyper else None
-        self.ffn_hc = ManifoldHyperConnection(h, cfg.streams, **hc) if hyper else None
+        self.attn_hc = ManifoldHyperConnection(h, cfg.streams, **hc) if hyper and glm else None
+        self.ffn_hc = ManifoldHyperConnection(h, cfg.streams, **hc) if hyper and glm else None
+        # qwen4_exp: gated residuals around the mixer and the MLP, a per-layer embedding on ple_layers
+        gated = dict(combine=True, eps=cfg.rms_norm_eps, **kw)
+        self.attn_hyper_connection = GatedResidual(h, cfg.streams, cfg.hc_lowrank, **gated) if qwen4 else None
+        self.mlp_hyper_connection = GatedResidual(h, cfg.streams, cfg.hc_lowrank, **gated) if qwen4 else None
+        with_ple = qwen4 and not full_attention and index in cfg.ple_layers
+        self.ngram = ngram_hash(cfg, index) if with_ple else None
+        self.ple = PerLayerEmbedding(
+            h, cfg.streams, rows=self.ngram.rows, heads=(cfg.ngram_size - 1) * cfg.heads_per_ngram,
+            embed_dim=cfg.ple_width, conv_kernel=cfg.ple_conv_kernel, dilation=cfg.ngram_size,
+            eps=cfg.rms_norm_eps, **kw) if self.ngram is not None else None
 
     def _mix(self, x: jax.Array, rope: Rope, positions: jax.Array, cache: LayerCache | None,
              start: jax.Array, segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None,
@@ -208,6 +241,9 @@ class DecoderLayer(nnx.Module):
         HyperState; returns (x after the layer, its new cache entry, router
         statistics of a MoE)."""
         mix = (rope, positions, cache, start, segments, lengths, history_every)
+        if self.attn_hyper_connection is not None:
+            assert isinstance(x, GatedStreams)  # the model passes streams to a layer with gated residuals
+            return self._gated(x, *mix)
         if self.attn_hc is not None:
             assert isinstance(x, HyperState)  # the model passes streams to a layer with hyper-connections
             return self._hyper(x, *mix)
@@ -241,6 +277,42 @@ class DecoderLayer(nnx.Module):
         post, comb, h = self.ffn_hc(streams)
         h, stats = self._feed_forward(self.post_attention_layernorm(h))
         return HyperState(ManifoldHyperConnection.combine(post, comb, h, streams), selection), new_cache, stats
+
+
+    def _gated(self, x: GatedStreams, rope: Rope, positions: jax.Array, cache: LayerCache | None,
+               start: jax.Array, segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None,
+               ) -> tuple[GatedStreams, LayerCache | None, RouterStats | None]:
+        """Qwen4-Exp's layer: the per-layer embedding (if any) added to the
+        streams, then each block reads a gated mix of them and writes its
+        output into each at its injection weight (GatedResidual)."""
+        assert self.attn_hyper_connection is not None and self.mlp_hyper_connection is not None
+        streams, tokens = x
+        mixer_cache, ple = cache, None
+        if self.ple is not None:
+            assert self.ngram is not None and (cache is None or isinstance(cache, PLEState))
+            context = None if cache is None else cache.context
+            ids = self.ngram.device_ids(tokens, context, segments)
+            added, conv = self.ple(streams, ids, None if cache is None else cache.conv, segments)
+            streams = streams + added
+            if cache is not None:
+                mixer_cache = cache.mixer
+                history = jnp.concatenate([cache.context, tokens.astype(jnp.int32)], axis=1)
+                ple = (conv, history[:, -cache.context.shape[1]:])
+        h, weights = self.attn_hyper_connection(streams)
+        assert weights is not None  # a combining GatedResidual gives them
+        new_cache: LayerCache | None
+        if isinstance(self.mixer, IndexedGatedAttention):
+            assert mixer_cache is None or isinstance(mixer_cache, IndexedKVCache)
+            h, new_cache = self.mixer(h, rope, positions, mixer_cache, start, segments)
+        else:
+            h, new_cache = self._mix(h, rope, positions, mixer_cache, start, segments, lengths, history_every)
+        if ple is not None:
+            new_cache = PLEState(new_cache, *ple)
+        streams = GatedResidual.inject(streams, h, weights)
+        h, weights = self.mlp_hyper_connection(streams)
+        h, stats = self._feed_forward(h)
+        assert weights is not None  # a combining GatedResidual gives them
+        return GatedStreams(GatedResidual.inject(streams, h, weights), tokens), new_cache, stats
 
 
 class MultiTokenPredictor(nnx.Module):
@@ -392,7 +464,13 @@ class CausalLM(nnx.Module):
             self.tail = nnx.List(layers[end:])
         else:
             self.layers = nnx.List(layers)
-        self.norm = _norm(config)(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        # Qwen4-Exp ends with a gated mix of its streams, normed per stream, and no final norm
+        qwen4 = config.family == "qwen4_exp"
+        self.norm = None if qwen4 else _norm(config)(config.hidden_size, eps=config.rms_norm_eps,
+                                                     param_dtype=param_dtype)
+        self.hyper_connection_mixer = GatedResidual(
+            config.hidden_size, config.streams, config.hc_lowrank, combine=False, eps=config.rms_norm_eps,
+            init_std=config.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs) if qwen4 else None
         self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, dtype, param_dtype, config.initializer_range, rngs)
         self.mtp = MultiTokenPredictor(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) \
@@ -545,7 +623,9 @@ class CausalLM(nnx.Module):
             positions.reshape(-1, t) if segments is None else document_positions(segments), _rotary_dim(cfg),
             cfg.rope_theta)
         x = self._embed(constrain(tokens, ("batch", "length")))
-        if cfg.streams > 1:
+        if self.hyper_connection_mixer is not None:
+            x = GatedStreams(expand_streams(x, cfg.streams).reshape(*x.shape[:-1], -1), tokens)
+        elif cfg.streams > 1:
             x = HyperState(expand_streams(x, cfg.streams), self._no_selection(tokens, positions, cache, segments))
         run = _run_layer
         if cfg.remat_policy != "none" and cache is None:  # remat is for training; decoding keeps nothing
@@ -570,7 +650,13 @@ class CausalLM(nnx.Module):
         new_cache = None if cache is None else Cache(new_layers, cache.length + (t if lengths is None else lengths))
         if isinstance(x, HyperState):
             x = stream_mean(x.streams)
-        return HiddenOutput(self.norm(x), new_cache, load_balancing_loss(stats, cfg.num_experts))
+        if isinstance(x, GatedStreams):
+            assert self.hyper_connection_mixer is not None
+            x, _ = self.hyper_connection_mixer(x.streams)
+        else:
+            assert self.norm is not None
+            x = self.norm(x)
+        return HiddenOutput(x, new_cache, load_balancing_loss(stats, cfg.num_experts))
 
     def _no_selection(self, tokens: jax.Array, positions: jax.Array, cache: Cache | None,
                       segments: jax.Array | None) -> Selection:
@@ -685,7 +771,8 @@ def parameter_count(cfg: ModelConfig) -> int:
     small = cfg.model_copy(update={
         "num_hidden_layers": len(unique), "layer_types": [m[0] for m in mixers], "scan_layers": False,
         "decoder_sparse_step": 1, "mlp_only_layers": [i for i, (_, moe) in enumerate(unique) if not moe],
-        "indexer_types": ["shared" if m[1:] else "full" for m in mixers]})
+        "indexer_types": ["shared" if "shared" in m else "full" for m in mixers],
+        "ple_layers": [i for i, m in enumerate(mixers) if any(x.startswith("ple") for x in m)]})
     state = jax.eval_shape(lambda: nnx.state(CausalLM(small), nnx.Param))
     per_kind = [0] * len(unique)
     rest = 0
