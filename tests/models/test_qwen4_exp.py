@@ -163,3 +163,20 @@ def test_a_checkpoint_hashing_otherwise_is_refused(checkpoint):
 def test_other_families_refuse_qwen4_fields():
     with pytest.raises(ValueError, match="ple_layers: per-layer embeddings are qwen4_exp's"):
         ModelConfig(family="qwen3_next", ple_layers=[0])
+
+
+def test_scanned_stack_equals_unrolled(pair):
+    """Six layers, a PLE layer first (its own kind), then a cycle of
+    indexed attention + GDN repeated twice under the scan and the last
+    attention layer after it: logits equal the unrolled stack's, and greedy
+    tokens through the scanned cache (the index caches sliced and written
+    back per repeat) are the unrolled stack's argmax."""
+    cfg = pair[1].config.model_copy(update={
+        "num_hidden_layers": 6, "layer_types": ["linear_attention", "full_attention"] * 3, "ple_layers": [0]})
+    unrolled, scanned = (CausalLM(cfg.model_copy(update={"scan_layers": s})) for s in (False, True))
+    assert scanned.config.scanned and (scanned.config.layer_head, scanned.config.cycle_repeats) == (1, 2)
+    toks = jnp.asarray(tokens(2, 21, seed=5), jnp.int32)
+    assert relative_error(_logits(scanned, toks), _logits(unrolled, toks)) <= 1e-5
+    drawn = generate(scanned, toks[:, :5], 16)  # each the argmax of the unrolled stack's logits before it
+    whole = jnp.concatenate([toks[:, :5], drawn], axis=1)
+    np.testing.assert_array_equal(np.asarray(drawn), np.asarray(jnp.argmax(_logits(unrolled, whole), -1)[:, 4:-1]))

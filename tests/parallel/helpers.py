@@ -48,7 +48,8 @@ MODEL = ["model.vocab_size=256", "model.hidden_size=64", "model.num_hidden_layer
 # 2]), Kimi Linear (KDA heads over tensor and its per-channel gates over
 # context, latent attention's heads over tensor, the grouped sigmoid
 # router), Ling 3 (RoPE on the latent attention's rope part, the head gate),
-# GLM-5-Next (sparse attention, hyper-connection streams)
+# GLM-5-Next (sparse attention, hyper-connection streams), Qwen4-Exp (gated
+# residual streams, QSA, the n-gram tables' rows over the mesh)
 FAMILIES = {
     "kimi_linear": ["model.family=kimi_linear", "model.rope_theta=null", "model.linear_num_value_heads=4",
                     "model.num_key_value_heads=4", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
@@ -72,6 +73,13 @@ FAMILIES = {
                   "model.index_n_heads=4", "model.index_head_dim=8", "model.hc_sinkhorn_iters=1",
                   "model.swiglu_limit=0.8", "model.layer_types=[linear_attention, full_attention, full_attention]",
                   "model.indexer_types=[full, full, shared]"],
+    # Qwen4-Exp: GDN with the sigmoid output gate, gated attention reading 8 tokens in blocks of 4, 4 streams of
+    # rank-8 gates, a per-layer embedding on the first layer (240 table rows, split over the mesh)
+    "qwen4_exp": ["model.family=qwen4_exp", "model.partial_rotary_factor=0.5", "model.index_topk=8",
+                  "model.index_kpool=4", "model.index_n_heads=4", "model.index_head_dim=8", "model.hc_lowrank=8",
+                  "model.ple_layers=[0]", "model.ple_embed_dim=16", "model.heads_per_ngram=2",
+                  "model.ngram_vocab_base=50", "model.ngram_rows_multiple=8", "model.eos_token_id=3",
+                  "model.linear_output_gate=sigmoid"],
     "olmo_hybrid": ["model.family=olmo_hybrid", "model.num_experts=0", "model.linear_allow_neg_eigval=true",
                     "model.partial_rotary_factor=1.0"],
 }

@@ -1,5 +1,7 @@
 """Parameter placement: every matrix of every family has declared axes."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -60,3 +62,31 @@ def test_an_undeclared_matrix_is_refused_not_replicated():
         shardings(renamed, cfg, m)
     vector = {"layers": {0: {"mixer": {"new_bias": np.zeros((64,), np.float32)}}}}
     assert shardings(vector, cfg, m)["layers"][0]["mixer"]["new_bias"].spec == jax.sharding.PartitionSpec(None)
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_ngram_table_lookups_leave_the_rows_in_place(mode):
+    """Qwen4-Exp's n-gram tables (about 41B parameters per layer at its
+    sizes) have their rows split over fsdp x tensor: a lookup gathers each
+    device's own rows and sums them over the mesh. The compiled program
+    moves the ids and the looked-up rows, never the table: no collective
+    carries as many elements as the table's part on a device."""
+    from gdnx.layers.ngram_embedding import NGramEmbedding
+
+    m = mesh(mode, fsdp=2, tensor=4)
+    rows, dim = 1 << 14, 16
+    table = NGramEmbedding(rows, dim, init_std=0.02, param_dtype=np.float32, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(table)
+    with jax.set_mesh(m):
+        # placed as a per-layer embedding's table (the table's name under its module's)
+        placed = jax.device_put(state, shardings({"embedding": state}, load_config("tiny", []).model, m)["embedding"])
+        assert placed["table"].sharding.spec == jax.sharding.PartitionSpec(("fsdp", "tensor"), None)
+        ids = jax.random.randint(jax.random.key(0), (4, 32, 8), 0, rows)
+        lookup = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i))
+        hlo = lookup.lower(placed, ids).compile().as_text()
+        got = lookup(placed, ids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(state["table"][...])[np.asarray(ids)].reshape(4, 32, -1))
+    moved = re.findall(r"= \w+\[([\d,]*)\](?:\{[^}]*\})? (?:all-gather|all-reduce|all-to-all|collective-permute)"
+                       r"(?:-start)?\(", hlo)
+    sizes = [int(np.prod([int(d) for d in shape.split(",") if d])) for shape in moved]
+    assert sizes and max(sizes) < rows * dim // 8, sizes

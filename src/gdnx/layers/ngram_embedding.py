@@ -27,6 +27,8 @@ import numpy as np
 from flax import nnx
 from jax.typing import DTypeLike
 
+from gdnx.parallel.rules import out_sharding
+
 _MASK64 = (1 << 64) - 1
 _SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
 _SPLITMIX_M1 = 0xBF58476D1CE4E5B9
@@ -135,26 +137,24 @@ class NGramHash(NamedTuple):
         (non-negative) after `context` [B, ngram_size - 1]; segments [B, T]:
         packed documents, each starting its n-grams afresh as after an
         end-of-sequence token."""
-        b, t = tokens.shape
-        n = self.ngram_size
+        t, n = tokens.shape[1], self.ngram_size
         tokens = tokens.astype(jnp.int32)
-        if context is None:
-            context = jnp.full((b, n - 1), self.eos, jnp.int32)
-        history = jnp.concatenate([context.astype(jnp.int32), tokens], axis=1)
+        # a sequence's start: positions before it read as end-of-sequence (no concatenation, which an Explicit
+        # mesh refuses between a sharded and an unsharded operand)
+        history = tokens if context is None else jnp.concatenate([context.astype(jnp.int32), tokens], axis=1)
         positions = jnp.arange(history.shape[1], dtype=jnp.int32)
         eos_at = jnp.where(history == self.eos, positions, -1)
-        last = jax.lax.cummax(eos_at, axis=1)
-        start = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), last[:, :-1]], axis=1) + 1
-        if segments is not None:  # a packed document's first token starts afresh
-            seg = jnp.concatenate([jnp.full((b, n - 1), -1, jnp.int32), segments.astype(jnp.int32)], axis=1)
-            first = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+        # each position's document start: just after the last end-of-sequence token before it
+        start = _shift_right(jax.lax.cummax(eos_at, axis=1), -1) + 1
+        if segments is not None:  # (without context) a packed document's first token starts afresh
+            seg = segments.astype(jnp.int32)
+            first = seg != _shift_right(seg, -1)
             start = jnp.maximum(start, jax.lax.cummax(jnp.where(first, positions, 0), axis=1))
         within = positions[None] - start
         hi = lo = jnp.zeros(history.shape, jnp.uint32)
         blocks = []
         for k in range(n):
-            shifted = jnp.where((within >= k) & (positions[None] >= k),
-                                jnp.roll(history, k, axis=1), self.eos).astype(jnp.uint32)
+            shifted = jnp.where(within >= k, _shift_right(history, self.eos, k), self.eos).astype(jnp.uint32)
             m = self.multipliers[k]
             t_hi, t_lo = _mul_wide(shifted, np.uint32(m & 0xFFFFFFFF))
             t_hi = t_hi + shifted * np.uint32(m >> 32)
@@ -166,6 +166,13 @@ class NGramHash(NamedTuple):
             rem = _remainder_signed64(hi[..., None], lo[..., None], primes)
             blocks.append(rem + jnp.asarray(self.offsets[heads], jnp.int32))
         return jnp.concatenate(blocks, axis=-1)[:, -t:]
+
+
+def _shift_right(x: jax.Array, fill: int, by: int = 1) -> jax.Array:
+    """x [B, T] moved `by` positions along T, `fill` in front."""
+    if by == 0:
+        return x
+    return jnp.pad(x, ((0, 0), (by, 0)), constant_values=fill)[:, :x.shape[1]]
 
 
 def ngram_hash(cfg: Any, layer: int) -> NGramHash:
@@ -224,5 +231,9 @@ class NGramEmbedding(nnx.Module):
         self.table = nnx.Param(nnx.initializers.normal(init_std)(rngs.params(), (rows, head_dim), param_dtype))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        out = jnp.take(self.table[...], ids, axis=0)
+        table = self.table[...]
+        # on a mesh the rows stay where they are (split over it): each device gathers the rows it holds and the
+        # mesh sums them; an Explicit mesh wants the result's placement stated
+        place = out_sharding(("batch", None, None, None), (*ids.shape, table.shape[-1]))
+        out = jnp.take(table, ids, axis=0) if place is None else table.at[ids].get(out_sharding=place)
         return out.reshape(*ids.shape[:-1], -1)

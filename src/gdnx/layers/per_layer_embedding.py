@@ -25,6 +25,7 @@ from jax.typing import DTypeLike
 from gdnx.layers.linear import linear
 from gdnx.layers.ngram_embedding import NGramEmbedding
 from gdnx.layers.norms import GroupedRMSNorm
+from gdnx.parallel.rules import constrain
 
 
 class PLEState(NamedTuple):
@@ -78,17 +79,23 @@ class PerLayerEmbedding(nnx.Module):
         gate = jnp.sqrt(jnp.maximum(jnp.abs(gate), 1e-6)) * jnp.sign(gate)
         gated = (jax.nn.sigmoid(gate) * value[..., None, :]).reshape(b, t, width)
         normed = self.norm_conv(gated)
-        if state is None:
-            state = jnp.zeros((b, self.state_length, width), normed.dtype)
-        window = jnp.concatenate([state.astype(normed.dtype), normed], axis=1)  # [B, state + T, width]
+        # the convolution reaches back across the sequence: its input whole along it (under context parallelism,
+        # gathered), its output split again
+        normed = constrain(normed, ("batch", None, None))
+        if segments is not None:
+            segments = constrain(segments, ("batch", None))
+        pad = ((0, 0), (self.state_length, 0), (0, 0))
+        # [B, state + T, width]; a sequence's start pads with zeros (no concatenation with an unsharded operand,
+        # which an Explicit mesh refuses)
+        window = jnp.pad(normed, pad) if state is None else jnp.concatenate([state.astype(normed.dtype), normed], 1)
         w = self.conv_weight[...].astype(normed.dtype)
         taps = []
         for k in range(self.conv_kernel):
             tap = window[:, k * self.dilation:k * self.dilation + t]
             back = self.state_length - k * self.dilation  # tokens between the tap and the output
             if segments is not None and back:
-                earlier = jnp.pad(segments, ((0, 0), (back, 0)), constant_values=-1)[:, :t]
+                earlier = jnp.pad(segments, ((0, 0), (back, 0)), constant_values=-1)[:, :t]  # -1: before the row
                 tap = jnp.where((earlier == segments)[..., None], tap, 0)
             taps.append(tap * w[k])
-        conv = sum(taps)
+        conv = constrain(sum(taps), ("batch", "length", None))
         return gated + jax.nn.silu(conv), window[:, t:]

@@ -291,7 +291,11 @@ class DecoderLayer(nnx.Module):
         if self.ple is not None:
             assert self.ngram is not None and (cache is None or isinstance(cache, PLEState))
             context = None if cache is None else cache.context
-            ids = self.ngram.device_ids(tokens, context, segments)
+            # hashed whole along the sequence (a scan over it; cheap), then split as the streams are
+            whole = ("batch", None)
+            ids = self.ngram.device_ids(constrain(tokens, whole), context,
+                                        None if segments is None else constrain(segments, whole))
+            ids = constrain(ids, ("batch", "length", None))
             added, conv = self.ple(streams, ids, None if cache is None else cache.conv, segments)
             streams = streams + added
             if cache is not None:

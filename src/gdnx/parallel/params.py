@@ -76,6 +76,18 @@ _TABLE: dict[tuple[str, str], tuple[str | None, ...]] = {
     # hyper-connections' [streams x hidden, (2 + streams) streams]: small, kept whole
     ("attn_hc", "fn"): (None, None),
     ("ffn_hc", "fn"): (None, None),
+    # Qwen4-Exp: the gated residuals' low-rank gates ([streams x hidden, rank], [rank, streams x hidden],
+    # [streams x hidden, streams]) are small, kept whole; its indexer's heads whole as GLM's
+    ("down", "kernel"): (None, None),
+    ("up", "kernel"): (None, None),
+    ("inject_weight", "kernel"): (None, None),
+    ("index_qk_proj", "kernel"): ("embed", None),
+    # its per-layer embeddings: the n-gram tables' rows over the mesh (gdnx.parallel.rules), the projections
+    # from the n-gram features to each stream's key (fsdp on the features' side)
+    ("embedding", "table"): ("ngram_rows", None),
+    ("key_proj", "kernel"): (None, "embed"),
+    ("value_proj", "kernel"): (None, "embed"),
+    ("ple", "conv_weight"): (None, None),
 }
 
 

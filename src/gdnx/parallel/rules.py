@@ -27,6 +27,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "hidden": (),            # the model width of activations stays whole
     "embed": ("fsdp",),      # ... and of parameters is split for FSDP
     "vocab": ("tensor",),
+    # the rows of Qwen4-Exp's n-gram tables (~41B parameters per layer): over every axis that splits parameters;
+    # a lookup gathers locally and sums the rows over the mesh, the table never moves
+    "ngram_rows": ("fsdp", "tensor", "expert"),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "key_heads": ("tensor",),    # GDN key heads; a key head's value heads go with it
