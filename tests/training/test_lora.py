@@ -263,3 +263,27 @@ def test_glm5_next_sft_lora_exports_merged_and_as_peft(hf_checkpoints, bases, tm
     assert "forget_gate.f_a_proj" in config["target_modules"].replace("\\", "")
     adapted = PeftModel.from_pretrained(cls.from_pretrained(base_dir).eval(), tmp_path / "adapter").eval()
     assert relative_error(hf_logits(adapted, toks), hf_logits(merged, toks)) <= 1e-5
+
+
+def test_qwen4_exp_sft_lora_exports_merged_and_as_peft(hf_checkpoints, bases, tmp_path):
+    """Qwen4-Exp (packed SFT rows: each document's n-grams, PLE convolution
+    and blocks on their own): LoRA on its GDN and gated attention trains;
+    the merged export (carrying the source's vision tower) loads in
+    transformers with gdnx's logits, and the PEFT adapter on the base gives
+    the merged logits (the GDN input projection as Qwen3.5's two modules)."""
+    base_dir = hf_checkpoints.path("qwen4_exp", tokenizer="chat")
+    (bases / "qwen4_exp").symlink_to(base_dir)
+    _train(bases, "qwen4_exp", tmp_path / "run",
+           "train.lora.targets=[in_proj_qkvz, in_proj_ba, out_proj, q_proj, k_proj, v_proj, o_proj]")
+    export_run(tmp_path / "run", tmp_path / "merged", "merge_lora")
+    export_run(tmp_path / "run", tmp_path / "adapter", "adapter")
+    cls = transformers.Qwen4ExpForConditionalGeneration
+    merged = cls.from_pretrained(tmp_path / "merged").eval()
+    toks = tokens(2, 20)
+    ours = _gdnx_logits(load_run(tmp_path / "run").model, toks)
+    assert relative_error(hf_logits(merged, toks), ours) <= 1e-4
+    assert relative_error(_gdnx_logits(CausalLM.from_pretrained(base_dir), toks), ours) > 1e-3
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert all(f"linear_attn.{m}" in config["target_modules"].replace("\\", "") for m in ("in_proj_qkv", "in_proj_z"))
+    adapted = PeftModel.from_pretrained(cls.from_pretrained(base_dir).eval(), tmp_path / "adapter").eval()
+    assert relative_error(hf_logits(adapted, toks), hf_logits(merged, toks)) <= 1e-5
