@@ -180,3 +180,11 @@ def test_scanned_stack_equals_unrolled(pair):
     drawn = generate(scanned, toks[:, :5], 16)  # each the argmax of the unrolled stack's logits before it
     whole = jnp.concatenate([toks[:, :5], drawn], axis=1)
     np.testing.assert_array_equal(np.asarray(drawn), np.asarray(jnp.argmax(_logits(unrolled, whole), -1)[:, 4:-1]))
+
+
+def test_the_engine_refuses_it_naming_the_family(pair):
+    from gdnx.errors import FieldError
+    from gdnx.serving import Engine
+
+    with pytest.raises(FieldError, match="model.family: qwen4_exp: the engine's slots do not yet carry"):
+        Engine(pair[1], max_slots=1, max_length=32)

@@ -97,5 +97,5 @@ class PerLayerEmbedding(nnx.Module):
                 earlier = jnp.pad(segments, ((0, 0), (back, 0)), constant_values=-1)[:, :t]  # -1: before the row
                 tap = jnp.where((earlier == segments)[..., None], tap, 0)
             taps.append(tap * w[k])
-        conv = constrain(sum(taps), ("batch", "length", None))
+        conv = constrain(sum(taps[1:], taps[0]), ("batch", "length", None))
         return gated + jax.nn.silu(conv), window[:, t:]
