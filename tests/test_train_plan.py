@@ -24,11 +24,14 @@ SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_atte
     ("v6e:2x2", ["parallel.data=-1", "parallel.expert=2", "parallel.shard_mode=explicit"]),
     ("v4:2x2x1", ["parallel.data=1", "parallel.fsdp=4"]),
     # GLM-5-Next (unscanned): KDA's kernel, the sparse-attention indexer and the hyper-connections in the step
-    ("v5e:2x2", ["parallel.data=2", "parallel.tensor=2", "GLM"]),
+    ("v5e:2x2", ["parallel.data=2", "parallel.tensor=2", "glm5_next"]),
+    # Qwen4-Exp: the gated residuals, QSA, the n-gram tables' rows over fsdp x tensor and their hashing in the step
+    ("v6e:2x2", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2", "qwen4_exp"]),
 ])
 def test_train_step_compiles_for_a_slice_with_the_kernel(topology, axes):
-    glm = [*MODEL, *FAMILIES["glm5_next"], "model.gdn_chunk_size=64"]
-    p = plan(load_config("tiny", [*glm, *axes[:-1]] if axes[-1] == "GLM" else SMALL + axes), topology)
+    family = axes[-1] if axes[-1] in FAMILIES else None
+    small = [*MODEL, *FAMILIES[family], "model.gdn_chunk_size=64", *axes[:-1]] if family else SMALL + axes
+    p = plan(load_config("tiny", small), topology)
     assert p.chips == 4 and p.fits
     assert p.kernel_calls > 0, "the GDN Pallas kernel is not in the compiled program"
     # each chip holds at least its share of the parameters and both AdamW moments (float32)

@@ -7,7 +7,7 @@ import transformers
 from flax import nnx
 
 from gdnx.layers.ngram_embedding import NGramHash
-from gdnx.layers.per_layer_embedding import PerLayerEmbedding
+from gdnx.layers.per_layer_embedding import PerLayerEmbedding, states_at
 from gdnx.measure import relative_error
 
 EOS = 0
@@ -52,7 +52,8 @@ def test_per_layer_embedding_matches_qwen4_exp_and_continues():
     got, _ = ours(jnp.asarray(streams), jnp.asarray(hashing.ids(tokens)))
     assert relative_error(got, want) <= 1e-5
     cut = 7
-    first, state = ours(jnp.asarray(streams[:, :cut]), jnp.asarray(hashing.ids(tokens[:, :cut])))
+    first, window = ours(jnp.asarray(streams[:, :cut]), jnp.asarray(hashing.ids(tokens[:, :cut])))
+    state = states_at(window, jnp.full((2, 1), cut), ours.state_length)[:, 0]  # after the first call's tokens
     second, _ = ours(jnp.asarray(streams[:, cut:]), jnp.asarray(hashing.ids(tokens[:, cut:], tokens[:, cut - 2:cut])),
                      state)
     assert relative_error(jnp.concatenate([first, second], axis=1), got) <= 1e-6

@@ -202,7 +202,7 @@ def test_indexed_gated_attention_matches_qwen4_exp():
     rope = rope_tables(jnp.arange(T)[None], HEAD_DIM // 2, 10000.0)
     got, _ = ours(jnp.asarray(x), rope, jnp.arange(T))
     assert relative_error(got, want.numpy()) <= 1e-5
-    cache = IndexedKVCache(KVCache(jnp.zeros((B, CAPACITY, 2, HEAD_DIM)), jnp.zeros((B, CAPACITY, 2, HEAD_DIM))),
+    cache = IndexedKVCache.of(KVCache(jnp.zeros((B, CAPACITY, 2, HEAD_DIM)), jnp.zeros((B, CAPACITY, 2, HEAD_DIM))),
                            IndexCache(jnp.zeros((B, CAPACITY, QSA_DIM)), None, jnp.zeros((B, CAPACITY, QSA_DIM))))
     steps = []
     for a, z in [(0, 10), (10, 13)] + [(i, i + 1) for i in range(13, T)]:

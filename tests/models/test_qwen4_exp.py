@@ -181,10 +181,3 @@ def test_scanned_stack_equals_unrolled(pair):
     whole = jnp.concatenate([toks[:, :5], drawn], axis=1)
     np.testing.assert_array_equal(np.asarray(drawn), np.asarray(jnp.argmax(_logits(unrolled, whole), -1)[:, 4:-1]))
 
-
-def test_the_engine_refuses_it_naming_the_family(pair):
-    from gdnx.errors import FieldError
-    from gdnx.serving import Engine
-
-    with pytest.raises(FieldError, match="model.family: qwen4_exp: the engine's slots do not yet carry"):
-        Engine(pair[1], max_slots=1, max_length=32)

@@ -51,17 +51,20 @@ def test_prompt_logprobs_are_transformers_log_softmax(hf_checkpoints, batch_inva
 
 
 
-@pytest.fixture(scope="module")
-def glm5_next(hf_checkpoints):
-    """The GLM-5-Next checkpoint loaded, its prompts (the last sharing its
-    first two blocks with the one before) and transformers' greedy tokens."""
-    hf, model = hf_checkpoints.hf_and_gdnx("glm5_next", scale=5.0, gdn_chunk_size=16)
+@pytest.fixture(scope="module", params=["glm5_next", "qwen4_exp"])
+def sparse_family(hf_checkpoints, request):
+    """A family with sparse attention loaded, its prompts (the last sharing
+    its first two blocks with the one before) and transformers' greedy
+    tokens (through end-of-sequence tokens: Qwen4-Exp's n-grams restart
+    after one)."""
+    hf, model = hf_checkpoints.hf_and_gdnx(request.param, scale=5.0, gdn_chunk_size=16)
     prompts = [tokens(1, n, seed=n)[0].tolist() for n in (3, 20, 37)]
     prompts.append(prompts[2][:32] + [5, 6, 7])
     refs = []
     for prompt in prompts:
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
         refs.append(ref[0, len(prompt):].numpy())
     return model, prompts, refs
 
@@ -69,14 +72,16 @@ def glm5_next(hf_checkpoints):
 @pytest.mark.parametrize("settings", [{"prefix_cache_bytes": 1 << 24}, {"draft_method": "ngram", "draft_tokens": 3},
                                       {"batch_invariant": True, "prefix_cache_bytes": 1 << 24}],
                          ids=["prefix-cache", "ngram", "batch-invariant"])
-def test_glm5_next_sparse_attention_in_the_engine(glm5_next, settings):
+def test_sparse_attention_in_the_engine(sparse_family, settings):
     """GLM-5-Next (a budget of 8 tokens in pools of 4, shared-index layers,
-    hyper-connection streams) in the engine: transformers' greedy tokens,
-    with a prefix cache (a second pass restores the indexer's per-token
-    entries and pool keys with the attention's: hits, the same tokens),
-    n-gram speculation (a refused draft's pool keys rebuilt) and
-    block-by-block prefill."""
-    model, prompts, refs = glm5_next
+    hyper-connection streams) and Qwen4-Exp (blocks of 4, gated residual
+    streams, per-layer n-gram embeddings) in the engine: transformers'
+    greedy tokens, with a prefix cache (a second pass restores the
+    indexer's per-token entries and block keys with the attention's, and a
+    PLE layer's convolution inputs and n-gram context with its GDN states:
+    hits, the same tokens), n-gram speculation (a refused draft's block
+    keys rebuilt, the PLE states rolled back) and block-by-block prefill."""
+    model, prompts, refs = sparse_family
     engine = Engine(model, max_slots=2, max_length=64, block_size=16, decode_steps=4, **settings)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     runs = [engine.generate(prompts, greedy)]

@@ -45,17 +45,28 @@ class DeltaRuleHistory(NamedTuple):
     """The states after every `every` tokens of one call (what a prefix cache
     keeps at block ends, and what speculative decoding selects from):
     conv [B, NS, conv_dim, kernel_size - 1], recurrent [B, NS, HV, K, V],
-    entry j after token (j + 1) * every - 1."""
+    entry j after token (j + 1) * every - 1; on a layer with a per-layer
+    embedding, its states likewise (DeltaRuleState's ple_*, [B, NS, ...])."""
     conv: jax.Array
     recurrent: jax.Array
+    ple_conv: jax.Array | None = None
+    ple_context: jax.Array | None = None
 
 
 class DeltaRuleState(NamedTuple):
     """conv [B, conv_dim, kernel_size - 1] (oldest first), recurrent [B, HV, K, V];
-    history: the states along the last call when it asked for them."""
+    history: the states along the last call when it asked for them.
+    A Qwen4-Exp layer with a per-layer embedding (gdnx.layers.per_layer_embedding)
+    carries its state in the same entry, so that generation, the prefix
+    cache and speculative rollback keep it with the mixer's: ple_conv
+    [B, state_length, N*H], its convolution's last inputs, and ple_context
+    [B, ngram_size - 1], the last tokens, each + 1 (0: before the sequence's
+    start, so that a zero state is a fresh one); None elsewhere."""
     conv: jax.Array
     recurrent: jax.Array
     history: DeltaRuleHistory | None = None
+    ple_conv: jax.Array | None = None
+    ple_context: jax.Array | None = None
 
 
 def conv_windows(inputs: jax.Array, ends: jax.Array, hist: int) -> jax.Array:

@@ -9,13 +9,13 @@ gated values plus a causal depthwise convolution of their normed copy
 (kernel `conv_kernel`, dilation `ngram_size`, SiLU) are what the layer
 adds to the streams. Generation carries the convolution's last
 (conv_kernel - 1) * dilation inputs and the tokens the next call's
-n-grams reach back to (`PLEState`).
+n-grams reach back to, in the layer's DeltaRuleState (ple_conv,
+ple_context).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +28,13 @@ from gdnx.layers.norms import GroupedRMSNorm
 from gdnx.parallel.rules import constrain
 
 
-class PLEState(NamedTuple):
-    """What a linear-attention layer with a per-layer embedding carries
-    between generation calls: its mixer's state, the convolution's last
-    inputs [B, state_length, N*H] and the last ngram_size - 1 tokens
-    [B, ngram_size - 1] (int32; end-of-sequence before the first)."""
-    mixer: Any
-    conv: jax.Array
-    context: jax.Array
+def states_at(x: jax.Array, ends: jax.Array, size: int) -> jax.Array:
+    """x [B, L, ...] -> [B, N, size, ...]: per row, x[e:e + size] for each
+    of its ends [B, N] (a state `size` long after token e of a call, x
+    holding the incoming state's `size` entries first)."""
+    index = ends[..., None] + jnp.arange(size, dtype=ends.dtype)  # [B, N, size]
+    index = index.reshape(*index.shape, *(1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x[:, None], index, axis=2)
 
 
 class PerLayerEmbedding(nnx.Module):
@@ -66,9 +65,11 @@ class PerLayerEmbedding(nnx.Module):
                  segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """streams [B, T, N*H], the n-gram row ids [B, T, heads] and the
         convolution's last inputs [B, state_length, N*H] (None: a sequence's
-        start) -> (what the layer adds to the streams [B, T, N*H], the new
-        state). segments [B, T] (without a state): packed documents, the
-        convolution kept within each."""
+        start) -> (what the layer adds to the streams [B, T, N*H], the
+        convolution's inputs after the state [B, state_length + T, N*H]:
+        the state after token e is [e, e + state_length) of it,
+        `states_at`). segments [B, T] (without a state): packed documents,
+        the convolution kept within each."""
         b, t, width = streams.shape
         split = (b, t, self.streams, self.hidden_size)
         embedded = self.embedding(ids)
@@ -98,4 +99,4 @@ class PerLayerEmbedding(nnx.Module):
                 tap = jnp.where((earlier == segments)[..., None], tap, 0)
             taps.append(tap * w[k])
         conv = constrain(sum(taps[1:], taps[0]), ("batch", "length", None))
-        return gated + jax.nn.silu(conv), window[:, t:]
+        return gated + jax.nn.silu(conv), window

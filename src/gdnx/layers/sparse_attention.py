@@ -57,9 +57,31 @@ class IndexedLatentCache(NamedTuple):
 
 
 class IndexedKVCache(NamedTuple):
-    """A gated attention layer's keys and values and its indexer's cache."""
-    kv: KVCache
-    indexer: IndexCache
+    """A gated attention layer's keys and values (KVCache's) and its
+    indexer's keys and block keys (IndexCache's), every array
+    [B, max_len, ...]: flat, so that a prefix cache keeps and restores a
+    block of positions of each as it does attention's."""
+    k: jax.Array
+    v: jax.Array
+    keys: jax.Array
+    blocks: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the cache holds."""
+        return self.k.shape[-3]
+
+    @property
+    def kv(self) -> KVCache:
+        return KVCache(self.k, self.v)
+
+    @property
+    def indexer(self) -> IndexCache:
+        return IndexCache(self.keys, None, self.blocks)
+
+    @classmethod
+    def of(cls, kv: KVCache, index: IndexCache) -> "IndexedKVCache":
+        return cls(kv.k, kv.v, index.keys, index.blocks)
 
 
 def _softmax_over(scores: jax.Array, valid: jax.Array) -> jax.Array:
@@ -188,7 +210,7 @@ class IndexedGatedAttention(GatedAttention):
             axes = ("batch", None, "kv_heads", None)
             kv = KVCache(write_cache(cache.kv.k, k, start, axes), write_cache(cache.kv.v, v, start, axes))
             assert index is not None
-            new = IndexedKVCache(kv, index)
+            new = IndexedKVCache.of(kv, index)
             keys, values = kv.k.astype(q.dtype), kv.v.astype(q.dtype)
             s = keys.shape[1]
             if t * (self.indexer.top * idx_block + idx_block - 1) < s:

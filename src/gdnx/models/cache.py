@@ -14,7 +14,6 @@ from gdnx.config.schema import ModelConfig
 from gdnx.layers.attention import KVCache, RingCache
 from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.layers.latent_attention import LatentCache
-from gdnx.layers.per_layer_embedding import PLEState
 from gdnx.layers.sparse_attention import IndexedKVCache, IndexedLatentCache
 from gdnx.layers.sparse_index import IndexCache
 from gdnx.parallel.params import head_units
@@ -30,8 +29,7 @@ class Cache(NamedTuple):
 
     @property
     def max_length(self) -> int:
-        kv = [c.kv if isinstance(c, IndexedKVCache) else c for c in self.layers
-              if isinstance(c, KVCache | LatentCache | IndexedLatentCache | IndexedKVCache)]
+        kv = [c for c in self.layers if isinstance(c, KVCache | LatentCache | IndexedLatentCache | IndexedKVCache)]
         return kv[0].capacity if kv else -1
 
     @classmethod
@@ -48,8 +46,8 @@ class Cache(NamedTuple):
                 entry = attention_entry(cfg, batch, max_length, lead)
                 if cfg.family == "qwen4_exp":
                     assert isinstance(entry, KVCache)
-                    keys = jnp.zeros((*lead, batch, max_length, cfg.index_head_dim), dtype)
-                    return IndexedKVCache(entry, IndexCache(keys, None, keys))
+                    shape = (*lead, batch, max_length, cfg.index_head_dim)
+                    return IndexedKVCache.of(entry, IndexCache(jnp.zeros(shape, dtype), None, jnp.zeros(shape, dtype)))
                 if not isinstance(entry, LatentCache) or cfg.family != "glm5_next":
                     return entry
                 index = None if layer.mixer.indexer is None else index_entry(cfg, batch, max_length, lead)
@@ -62,10 +60,10 @@ class Cache(NamedTuple):
             state = jax.tree.map(lambda z: jnp.zeros((*lead, *z.shape), z.dtype), state)
             if getattr(layer, "ple", None) is None:
                 return state
-            # a per-layer embedding's convolution inputs, and its n-gram context: end-of-sequence before the start
+            # a per-layer embedding's convolution inputs and n-gram context (zeros: a sequence's start)
             width = cfg.streams * cfg.hidden_size
-            return PLEState(state, jnp.zeros((*lead, batch, layer.ple.state_length, width), dtype),
-                            jnp.full((*lead, batch, cfg.ngram_size - 1), layer.ngram.eos, jnp.int32))
+            return state._replace(ple_conv=jnp.zeros((*lead, batch, layer.ple.state_length, width), dtype),
+                                  ple_context=jnp.zeros((*lead, batch, cfg.ngram_size - 1), jnp.int32))
 
         length = jnp.zeros((batch,) if per_row else (), jnp.int32)
         if not cfg.scanned:
@@ -128,20 +126,23 @@ def place_cache(cache: Cache, cfg: ModelConfig, row_axes: tuple[int, ...]) -> Ca
         if isinstance(entry, DeltaRuleState):
             # the conv state's channels are stored in the checkpoint's [q | k | v] order, which a split over
             # key heads would cut across: kept whole per row
-            return entry._replace(conv=place(entry.conv, (*lead, "batch", None, None)),
-                                  recurrent=place(entry.recurrent, (*lead, "batch", "value_heads", None, None)))
+            entry = entry._replace(conv=place(entry.conv, (*lead, "batch", None, None)),
+                                   recurrent=place(entry.recurrent, (*lead, "batch", "value_heads", None, None)))
+            if entry.ple_conv is None or entry.ple_context is None:
+                return entry
+            return entry._replace(ple_conv=place(entry.ple_conv, (*lead, "batch", None, None)),
+                                  ple_context=place(entry.ple_context, (*lead, "batch", None)))
         if isinstance(entry, KVCache | RingCache):
             axes = (*lead, "batch", None, "kv_heads", None)
             return entry._replace(k=place(entry.k, axes), v=place(entry.v, axes))
         if isinstance(entry, LatentCache):
             return LatentCache(place(entry.latent, (*lead, "batch", None, None)),
                                place(entry.rope, (*lead, "batch", None, None)))
-        if isinstance(entry, PLEState):
-            return PLEState(one(entry.mixer, axis), place(entry.conv, (*lead, "batch", None, None)),
-                            place(entry.context, (*lead, "batch", None)))
         if isinstance(entry, IndexedKVCache):
-            indexer = jax.tree.map(lambda a: place(a, (*lead, "batch", None, None)), entry.indexer)
-            return IndexedKVCache(one(entry.kv, axis), indexer)
+            # the keys and values by key/value head; the indexer's one key head whole per row
+            kv = one(entry.kv, axis)
+            return IndexedKVCache(kv.k, kv.v, place(entry.keys, (*lead, "batch", None, None)),
+                                  place(entry.blocks, (*lead, "batch", None, None)))
         if isinstance(entry, IndexedLatentCache):
             # the indexer's entries, like the latents, are one "head" every query reads: kept whole per row
             return jax.tree.map(lambda a: place(a, (*lead, "batch", None, None)), entry)

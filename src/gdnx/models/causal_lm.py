@@ -47,7 +47,7 @@ from gdnx.layers.mlp import MLP
 from gdnx.layers.moe import RouterStats, SparseMoE, load_balancing_loss
 from gdnx.layers.ngram_embedding import ngram_hash
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
-from gdnx.layers.per_layer_embedding import PerLayerEmbedding, PLEState
+from gdnx.layers.per_layer_embedding import PerLayerEmbedding, states_at
 from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.layers.sparse_attention import (IndexedGatedAttention, IndexedKVCache, IndexedLatentAttention,
                                           IndexedLatentCache)
@@ -85,7 +85,7 @@ OLMO_GATED_NORM_EPS = 1e-5
 LATENT_NORM_EPS = 1e-6
 Mixer = GatedDeltaNet | KimiDeltaAttention | GatedAttention | NormedAttention | HeadNormedAttention | LatentAttention
 LayerCache = (KVCache | KVStack | RingCache | LatentCache | LatentStack | DeltaRuleState | IndexedLatentCache
-              | IndexedKVCache | PLEState)
+              | IndexedKVCache)
 
 
 class HyperState(NamedTuple):
@@ -287,36 +287,61 @@ class DecoderLayer(nnx.Module):
         output into each at its injection weight (GatedResidual)."""
         assert self.attn_hyper_connection is not None and self.mlp_hyper_connection is not None
         streams, tokens = x
-        mixer_cache, ple = cache, None
+        ple: dict[str, Any] = {}
         if self.ple is not None:
-            assert self.ngram is not None and (cache is None or isinstance(cache, PLEState))
-            context = None if cache is None else cache.context
+            assert self.ngram is not None and (cache is None or isinstance(cache, DeltaRuleState))
+            stored = None if cache is None else cache.ple_context  # tokens + 1; 0 before the start
+            context = None if stored is None else jnp.where(stored == 0, self.ngram.eos, stored - 1)
             # hashed whole along the sequence (a scan over it; cheap), then split as the streams are
             whole = ("batch", None)
             ids = self.ngram.device_ids(constrain(tokens, whole), context,
                                         None if segments is None else constrain(segments, whole))
-            ids = constrain(ids, ("batch", "length", None))
-            added, conv = self.ple(streams, ids, None if cache is None else cache.conv, segments)
+            added, window = self.ple(streams, constrain(ids, ("batch", "length", None)),
+                                     None if cache is None else cache.ple_conv, segments)
             streams = streams + added
             if cache is not None:
-                mixer_cache = cache.mixer
-                history = jnp.concatenate([cache.context, tokens.astype(jnp.int32)], axis=1)
-                ple = (conv, history[:, -cache.context.shape[1]:])
+                assert cache.ple_conv is not None and stored is not None
+                ple = self._ple_states(window, jnp.concatenate([stored, tokens.astype(jnp.int32) + 1], axis=1),
+                                       cache, lengths, history_every)
         h, weights = self.attn_hyper_connection(streams)
         assert weights is not None  # a combining GatedResidual gives them
         new_cache: LayerCache | None
         if isinstance(self.mixer, IndexedGatedAttention):
-            assert mixer_cache is None or isinstance(mixer_cache, IndexedKVCache)
-            h, new_cache = self.mixer(h, rope, positions, mixer_cache, start, segments)
+            assert cache is None or isinstance(cache, IndexedKVCache)
+            h, new_cache = self.mixer(h, rope, positions, cache, start, segments)
         else:
-            h, new_cache = self._mix(h, rope, positions, mixer_cache, start, segments, lengths, history_every)
-        if ple is not None:
-            new_cache = PLEState(new_cache, *ple)
+            h, new_cache = self._mix(h, rope, positions, cache, start, segments, lengths, history_every)
+        if ple:
+            assert isinstance(new_cache, DeltaRuleState)
+            history = ple.pop("history")
+            new_cache = new_cache._replace(**ple, history=None if new_cache.history is None
+                                           else new_cache.history._replace(**history))
         streams = GatedResidual.inject(streams, h, weights)
         h, weights = self.mlp_hyper_connection(streams)
         h, stats = self._feed_forward(h)
         assert weights is not None  # a combining GatedResidual gives them
         return GatedStreams(GatedResidual.inject(streams, h, weights), tokens), new_cache, stats
+
+
+    def _ple_states(self, window: jax.Array, seen: jax.Array, cache: DeltaRuleState, lengths: jax.Array | None,
+                    history_every: int | None) -> dict[str, Any]:
+        """The per-layer embedding's state fields after the call (and at
+        every `history_every` tokens, as the mixer's history): from its
+        convolution's inputs after the incoming state (window) and the
+        tokens + 1 after the incoming context (seen), at each row's last
+        real token (lengths) or the call's end."""
+        assert self.ple is not None and cache.ple_conv is not None and cache.ple_context is not None
+        b, t = seen.shape[0], window.shape[1] - self.ple.state_length
+        size, context = self.ple.state_length, cache.ple_context.shape[-1]
+        ends = jnp.full((b, 1), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)[:, None]
+        out: dict[str, Any] = dict(ple_conv=states_at(window, ends, size)[:, 0].astype(cache.ple_conv.dtype),
+                                   ple_context=states_at(seen, ends, context)[:, 0], history={})
+        if history_every is not None:
+            every = jnp.arange(1, t // history_every + 1, dtype=jnp.int32) * history_every
+            every = jnp.broadcast_to(every, (b, every.shape[0]))
+            out["history"] = dict(ple_conv=states_at(window, every, size).astype(cache.ple_conv.dtype),
+                                  ple_context=states_at(seen, every, context))
+        return out
 
 
 class MultiTokenPredictor(nnx.Module):

@@ -159,11 +159,7 @@ class EngineConfig:
     def shapes(self, model_config: Any, draft: int | None = None) -> EngineShapes:
         """The shapes these settings fix for a model (draft: the drafter's
         tokens per pass; None: draft_tokens). A block that is not a multiple
-        of the model's chunk is refused naming block_size, a family the
-        engine does not run naming model.family."""
-        if model_config.family == "qwen4_exp":
-            raise FieldError("model.family", "qwen4_exp: the engine's slots do not yet carry its per-layer "
-                             "embeddings' states (convolution inputs, n-gram context); gdnx.generate runs it")
+        of the model's chunk is refused naming block_size."""
         chunk = model_config.gdn_chunk_size
         block = 4 * chunk if self.block_size is None else self.block_size
         if block % chunk:

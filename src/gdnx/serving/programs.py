@@ -100,8 +100,7 @@ def _keep_inactive(static: Static, new: Cache, old: Cache, active) -> Cache:
     def keep(axis, n, o):
         if not isinstance(n, DeltaRuleState):
             return n
-        return DeltaRuleState(_where_rows(active, n.conv, o.conv, axis),
-                              _where_rows(active, n.recurrent, o.recurrent, axis))
+        return jax.tree.map(lambda a, b: _where_rows(active, a, b, axis), n._replace(history=None), o)
     return Cache(_map_entries(keep, static, new.layers, old.layers), jnp.where(active, new.length, old.length))
 
 
@@ -172,8 +171,8 @@ class PrefillOut(NamedTuple):
     tokens: jax.Array                 # int32 [P]
     logprobs: TokenLogprobs
     logits: jax.Array | None          # float32 [P, V]
-    # per cache entry: (conv, recurrent) [.., P, NB, ...], or an attention cache's two parts ((k, v) or
-    # (latent, rope)) [.., P, L, ...]
+    # per cache entry: (conv, recurrent) [.., P, NB, ...] (and a per-layer embedding's (conv, context)), or an
+    # attention cache's parts ((k, v) or (latent, rope), and an indexer's) [.., P, L, ...]
     # followed, with multi-token prediction drafting, by the drafter's keys and values (k, v) [P, L, ...] and
     # its final hidden states at block ends (hidden,) [P, NB, H]
     snapshot: tuple | None
@@ -216,9 +215,9 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
     snapshot = None
     if history_every is not None:
         def snap(axis, entry):
-            if isinstance(entry, DeltaRuleState):
+            if isinstance(entry, DeltaRuleState):  # (conv, recurrent) and a per-layer embedding's states
                 assert entry.history is not None
-                return entry.history.conv, entry.history.recurrent
+                return tuple(x for x in entry.history if x is not None)
             if isinstance(entry, RingCache):  # this call's own keys and values
                 assert entry.fresh is not None
                 return entry.fresh
@@ -273,7 +272,8 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
 
 def restore(slots: Slots, row: jax.Array, layers: tuple, *, static: Static) -> Slots:
     """Write a prefix-cache hit's states into slot `row`: per cache entry
-    (conv, recurrent) of a GDN or KDA layer, the parts ((k, v), (latent,
+    (conv, recurrent) of a GDN or KDA layer (then a per-layer embedding's
+    conv and context), the parts ((k, v), (latent,
     rope), and an indexed layer's indexer entries) [capacity, ...] of an
     attention layer (the hit's tokens first), each without the row axis; with multi-token prediction
     drafting, then the drafter's (k, v) [capacity, ...] and (hidden,) [H]
@@ -426,7 +426,8 @@ def verify(state: nnx.State, slots: Slots, active: jax.Array, drafts: jax.Array,
             return _strip(entry)
         assert entry.history is not None
         pick = jax.vmap(lambda h, i: h[:, i] if axis else h[i], in_axes=(axis, 0), out_axes=axis)
-        return DeltaRuleState(pick(entry.history.conv, a), pick(entry.history.recurrent, a))
+        return DeltaRuleState(*(None if h is None else pick(h, a) for h in entry.history[:2]), None,
+                              *(None if h is None else pick(h, a) for h in entry.history[2:]))
 
     cache = _keep_inactive(static, Cache(_map_entries(select, static, out.cache.layers), slots.cache.length + a + 1),
                            slots.cache, active)
