@@ -18,19 +18,23 @@ pytestmark = pytest.mark.deviceless
 SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_attention_interval=4",
          "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=64",
          "model.shared_expert_intermediate_size=64", "model.scan_layers=true", "model.gdn_chunk_size=64"]
-# GLM-5-Next's sparse attention (a full-index layer, then a shared one) and hyper-connections, unscanned
-GLM = [*MODEL, *FAMILIES["glm5_next"], "model.gdn_chunk_size=64"]
+# the tiny model of a family's own paths, unscanned
+FAMILY = [*MODEL, "model.gdn_chunk_size=64"]
 
 
 @pytest.mark.parametrize("topology,axes,speculative,prefill", [
     # the multi-token prediction module drafting: its layer, keys and values counted
     ("v5e:2x2", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2", "model.mtp_num_layers=1"], 2, None),
     ("v5p:2x2x1", ["parallel.data=2", "parallel.tensor=2"], 0, 1),
-    # GLM-5-Next: its index caches in the slots, decode gathering the selected rows
-    ("v6e:2x2", ["parallel.data=2", "parallel.tensor=2", "GLM"], 2, None),
+    # GLM-5-Next (a full-index layer, then a shared one; hyper-connections): its index caches in the slots,
+    # decode gathering the selected rows
+    ("v6e:2x2", ["parallel.data=2", "parallel.tensor=2", "glm5_next"], 2, None),
+    # Qwen4-Exp: its index caches and a PLE layer's states in the slots, the n-gram tables over fsdp x tensor
+    ("v5e:2x2", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2", "qwen4_exp"], 2, None),
 ])
 def test_the_engines_programs_compile_for_a_slice(topology, axes, speculative, prefill):
-    config = load_config("tiny", [*GLM, *axes[:-1]] if axes[-1] == "GLM" else SMALL + axes)
+    family = axes[-1] if axes[-1] in FAMILIES else None
+    config = load_config("tiny", [*FAMILY, *FAMILIES[family], *axes[:-1]] if family else SMALL + axes)
     mtp = config.model.mtp_num_layers > 0
     engine = EngineConfig(max_slots=4, max_length=256, draft_tokens=speculative, decode_steps=2,
                           max_prefill_batch=prefill, draft_method="mtp" if mtp else "ngram")

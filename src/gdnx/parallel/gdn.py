@@ -57,7 +57,7 @@ def run_gdn_core(core: Callable, mixed: jax.Array, conv_weight: jax.Array, g: ja
 
     def local(*xs):
         o, conv, rec, hist = core(*xs[:6], context, *xs[6:])
-        return (o, conv, rec, tuple(hist)) if history else (o, conv, rec)
+        return (o, conv, rec, (hist.conv, hist.recurrent)) if history else (o, conv, rec)
 
     outs = jax.shard_map(local, mesh=mesh, in_specs=specs,
                          out_specs=(out, specs[4], specs[5], *([(along, along)] if history else [])),
