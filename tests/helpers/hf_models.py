@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import transformers
 
+from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 
 VOCAB = 97
@@ -289,3 +290,32 @@ class HFCheckpoints:
         checkpoint (overrides: gdnx model config fields)."""
         path, hf = self._build(kind, seed, scale, tokenizer, {})
         return hf, CausalLM.from_pretrained(path, **overrides)
+
+
+def assert_packed_equals_alone(logits, lengths=(13, 22, 10)) -> None:
+    """logits(tokens, segments or None) over a row packing documents of
+    these lengths gives each document's logits alone (1e-5): the documents
+    alone run in one batch, padded after their ends, which their causal
+    logits do not see."""
+    docs = [tokens(1, n, seed=10 + n)[0] for n in lengths]
+    segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None]
+    packed = np.asarray(logits(np.concatenate(docs)[None].astype(np.int32), segments.astype(np.int32)))[0]
+    alone = np.asarray(logits(np.stack([np.pad(d, (0, max(lengths) - len(d))) for d in docs]).astype(np.int32), None))
+    at = 0
+    for i, n in enumerate(lengths):
+        err = relative_error(packed[at:at + n], alone[i, :n])
+        assert err <= 1e-5, (i, err)
+        at += n
+
+
+def assert_config_refused(model_type: str, text: dict, edit: dict, named: str) -> None:
+    """A vision-language config.json whose text_config is `text` with `edit`
+    is refused in one line containing `named`."""
+    from gdnx.checkpoints.hf_config import model_config_from_hf
+
+    try:
+        model_config_from_hf({"model_type": model_type, "text_config": {**text, **edit}})
+    except ValueError as error:
+        assert named in str(error) and "\n" not in str(error), str(error)
+    else:
+        raise AssertionError(f"{edit} was accepted")

@@ -13,7 +13,6 @@ measured about 2e-7)."""
 import logging
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 from safetensors import safe_open
@@ -21,7 +20,7 @@ from safetensors import safe_open
 from gdnx.checkpoints.hf_config import model_config_from_hf
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
-from tests.helpers.hf_models import GLM5_NEXT_TEXT, assert_same_model, hf_logits, tokens
+from tests.helpers.hf_models import assert_config_refused, assert_packed_equals_alone, GLM5_NEXT_TEXT, assert_same_model, hf_logits, tokens
 
 TOL = 1e-4
 LAYERS = GLM5_NEXT_TEXT["layer_types"]
@@ -63,17 +62,9 @@ def test_packed_documents_equal_each_document_alone(unrolled):
     """A row packing three documents (13, 22 and 10 tokens: pools from each
     document's first token, unfinished last pools) gives each document's
     logits alone (training and scoring pack rows so)."""
-    _, model = unrolled
-    lengths = (13, 22, 10)
-    docs = [tokens(1, n, seed=10 + n)[0] for n in lengths]
-    segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None]
-    packed = _logits(model, jnp.asarray(np.concatenate(docs)[None], jnp.int32), jnp.asarray(segments, jnp.int32))[0]
-    # each document alone, in one batch: padded after its end, which its (causal) logits do not see
-    alone = _logits(model, jnp.asarray(np.stack([np.pad(d, (0, max(lengths) - len(d))) for d in docs]), jnp.int32))
-    at = 0
-    for i, n in enumerate(lengths):
-        assert relative_error(packed[at:at + n], alone[i, :n]) <= 1e-5
-        at += n
+    model = unrolled[1]
+    assert_packed_equals_alone(lambda toks, segments: _logits(
+        model, jnp.asarray(toks), None if segments is None else jnp.asarray(segments)))
 
 
 def test_the_config_reads_as_transformers_does(checkpoint, caplog):
@@ -127,6 +118,4 @@ def _file_keys(path) -> set[str]:
     ({"index_kpool_always_select_tail": False}, "index_kpool_always_select_tail: without the query's unfinished pool"),
 ])
 def test_config_mistakes_name_the_field(edit, named):
-    with pytest.raises(ValueError) as error:
-        model_config_from_hf({"model_type": "glm5_next", "text_config": {**GLM5_NEXT_TEXT, **edit}})
-    assert named in str(error.value) and "\n" not in str(error.value), str(error.value)
+    assert_config_refused("glm5_next", GLM5_NEXT_TEXT, edit, named)

@@ -25,7 +25,7 @@ from gdnx.generate import generate
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import parameter_count
-from tests.helpers.hf_models import QWEN4_EXP_TEXT, assert_same_model, hf_logits, tokens
+from tests.helpers.hf_models import assert_config_refused, assert_packed_equals_alone, QWEN4_EXP_TEXT, assert_same_model, hf_logits, tokens
 
 TOL = 1e-4
 EOS = QWEN4_EXP_TEXT["eos_token_id"]
@@ -77,16 +77,9 @@ def test_packed_documents_equal_each_document_alone(pair):
     """A row packing three documents (13, 22 and 10 tokens) gives each
     document's logits alone: blocks, n-grams and the PLE convolution
     restart at each document."""
-    _, model = pair
-    lengths = (13, 22, 10)
-    docs = [tokens(1, n, seed=10 + n)[0] for n in lengths]
-    segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None]
-    packed = _logits(model, jnp.asarray(np.concatenate(docs)[None], jnp.int32), jnp.asarray(segments, jnp.int32))[0]
-    alone = _logits(model, jnp.asarray(np.stack([np.pad(d, (0, max(lengths) - len(d))) for d in docs]), jnp.int32))
-    at = 0
-    for i, n in enumerate(lengths):
-        assert relative_error(packed[at:at + n], alone[i, :n]) <= 1e-5
-        at += n
+    model = pair[1]
+    assert_packed_equals_alone(lambda toks, segments: _logits(
+        model, jnp.asarray(toks), None if segments is None else jnp.asarray(segments)))
 
 
 def test_the_config_reads_as_transformers_does(checkpoint, caplog):
@@ -147,9 +140,7 @@ def test_parameter_count_with_two_ple_layers_matches_transformers():
     ({"hc_count": 1}, "hc_mult: qwen4_exp's gated residual mixes at least 2 streams"),
 ])
 def test_config_mistakes_name_the_field(edit, named):
-    with pytest.raises(ValueError) as error:
-        model_config_from_hf({"model_type": "qwen4_exp", "text_config": {**QWEN4_EXP_TEXT, **edit}})
-    assert named in str(error.value) and "\n" not in str(error.value), str(error.value)
+    assert_config_refused("qwen4_exp", QWEN4_EXP_TEXT, edit, named)
 
 
 def test_a_checkpoint_hashing_otherwise_is_refused(checkpoint):
