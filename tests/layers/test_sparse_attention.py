@@ -53,6 +53,13 @@ def _copy(theirs: torch.nn.Module, ours: nnx.Module) -> None:
             getattr(obj, leaf)[...] = value
 
 
+@nnx.jit
+def _step(layer, x, rope, positions, cache, start, **kw):
+    """One call of a layer (a cache or None, its start), compiled: a step's
+    shapes repeat, and a compiled call beats the ops one by one."""
+    return layer(x, rope, positions, cache, start, **kw)
+
+
 def _x(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((B, T, H)).astype(np.float32)
 
@@ -150,8 +157,8 @@ def test_indexed_latent_attention_steps_equal_one_call(absorb):
     c1, c2 = _latent_cache(full), _latent_cache(shared)
     got1, got2 = [], []
     for a, z in [(0, 10), (10, 13)] + [(i, i + 1) for i in range(13, T)]:
-        y1, c1, sel = full(x[:, a:z], None, jnp.arange(a, z), c1, a)
-        y2, c2, _ = shared(x[:, a:z], None, jnp.arange(a, z), c2, a, selection=sel)
+        y1, c1, sel = _step(full, x[:, a:z], None, jnp.arange(a, z), c1, jnp.int32(a))
+        y2, c2, _ = _step(shared, x[:, a:z], None, jnp.arange(a, z), c2, jnp.int32(a), selection=sel)
         got1.append(y1)
         got2.append(y2)
     assert relative_error(jnp.concatenate(got1, 1), want1) <= 1e-5
@@ -206,8 +213,8 @@ def test_indexed_gated_attention_matches_qwen4_exp():
                            IndexCache(jnp.zeros((B, CAPACITY, QSA_DIM)), None, jnp.zeros((B, CAPACITY, QSA_DIM))))
     steps = []
     for a, z in [(0, 10), (10, 13)] + [(i, i + 1) for i in range(13, T)]:
-        y, cache = ours(jnp.asarray(x[:, a:z]), rope_tables(jnp.arange(a, z)[None], HEAD_DIM // 2, 10000.0),
-                        jnp.arange(a, z), cache, a)
+        y, cache = _step(ours, jnp.asarray(x[:, a:z]), rope_tables(jnp.arange(a, z)[None], HEAD_DIM // 2, 10000.0),
+                         jnp.arange(a, z), cache, jnp.int32(a))
         steps.append(y)
     assert relative_error(jnp.concatenate(steps, 1), want.numpy()) <= 1e-5
 
@@ -224,7 +231,9 @@ def test_qsa_packed_documents_equal_each_document_alone():
     x = jnp.asarray(rng.standard_normal((1, 31, H)), jnp.float32)
     segments = jnp.asarray(np.repeat([0, 1], [17, 14])[None], jnp.int32)
     doc_pos = jnp.concatenate([jnp.arange(17), jnp.arange(14)])[None]
-    packed, _ = ours(x, rope_tables(doc_pos, HEAD_DIM // 2, 10000.0), jnp.arange(31), segments=segments)
+    packed, _ = _step(ours, x, rope_tables(doc_pos, HEAD_DIM // 2, 10000.0), jnp.arange(31), None, 0,
+                      segments=segments)
     for a, z in ((0, 17), (17, 31)):
-        alone, _ = ours(x[:, a:z], rope_tables(jnp.arange(z - a)[None], HEAD_DIM // 2, 10000.0), jnp.arange(z - a))
+        alone, _ = _step(ours, x[:, a:z], rope_tables(jnp.arange(z - a)[None], HEAD_DIM // 2, 10000.0),
+                         jnp.arange(z - a), None, 0)
         assert relative_error(packed[:, a:z], alone) <= 1e-5

@@ -99,8 +99,8 @@ def family_setup(request):
     return cfg, graphdef, params, loss_and_grads(graphdef, params, batch(), cfg.router_aux_loss_coef)
 
 
-@pytest.mark.parametrize("mode", ["auto", "explicit"])
-@pytest.mark.parametrize("name", ["data2_tensor4", "context4_tensor2"])
+# each family on both meshes and in both modes, once each (the base model runs every combination above)
+@pytest.mark.parametrize("mode,name", [("auto", "data2_tensor4"), ("explicit", "context4_tensor2")])
 def test_families_sharded_match_one_device(family_setup, mode, name):
     cfg, graphdef, params, (ref_loss, ref_grads) = family_setup
     m = mesh(mode, **MESHES[name])
