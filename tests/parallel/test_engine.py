@@ -56,7 +56,7 @@ def _run(model, **kw):
 
 # every tensor size once, tensor x data, both shard modes; every family (Qwen3.5 with
 # value-head groups of 3; Kimi's and Ling's KDA states and latents, Lara's ring, OLMo's dense MLPs,
-# GLM-5-Next's index caches);
+# GLM-5-Next's index caches, Qwen4-Exp's index caches and PLE states with the n-gram tables split);
 # qwen3_next_mtp drafts with its multi-token prediction module (its keys and values split with its
 # heads, the slots over data; its layer routes, as the model's last does)
 @pytest.mark.parametrize("family, mode, axes", [
@@ -68,6 +68,7 @@ def _run(model, **kw):
     ("olmo_hybrid", "auto", dict(data=2, tensor=4)),
     ("qwen3_5_gva3", "auto", dict(data=1, fsdp=2, tensor=4)),
     ("glm5_next", "explicit", dict(data=2, fsdp=2, tensor=2)),
+    ("qwen4_exp", "auto", dict(data=2, fsdp=2, tensor=2)),
 ])
 def test_the_sharded_engine_gives_the_one_device_tokens(family, mode, axes):
     model = _model(family)

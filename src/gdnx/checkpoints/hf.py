@@ -661,9 +661,9 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: 
     fp8_layout: a model held in fp8 written as an FP8 checkpoint
     (`fp8_tensors`, config.json's quantization_config); otherwise quantized
     weights are written dequantized. vision_from: a vision-language
-    checkpoint (GLM-5-Next's) whose vision tower (model.visual.*, its
-    vision_config and token ids) the export carries beside the language
-    model; without one a GLM-5-Next export has none."""
+    checkpoint (GLM-5-Next's or Qwen4-Exp's) whose vision tower
+    (model.visual.*, its vision_config and token ids) the export carries
+    beside the language model; without one such an export has none."""
     cfg = _config_of(model)
     tower = _vision_tower(Path(vision_from), cfg) if vision_from is not None else None
     if fp8_layout and cfg.quantize != "fp8":

@@ -10,6 +10,9 @@ an output gate (NormedAttention) and may go without RoPE, its attention
 layers normalise each block's output (post-norm), and its GDN layers may
 take beta in [0, 2]. Qwen3.5 differs from Qwen3-Next only in how its
 checkpoints store the GDN projections (gdnx.checkpoints.hf_names).
+GLM-5-Next and Qwen4-Exp carry several residual streams per token
+(hyper-connections); Qwen4-Exp ends with a gated mix of them, no final
+norm, and adds hashed n-gram embeddings on some GDN layers.
 
 A deep stack runs scanned (ModelConfig.scan_layers): its repeating cycle
 of layers (Qwen3-Next: 3 GDN + 1 attention) under one lax.scan over
@@ -126,12 +129,10 @@ class DecoderLayer(nnx.Module):
         kw: dict[str, Any] = dict(init_std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm = _norm(cfg)
         self.post_norm = olmo and self.layer_type == "full_attention"
-        if qwen4:  # the gated residuals norm the streams
-            pass
-        elif self.post_norm:
+        if self.post_norm:
             self.post_attention_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
             self.post_feedforward_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        else:
+        elif not qwen4:  # Qwen4-Exp's gated residuals norm the streams instead
             self.input_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
             self.post_attention_layernorm = norm(h, eps=cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mixer: Mixer
@@ -278,7 +279,6 @@ class DecoderLayer(nnx.Module):
         h, stats = self._feed_forward(self.post_attention_layernorm(h))
         return HyperState(ManifoldHyperConnection.combine(post, comb, h, streams), selection), new_cache, stats
 
-
     def _gated(self, x: GatedStreams, rope: Rope, positions: jax.Array, cache: LayerCache | None,
                start: jax.Array, segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None,
                ) -> tuple[GatedStreams, LayerCache | None, RouterStats | None]:
@@ -292,7 +292,7 @@ class DecoderLayer(nnx.Module):
             assert self.ngram is not None and (cache is None or isinstance(cache, DeltaRuleState))
             stored = None if cache is None else cache.ple_context  # tokens + 1; 0 before the start
             context = None if stored is None else jnp.where(stored == 0, self.ngram.eos, stored - 1)
-            # hashed whole along the sequence (a scan over it; cheap), then split as the streams are
+            # hashed whole along the sequence (running maxima over it; cheap), then split as the streams are
             whole = ("batch", None)
             ids = self.ngram.device_ids(constrain(tokens, whole), context,
                                         None if segments is None else constrain(segments, whole))
@@ -321,7 +321,6 @@ class DecoderLayer(nnx.Module):
         h, stats = self._feed_forward(h)
         assert weights is not None  # a combining GatedResidual gives them
         return GatedStreams(GatedResidual.inject(streams, h, weights), tokens), new_cache, stats
-
 
     def _ple_states(self, window: jax.Array, seen: jax.Array, cache: DeltaRuleState, lengths: jax.Array | None,
                     history_every: int | None) -> dict[str, Any]:
@@ -534,8 +533,8 @@ class CausalLM(nnx.Module):
         """Write config.json + safetensors in the family's own layout, which
         transformers loads; fp8_layout: a model held in fp8 as published FP8
         checkpoints store it (quantized weights are otherwise written
-        dequantized); vision_from: a GLM-5-Next vision-language checkpoint
-        whose vision tower the export carries."""
+        dequantized); vision_from: a GLM-5-Next or Qwen4-Exp
+        vision-language checkpoint whose vision tower the export carries."""
         from gdnx.checkpoints.hf import save_pretrained
 
         save_pretrained(self, path, fp8_layout=fp8_layout, vision_from=vision_from)
