@@ -19,7 +19,8 @@ from gdnx.models import CausalLM
 from gdnx.parallel import shardings
 from tests.parallel.helpers import mesh
 
-KINDS = ("qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear")
+# qwen4_exp: its n-gram tables' rows read across the checkpoint's pieces (60 and 78 rows each) in each device's slice
+KINDS = ("qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "qwen4_exp")
 MESHES = {"fsdp8": dict(data=1, fsdp=8), "fsdp4_tensor2": dict(data=1, fsdp=4, tensor=2)}
 
 
