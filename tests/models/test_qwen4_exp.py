@@ -138,6 +138,7 @@ def test_parameter_count_with_two_ple_layers_matches_transformers():
     ({"ple_embed_dim": 10}, "ple_embed_dim: must be a multiple of the 4 n-gram tables"),
     ({"eos_token_id": None}, "eos_token_id: the n-gram context restarts after end-of-sequence"),
     ({"hc_count": 1}, "hc_mult: qwen4_exp's gated residual mixes at least 2 streams"),
+    ({"ngram_vocab_size_base": 600_000_000}, "ngram_vocab_base: a layer's 4 tables of at least 600000000 rows"),
 ])
 def test_config_mistakes_name_the_field(edit, named):
     assert_config_refused("qwen4_exp", QWEN4_EXP_TEXT, edit, named)

@@ -412,6 +412,9 @@ class ModelConfig(_Strict):
         if self.ple_layers and self.ple_width % heads:
             errors.append(("ple_embed_dim", f"must be a multiple of the {heads} n-gram tables "
                            f"((ngram_size - 1) x heads_per_ngram), got {self.ple_width}"))
+        if self.ple_layers and heads * self.ngram_vocab_base >= 2 ** 31:  # row ids are int32
+            errors.append(("ngram_vocab_base", f"a layer's {heads} tables of at least {self.ngram_vocab_base} rows "
+                           f"each must hold fewer than 2^31 rows in all (int32 row ids)"))
         if self.ple_layers and self.eos_token_id is None:
             errors.append(("eos_token_id", "the n-gram context restarts after end-of-sequence; set its id"))
         return errors
