@@ -105,3 +105,28 @@ def position_scores(hidden: jax.Array, logits_fn: Callable[[jax.Array], jax.Arra
 
     out = jax.lax.map(one_block, jnp.arange(0, t + pad, block, dtype=jnp.int32))  # [blocks, B, block, ...]
     return PositionScores(*(jnp.swapaxes(x, 0, 1).reshape(b, t + pad, *x.shape[3:])[:, :t] for x in out))
+
+
+def target_logprobs(hidden: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], targets: jax.Array, *,
+                    vocab: int, block: int | None = None) -> jax.Array:
+    """float32 [B, T]: each position's log-probability of its target,
+    differentiable, a block of positions at a time
+    under jax.checkpoint (the backward remakes one block's logits at a
+    time, as blocked_cross_entropy's). hidden [B, T, H] (final normed
+    states), logits_fn: [B, t, H] -> float32 [B, t, vocab], targets int [B, T]."""
+    b, t, _ = hidden.shape
+    block = block or block_length(b, t, vocab)
+    pad = -t % block
+    hidden = constrain(jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))), ("batch", None, "hidden"))
+    targets = constrain(jnp.pad(targets, ((0, 0), (0, pad))), ("batch", None))
+
+    @jax.checkpoint
+    def one_block(start):
+        h = jax.lax.dynamic_slice_in_dim(hidden, start, block, axis=1)
+        tgt = jax.lax.dynamic_slice_in_dim(targets, start, block, axis=1)
+        logits = logits_fn(h)
+        picked = jnp.sum(logits * jax.nn.one_hot(tgt, vocab, dtype=logits.dtype), axis=-1)
+        return picked - jax.nn.logsumexp(logits, axis=-1)
+
+    out = jax.lax.map(one_block, jnp.arange(0, t + pad, block, dtype=jnp.int32))  # [blocks, B, block]
+    return jnp.swapaxes(out, 0, 1).reshape(b, t + pad)[:, :t]

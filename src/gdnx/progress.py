@@ -23,9 +23,10 @@ class _Bar:
         self.progress, self.task = progress, task
 
     def update(self, step: int, metrics: dict) -> None:
+        score = f"reward {metrics['rl/reward_mean']:.3f}" if "rl/reward_mean" in metrics else \
+            f"acc {100 * metrics['accuracy']:5.1f}%"
         self.progress.update(self.task, completed=step, stats=(
-            f"loss {metrics['loss']:.4f}  acc {100 * metrics['accuracy']:5.1f}%  "
-            f"{metrics['tokens_per_s']:,.0f} tok/s"))
+            f"loss {metrics['loss']:.4f}  {score}  {metrics['tokens_per_s']:,.0f} tok/s"))
 
 
 class Reporter:
@@ -49,6 +50,10 @@ class Reporter:
         loss, perplexity, bits per byte and next-token accuracy."""
         elapsed = time.perf_counter() - self.t_start
         acc = 100 * metrics["accuracy"]
+        if "reward" in metrics:  # reinforcement learning: the held-out prompts' greedy completions
+            self.console.print(f"step {step:>5}  eval reward {metrics['reward']:.4f}  full reward {acc:6.2f}% "
+                               f"(held-out prompts, greedy)  {elapsed:4.0f} s", highlight=False, soft_wrap=True)
+            return
         if "first_query_accuracy" in metrics:
             what = f"answers {acc:6.2f}%  first queries {100 * metrics['first_query_accuracy']:6.2f}%"
         else:
@@ -80,19 +85,29 @@ def _plot(metrics_file: Path, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line]
+    rl = any("rl/reward_mean" in r for r in rows)  # reinforcement learning: rewards, and a loss of either sign
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     for split, style in (("train", "-"), ("eval", "o-")):
         pts = [r for r in rows if r["split"] == split]
         if not pts:
             continue
         steps = [r["step"] for r in pts]
-        ax_loss.plot(steps, [r["loss"] for r in pts], style, label=split, markersize=3)
+        if "loss" in pts[0]:
+            ax_loss.plot(steps, [r["loss"] for r in pts], style, label=split, markersize=3)
+        if rl:
+            key = "rl/reward_mean" if split == "train" else "reward"
+            ax_acc.plot(steps, [r[key] for r in pts], style, label=f"{split} reward", markersize=3)
+            continue
         ax_acc.plot(steps, [100 * r["accuracy"] for r in pts], style, label=f"{split} accuracy", markersize=3)
         if split == "eval" and "first_query_accuracy" in pts[0]:
             ax_acc.plot(steps, [100 * r["first_query_accuracy"] for r in pts], "s--", markersize=3,
                         label="eval first queries")
-    ax_loss.set(xlabel="step", ylabel="loss", yscale="log", title="loss")
-    ax_acc.set(xlabel="step", ylabel="accuracy (%)", ylim=(0, 100), title="accuracy (MQAR: answers; text: next token)")
+    ax_loss.set(xlabel="step", ylabel="loss", yscale="linear" if rl else "log", title="loss")
+    if rl:
+        ax_acc.set(xlabel="step", ylabel="mean reward", title="reward (train: drawn; eval: greedy, held out)")
+    else:
+        ax_acc.set(xlabel="step", ylabel="accuracy (%)", ylim=(0, 100),
+                   title="accuracy (MQAR: answers; text: next token)")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()

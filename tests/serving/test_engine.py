@@ -103,6 +103,24 @@ def test_prefix_cache_gives_the_same_tokens_and_logits(model, prompts, plain):
     assert engine.prefix_cache is not None and 0 < engine.prefix_cache.bytes <= 1 << 24
 
 
+def test_set_weights_runs_on_the_new_weights_without_compiling_again(model, prompts, plain):
+    """An engine handed another model's weights gives that model's greedy
+    tokens, its prefix cache emptied (its states were the old weights'),
+    and compiles no program anew; weights of another structure are refused."""
+    from flax import nnx
+
+    other = CausalLM(ModelConfig(**TINY), seed=2)
+    engine = _engine(other, prefix_cache_bytes=1 << 24)
+    engine.generate(prompts[:3], GREEDY)
+    compiled = engine.runner.programs.decode._cache_size()
+    engine.set_weights(nnx.state(model))
+    assert engine.prefix_cache is not None and len(engine.prefix_cache) == 0
+    assert [c.tokens for c in engine.generate(prompts[:3], GREEDY)] == plain[:3]
+    assert engine.runner.programs.decode._cache_size() == compiled
+    with pytest.raises(ValueError, match="weights: expected the model's state"):
+        engine.set_weights({"embed": jnp.zeros(3)})
+
+
 def test_prefix_cache_evicts_least_recently_used_within_its_bytes(model, prompts):
     engine = _engine(model, prefix_cache_bytes=1 << 24)
     engine.generate([prompts[4]], GREEDY)                  # 40 tokens: 2 full blocks

@@ -538,9 +538,11 @@ class DataConfig(_Strict):
     directory of them), tokenized into <out_dir>/data on first use; a
     directory `gdnx prepare` wrote (tokens); or supervised fine-tuning
     examples (sft: .jsonl of messages or prompt/completion, the loss on the
-    responses), tokenized into <out_dir>/data on first use."""
+    responses), tokenized into <out_dir>/data on first use; or prompts
+    with reference answers for reinforcement learning (rl: .jsonl, the
+    completions drawn by the engine each step; train.rl)."""
 
-    source: Literal["mqar", "text", "tokens", "sft"] = "mqar"
+    source: Literal["mqar", "text", "tokens", "sft", "rl"] = "mqar"
     path: str | None = None
     tokenizer: str | None = None  # a Hugging Face tokenizer.json; bytes when None
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # documents held out for evaluation (text, sft)
@@ -562,6 +564,8 @@ class DataConfig(_Strict):
         if self.source == "sft" and self.path is None:
             raise ValueError("path: data.source=sft needs data.path (a .jsonl file of examples, or a directory of "
                              "them)")
+        if self.source == "rl" and self.path is None:
+            raise ValueError("path: data.source=rl needs data.path (a .jsonl file of prompts with their answers)")
         if self.source == "tokens" and self.path is None:
             raise ValueError("path: data.source=tokens needs data.path (a directory `gdnx prepare` wrote)")
         if self.source == "mqar" and self.seq_len < 2 * self.num_pairs + 1:
@@ -598,6 +602,67 @@ class LoraConfig(_Strict):
     # adapters on the multi-token prediction module's layers too, trained with its loss (train.mtp_loss_weight)
     # so that the drafter follows the fine-tuned model; off: the module stays frozen with the base
     mtp: bool = False
+
+
+RL_LOSSES = ("grpo", "dr_grpo", "dapo", "gspo")
+RL_REWARDS = ("exact", "numeric", "regex", "json")
+RL_ENGINE_SLOTS = 64  # the most completions an RL run's engine decodes together
+# each loss's clip range (low, high) as its paper gives it: DAPO raises the upper bound (clip-higher); GSPO's
+# sequence-level ratios, geometric means over tokens, sit much nearer 1
+RL_CLIPS = {"grpo": (0.2, 0.2), "dr_grpo": (0.2, 0.2), "dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+class RLConfig(_Strict):
+    """Reinforcement learning from verifiable rewards (train.rl, with
+    data.source=rl; docs/rl.md): each step's train.batch_size completions
+    are group_size per prompt, drawn by gdnx's engine on the current
+    weights, scored and normalised within their group."""
+
+    group_size: int = Field(8, ge=2)       # completions per prompt (G)
+    max_new_tokens: PositiveInt = 64       # each completion's length, at most
+    # grpo: per-sequence mean, advantages / group std; dr_grpo: no std, sums / (completions x max_new_tokens);
+    # dapo: token-level mean, clip-higher, groups whose rewards are all equal dropped; gspo: sequence-level ratio
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo"] = "grpo"
+    # the ratio clipped to [1 - clip_low, 1 + clip_high]; None: the loss's own (RL_CLIPS)
+    clip_low: PositiveFloat | None = None
+    clip_high: PositiveFloat | None = None
+    # optimizer steps on each batch of completions (the ratio to the weights that drew them is clipped)
+    updates_per_rollout: PositiveInt = 1
+    kl_coef: float = Field(0.0, ge=0.0)    # the k3 estimate of KL to the reference (the initial weights; under
+    #                                        LoRA the base with its adapters off)
+    # exact, numeric (the last number), regex (reward_pattern matched), json (valid under reward_schema) or a
+    # user function module:function(completion, example) -> float
+    reward: str = "exact"
+    reward_pattern: str | None = None      # regex: a completion scores 1 when it matches (re.search)
+    reward_schema: str | None = None       # json: a JSON schema (its text, or a .json file)
+    # importance weights min(exp(trainer - sampler), cap) on each token (truncated importance sampling):
+    # corrects the sampler/trainer mismatch of the default mode; null: none
+    importance_cap: PositiveFloat | None = 2.0
+    # the trainer replays the engine's computation (prompts prefilled a block at a time, one decode step per
+    # completion token, the engine's shapes), so its log-probabilities are the sampler's bit for bit; the engine
+    # runs batch-invariant. Off: one pass over each row (equal to float rounding)
+    bitwise: bool = False
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, v):
+        if v not in RL_REWARDS and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError(f"expected one of {', '.join(RL_REWARDS)} or module:function, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.reward == "regex" and self.reward_pattern is None:
+            raise ValueError("reward_pattern: reward=regex needs a pattern")
+        if self.reward == "json" and self.reward_schema is None:
+            raise ValueError("reward_schema: reward=json needs a JSON schema (its text or a .json file)")
+        return self
+
+    @property
+    def clip(self) -> tuple[float, float]:
+        """(low, high): the ratio's clip range is [1 - low, 1 + high]."""
+        low, high = RL_CLIPS[self.loss]
+        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
 
 
 class WandbConfig(_Strict):
@@ -640,6 +705,8 @@ class TrainConfig(_Strict):
     mtp_loss_weight: float = Field(0.3, ge=0.0)
     # LoRA adapters on a frozen base (model.init_from); null trains every weight
     lora: LoraConfig | None = None
+    # reinforcement learning (data.source=rl)
+    rl: RLConfig | None = None
     # where metrics go besides metrics.jsonl (always written): tensorboard (event files under
     # out_dir/tensorboard), wandb (train.wandb)
     trackers: list[Literal["jsonl", "tensorboard", "wandb"]] = ["jsonl"]
@@ -706,6 +773,29 @@ class Config(_Strict):
         if self.train.lora is not None and self.train.lora.mtp and not self.model.mtp_num_layers:
             raise ValueError("train.lora.mtp: the model has no multi-token prediction module to adapt "
                              "(model.mtp_num_layers 0)")
+        if (self.data.source == "rl") != (self.train.rl is not None):
+            raise ValueError("train.rl: reinforcement learning takes data.source=rl and a train.rl section together; "
+                             f"got data.source={self.data.source} and train.rl "
+                             f"{'set' if self.train.rl is not None else 'null'}")
+        if self.train.rl is not None:
+            rl = self.train.rl
+            if self.train.batch_size % rl.group_size:
+                raise ValueError(f"train.batch_size: the completions of a step, {rl.group_size} per prompt "
+                                 f"(train.rl.group_size); expected a multiple of it, got {self.train.batch_size}")
+            if rl.max_new_tokens >= self.data.seq_len:
+                raise ValueError(f"train.rl.max_new_tokens: a completion and its prompt fit data.seq_len="
+                                 f"{self.data.seq_len} tokens; expected fewer, got {rl.max_new_tokens}")
+            if rl.bitwise and self.train.batch_size > RL_ENGINE_SLOTS:
+                raise ValueError(f"train.batch_size: bitwise mode replays a step's completions in the engine's "
+                                 f"{RL_ENGINE_SLOTS} slots at most; expected <= {RL_ENGINE_SLOTS}, got "
+                                 f"{self.train.batch_size}")
+            if rl.bitwise and self.train.grad_accum_steps != 1:
+                raise ValueError("train.grad_accum_steps: bitwise mode replays the step's completions in one "
+                                 f"program of the engine's shapes; expected 1, got {self.train.grad_accum_steps}")
+            if self.train.checkpoint_every % rl.updates_per_rollout:
+                raise ValueError(f"train.checkpoint_every: a checkpoint falls between rollouts, so that a resumed run "
+                                 f"draws the same completions; expected a multiple of train.rl.updates_per_rollout="
+                                 f"{rl.updates_per_rollout}, got {self.train.checkpoint_every}")
         if self.data.seq_len > self.model.max_position_embeddings:
             # what generation would refuse later is refused before training
             raise ValueError(f"data.seq_len: {self.data.seq_len} is more than the model's "

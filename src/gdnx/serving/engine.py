@@ -245,6 +245,18 @@ class Engine:
         # an unconstrained decode call's bitmask: every token for every slot (built once, not per step)
         self._every_token = grammar.masks([None] * config.max_slots, cfg.vocab_size)
 
+    def set_weights(self, state: Any) -> None:
+        """Generate with these weights from the next step (the model's
+        nnx.state, e.g. a trainer's updated parameters): each array is
+        placed where the engine's are, the prefix cache (states of the old
+        weights) is emptied, and no program is compiled again. Refused
+        while a request is unfinished."""
+        if self.has_unfinished():
+            raise RuntimeError("Engine.set_weights: requests are unfinished; finish or abort them first")
+        self.runner.set_weights(state)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     @property
     def max_slots(self) -> int:
         return self.config.max_slots

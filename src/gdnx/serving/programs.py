@@ -112,7 +112,7 @@ def _map_entries(fn, static: Static, *entries):
     return tuple(out)
 
 
-def _strip(entry):
+def strip_returned(entry):
     """The entry without what a call returned beside it (GDN states' history, a ring's fresh keys)."""
     if isinstance(entry, DeltaRuleState):
         return entry._replace(history=None)
@@ -229,7 +229,7 @@ def prefill(state: nnx.State, slots: Slots, rows: jax.Array, tokens: jax.Array, 
         snapshot = _map_entries(snap, static, new.layers)
 
     def put(axis, entry, fresh_entry):
-        return jax.tree.map(lambda x, y: _put(x, rows, y, axis), entry, _strip(fresh_entry))
+        return jax.tree.map(lambda x, y: _put(x, rows, y, axis), entry, strip_returned(fresh_entry))
 
     mtp, drafts = slots.mtp, None
     if static.mtp_drafts:
@@ -423,7 +423,7 @@ def verify(state: nnx.State, slots: Slots, active: jax.Array, drafts: jax.Array,
 
     def select(axis, entry):
         if not isinstance(entry, DeltaRuleState):
-            return _strip(entry)
+            return strip_returned(entry)
         assert entry.history is not None
         pick = jax.vmap(lambda h, i: h[:, i] if axis else h[i], in_axes=(axis, 0), out_axes=axis)
         return DeltaRuleState(*(None if h is None else pick(h, a) for h in entry.history[:2]), None,

@@ -151,6 +151,8 @@ class ModelRunner:
         graphdef, self.state = nnx.split(model)
         if mesh is not None:
             self.state = shard(self.state, cfg, mesh)
+        else:  # committed where they are, as set_weights places weights: one signature for the programs
+            self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), self.state)
         # engines on one model with the same settings share compiled programs
         shared = _PROGRAMS.setdefault(model, {})
         key = (eos_token_ids, config.max_logprobs, config.keep_logits, mtp_drafts, draft_rows if mtp_drafts else 0)
@@ -165,6 +167,24 @@ class ModelRunner:
     def on_mesh(self) -> contextlib.AbstractContextManager:
         """The context the programs run in: the runner's mesh, if any."""
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def set_weights(self, state: Any) -> None:
+        """Run on these weights from now on: a state of the same structure
+        and shapes as the model's (nnx.state), placed where the runner's
+        are (no copy where they already are)."""
+        def paths(tree):
+            return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+        have, given = paths(self.state), paths(state)
+        if have != given:
+            missing = sorted(set(have) - set(given))
+            raise ValueError(f"weights: expected the model's state ({len(have)} arrays), got another structure "
+                             f"({len(given)} arrays{f'; no {missing[0]}' if missing else ''})")
+        bad = [(jax.tree_util.keystr(path), a.shape, b.shape)
+               for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(self.state), jax.tree.leaves(state))
+               if a.shape != b.shape or a.dtype != b.dtype]
+        if bad:
+            raise ValueError(f"weights: {bad[0][0]} is {bad[0][2]}, the model's {bad[0][1]} (or another dtype)")
+        self.state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), state, self.state)
 
     def empty_slots(self) -> programs.Slots:
         def make():

@@ -78,11 +78,17 @@ class Trainer:
                     lambda: nnx.state(CausalLM(config.model, seed=config.train.seed, adapters=spec), nnx.LoRAParam),
                     out_shardings=None if mesh is None else shardings(adapters, config.model, mesh))()
         self.tx = make_optimizer(config.train)
+        self._prefetch: Prefetcher | None = None
+        self._compile()
+
+    def _compile(self) -> None:
+        """The data source and the compiled step and evaluation."""
+        config = self.config
         out_dir = Path(config.train.out_dir)
         self.source = make_source(config.data, config.train.batch_size, config.model.vocab_size, out_dir=out_dir,
                                   evaluate=config.train.eval_every > 0, resuming=has_checkpoints(out_dir))
         self.tokenizer = self.source.tokenizer
-        self._prefetch: Prefetcher | None = None
+        self.notes = self.source.notes  # what the run's log says of its data
         aux = aux_loss_coef(config)
         step_fn = make_step_fn(config, self.graphdef, self.tx, self.source.train)
 
@@ -261,6 +267,10 @@ def build_trainer(config: Config) -> Trainer:
     check_compatible(out, config)
     check_base(out, config)
     _check_fits(config, list(mesh.devices.flat))
+    if config.train.rl is not None:
+        from gdnx.training.rl import RLTrainer  # the engine and the verifiers load with RL only
+
+        return RLTrainer(config, mesh=mesh if mesh.size > 1 else None)
     return Trainer(config, mesh=mesh if mesh.size > 1 else None)
 
 
@@ -306,7 +316,7 @@ def _open(trainer: Trainer, resources: contextlib.ExitStack, console: Console | 
     start = intact or 0
     if primary and not start:
         record_base(out, config)  # what a LoRA run's adapters are trained on
-    for line in trainer.source.notes:
+    for line in trainer.notes:
         report.note(line)
     if trainer.mesh is not None:
         axes = " x ".join(f"{n}={s}" for n, s in trainer.mesh.shape.items())

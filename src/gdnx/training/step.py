@@ -107,15 +107,16 @@ def micro_batches(batch: Batch, count: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
-def accumulated_gradients(loss_fn: Callable[[Any, Batch, Totals, float], tuple[jax.Array, dict]], params: Any,
-                          batch: Batch, count: int) -> tuple[tuple[jax.Array, dict], Any]:
+def accumulated_gradients(loss_fn: Callable[[Any, Any, Any, float], tuple[jax.Array, dict]], params: Any,
+                          batch: Any, count: int, totals: Any = None) -> tuple[tuple[jax.Array, dict], Any]:
     """value_and_grad of loss_fn(params, batch, totals, share) over `count`
     micro-batches in a scan, summed (float32 as the parameters): the same
     loss, metrics and gradient as one pass over the whole batch, holding one
     micro-batch's activations. The MoE balancing loss, not a sum over
     tokens, is the mean of the micro-batches' (as Megatron and Hugging Face
-    accumulate it)."""
-    totals = batch_totals(batch)
+    accumulate it). totals: the whole batch's denominators (a Batch's
+    batch_totals by default)."""
+    totals = batch_totals(batch) if totals is None else totals
     grad = jax.value_and_grad(loss_fn, has_aux=True)
     if count == 1:
         return grad(params, batch, totals, 1.0)
