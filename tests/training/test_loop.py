@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from gdnx.config import load_config
-from gdnx.training import Trainer, train
+from gdnx.training import Trainer, build_trainer, train
 from tests.helpers.configs import SMALL_RUN
 from tests.helpers.processes import Processes, gdnx
 from tests.helpers.checkpoints import saved_params
@@ -342,7 +342,7 @@ def test_a_failed_save_or_an_interrupt_leaves_no_thread_running(tmp_path, monkey
     closed = []
     real_close = Checkpoints.close
     monkeypatch.setattr(Checkpoints, "close", lambda self: (closed.append(True), real_close(self))[1])
-    trainer = loop.build_trainer(load_config("tiny", _text_run(tmp_path)))
+    trainer = build_trainer(load_config("tiny", _text_run(tmp_path)))
     with pytest.raises(expected):
         trainer.run()
     assert trainer._prefetch is None and not _loop_threads()

@@ -112,7 +112,7 @@ def _map_entries(fn, static: Static, *entries):
     return tuple(out)
 
 
-def strip_returned(entry):
+def strip_returned(entry: Any) -> Any:
     """The entry without what a call returned beside it (GDN states' history, a ring's fresh keys)."""
     if isinstance(entry, DeltaRuleState):
         return entry._replace(history=None)

@@ -248,11 +248,11 @@ def _run_record(config: Config) -> dict[str, Any]:
     return record
 
 
-def build_trainer(config: Config) -> Trainer:
-    """Everything that can refuse a run, before anything is written: the
-    out_dir, the mesh, the out_dir's earlier config, whether the model fits,
-    the platform, the data. Raises ValueError (or OSError for a file) naming
-    the field or path."""
+def check_run(config: Config) -> jax.sharding.Mesh:
+    """Everything that can refuse a run before its trainer is built and
+    anything is written: the out_dir, the mesh, the out_dir's earlier
+    config, whether the model fits. Returns the mesh. Raises ValueError (or
+    OSError for a file) naming the field or path."""
     if config.model.quantize_activations != "none":
         raise ValueError("model.quantize_activations: float8 activations are for inference (serve, generate, eval); "
                          "train with model.quantize_activations=none")
@@ -267,18 +267,7 @@ def build_trainer(config: Config) -> Trainer:
     check_compatible(out, config)
     check_base(out, config)
     _check_fits(config, list(mesh.devices.flat))
-    if config.train.rl is not None:
-        from gdnx.training.rl import RLTrainer  # the engine and the verifiers load with RL only
-
-        return RLTrainer(config, mesh=mesh if mesh.size > 1 else None)
-    return Trainer(config, mesh=mesh if mesh.size > 1 else None)
-
-
-def train(config: Config, *, console: Console | None = None, hooks: Sequence[Hook | Registered] = (),
-          ) -> dict[str, float]:
-    """Run (or resume) the training run in config.train.out_dir. Returns the
-    last evaluation."""
-    return build_trainer(config).run(console=console, hooks=hooks)
+    return mesh
 
 
 def _loop(trainer: Trainer, resources: contextlib.ExitStack, signals: StopSignals, console: Console | None,
