@@ -1,5 +1,6 @@
 """The README's fine-tuning section, run as written (with the demo's run
-made small first): every command exits 0 and writes what it says."""
+made small first): every command exits 0 and writes what it says; and its
+reinforcement-learning command, shortened to a few steps."""
 
 import json
 import os
@@ -37,3 +38,17 @@ def test_the_fine_tuning_section_runs_as_written(tmp_path):
     assert (tmp_path / "hf/sft-merged/model.safetensors").is_file()
     assert json.loads((tmp_path / "hf/sft-adapter/adapter_config.json").read_text())["peft_type"] == "LORA"
     assert done.stdout.strip(), "generate printed nothing"
+
+
+def test_the_rl_section_runs_as_written_shortened(tmp_path):
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    (command,) = _section_commands("Learn from rewards")
+    assignments = dict(c.split("=", 1) for c in command if c.split("=", 1)[0].isupper())
+    args = [c for c in command if c.split("=", 1)[0] not in assignments]
+    assert args[:2] == ["gdnx", "train"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **assignments}
+    done = subprocess.run([sys.executable, "-m", "gdnx", *args[1:], "train.steps=2", "train.eval_every=2",
+                           "train.warmup_steps=0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "runs/rl/metrics.jsonl").read_text().splitlines()]
+    assert [r["split"] for r in rows] == ["train", "eval"] and "rl/reward_mean" in rows[0]

@@ -61,8 +61,11 @@ def replay_logprobs(model, batch: ReplayBatch, shapes: ReplayShapes) -> jax.Arra
     s, p = shapes.slots, shapes.prefill_rows
     blocks, block_lengths = jnp.asarray(batch.blocks), jnp.asarray(batch.block_lengths)
     axes = row_axes(model)  # each cache entry's axis of rows (a scanned cycle's: after its repeats)
+    drawn = jnp.asarray(batch.completions)
     cache = Cache.init(model, s, shapes.capacity, per_row=True)
-    last_logits = jnp.zeros((s, model.config.vocab_size), jnp.float32)
+    # each completion's first token's log-probability, from its prompt's last prefill call: computed there, on
+    # the call's rows (a reduction's rounding may follow its operand's shape)
+    first = jnp.zeros((s,), jnp.float32)
     for k in range(blocks.shape[1]):  # one prefill call per block of each prompt, p rows at a time
         for g in range(0, s, p):
             n = min(p, s - g)
@@ -82,11 +85,8 @@ def replay_logprobs(model, batch: ReplayBatch, shapes: ReplayShapes) -> jax.Arra
                                                                           g, axis=a), full, kept))
             length = jnp.where(active, out.cache.length, _rows(cache.length, 0, g, n, p))
             cache = Cache(tuple(layers), jax.lax.dynamic_update_slice_in_dim(cache.length, length[:n], g, 0))
-            logits = jnp.where(active[:, None], logits, _rows(last_logits, 0, g, n, p))
-            last_logits = jax.lax.dynamic_update_slice_in_dim(last_logits, logits[:n], g, 0)
-
-    drawn = jnp.asarray(batch.completions)
-    first = _chosen(last_logits, drawn[:, 0])
+            chosen = jnp.where(active, _chosen(logits, _rows(drawn[:, 0], 0, g, n, p)), _rows(first, 0, g, n, p))
+            first = jax.lax.dynamic_update_slice_in_dim(first, chosen[:n], g, 0)
 
     def step(cache, token_and_next):
         token, following = token_and_next

@@ -100,7 +100,9 @@ class RLTrainer(Trainer):
         # a step's completions beyond the engine's slots wait for a free one
         self.engine = Engine(model, EngineConfig(max_slots=min(config.train.batch_size, RL_ENGINE_SLOTS),
                                                  max_length=data.seq_len + 1, max_logprobs=1,
-                                                 batch_invariant=rl.bitwise, seed=config.train.seed),
+                                                 batch_invariant=rl.bitwise, seed=config.train.seed,
+                                                 # bitwise: prompts are prefilled a block at a time, padded to it
+                                                 block_size=config.model.gdn_chunk_size if rl.bitwise else None),
                              mesh=self.mesh, tokenizer=self.detokenizer, eos_token_ids=self.eos_ids)
         # the reference of the KL term: the initial weights (under LoRA, the base with its adapters at zero)
         self.reference = None
