@@ -1,4 +1,4 @@
-"""Test-wide settings: none. x64 is scoped to the tests that need float64
+"""Test-wide fixtures. x64 is scoped to the tests that need float64
 (tests/ops/conftest.py)."""
 
 import pytest
@@ -20,3 +20,12 @@ def hf_checkpoints(tmp_path_factory):
     from tests.helpers.hf_models import HFCheckpoints
 
     return HFCheckpoints(tmp_path_factory.mktemp("hf_checkpoints"))
+
+
+@pytest.fixture
+def rl_prompts(tmp_path, monkeypatch):
+    """A tiny RL run's prompts.jsonl, its reward module importable
+    (tests.helpers.rl)."""
+    from tests.helpers.rl import write_prompts
+
+    return write_prompts(tmp_path, monkeypatch)

@@ -12,35 +12,20 @@ import pytest
 from gdnx.config import load_config
 from gdnx.training import build_trainer, train
 from tests.helpers.processes import cpu_env, gdnx
-
-# a reward with signal from the first steps: the share of the completion's bytes that are lowercase letters
-REWARD = "def letters(completion, example):\n    return sum('a' <= c <= 'z' for c in completion) / 4\n"
-RUN = ["model.hidden_size=32", "model.intermediate_size=32", "data.source=rl", "data.seq_len=16",
-       "train.batch_size=4", "train.rl.group_size=2", "train.rl.max_new_tokens=4", "train.rl.reward=rl_letters:letters",
-       "train.warmup_steps=0", "train.min_lr_ratio=1.0", "train.log_every=1", "train.target_accuracy=null",
-       "train.learning_rate=0.01"]
-
-
-@pytest.fixture
-def prompts(tmp_path, monkeypatch):
-    (tmp_path / "rl_letters.py").write_text(REWARD)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"say {c}:", "answer": c}) + "\n" for c in "abcdefghij"))
-    return path
+from tests.helpers.rl import RUN
 
 
 def _rows(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_rl_run_learns_reports_and_resumes(tmp_path, prompts):
+def test_rl_run_learns_reports_and_resumes(tmp_path, rl_prompts):
     """Four steps, two updates per rollout, evaluated every two: every step
     logs the rewards, lengths, the sampler/trainer gap (float32 rounding
     between the engine's recurrent decode and the trainer's chunked pass:
     under 1e-4) and the time split; a run stopped at step 2 and resumed
     logs the uninterrupted run's steps 3 and 4 exactly."""
-    base = RUN + [f"data.path={prompts}", "train.rl.updates_per_rollout=2", "train.checkpoint_every=2",
+    base = RUN + [f"data.path={rl_prompts}", "train.rl.updates_per_rollout=2", "train.checkpoint_every=2",
                   "train.eval_every=2", "data.val_fraction=0.2"]
     whole = tmp_path / "whole"
     result = train(load_config("tiny", base + ["train.steps=4", f"train.out_dir={whole}"]))
@@ -66,12 +51,12 @@ def test_rl_run_learns_reports_and_resumes(tmp_path, prompts):
             assert a[key] == b[key], key
 
 
-def test_bitwise_mode_has_the_samplers_log_probabilities_exactly(tmp_path, prompts):
+def test_bitwise_mode_has_the_samplers_log_probabilities_exactly(tmp_path, rl_prompts):
     """train.rl.bitwise: the trainer replays the engine's computation, so
     the gap is exactly 0 at every step, and a rollout's first update has
     ratio 1 and no importance correction."""
     out = tmp_path / "bitwise"
-    train(load_config("tiny", RUN + [f"data.path={prompts}", "train.rl.bitwise=true", "train.steps=3",
+    train(load_config("tiny", RUN + [f"data.path={rl_prompts}", "train.rl.bitwise=true", "train.steps=3",
                                      "train.eval_every=0", f"train.out_dir={out}"]))
     rows = [r for r in _rows(out) if r["split"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -91,17 +76,17 @@ def test_bitwise_mode_has_the_samplers_log_probabilities_exactly(tmp_path, promp
     (["train.rl.updates_per_rollout=3", "train.checkpoint_every=4"], "train.checkpoint_every: a checkpoint falls"),
     (["train.rl.bitwise=true", "train.grad_accum_steps=2"], "train.grad_accum_steps: bitwise mode replays"),
 ])
-def test_bad_rl_inputs_are_refused_naming_the_field(tmp_path, prompts, override, message):
+def test_bad_rl_inputs_are_refused_naming_the_field(tmp_path, rl_prompts, override, message):
     bare = tmp_path / "bare.jsonl"
     bare.write_text(json.dumps({"prompt": "hello"}) + "\n")
     override = [o.replace("NOANSWER", str(bare)) for o in override]
     with pytest.raises(ValueError, match=message):
-        build_trainer(load_config("tiny", RUN + [f"data.path={prompts}", "train.eval_every=0",
+        build_trainer(load_config("tiny", RUN + [f"data.path={rl_prompts}", "train.eval_every=0",
                                                  f"train.out_dir={tmp_path / 'run'}"] + override))
 
 
-def test_cli_refuses_a_bad_rl_input_in_one_line(tmp_path, prompts):
-    out = subprocess.run(gdnx("train", "tiny", *RUN, f"data.path={prompts}", "train.rl.reward=no_module_here:f",
+def test_cli_refuses_a_bad_rl_input_in_one_line(tmp_path, rl_prompts):
+    out = subprocess.run(gdnx("train", "tiny", *RUN, f"data.path={rl_prompts}", "train.rl.reward=no_module_here:f",
                               f"train.out_dir={tmp_path / 'run'}"), capture_output=True, text=True, env=cpu_env(),
                          timeout=120)
     assert out.returncode == 2
