@@ -11,6 +11,7 @@ import pytest
 
 from gdnx.config import load_config
 from gdnx.training import build_trainer, train
+from gdnx.training.init_from import load_train_config
 from tests.helpers.processes import cpu_env, gdnx
 from tests.helpers.rl import RUN
 
@@ -64,6 +65,23 @@ def test_bitwise_mode_has_the_samplers_log_probabilities_exactly(tmp_path, rl_pr
         assert r["rl/logp_diff_max"] == 0.0 and r["rl/logp_diff_mean"] == 0.0
         assert r["rl/ratio_mean"] == 1.0 and r["rl/importance_weight_mean"] == 1.0 and np.isfinite(r["loss"])
     assert any(r["grad_norm"] > 0 for r in rows)
+
+
+def test_lora_rl_with_kl_to_the_base(tmp_path, rl_prompts):
+    """LoRA adapters on a run's weights (model.init_from), DAPO, KL to the
+    base with its adapters off: 0 on the first step (the adapters start as
+    the identity), then above 0 as they move."""
+    base = tmp_path / "base"
+    train(load_config("tiny", ["model.hidden_size=32", "model.intermediate_size=32", "train.steps=1",
+                               "train.warmup_steps=0", "train.eval_every=0", "train.checkpoint_every=1",
+                               f"train.out_dir={base}"]))
+    out = tmp_path / "lora"
+    train(load_train_config("finetune", [o for o in RUN if not o.startswith("model.")] + [
+        f"model.init_from={base}", f"data.path={rl_prompts}", "train.lora.rank=4", "train.rl.kl_coef=0.1",
+        "train.rl.loss=dapo", "train.batch_size=8", "train.rl.group_size=4", "train.rl.max_new_tokens=8",
+        "train.steps=3", "train.eval_every=0", f"train.out_dir={out}"]))
+    rows = [r for r in _rows(out) if r["split"] == "train"]
+    assert rows[0]["rl/kl"] == 0.0 and rows[-1]["rl/kl"] > 0.0 and rows[0]["rl/groups_kept"] > 0
 
 
 @pytest.mark.parametrize("override,message", [
