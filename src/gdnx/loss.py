@@ -1,5 +1,6 @@
 """Cross-entropy and per-position log-probabilities over a large
-vocabulary in blocks of positions.
+vocabulary in blocks of positions (the latter differentiable for
+reinforcement learning: target_logprobs).
 
 The logits of a [B, T] batch are B x T x vocab floats (1.3 GB in float32
 at 16 x 512 x 151,936, several times that with the backward). Here the
@@ -110,10 +111,10 @@ def position_scores(hidden: jax.Array, logits_fn: Callable[[jax.Array], jax.Arra
 def target_logprobs(hidden: jax.Array, logits_fn: Callable[[jax.Array], jax.Array], targets: jax.Array, *,
                     vocab: int, block: int | None = None) -> jax.Array:
     """float32 [B, T]: each position's log-probability of its target,
-    differentiable, a block of positions at a time
-    under jax.checkpoint (the backward remakes one block's logits at a
-    time, as blocked_cross_entropy's). hidden [B, T, H] (final normed
-    states), logits_fn: [B, t, H] -> float32 [B, t, vocab], targets int [B, T]."""
+    differentiable, a block of positions at a time under jax.checkpoint
+    (the backward remakes one block's logits at a time, as
+    blocked_cross_entropy's). hidden [B, T, H] (final normed states),
+    logits_fn: [B, t, H] -> float32 [B, t, vocab], targets int [B, T]."""
     b, t, _ = hidden.shape
     block = block or block_length(b, t, vocab)
     pad = -t % block

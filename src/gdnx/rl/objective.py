@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 EPS = 1e-4  # added to a group's reward std (a group of equal rewards has advantage 0)
+# an array of a batch: numpy on the host, then the same fields on the device
+Array = jax.Array | np.ndarray
 
 
 def advantages(rewards: np.ndarray, group_size: int, loss: str) -> tuple[np.ndarray, np.ndarray]:
@@ -45,10 +47,6 @@ def advantages(rewards: np.ndarray, group_size: int, loss: str) -> tuple[np.ndar
     adv = centred if loss == "dr_grpo" else centred / (std + EPS)
     kept = np.ones_like(r, bool) if loss != "dapo" else np.broadcast_to(std > 0, r.shape)
     return adv.reshape(-1).astype(np.float32), kept.reshape(-1).copy()
-
-# an array of a batch: numpy on the host, then the same fields on the device
-Array = jax.Array | np.ndarray
-
 
 
 class Scored(NamedTuple):

@@ -43,7 +43,6 @@ from gdnx.training.step import accumulated_gradients, aux_loss_coef
 EVAL_PROMPTS = 64
 
 
-
 class Rows(NamedTuple):
     """The completions as the trainer's rows (prompt + completion, padded),
     [rows, data.seq_len] each: one pass scores every position."""
