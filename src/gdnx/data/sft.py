@@ -31,7 +31,9 @@ from gdnx.files import atomic_write_text
 FORMAT = 1
 
 
-def _examples(path: Path) -> Iterator[tuple[int, dict]]:
+def jsonl_objects(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a .jsonl file;
+    ValueError naming the file and line of one that is not a JSON object."""
     with path.open("rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -118,7 +120,7 @@ def prepare_sft(paths: list[Path], out: Path, *, tokenizer: str | None = None, e
     handles = {s: [(out / f"{s}.{k}.tmp").open("wb") for k in names] for s in SPLITS}
     try:
         for path in files:
-            for n, example in _examples(path):
+            for n, example in jsonl_objects(path):
                 ids, scored = encoder.encode(example, f"{path} line {n}")
                 split = "val" if in_val(index, val_fraction) else "train"
                 index += 1

@@ -9,13 +9,13 @@ seed alone, so a resumed run draws the same prompts.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from gdnx.data.chat import ChatTemplate
+from gdnx.data.sft import jsonl_objects
 from gdnx.data.text import HFTokenizer
 
 
@@ -34,19 +34,10 @@ def _read(path: Path) -> list[tuple[str, dict]]:
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise FileNotFoundError(f"data.path: no .jsonl file at {path}")
-    out = []
-    for f in files:
-        for n, line in enumerate(f.read_bytes().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError):
-                raise ValueError(f"data.path: {f} line {n}: not a JSON object (UTF-8)") from None
-            if not isinstance(example, dict):
-                raise ValueError(f"data.path: {f} line {n}: expected a JSON object, got {type(example).__name__}")
-            out.append((f"{f} line {n}", example))
-    return out
+    try:
+        return [(f"{f} line {n}", example) for f in files for n, example in jsonl_objects(f)]
+    except ValueError as e:
+        raise ValueError(f"data.path: {e}") from None
 
 
 class PromptEncoder:
