@@ -247,10 +247,11 @@ class Engine:
 
     def set_weights(self, state: Any) -> None:
         """Generate with these weights from the next step (the model's
-        nnx.state, e.g. a trainer's updated parameters): each array is
-        placed where the engine's are, the prefix cache (states of the old
-        weights) is emptied, and no program is compiled again. Refused
-        while a request is unfinished."""
+        nnx.state, e.g. a trainer's updated parameters): on a mesh each
+        array is placed where the engine's are; the prefix cache (states of
+        the old weights) is emptied; weights placed as the engine's compile
+        no program again (ModelRunner.set_weights). Refused while a request
+        is unfinished."""
         if self.has_unfinished():
             raise RuntimeError("Engine.set_weights: requests are unfinished; finish or abort them first")
         self.runner.set_weights(state)

@@ -151,8 +151,6 @@ class ModelRunner:
         graphdef, self.state = nnx.split(model)
         if mesh is not None:
             self.state = shard(self.state, cfg, mesh)
-        else:  # committed where they are, as set_weights places weights: one signature for the programs
-            self.state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), self.state)
         # engines on one model with the same settings share compiled programs
         shared = _PROGRAMS.setdefault(model, {})
         key = (eos_token_ids, config.max_logprobs, config.keep_logits, mtp_drafts, draft_rows if mtp_drafts else 0)
@@ -170,8 +168,11 @@ class ModelRunner:
 
     def set_weights(self, state: Any) -> None:
         """Run on these weights from now on: a state of the same structure
-        and shapes as the model's (nnx.state), placed where the runner's
-        are (no copy where they already are)."""
+        and shapes as the model's (nnx.state); on a mesh, placed where the
+        runner's are (no copy where they already are). On one device they
+        are taken as they are: a jit keys its programs on whether an array
+        is committed to its device, so weights as the engine's (both a
+        model's, or both a program's outputs) compile nothing again."""
         def paths(tree):
             return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
         have, given = paths(self.state), paths(state)
@@ -184,7 +185,10 @@ class ModelRunner:
                if a.shape != b.shape or a.dtype != b.dtype]
         if bad:
             raise ValueError(f"weights: {bad[0][0]} is {bad[0][2]}, the model's {bad[0][1]} (or another dtype)")
-        self.state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), state, self.state)
+        if self.mesh is None:
+            self.state = state
+        else:
+            self.state = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), state, self.state)
 
     def empty_slots(self) -> programs.Slots:
         def make():
