@@ -17,6 +17,7 @@ scoring and update.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -179,8 +180,13 @@ class RLTrainer(Trainer):
                     for i in range(len(prompts))]
         return self.engine.generate([p.tokens for p in prompts], sampling)
 
-    def _text(self, tokens: list[int]) -> str:
-        return self.detokenizer.decode([t for t in tokens if t not in self.eos_ids])
+    def _rewards(self, prompts: list[Prompt], done: list[Any], where: Callable[[int, Prompt], str]) -> np.ndarray:
+        """float32 [n]: each completion's reward, its text decoded without the
+        end-of-sequence tokens; where(i, prompt) names it in an error."""
+        return np.asarray([score(self.reward, self.rl.reward,
+                                 self.detokenizer.decode([t for t in c.tokens if t not in self.eos_ids]), c.tokens,
+                                 p.example, where(i, p))
+                           for i, (p, c) in enumerate(zip(prompts, done, strict=True))], np.float32)
 
     def rollout(self, params: Any, index: int) -> tuple[tuple[Any, Scored], dict[str, float]]:
         """Rollout `index`: its completions, rewards and advantages, laid
@@ -193,9 +199,7 @@ class RLTrainer(Trainer):
                                                                                            len(prompts))]
         done = self.complete(params, prompts, seeds)
         t1 = time.perf_counter()
-        rewards = np.asarray([score(self.reward, rl.reward, self._text(c.tokens), c.tokens, p.example,
-                                    f"the completion {i % rl.group_size} of {p.where}")
-                              for i, (p, c) in enumerate(zip(prompts, done, strict=True))], np.float32)
+        rewards = self._rewards(prompts, done, lambda i, p: f"the completion {i % rl.group_size} of {p.where}")
         adv, kept = advantages(rewards, rl.group_size, rl.loss)
         tokens, scored = self._layout(prompts, done, adv, kept)
         with self.on_mesh():
@@ -247,14 +251,14 @@ class RLTrainer(Trainer):
     # ---- the loop's interface ------------------------------------------------------------------------------------
 
     def step(self, params: Any, opt_state: Any, step: jax.Array) -> tuple[Any, Any, dict[str, Any]]:
-        index, first = divmod(int(step), self.rl.updates_per_rollout)
-        if first == 0 or self._rollout is None or self._rollout[0] != index:
+        index, offset = divmod(int(step), self.rl.updates_per_rollout)
+        if self._rollout is None or self._rollout[0] != index:
             batch, metrics = self.rollout(params, index)
             self._rollout = (index, batch, metrics)
         _, (tokens, scored), rollout_metrics = self._rollout
         t0 = time.perf_counter()
         with self.on_mesh():
-            params, opt_state, metrics = self.update(params, opt_state, tokens, scored, jnp.asarray(first == 0),
+            params, opt_state, metrics = self.update(params, opt_state, tokens, scored, jnp.asarray(offset == 0),
                                                      self.frozen)
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         metrics |= rollout_metrics | {"rl/time_update_s": time.perf_counter() - t0}
@@ -265,8 +269,7 @@ class RLTrainer(Trainer):
         their mean reward, and the share that earn 1 or more (accuracy)."""
         prompts = self.prompts.evaluation[:EVAL_PROMPTS]
         done = self.complete(params, prompts, None)
-        rewards = np.asarray([score(self.reward, self.rl.reward, self._text(c.tokens), c.tokens, p.example,
-                                    f"the greedy completion of {p.where}") for p, c in zip(prompts, done)])
+        rewards = self._rewards(prompts, done, lambda i, p: f"the greedy completion of {p.where}")
         return {"reward": float(rewards.mean()), "accuracy": float(np.mean(rewards >= 1.0))}
 
     def close(self) -> None:
