@@ -19,10 +19,9 @@ SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_atte
 
 
 @pytest.mark.parametrize("topology,axes", [
-    ("v5e:2x2", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2"]),
+    ("v4:2x2x1", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2"]),
     ("v5p:2x2x1", ["parallel.data=2", "parallel.context=2"]),
     ("v6e:2x2", ["parallel.data=-1", "parallel.expert=2", "parallel.shard_mode=explicit"]),
-    ("v4:2x2x1", ["parallel.data=1", "parallel.fsdp=4"]),
     # GLM-5-Next (unscanned): KDA's kernel, the sparse-attention indexer and the hyper-connections in the step
     ("v5e:2x2", ["parallel.data=2", "parallel.tensor=2", "glm5_next"]),
     # Qwen4-Exp: the gated residuals, QSA, the n-gram tables' rows over fsdp x tensor and their hashing in the step
