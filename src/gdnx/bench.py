@@ -72,20 +72,20 @@ def train_step_row(cfg: ModelConfig, batch: int, seq_len: int, repeats: int):
 
 
 def run_benchmarks(*, batch: int = 4, seq_len: int = 1024, repeats: int = 5, op_tokens: int = 2048,
-                   print_fn=print) -> dict:
+                   op_head_dim: int = 128, width: int = 256, print_fn=print) -> dict:
     print_fn(f"gdnx bench  jax {jax.__version__} on {jax.default_backend()}  (medians of {repeats} runs)")
-    shape, rows = op_rows(t=op_tokens, repeats=repeats)
+    shape, rows = op_rows(t=op_tokens, dk=op_head_dim, dv=op_head_dim, repeats=repeats)
     print_fn(f"\nchunk_gated_delta_rule  {shape}")
     print_fn(f"  {'implementation':<16}{'forward ms':>12}{'fwd+bwd ms':>12}")
     for impl, f, fb in rows:
         print_fn(f"  {impl:<16}{f:>12.1f}{fb:>12.1f}")
     hybrid = ["linear_attention"] * 3 + ["full_attention"]
     models = {"GDN hybrid (3:1)": hybrid, "attention only": ["full_attention"] * 4}
-    print_fn(f"\ntrain step (AdamW)  batch {batch} x {seq_len} tokens, 4 layers, width 256")
+    print_fn(f"\ntrain step (AdamW)  batch {batch} x {seq_len} tokens, 4 layers, width {width}")
     print_fn(f"  {'model':<20}{'params':>10}{'step ms':>10}{'peak MiB':>10}")
     results = {"ops": rows, "models": {}}
     for name, types in models.items():
-        n, ms, peak = train_step_row(bench_model_config(types), batch, seq_len, repeats)
+        n, ms, peak = train_step_row(bench_model_config(types, hidden=width), batch, seq_len, repeats)
         results["models"][name] = (n, ms, peak)
         print_fn(f"  {name:<20}{n:>10,}{ms:>10.1f}{peak / 2 ** 20:>10.1f}")
     return results

@@ -22,6 +22,6 @@ def run(args) -> None:
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}: expected a positive integer")
     if args.quick:
-        run_benchmarks(batch=1, seq_len=256, repeats=2, op_tokens=256)
+        run_benchmarks(batch=1, seq_len=128, repeats=2, op_tokens=128, op_head_dim=32, width=64)
     else:
         run_benchmarks(batch=args.batch, seq_len=args.seq_len, repeats=args.repeats)
