@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gdnx.cli import main
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,23 +23,23 @@ def _section_commands(title: str) -> list[list[str]]:
     return [shlex.split(line, comments=True) for line in block.group(1).splitlines() if line.strip()]
 
 
-def test_the_fine_tuning_section_runs_as_written(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    gdnx = [sys.executable, "-m", "gdnx"]
+def test_the_fine_tuning_section_runs_as_written(tmp_path, monkeypatch, capsys):
+    """In this process (gdnx.cli.main, as the `gdnx` command runs it): the
+    two runs' programs are compiled once for the commands that share them."""
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
     # the demo's run (make demo), a few steps of it
-    subprocess.run([*gdnx, "train", "tiny", "train.steps=4", "train.warmup_steps=1", "train.eval_every=0",
-                    "train.checkpoint_every=4"], cwd=tmp_path, env=env, check=True, capture_output=True, timeout=300)
+    assert main(["train", "tiny", "train.steps=4", "train.warmup_steps=1", "train.eval_every=0",
+                 "train.checkpoint_every=4"]) == 0
     commands = _section_commands("Fine-tune a published checkpoint")
     assert len(commands) >= 6 and all(c[0] == "gdnx" for c in commands)
     for command in commands:
-        done = subprocess.run([*gdnx, *command[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, (command, done.stderr[-2000:])
+        capsys.readouterr()
+        assert main(command[1:]) == 0, (command, capsys.readouterr().err[-2000:])
     assert json.loads((tmp_path / "hf/sft/config.json").read_text())["model_type"] == "qwen3_next"
     assert (tmp_path / "hf/sft-merged/model.safetensors").is_file()
     assert json.loads((tmp_path / "hf/sft-adapter/adapter_config.json").read_text())["peft_type"] == "LORA"
-    assert done.stdout.strip(), "generate printed nothing"
+    assert capsys.readouterr().out.strip(), "generate printed nothing"
 
 
 def test_the_rl_section_runs_as_written_shortened(tmp_path):
