@@ -84,3 +84,30 @@ def test_the_mtp_loss_is_the_modules_cross_entropy_and_trains_it(tmp_path):
     _, frozen = jax.value_and_grad(lambda p: loss_and_metrics(nnx.merge(trainer.graphdef, p), batch, 0.0)[0])(
         trainer.params)
     assert float(jnp.abs(frozen["mtp"]["fc"]["kernel"][...]).sum()) == 0
+
+
+
+def test_a_step_that_is_not_finite_is_not_taken():
+    """finite_update (the train step's and the RL update's last part): a
+    non-finite loss, gradient or update leaves the parameters and optimizer
+    state as they were and reports skipped 1.0; a finite one is taken."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from gdnx.training.step import finite_update
+
+    params = {"w": jnp.ones(3)}
+    grads = {"w": jnp.full(3, 0.5)}
+    cases = [(optax.adam(1.0), 1.0, grads, False), (optax.adam(1.0), float("nan"), grads, True),
+             (optax.adam(1.0), 1.0, {"w": jnp.array([0.5, jnp.inf, 0.5])}, True),
+             (optax.scale(float("inf")), 1.0, grads, True)]  # a finite gradient, an infinite update
+    for tx, loss, g, skipped in cases:
+        state = tx.init(params)
+        new, new_state, metrics = finite_update(tx, params, state, jnp.float32(loss), g, {})
+        assert float(metrics["skipped"]) == float(skipped) and "grad_norm" in metrics
+        updates, want_state = tx.update(g, state, params)
+        want = (params, state) if skipped else (optax.apply_updates(params, updates), want_state)
+        for a, b in zip(jax.tree.leaves((new, new_state)), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from gdnx.config.schema import RL_ENGINE_SLOTS, Config
@@ -38,7 +37,7 @@ from gdnx.serving.config import EngineConfig
 from gdnx.serving.engine import Engine
 from gdnx.serving.params import SamplingParams
 from gdnx.training.loop import Trainer
-from gdnx.training.step import accumulated_gradients, aux_loss_coef
+from gdnx.training.step import accumulated_gradients, aux_loss_coef, finite_update
 
 # most held-out prompts an evaluation completes (greedily)
 EVAL_PROMPTS = 64
@@ -151,13 +150,8 @@ class RLTrainer(Trainer):
 
             (loss, metrics), grads = accumulated_gradients(loss_fn, params, (tokens, scored),
                                                            config.train.grad_accum_steps, totals=rl_totals(scored))
-            updates, new_opt_state = self.tx.update(grads, opt_state, params)
             metrics["loss"] = loss
-            metrics["grad_norm"] = optax.tree.norm(grads)
-            finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
-            metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-            return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), metrics
+            return finite_update(self.tx, params, opt_state, loss, grads, metrics)
 
         self.scores = jax.jit(scores)
         self.update = jax.jit(update, donate_argnums=(0, 1))

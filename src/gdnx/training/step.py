@@ -178,10 +178,19 @@ def make_step_fn(config: Config, graphdef: nnx.GraphDef, tx: optax.GradientTrans
         with dropout_key(key):
             (loss, metrics), grads = accumulated_gradients(
                 loss_fn, params, batch_of(source_fn, config.train.seed, step, batch), config.train.grad_accum_steps)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(optax.tree.norm(updates))
-        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), metrics
+        return finite_update(tx, params, opt_state, loss, grads, metrics)
     return step_fn
+
+
+def finite_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, loss: jax.Array, grads: Any,
+                  metrics: dict) -> tuple[Any, Any, dict]:
+    """The optimizer's step from `grads`, taken only where the loss, the
+    gradient and the update are finite: a step that is not leaves the
+    parameters and optimizer state as they were. Adds grad_norm and skipped
+    (1.0 for a step not taken) to `metrics`."""
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & jnp.isfinite(optax.tree.norm(updates))
+    metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+    return keep(optax.apply_updates(params, updates), params), keep(new_opt_state, opt_state), metrics
