@@ -84,6 +84,25 @@ def test_lora_rl_with_kl_to_the_base(tmp_path, rl_prompts):
     assert rows[0]["rl/kl"] == 0.0 and rows[-1]["rl/kl"] > 0.0 and rows[0]["rl/groups_kept"] > 0
 
 
+def test_kl_to_a_reference_checkpoint(tmp_path, rl_prompts):
+    """train.rl.reference: the KL term's reference read from another run
+    (another seed's weights), with and without LoRA: the KL is above 0 from
+    the first step, where the initial weights' reference gives 0 (above)."""
+    bases = []
+    for seed in (0, 1):
+        bases.append(tmp_path / f"base{seed}")
+        train(load_config("tiny", ["model.hidden_size=32", "model.intermediate_size=32", "train.steps=1",
+                                   "train.warmup_steps=0", "train.eval_every=0", "train.checkpoint_every=1",
+                                   f"train.seed={seed}", f"train.out_dir={bases[-1]}"]))
+    for lora in ([], ["train.lora.rank=4"]):
+        out = tmp_path / f"rl{len(lora)}"
+        train(load_train_config("finetune", [o for o in RUN if not o.startswith("model.")] + [
+            f"model.init_from={bases[0]}", f"data.path={rl_prompts}", *lora, "train.rl.kl_coef=0.1",
+            f"train.rl.reference={bases[1]}", "train.steps=1", "train.eval_every=0", f"train.out_dir={out}"]))
+        (row,) = [r for r in _rows(out) if r["split"] == "train"]
+        assert row["rl/kl"] > 0.0 and np.isfinite(row["loss"]), (lora, row["rl/kl"])
+
+
 @pytest.mark.parametrize("override,message", [
     (["train.rl.group_size=1"], "train.rl.group_size"),
     (["train.batch_size=6", "train.rl.group_size=4"], "train.batch_size: the completions of a step"),
@@ -93,6 +112,8 @@ def test_lora_rl_with_kl_to_the_base(tmp_path, rl_prompts):
     (["train.rl=null"], "train.rl: reinforcement learning takes data.source=rl and a train.rl section together"),
     (["train.rl.updates_per_rollout=3", "train.checkpoint_every=4"], "train.checkpoint_every: a checkpoint falls"),
     (["train.rl.bitwise=true", "train.grad_accum_steps=2"], "train.grad_accum_steps: bitwise mode replays"),
+    (["train.rl.reference=NOANSWER"], "train.rl.reference: only the KL term reads it"),
+    (["train.rl.kl_coef=0.1", "train.rl.reference=NOANSWER"], "train.rl.reference .*: neither a Hugging Face"),
 ])
 def test_bad_rl_inputs_are_refused_naming_the_field(tmp_path, rl_prompts, override, message):
     bare = tmp_path / "bare.jsonl"

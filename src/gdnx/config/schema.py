@@ -630,6 +630,9 @@ class RLConfig(_Strict):
     updates_per_rollout: PositiveInt = 1
     kl_coef: float = Field(0.0, ge=0.0)    # the k3 estimate of KL to the reference (the initial weights; under
     #                                        LoRA the base with its adapters off)
+    # the KL term's reference read from a checkpoint of the model's architecture (a Hugging Face directory or a
+    # gdnx run) in place of the initial weights
+    reference: str | None = None
     # exact, numeric (the last number), regex (reward_pattern matched), json (valid under reward_schema) or a
     # user function module:function(completion, example) -> float
     reward: str = "exact"
@@ -656,6 +659,8 @@ class RLConfig(_Strict):
             raise ValueError("reward_pattern: reward=regex needs a pattern")
         if self.reward == "json" and self.reward_schema is None:
             raise ValueError("reward_schema: reward=json needs a JSON schema (its text or a .json file)")
+        if self.reference is not None and not self.kl_coef:
+            raise ValueError("reference: only the KL term reads it; set train.rl.kl_coef above 0")
         return self
 
     @property

@@ -40,25 +40,25 @@ FREE_FIELDS = ("init_from", "gdn_implementation", "moe_implementation", "moe_spl
                "quantize", "quantize_block")
 
 
-def run_config(path: Path) -> Config:
+def run_config(path: Path, field: str = "model.init_from") -> Config:
     try:
         return Config.model_validate(json.loads((path / CONFIG_FILE).read_text()))
     except ValueError:
-        raise ValueError(f"model.init_from {path}: {CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
+        raise ValueError(f"{field} {path}: {CONFIG_FILE} is not a gdnx run config (corrupt?)") from None
 
 
-def source_config(path: Path) -> ModelConfig:
+def source_config(path: Path, field: str = "model.init_from") -> ModelConfig:
     """The ModelConfig of the checkpoint at `path` (a Hugging Face directory
-    or a gdnx run)."""
+    or a gdnx run); errors name the config field that gave the path."""
     if is_run(path):
-        return run_config(path).model
+        return run_config(path, field).model
     if not (path / "config.json").is_file():
-        raise ValueError(f"model.init_from {path}: neither a Hugging Face directory (config.json and safetensors) "
+        raise ValueError(f"{field} {path}: neither a Hugging Face directory (config.json and safetensors) "
                          "nor a gdnx run (checkpoints/ and config.json)")
     try:
         return read_hf_config(path)
     except ValueError as e:
-        raise ValueError(f"model.init_from {path}: {e}") from None
+        raise ValueError(f"{field} {path}: {e}") from None
 
 
 def source_tokenizer(path: Path) -> Path | None:
@@ -104,21 +104,22 @@ def load_train_config(name: str | None = None, overrides: Sequence[str] = ()) ->
     return resolve_paths(build_config(data))
 
 
-def initial_params(cfg: ModelConfig, params: Any, placement: Any | None) -> Any:
+def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: str = "model.init_from") -> Any:
     """The parameters of model.init_from, as `params` (the abstract nnx.Param
     state of CausalLM(cfg)), each created with its sharding from `placement`
-    (a tree of shardings like params, or None: the default device)."""
+    (a tree of shardings like params, or None: the default device); errors
+    name `field` as the config field that gave the path."""
     assert cfg.init_from is not None
     path = Path(cfg.init_from)
     if not is_run(path):
         return load_hf_params(path, cfg, params, None if placement is None else lambda _params, _cfg: placement)
     if placement is not None:
         params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, placement)
-    run = run_config(path)  # read once: its model and whether it trained LoRA adapters
+    run = run_config(path, field)  # read once: its model and whether it trained LoRA adapters
     source = run.model
     if run.train.lora is not None:
-        raise ValueError(f"model.init_from {path}: the run trained LoRA adapters; export it merged (gdnx export "
-                         f"{path} --out DIR --merge-lora) and start from DIR")
+        raise ValueError(f"{field} {path}: the run trained LoRA adapters; export it merged (gdnx export "
+                         f"{path} --out DIR --merge-lora) and use DIR")
     if source.scanned == cfg.scanned:
         return load_run_params(path, params)[0]
     # the run's layers scanned and these not, or the reverse: the same
@@ -139,16 +140,18 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None) -> Any:
     return nnx.from_flat_state(out)
 
 
-def check_source(cfg: ModelConfig) -> None:
+def check_source(cfg: ModelConfig, field: str = "model.init_from") -> None:
     """Refuse a config whose architecture is not model.init_from's (a config
-    built in Python, not through load_train_config)."""
+    built in Python, not through load_train_config); `field`: the config
+    field that gave the path, named in the error."""
     if cfg.init_from is None:
         return
-    source = source_config(Path(cfg.init_from)).model_dump()
+    source = source_config(Path(cfg.init_from), field).model_dump()
     mine = cfg.model_dump()
     diffs = [f for f in source if f not in FREE_FIELDS and source[f] != mine.get(f)]
     if diffs:
+        hint = ("build the config with gdnx.training.init_from.load_train_config, which takes the architecture "
+                "from it") if field == "model.init_from" else "give a checkpoint of this model's architecture"
         raise ValueError(f"model.{diffs[0]}: {mine.get(diffs[0])!r} here, {source[diffs[0]]!r} in the checkpoint "
-                         f"(model.init_from {cfg.init_from}); build the config with "
-                         "gdnx.training.init_from.load_train_config, which takes the architecture from it")
+                         f"({field} {cfg.init_from}); {hint}")
 

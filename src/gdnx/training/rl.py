@@ -36,6 +36,7 @@ from gdnx.rl.rewards import make_reward, needs_answer, score
 from gdnx.serving.config import EngineConfig
 from gdnx.serving.engine import Engine
 from gdnx.serving.params import SamplingParams
+from gdnx.training.init_from import check_source, initial_params
 from gdnx.training.loop import Trainer
 from gdnx.training.step import accumulated_gradients, aux_loss_coef, finite_update
 
@@ -103,11 +104,16 @@ class RLTrainer(Trainer):
                                                  # bitwise: prompts are prefilled a block at a time, padded to it
                                                  block_size=config.model.gdn_chunk_size if rl.bitwise else None),
                              mesh=self.mesh, tokenizer=self.detokenizer, eos_token_ids=self.eos_ids)
-        # the reference of the KL term: the initial weights (under LoRA, the base with its adapters at zero)
-        self.reference = None
+        # the reference of the KL term: train.rl.reference's weights, else the initial weights (under LoRA the
+        # base, or the reference's weights, with the adapters at zero)
+        self.reference, self.reference_frozen = None, self.frozen
         if rl.kl_coef:
-            self.reference = jax.tree.map(jnp.zeros_like, self.params) if self.frozen is not None else \
-                jax.tree.map(jnp.copy, self.params)
+            loaded = None if rl.reference is None else self._read_reference()
+            if self.frozen is not None:
+                self.reference = jax.tree.map(jnp.zeros_like, self.params)
+                self.reference_frozen = self.frozen if loaded is None else loaded
+            else:
+                self.reference = jax.tree.map(jnp.copy, self.params) if loaded is None else loaded
         self._rollout: tuple[int, Any, dict[str, float]] | None = None
         self.replay_shapes = ReplayShapes(self.engine.max_slots, self.engine.config.prefill_rows,
                                           self.engine.shapes.block_size, self.engine.shapes.capacity)
@@ -124,11 +130,11 @@ class RLTrainer(Trainer):
             out = model.hidden_states(tokens.inputs)
             return target_logprobs(out.hidden, model.logits, tokens.targets, vocab=vocab), out.aux_loss
 
-        def scores(params, frozen, reference, tokens, scored: Scored):
+        def scores(params, frozen, reference, reference_frozen, tokens, scored: Scored):
             """The trainer's log-probabilities of the drawn tokens (and the
             reference's), and their gap to the sampler's."""
             old = logprobs(params, frozen, tokens)[0]
-            ref = jnp.zeros_like(old) if reference is None else logprobs(reference, frozen, tokens)[0]
+            ref = jnp.zeros_like(old) if reference is None else logprobs(reference, reference_frozen, tokens)[0]
             gap = jnp.where(scored.mask, jnp.abs(old - scored.sampler), 0.0)
             count = jnp.maximum(scored.mask.sum(), 1)
             return scored._replace(old=old, reference=ref), {"rl/logp_diff_max": gap.max(),
@@ -155,6 +161,17 @@ class RLTrainer(Trainer):
 
         self.scores = jax.jit(scores)
         self.update = jax.jit(update, donate_argnums=(0, 1))
+
+    def _read_reference(self) -> Any:
+        """train.rl.reference's weights, laid out and placed as the
+        trainer's own (under LoRA, as its base)."""
+        path = self.rl.reference
+        cfg = self.config.model.model_copy(update={"init_from": path})
+        check_source(cfg, "train.rl.reference")
+        own = self.params if self.frozen is None else self.frozen
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), own)
+        placement = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, own)
+        return initial_params(cfg, abstract, placement, "train.rl.reference")
 
     # ---- rollouts ----------------------------------------------------------------------------------------------
 
@@ -197,7 +214,7 @@ class RLTrainer(Trainer):
         adv, kept = advantages(rewards, rl.group_size, rl.loss)
         tokens, scored = self._layout(prompts, done, adv, kept)
         with self.on_mesh():
-            scored, gaps = self.scores(params, self.frozen, self.reference, tokens, scored)
+            scored, gaps = self.scores(params, self.frozen, self.reference, self.reference_frozen, tokens, scored)
         lengths = np.asarray([len(c.tokens) for c in done])
         metrics = {k: float(v) for k, v in jax.device_get(gaps).items()}
         t2 = time.perf_counter()
