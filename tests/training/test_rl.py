@@ -54,16 +54,21 @@ def test_rl_run_learns_reports_and_resumes(tmp_path, rl_prompts):
 
 def test_bitwise_mode_has_the_samplers_log_probabilities_exactly(tmp_path, rl_prompts):
     """train.rl.bitwise: the trainer replays the engine's computation, so
-    the gap is exactly 0 at every step, and a rollout's first update has
-    ratio 1 and no importance correction."""
+    the gap is exactly 0 at every rollout, and a rollout's first update has
+    ratio 1 and no importance correction; its second update's ratio is the
+    replay on the updated weights against the sampler's. Two micro-batches
+    per update."""
     out = tmp_path / "bitwise"
-    train(load_config("tiny", RUN + [f"data.path={rl_prompts}", "train.rl.bitwise=true", "train.steps=3",
-                                     "train.eval_every=0", f"train.out_dir={out}"]))
+    train(load_config("tiny", RUN + [f"data.path={rl_prompts}", "train.rl.bitwise=true", "train.steps=4",
+                                     "train.rl.updates_per_rollout=2", "train.checkpoint_every=2",
+                                     "train.grad_accum_steps=2", "train.eval_every=0", f"train.out_dir={out}"]))
     rows = [r for r in _rows(out) if r["split"] == "train"]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert r["rl/logp_diff_max"] == 0.0 and r["rl/logp_diff_mean"] == 0.0
-        assert r["rl/ratio_mean"] == 1.0 and r["rl/importance_weight_mean"] == 1.0 and np.isfinite(r["loss"])
+        assert r["rl/logp_diff_max"] == 0.0 and r["rl/logp_diff_mean"] == 0.0 and np.isfinite(r["loss"])
+    for first, second in (rows[0:2], rows[2:4]):
+        assert first["rl/ratio_mean"] == 1.0 and first["rl/importance_weight_mean"] == 1.0
+        assert np.isfinite(second["rl/ratio_mean"]) and second["rl/ratio_mean"] != 1.0
     assert any(r["grad_norm"] > 0 for r in rows)
 
 
@@ -111,7 +116,6 @@ def test_kl_to_a_reference_checkpoint(tmp_path, rl_prompts):
     (["train.rl.reward=no_module_here:f"], "train.rl.reward: cannot import no_module_here"),
     (["train.rl=null"], "train.rl: reinforcement learning takes data.source=rl and a train.rl section together"),
     (["train.rl.updates_per_rollout=3", "train.checkpoint_every=4"], "train.checkpoint_every: a checkpoint falls"),
-    (["train.rl.bitwise=true", "train.grad_accum_steps=2"], "train.grad_accum_steps: bitwise mode replays"),
     (["train.rl.reference=NOANSWER"], "train.rl.reference: only the KL term reads it"),
     (["train.rl.kl_coef=0.1", "train.rl.reference=NOANSWER"], "train.rl.reference .*: neither a Hugging Face"),
 ])

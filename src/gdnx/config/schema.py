@@ -794,9 +794,6 @@ class Config(_Strict):
                 raise ValueError(f"train.batch_size: bitwise mode replays a step's completions in the engine's "
                                  f"{RL_ENGINE_SLOTS} slots at most; expected <= {RL_ENGINE_SLOTS}, got "
                                  f"{self.train.batch_size}")
-            if rl.bitwise and self.train.grad_accum_steps != 1:
-                raise ValueError("train.grad_accum_steps: bitwise mode replays the step's completions in one "
-                                 f"program of the engine's shapes; expected 1, got {self.train.grad_accum_steps}")
             if self.train.checkpoint_every % rl.updates_per_rollout:
                 raise ValueError(f"train.checkpoint_every: a checkpoint falls between rollouts, so that a resumed run "
                                  f"draws the same completions; expected a multiple of train.rl.updates_per_rollout="

@@ -5,11 +5,9 @@ each completion token read back through one decode step over the engine's
 slots, against caches of the engine's capacity. Every array a step sees
 has the shape the engine's program gave it, so the float operations, and
 their blocking, are the engine's: compiled on their own, the
-log-probabilities are the sampler's, bit for bit. They are differentiable
-(a scan of decode steps); in the program that also takes their gradient
-XLA rounds a few of them differently (by up to 2.4e-7 on the tiny
-models), so the trainer scores with the former and differentiates the
-latter.
+log-probabilities are the sampler's, bit for bit. The trainer takes its
+gradient from one pass over the rows instead (the same gradient to float
+rounding, at a fraction of a scan of decode steps' backward).
 """
 
 from __future__ import annotations

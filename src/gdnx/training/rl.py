@@ -30,7 +30,7 @@ from gdnx.data.prepare import Encoder
 from gdnx.data.text import make_tokenizer
 from gdnx.loss import target_logprobs
 from gdnx.rl.objective import Array, Scored, advantages, policy_loss
-from gdnx.rl.replay import ReplayShapes, replay_batch, replay_logprobs
+from gdnx.rl.replay import ReplayBatch, ReplayShapes, replay_batch, replay_logprobs
 from gdnx.rl.prompts import Prompt, read_prompts, step_prompts
 from gdnx.rl.rewards import make_reward, needs_answer, score
 from gdnx.serving.config import EngineConfig
@@ -49,6 +49,14 @@ class Rows(NamedTuple):
     [rows, data.seq_len] each: one pass scores every position."""
     inputs: Array
     targets: Array
+
+
+class BitwiseRows(NamedTuple):
+    """bitwise mode's completions: the engine's computation to replay (the
+    log-probabilities' values) and the trainer's rows (their gradient)."""
+    replay: ReplayBatch
+    rows: Rows
+    positions: Array  # int32 [rows, max_new_tokens]: the row position predicting each completion token
 
 
 class RLTotals(NamedTuple):
@@ -120,42 +128,60 @@ class RLTrainer(Trainer):
         graphdef, aux, shapes = self.graphdef, aux_loss_coef(config), self.replay_shapes
         vocab, max_new = config.model.vocab_size, rl.max_new_tokens
 
-        def logprobs(params, frozen, tokens):
-            """The log-probabilities of the completions' tokens (and the MoE
-            balancing loss): the engine's computation replayed (bitwise), or
-            one pass over the rows (each position's of its target)."""
+        def one_pass(params, frozen, rows):
+            """Each position's log-probability of its target, one pass over
+            the rows (and the MoE balancing loss)."""
             model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-            if rl.bitwise:
-                return replay_logprobs(model, tokens, shapes), jnp.zeros((), jnp.float32)
-            out = model.hidden_states(tokens.inputs)
-            return target_logprobs(out.hidden, model.logits, tokens.targets, vocab=vocab), out.aux_loss
+            out = model.hidden_states(rows.inputs)
+            return target_logprobs(out.hidden, model.logits, rows.targets, vocab=vocab), out.aux_loss
+
+        def replayed(params, frozen, replay):
+            """The completion tokens' log-probabilities as the engine computed them."""
+            model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+            return replay_logprobs(model, replay, shapes)
+
+        def logprobs(params, frozen, tokens):
+            return replayed(params, frozen, tokens.replay) if rl.bitwise else one_pass(params, frozen, tokens)[0]
 
         def scores(params, frozen, reference, reference_frozen, tokens, scored: Scored):
             """The trainer's log-probabilities of the drawn tokens (and the
             reference's), and their gap to the sampler's."""
-            old = logprobs(params, frozen, tokens)[0]
-            ref = jnp.zeros_like(old) if reference is None else logprobs(reference, reference_frozen, tokens)[0]
+            old = logprobs(params, frozen, tokens)
+            ref = jnp.zeros_like(old) if reference is None else logprobs(reference, reference_frozen, tokens)
             gap = jnp.where(scored.mask, jnp.abs(old - scored.sampler), 0.0)
             count = jnp.maximum(scored.mask.sum(), 1)
             return scored._replace(old=old, reference=ref), {"rl/logp_diff_max": gap.max(),
                                                              "rl/logp_diff_mean": gap.sum() / count}
 
         def update(params, opt_state, tokens, scored: Scored, first, frozen):
-            """first: the rollout's first update, whose ratio is 1 exactly:
-            the log-probabilities take the values of the scoring pass (old)
-            and the gradient of this pass."""
+            """The log-probabilities' values: at the rollout's first update
+            (ratio 1 exactly) the scoring pass's; after it, one pass over the
+            rows, or bitwise a replay of the engine's computation on these
+            weights. Their gradient: one pass over the rows in both modes
+            (the replay's scan of decode steps would cost 2.5-4x as much to
+            differentiate, for the same gradient to float rounding)."""
+            if rl.bitwise:
+                values = jax.lax.cond(first, lambda: scored.old,
+                                      lambda: replayed(jax.lax.stop_gradient(params), frozen, tokens.replay))
+                micro = (tokens.rows, tokens.positions, scored, values)
+            else:
+                micro = (tokens, None, scored, scored.old)
+
             def loss_fn(p, micro, totals: RLTotals, share):
-                micro_tokens, micro_scored = micro
-                logp, aux_loss = logprobs(p, frozen, micro_tokens)
-                logp = jnp.where(first, micro_scored.old, jax.lax.stop_gradient(logp)) + \
-                    (logp - jax.lax.stop_gradient(logp))
+                rows, positions, micro_scored, values = micro
+                logp, aux_loss = one_pass(p, frozen, rows)
+                if rl.bitwise:  # the completion tokens' columns
+                    logp = jnp.take_along_axis(logp, positions, axis=1)
+                else:
+                    values = jnp.where(first, values, jax.lax.stop_gradient(logp))
+                logp = values + (logp - jax.lax.stop_gradient(logp))  # those values, this pass's gradient
                 total, metrics = policy_loss(logp, micro_scored, loss=rl.loss, clip=rl.clip,
                                              importance_cap=rl.importance_cap, kl_coef=rl.kl_coef,
                                              max_new_tokens=max_new, rows=totals.rows, tokens=totals.tokens)
                 return total + aux * share * aux_loss, metrics
 
-            (loss, metrics), grads = accumulated_gradients(loss_fn, params, (tokens, scored),
-                                                           config.train.grad_accum_steps, totals=rl_totals(scored))
+            (loss, metrics), grads = accumulated_gradients(loss_fn, params, micro, config.train.grad_accum_steps,
+                                                           totals=rl_totals(scored))
             metrics["loss"] = loss
             return finite_update(self.tx, params, opt_state, loss, grads, metrics)
 
@@ -231,18 +257,21 @@ class RLTrainer(Trainer):
                 ) -> tuple[Any, Scored]:
         """The completions on the device, as the trainer reads them: rows of
         prompt + completion whose positions before each completion token
-        count (Rows), or, bitwise, the engine's prefill blocks and the drawn
-        tokens (ReplayBatch) whose every column counts up to the row's end."""
+        count (Rows), or, bitwise, the same rows with the engine's prefill
+        blocks and the drawn tokens (BitwiseRows), whose columns are the
+        completion tokens."""
         rows, t = len(prompts), self.config.data.seq_len
+        full = np.zeros((rows, t + 1), np.int32)
+        for i, (p, c) in enumerate(zip(prompts, done, strict=True)):
+            full[i, :len(p.tokens) + len(c.tokens)] = p.tokens + c.tokens
+        tokens: Any = Rows(full[:, :-1], full[:, 1:])
+        start = [len(p.tokens) - 1 for p in prompts]
         if self.rl.bitwise:
-            tokens: Any = replay_batch([p.tokens for p in prompts], [c.tokens for c in done], self.replay_shapes,
-                                       self.rl.max_new_tokens)
-            t, start = self.rl.max_new_tokens, [0] * rows
-        else:
-            full = np.zeros((rows, t + 1), np.int32)
-            for i, (p, c) in enumerate(zip(prompts, done, strict=True)):
-                full[i, :len(p.tokens) + len(c.tokens)] = p.tokens + c.tokens
-            tokens, start = Rows(full[:, :-1], full[:, 1:]), [len(p.tokens) - 1 for p in prompts]
+            new = self.rl.max_new_tokens
+            positions = np.minimum(np.asarray(start)[:, None] + np.arange(new), t - 1).astype(np.int32)
+            tokens = BitwiseRows(replay_batch([p.tokens for p in prompts], [c.tokens for c in done],
+                                              self.replay_shapes, new), tokens, positions)
+            t, start = new, [0] * rows
         mask = np.zeros((rows, t), bool)
         sampler = np.zeros((rows, t), np.float32)
         for i, c in enumerate(done):
