@@ -103,6 +103,17 @@ def test_prefix_cache_gives_the_same_tokens_and_logits(model, prompts, plain):
     assert engine.prefix_cache is not None and 0 < engine.prefix_cache.bytes <= 1 << 24
 
 
+def test_completions_of_one_prompt_share_its_prefill(model, prompts, plain):
+    """Three requests of one 40-token prompt and one of another, submitted
+    together: the first is prefilled, the two others wait for its two blocks
+    to reach the prefix cache and prefill only the rest; the plain greedy
+    tokens throughout."""
+    engine = _engine(model, prefix_cache_bytes=1 << 24)
+    out = engine.generate([prompts[4]] * 3 + [prompts[1]], GREEDY)
+    assert [c.tokens for c in out] == [plain[4]] * 3 + [plain[1]]
+    assert [c.cached_tokens for c in out] == [0, 32, 32, 0]
+
+
 def test_set_weights_runs_on_the_new_weights_without_compiling_again(model, prompts, plain):
     """An engine handed another model's weights gives that model's greedy
     tokens, its prefix cache emptied (its states were the old weights'),

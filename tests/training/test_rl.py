@@ -57,15 +57,21 @@ def test_bitwise_mode_has_the_samplers_log_probabilities_exactly(tmp_path, rl_pr
     the gap is exactly 0 at every rollout, and a rollout's first update has
     ratio 1 and no importance correction; its second update's ratio is the
     replay on the updated weights against the sampler's. Two micro-batches
-    per update."""
-    out = tmp_path / "bitwise"
-    train(load_config("tiny", RUN + [f"data.path={rl_prompts}", "train.rl.bitwise=true", "train.steps=4",
+    per update; prompts of 35 tokens (blocks of 16) whose first two blocks
+    the completions after the first take from the prefix cache."""
+    out, long = tmp_path / "bitwise", tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"prompt": f"Answer in lowercase letters. say {c}:", "answer": c}) + "\n"
+                            for c in "abcdefgh"))
+    train(load_config("tiny", RUN + [f"data.path={long}", "train.rl.bitwise=true", "train.steps=4",
+                                     "data.seq_len=48", "model.gdn_chunk_size=16",
                                      "train.rl.updates_per_rollout=2", "train.checkpoint_every=2",
                                      "train.grad_accum_steps=2", "train.eval_every=0", f"train.out_dir={out}"]))
     rows = [r for r in _rows(out) if r["split"] == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["rl/logp_diff_max"] == 0.0 and r["rl/logp_diff_mean"] == 0.0 and np.isfinite(r["loss"])
+        # the four completions' prompts begin with the same 32 tokens: the first prefills them, the rest restore them
+        assert r["rl/cached_prompt_tokens"] == 3 * 32
     for first, second in (rows[0:2], rows[2:4]):
         assert first["rl/ratio_mean"] == 1.0 and first["rl/importance_weight_mean"] == 1.0
         assert np.isfinite(second["rl/ratio_mean"]) and second["rl/ratio_mean"] != 1.0

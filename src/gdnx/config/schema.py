@@ -645,6 +645,9 @@ class RLConfig(_Strict):
     # completion token, the engine's shapes), so its log-probabilities are the sampler's bit for bit; the engine
     # runs batch-invariant. Off: one pass over each row (equal to float rounding)
     bitwise: bool = False
+    # host memory for the rollout engine's prefix cache, in MiB: a prompt's completions after the first take its
+    # whole blocks from it rather than prefill them again; 0: each completion prefills its prompt
+    prefix_cache_mb: int = Field(1024, ge=0)
 
     @field_validator("reward")
     @classmethod

@@ -63,8 +63,8 @@ class Scheduler:
 
     @property
     def can_admit(self) -> bool:
-        """Some request waits and a slot is free."""
-        return bool(self._waiting and self._free)
+        """A slot is free and some waiting request may take it."""
+        return bool(self._free) and any(not self._follows(r) for r in self._waiting)
 
     def digest(self) -> str:
         """A short digest of what the next step will run from: the waiting
@@ -106,14 +106,18 @@ class Scheduler:
     def admit(self) -> list[Restore]:
         """Give waiting requests the free slots; returns the prefix-cache
         states to write into the slots of those that hit."""
-        restores = []
+        restores, later = [], []
         while self._waiting and self._free:
             req = self._waiting.popleft()
+            if self._follows(req):
+                later.append(req)
+                continue
             req.transition(RequestStatus.PREFILLING, slot=heapq.heappop(self._free))
             self._slots[req.held_slot] = req
             hit = self._match(req)
             if hit is not None:
                 restores.append((req, hit))
+        self._waiting.extendleft(reversed(later))
         return restores
 
     def finish(self, req: Request, reason: FinishReason) -> None:
@@ -185,6 +189,16 @@ class Scheduler:
         return True
 
     # ---- the prefix cache ---------------------------------------------------------------------------------
+
+    def _follows(self, req: Request) -> bool:
+        """Whether a prefilling request is computing the blocks `req` could
+        take from the prefix cache: `req` waits for them (the n completions
+        of one prompt share its prefill) rather than compute them again."""
+        if self.prefix_cache is None or req.params.prompt_logprobs is not None:
+            return False
+        shared = (len(req.prompt) - 1) // self.shapes.block_size * self.shapes.block_size
+        return shared > 0 and any(r.progress < shared and r.prompt[:shared] == req.prompt[:shared]
+                                  for r in self.in_slots(RequestStatus.PREFILLING))
 
     def _match(self, req: Request) -> tuple | None:
         """The arrays a request's slot gets from its cached prefix, or None

@@ -109,6 +109,7 @@ class RLTrainer(Trainer):
         self.engine = Engine(model, EngineConfig(max_slots=min(config.train.batch_size, RL_ENGINE_SLOTS),
                                                  max_length=data.seq_len + 1, max_logprobs=1,
                                                  batch_invariant=rl.bitwise, seed=config.train.seed,
+                                                 prefix_cache_bytes=rl.prefix_cache_mb * 2 ** 20,
                                                  # bitwise: prompts are prefilled a block at a time, padded to it
                                                  block_size=config.model.gdn_chunk_size if rl.bitwise else None),
                              mesh=self.mesh, tokenizer=self.detokenizer, eos_token_ids=self.eos_ids)
