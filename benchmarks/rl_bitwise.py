@@ -21,8 +21,9 @@ import json
 import os
 import pathlib
 import sys
-import tempfile
 import time
+
+from rl_runs import REWARD_FIELD, emit, run_root, table_head
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
@@ -30,7 +31,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-REWARD = "def digits(completion, example):\n    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"
 HYBRID = ["model.hidden_size=32", "model.intermediate_size=48", "model.num_hidden_layers=4",
           "model.layer_types=[linear_attention,full_attention,linear_attention,full_attention]",
           "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=16",
@@ -58,7 +58,7 @@ def run(family: str, mesh: str, steps: int, root: pathlib.Path) -> dict:
     config = load_config("tiny", FAMILIES[family] + MESHES[mesh] + [
         "data.source=rl", f"data.path={ROOT / 'examples/rl/arithmetic.jsonl'}", "data.seq_len=48",
         "train.batch_size=8", "train.rl.group_size=2", "train.rl.max_new_tokens=16",
-        "train.rl.reward=rl_bench_reward:digits", "train.rl.bitwise=true", f"train.steps={steps}",
+        REWARD_FIELD, "train.rl.bitwise=true", f"train.steps={steps}",
         "train.warmup_steps=0", "train.eval_every=0", "train.target_accuracy=null", "train.log_every=1",
         "train.learning_rate=3e-3", f"train.out_dir={out}"])
     t0 = time.perf_counter()
@@ -80,25 +80,17 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=sorted(FAMILIES), choices=sorted(FAMILIES))
     parser.add_argument("--out")
     args = parser.parse_args()
-    lines = [f"bitwise RL, {args.steps} steps per run, 8 completions per step; {datetime.date.today()}, "
-             f"{os.cpu_count()} cores", "",
-             "| family | devices | max rl/logp_diff_max | steps | reward, first 5 | reward, last 5 | wall s |",
-             "|---|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        root = pathlib.Path(tmp)
-        (root / "rl_bench_reward.py").write_text(REWARD)
-        sys.path.insert(0, str(root))
+    lines = table_head(f"bitwise RL, {args.steps} steps per run, 8 completions per step; {datetime.date.today()}, "
+                       f"{os.cpu_count()} cores", ["family", "devices", "max rl/logp_diff_max", "steps",
+                                                   "reward, first 5", "reward, last 5", "wall s"])
+    with run_root() as root:
         for family in args.families:
             for mesh in MESHES:
                 r = run(family, mesh, args.steps, root)
                 lines.append(f"| {family} | {mesh} | {r['gap']:.2e} | {r['steps']} | {r['first']:.3f} | "
                              f"{r['last']:.3f} | {r['seconds']:.0f} |")
                 print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        pathlib.Path(args.out).write_text(text + "\n")
-
+    emit(lines, args.out)
 
 if __name__ == "__main__":
     main()

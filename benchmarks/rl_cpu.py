@@ -19,13 +19,12 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
+
+from rl_runs import REWARD_FIELD, emit, run_root, table_head
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-REWARD = "def digits(completion, example):\n    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"
 
 
 def run(bitwise: bool, new: int, steps: int, root: pathlib.Path) -> dict:
@@ -36,7 +35,7 @@ def run(bitwise: bool, new: int, steps: int, root: pathlib.Path) -> dict:
     train(load_config("tiny", [
         "data.source=rl", f"data.path={ROOT / 'examples/rl/arithmetic.jsonl'}", "data.seq_len=64",
         "train.batch_size=16", "train.rl.group_size=4", f"train.rl.max_new_tokens={new}",
-        "train.rl.reward=rl_bench_reward:digits", f"train.rl.bitwise={str(bitwise).lower()}", f"train.steps={steps}",
+        REWARD_FIELD, f"train.rl.bitwise={str(bitwise).lower()}", f"train.steps={steps}",
         "train.warmup_steps=0", "train.eval_every=0", "train.target_accuracy=null", "train.log_every=1",
         "train.learning_rate=1e-3", f"train.out_dir={out}"]))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][2:]
@@ -52,24 +51,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--out")
     args = parser.parse_args()
-    lines = [f"RL step time on CPU ({os.cpu_count()} cores), tiny model, 16 completions per step, median of "
-             f"steps 3-{args.steps}; {datetime.date.today()}", "",
-             "| completion tokens | mode | step s | rollout s | scoring s | update s | max logp gap | step vs default |",
-             "|---|---|---|---|---|---|---|---|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        root = pathlib.Path(tmp)
-        (root / "rl_bench_reward.py").write_text(REWARD)
-        sys.path.insert(0, str(root))
+    lines = table_head(f"RL step time on CPU ({os.cpu_count()} cores), tiny model, 16 completions per step, median "
+                       f"of steps 3-{args.steps}; {datetime.date.today()}",
+                       ["completion tokens", "mode", "step s", "rollout s", "scoring s", "update s", "max logp gap",
+                        "step vs default"])
+    with run_root() as root:
         for new in args.max_new_tokens:
             base = run(False, new, args.steps, root)
             bit = run(True, new, args.steps, root)
             for name, r in (("default", base), ("bitwise", bit)):
                 lines.append(f"| {new} | {name} | {r['step']:.3f} | {r['rollout']:.3f} | {r['score']:.3f} | "
                              f"{r['update']:.3f} | {r['gap']:.2e} | {r['step'] / base['step']:.2f}x |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        pathlib.Path(args.out).write_text(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
