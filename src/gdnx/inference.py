@@ -93,13 +93,16 @@ def parallel_mesh(overrides: list[str]) -> Any:
 @dataclasses.dataclass
 class Loaded:
     """A model to generate with: its tokenizer, the directory holding the
-    tokenizer's files (chat template) if any, what was loaded, and the mesh
-    its weights are placed on (None: one device)."""
+    tokenizer's files (chat template) if any, what was loaded, the mesh
+    its weights are placed on (None: one device), and the end-of-document
+    id a run's text was tokenized with when its model config names no
+    end-of-sequence id (raw bytes: 0)."""
     model: Any
     tokenizer: Any
     description: str
     tokenizer_dir: Path | None
     mesh: Any = None
+    document_eos: int | None = None
 
     @property
     def max_positions(self) -> int:
@@ -110,6 +113,7 @@ def load(path: Path, overrides: list[str], command: str) -> Loaded:
     """The model and tokenizer of a gdnx out_dir or a Hugging Face
     directory. Raises ConfigError naming --checkpoint or the override."""
     from gdnx.checkpoints.orbax import CONFIG_FILE, is_run
+    from gdnx.data.prepare import Encoder
     from gdnx.data.source import run_tokenizer
     from gdnx.data.text import HFTokenizer, make_tokenizer
     from gdnx.models import CausalLM
@@ -138,14 +142,16 @@ def load(path: Path, overrides: list[str], command: str) -> Loaded:
 
                 from gdnx.parallel.params import shard
                 nnx.update(run.model, shard(nnx.state(run.model), run.model.config, mesh))
-            found = None
+            found, document_eos = None, None
             if run.config.data.source == "mqar":
                 tok: Any = IdTokenizer()
             else:  # the tokenizer the run's text was tokenized with (raw bytes when none)
                 found = run_tokenizer(run.config)
                 tok = make_tokenizer(None if found is None else str(found))
+                if run.model.config.eos_token_id is None:  # its documents' end, as training read them
+                    document_eos = Encoder(None if found is None else str(found), run.config.data.eos_token).eos
             return Loaded(run.model, tok, f"step {run.step} of {path}", None if found is None else found.parent,
-                          mesh)
+                          mesh, document_eos)
         if (path / "config.json").is_file():
             model = CausalLM.from_pretrained(path, mesh=mesh, **model_fields)  # each device reads its part
             if not (path / "tokenizer.json").is_file():
@@ -174,10 +180,13 @@ def chat_template(loaded: Loaded, command: str) -> Any:
 
 
 def eos_ids(loaded: Loaded, chat: Any = None) -> list[int]:
-    """The model config's end-of-sequence ids, and the chat template's eos
-    token (a chat model's end of turn, e.g. <|im_end|>)."""
+    """The model config's end-of-sequence ids (else a run's end of
+    document), and the chat template's eos token (a chat model's end of
+    turn, e.g. <|im_end|>)."""
     eos = loaded.model.config.eos_token_id
     ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if loaded.document_eos is not None:
+        ids.append(loaded.document_eos)
     if (found := _chat_eos(loaded, chat)) is not None:
         ids.append(found)
     return sorted(set(ids))

@@ -26,11 +26,10 @@ from typing import Any
 import numpy as np
 
 from gdnx.files import atomic_write_text
-from gdnx.data.text import HFTokenizer
+from gdnx.data.text import BYTES_EOS, HFTokenizer
 
 FORMAT = 2
 SPLITS = ("train", "val")
-BYTES_EOS = 0  # byte tokenization: NUL ends a document (text does not contain it)
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 _TEXT_BLOCK = 1 << 20  # bytes of a .txt file read and tokenized at a time
 

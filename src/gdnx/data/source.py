@@ -126,7 +126,7 @@ def make_source(data_cfg: DataConfig, batch_size: int, vocab_size: int, *, out_d
 def run_tokenizer(config: Config) -> Path | None:
     """The tokenizer.json a run's text was tokenized with (None: raw bytes
     or MQAR, which have none)."""
-    if config.data.source in ("text", "sft"):
+    if config.data.source in ("text", "sft", "rl"):
         return None if config.data.tokenizer is None else Path(config.data.tokenizer)
     if config.data.source == "tokens":
         found = prepared_tokenizer(Path(config.data.path or ""))

@@ -6,6 +6,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+# byte tokenization: NUL ends a document (text does not contain it)
+BYTES_EOS = 0
+
+
 class ByteTokenizer:
     vocab_size = 256
 
@@ -13,7 +17,9 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        """The bytes' text; the end of document is left out, as a
+        tokenizer.json's decode leaves out its special tokens."""
+        return bytes(i for i in map(int, ids) if 0 <= i < 256 and i != BYTES_EOS).decode("utf-8", errors="replace")
 
     def token_id(self, text: str) -> int | None:
         """The id of a named token (bytes have no named tokens: None)."""
