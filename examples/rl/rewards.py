@@ -1,13 +1,15 @@
-"""A reward for `gdnx train` (train.rl.reward=rewards:digits, with
-examples/rl on PYTHONPATH): the share of a completion's characters that
-are digits, plus 1 when its last number is the answer. The first part
-gives a model that has never seen the task a signal from its first
-steps; the second is the verifiable answer."""
+"""A reward for `gdnx train` (train.rl.reward=rewards:close, with
+examples/rl on PYTHONPATH): how close a completion's last number comes to
+the answer, 1 - |number - answer| / |answer| (at least 0; 1 exactly when
+it is the answer; 0 without a number). A model that adds no sum exactly yet
+still earns more for answers nearer the sum: a signal from the first
+steps, where the exact answer alone (train.rl.reward=numeric) scores 0
+nearly always."""
 
 from gdnx.rl.rewards import last_number
 
 
-def digits(completion: str, example: dict) -> float:
-    share = sum(c.isdigit() for c in completion) / max(len(completion), 1)
+def close(completion: str, example: dict) -> float:
+    answer = float(example["answer"])
     got = last_number(completion)
-    return share + float(got is not None and got == float(example["answer"]))
+    return 0.0 if got is None else max(0.0, 1.0 - abs(got - answer) / max(abs(answer), 1.0))
