@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from gdnx.cli import main
-from gdnx.data.prepare import BYTES_EOS
+from gdnx.data.text import BYTES_EOS
 from gdnx.inference import eos_ids, load
 from tests.helpers.processes import gdnx
 

@@ -10,7 +10,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from gdnx.cli import main
-from gdnx.data.prepare import BYTES_EOS, prepare_corpus
+from gdnx.data.prepare import prepare_corpus
+from gdnx.data.text import BYTES_EOS
 from gdnx.data.tokens import TokenShards
 
 

@@ -6,7 +6,8 @@ import json
 
 import numpy as np
 
-from gdnx.data.prepare import BYTES_EOS, prepare_corpus
+from gdnx.data.prepare import prepare_corpus
+from gdnx.data.text import BYTES_EOS
 from gdnx.data.tokens import PackedRows, Prefetcher, TokenShards, host_batch
 
 T = 32
