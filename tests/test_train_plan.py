@@ -127,3 +127,31 @@ def test_a_lora_step_over_a_quantized_base_is_planned_as_trained():
     qlora = plan(load_config("tiny", SMALL + lora), "v5e:2x2")
     assert qlora.fits and qlora.parameters > full.parameters  # the base, its factors and the adapters
     assert qlora.argument_bytes < full.argument_bytes / 3
+
+
+RL = ["data.source=rl", "data.path=prompts.jsonl", "train.rl.group_size=4", "train.batch_size=16", "data.seq_len=64",
+      "train.rl.max_new_tokens=16"]
+
+
+@pytest.mark.parametrize("topology", ["h100:1"])  # beside the TPU targets' process (make test)
+def test_cli_plans_the_rl_update_and_its_rollout_engine(capsys, topology):
+    """train.rl, bitwise: the update (the replay of the engine's prefill
+    blocks and decode steps, the one-pass gradient; the kernels compiled)
+    and the rollout engine's programs, and the run's peak of the two."""
+    from gdnx.cli import main
+
+    assert main(["plan", "tiny", "--topology", topology, *RL, "train.rl.bitwise=true"]) == 0
+    out = capsys.readouterr().out
+    assert f"{topology}: 1 chips" in out and "Pallas kernel calls" in out and "(0 Pallas" not in out
+    assert "rollout engine (train.rl): 16 slots of 65 tokens" in out
+    assert "RL run per chip: updating" in out and out.rstrip().endswith("fits")
+
+
+@pytest.mark.parametrize("topology", ["h100:1"])
+def test_the_default_rl_update_is_planned_on_the_rows(topology):
+    """Default mode: the update reads rows of prompt + completion, placed
+    as the trainer places them; it is not the cross-entropy step."""
+    rl = plan(load_config("tiny", RL), topology)
+    step = plan(load_config("tiny", ["data.seq_len=64", "train.batch_size=16"]), topology)
+    assert rl.fits and rl.parameters == step.parameters and rl.kernel_calls > 0
+    assert rl.argument_bytes > step.argument_bytes  # the rows' scores: five [16, 64] arrays beside the tokens

@@ -31,6 +31,10 @@ from gdnx.models import CausalLM
 from gdnx.models.adapters import adapter_spec
 from gdnx.models.causal_lm import for_target
 from gdnx.parallel import make_mesh, shardings, spec
+from gdnx.rl.objective import Scored
+from gdnx.serving.plan import ServePlan
+from gdnx.rl.replay import ReplayBatch
+from gdnx.training.rl import BitwiseRows, Rows, replay_shapes, rl_programs
 from gdnx.stacking import layer_ndim
 from gdnx.training.step import make_optimizer, make_step_fn
 
@@ -100,9 +104,38 @@ def model_flops(config: Config, params: Any) -> float:
     return float(tokens * (6 * matmul + attention + gdn))
 
 
+def rl_batch(config: Config, rows: NamedSharding, whole: NamedSharding) -> tuple[Any, Scored]:
+    """A rollout's completions as the update reads them (abstract): rows of
+    prompt + completion and their scores; bitwise, also the engine's
+    prefill blocks (the longest prompt's count) and the drawn tokens, whole
+    on every chip as the trainer places them."""
+    rl = config.train.rl
+    assert rl is not None
+    b, t, new = config.train.batch_size, config.data.seq_len, rl.max_new_tokens
+
+    def array(shape, dtype, sharding):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    if not rl.bitwise:
+        tokens: Any = Rows(array((b, t), jnp.int32, rows), array((b, t), jnp.int32, rows))
+        width, placed = t, rows
+    else:
+        shapes = replay_shapes(config)
+        block, slots = shapes.block, shapes.slots
+        blocks = -(-(t + 1 - new) // block)  # the longest prompt a run admits
+        replay = ReplayBatch(array((slots, blocks, block), jnp.int32, whole), array((slots, blocks), jnp.int32, whole),
+                             array((slots, new), jnp.int32, whole))
+        tokens = BitwiseRows(replay, Rows(array((b, t), jnp.int32, whole), array((b, t), jnp.int32, whole)),
+                             array((b, new), jnp.int32, whole))
+        width, placed = new, whole
+    flags, floats = array((b, width), jnp.bool_, placed), array((b, width), jnp.float32, placed)
+    return tokens, Scored(flags, floats, floats, floats, floats, flags)
+
+
 def plan(config: Config, topology: str) -> Plan:
     """Compile config's train step for `topology`: a TPU slice (v5p:2x2x1)
-    or N GPUs of one host (h200:8)."""
+    or N GPUs of one host (h200:8); with train.rl, the RL update on a
+    rollout's completions."""
     devices, hbm, kind = target_devices(topology)
     model_cfg = for_target(config.model, kind)
     config = config.model_copy(update={"model": model_cfg})
@@ -127,14 +160,22 @@ def plan(config: Config, topology: str) -> Plan:
     rows = NamedSharding(mesh, spec(("batch", "length"), (b, t), mesh=mesh))
     ints = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rows)
     flags = jax.ShapeDtypeStruct((b, t), jnp.bool_, sharding=rows)
-    # packed rows, as the host loader gives them (abstract: shapes and placements)
-    batch = Batch(*(cast(jax.Array, x) for x in (ints, ints, flags, flags, ints)))
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    step_fn = jax.jit(make_step_fn(config, graphdef, tx), donate_argnums=(0, 1))
+    scalar = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if config.train.rl is None:
+        # packed rows, as the host loader gives them (abstract: shapes and placements)
+        batch = Batch(*(cast(jax.Array, x) for x in (ints, ints, flags, flags, ints)))
+        step = jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar)
+        step_fn = jax.jit(make_step_fn(config, graphdef, tx), donate_argnums=(0, 1))
+        args: tuple = (params, opt_state, step, batch, frozen)
+    else:  # the RL update on a rollout's completions, laid out as the trainer lays them out
+        _, update = rl_programs(config, graphdef, tx, replay_shapes(config))
+        step_fn = jax.jit(update, donate_argnums=(0, 1))
+        tokens, scored = rl_batch(config, rows, scalar)
+        args = (params, opt_state, tokens, scored, jax.ShapeDtypeStruct((), jnp.bool_, sharding=scalar), frozen)
     t0 = time.perf_counter()
     # the kernels take the slice's tiles (tiles.py), not this host's
     with jax.set_mesh(mesh), targeting(devices[0]):
-        compiled, largest = compile_reporting(step_fn.lower(params, opt_state, step, batch, frozen),
+        compiled, largest = compile_reporting(step_fn.lower(*args),
                                               f"{topology}: does NOT fit ({{}}); shard over more chips (parallel.fsdp), "
                                               "raise train.grad_accum_steps or set model.remat_policy=full")
     compile_s = time.perf_counter() - t0
@@ -166,4 +207,24 @@ def describe(p: Plan) -> str:
         f"FLOPs per step: {p.model_flops:.3e} by the architecture ({p.model_flops / p.chips:.3e} per chip); XLA's "
         + (f"cost analysis {p.flops:.3e} per chip (it counts a loop's body once: the scanned layers' and the "
            "blocked loss's)" if p.flops else "cost analysis not reported for this target"),
+    ])
+
+
+def describe_rl(p: Plan, rollout: ServePlan) -> str:
+    """An RL run's two phases on a chip: the rollout engine reads the
+    trainer's weights (no copy) and keeps its slot state through the
+    update; while it draws, the trainer's arguments (weights, optimizer
+    state) stay where they are."""
+    gib = lambda n: f"{n / 2 ** 30:,.2f} GiB"  # noqa: E731
+    engine_temp = max(rollout.temp_bytes.values())
+    update = p.peak_bytes + rollout.slot_bytes
+    drawing = p.argument_bytes + rollout.slot_bytes + engine_temp
+    peak = max(update, drawing)
+    return "\n".join([
+        f"rollout engine (train.rl): {rollout.max_slots} slots of {rollout.max_length} tokens; per chip: slot state "
+        f"{gib(rollout.slot_bytes)}, its programs' temporaries up to {gib(engine_temp)}; compiled in "
+        f"{sum(rollout.compile_s.values()):.1f} s",
+        f"RL run per chip: updating {gib(update)} (the step above and the slot state), drawing {gib(drawing)} "
+        f"(the step's arguments, the slot state and the engine's temporaries); peak {gib(peak)} of "
+        f"{gib(p.hbm_bytes)} HBM: {'fits' if peak <= p.hbm_bytes else 'does NOT fit'}",
     ])

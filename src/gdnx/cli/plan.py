@@ -1,5 +1,6 @@
-"""`gdnx plan`: a train step, or with --serve the serving engine's programs, compiled for a
-TPU slice or GPUs from this host: bytes per device, whether they fit, compile time, FLOPs."""
+"""`gdnx plan`: a train step (with train.rl the RL update and its rollout engine), or with --serve
+the serving engine's programs, compiled for a TPU slice or GPUs from this host: bytes per device,
+whether they fit, compile time, FLOPs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ def add_parser(sub) -> None:
                           description="Build the model abstractly, compile its sharded train step (the Pallas "
                                       "kernels, compiled) for a TPU topology with libtpu or for the GPUs of one host "
                                       "with the CUDA plugin, and print the bytes each chip holds, whether that fits "
-                                      "its memory, the compile time and the FLOPs per step. Needs jax[tpu] (libtpu) "
+                                      "its memory, the compile time and the FLOPs per step (with train.rl: the RL "
+                                      "update, then the rollout engine's programs and the run's peak). Needs "
+                                      "jax[tpu] (libtpu) "
                                       "or jax[cuda12-local] (ptxas); no accelerator.")
     plan.add_argument("config", help=f"a YAML file or a bundled config ({', '.join(bundled_names())})")
     plan.add_argument("--topology", required=True,
@@ -69,6 +72,14 @@ def run(args) -> None:
             print(describe_serving(serve_plan(config, args.topology, engine, prefix_cache=args.prefix_cache_mb > 0)))
             return
         result = plan(config, args.topology)
+        print(describe(result))
+        if config.train.rl is not None:  # the rollout engine beside the update
+            from gdnx.serving.plan import serve_plan
+            from gdnx.train_plan import describe_rl
+            from gdnx.training.rl import rl_engine
+
+            rollout = serve_plan(config, args.topology, rl_engine(config),
+                                 prefix_cache=config.train.rl.prefix_cache_mb > 0)
+            print(describe_rl(result, rollout))
     except ValueError as e:  # the topology, the mesh, a model field or an engine setting
         raise ConfigError(str(e)) from None
-    print(describe(result))

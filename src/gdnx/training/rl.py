@@ -71,6 +71,97 @@ def rl_totals(batch: Scored) -> RLTotals:
                     jnp.maximum((batch.mask & batch.kept).sum(), 1).astype(jnp.float32))
 
 
+def rl_engine(config: Config) -> EngineConfig:
+    """The rollout engine's settings: a step's completions beyond its slots
+    wait for a free one; bitwise, batch-invariant, its prompts prefilled a
+    block at a time, padded to it."""
+    rl = config.train.rl
+    assert rl is not None
+    return EngineConfig(max_slots=min(config.train.batch_size, RL_ENGINE_SLOTS), max_length=config.data.seq_len + 1,
+                        max_logprobs=1, batch_invariant=rl.bitwise, seed=config.train.seed,
+                        prefix_cache_bytes=rl.prefix_cache_mb * 2 ** 20,
+                        block_size=config.model.gdn_chunk_size if rl.bitwise else None)
+
+
+def replay_shapes(config: Config) -> ReplayShapes:
+    """The rollout engine's shapes that bitwise mode replays."""
+    engine = rl_engine(config)
+    shapes = engine.shapes(config.model)
+    return ReplayShapes(engine.max_slots, engine.prefill_rows, shapes.block_size, shapes.capacity)
+
+
+def rl_programs(config: Config, graphdef: Any, tx: Any, shapes: ReplayShapes) -> tuple[Callable, Callable]:
+    """The RL step's two functions (to be jitted): scores(params, frozen,
+    reference, reference_frozen, tokens, scored), the trainer's
+    log-probabilities of the drawn tokens and their gap to the sampler's;
+    and update(params, opt_state, tokens, scored, first, frozen), one
+    optimizer step on train.rl.loss. shapes: the rollout engine's, which
+    bitwise mode replays."""
+    rl = config.train.rl
+    assert rl is not None
+    aux = aux_loss_coef(config)
+    vocab, max_new = config.model.vocab_size, rl.max_new_tokens
+
+    def one_pass(params, frozen, rows):
+        """Each position's log-probability of its target, one pass over
+        the rows (and the MoE balancing loss)."""
+        model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+        out = model.hidden_states(rows.inputs)
+        return target_logprobs(out.hidden, model.logits, rows.targets, vocab=vocab), out.aux_loss
+
+    def replayed(params, frozen, replay):
+        """The completion tokens' log-probabilities as the engine computed them."""
+        model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+        return replay_logprobs(model, replay, shapes)
+
+    def logprobs(params, frozen, tokens):
+        return replayed(params, frozen, tokens.replay) if rl.bitwise else one_pass(params, frozen, tokens)[0]
+
+    def scores(params, frozen, reference, reference_frozen, tokens, scored: Scored):
+        """The trainer's log-probabilities of the drawn tokens (and the
+        reference's), and their gap to the sampler's."""
+        old = logprobs(params, frozen, tokens)
+        ref = jnp.zeros_like(old) if reference is None else logprobs(reference, reference_frozen, tokens)
+        gap = jnp.where(scored.mask, jnp.abs(old - scored.sampler), 0.0)
+        count = jnp.maximum(scored.mask.sum(), 1)
+        return scored._replace(old=old, reference=ref), {"rl/logp_diff_max": gap.max(),
+                                                         "rl/logp_diff_mean": gap.sum() / count}
+
+    def update(params, opt_state, tokens, scored: Scored, first, frozen):
+        """The log-probabilities' values: at the rollout's first update
+        (ratio 1 exactly) the scoring pass's; after it, one pass over the
+        rows, or bitwise a replay of the engine's computation on these
+        weights. Their gradient: one pass over the rows in both modes
+        (the replay's scan of decode steps would cost 2.5-4x as much to
+        differentiate, for the same gradient to float rounding)."""
+        if rl.bitwise:
+            values = jax.lax.cond(first, lambda: scored.old,
+                                  lambda: replayed(jax.lax.stop_gradient(params), frozen, tokens.replay))
+            micro = (tokens.rows, tokens.positions, scored, values)
+        else:
+            micro = (tokens, None, scored, scored.old)
+
+        def loss_fn(p, micro, totals: RLTotals, share):
+            rows, positions, micro_scored, values = micro
+            logp, aux_loss = one_pass(p, frozen, rows)
+            if rl.bitwise:  # the completion tokens' columns
+                logp = jnp.take_along_axis(logp, positions, axis=1)
+            else:
+                values = jnp.where(first, values, jax.lax.stop_gradient(logp))
+            logp = values + (logp - jax.lax.stop_gradient(logp))  # those values, this pass's gradient
+            total, metrics = policy_loss(logp, micro_scored, loss=rl.loss, clip=rl.clip,
+                                         importance_cap=rl.importance_cap, kl_coef=rl.kl_coef,
+                                         max_new_tokens=max_new, rows=totals.rows, tokens=totals.tokens)
+            return total + aux * share * aux_loss, metrics
+
+        (loss, metrics), grads = accumulated_gradients(loss_fn, params, micro, config.train.grad_accum_steps,
+                                                       totals=rl_totals(scored))
+        metrics["loss"] = loss
+        return finite_update(tx, params, opt_state, loss, grads, metrics)
+
+    return scores, update
+
+
 class RLTrainer(Trainer):
     """A Trainer whose step draws, scores and learns from completions."""
 
@@ -102,17 +193,11 @@ class RLTrainer(Trainer):
                       "per rollout",)
 
     def _compile(self) -> None:
-        config, rl, data = self.config, self.rl, self.config.data
+        config, rl = self.config, self.rl
         model = nnx.merge(self.graphdef, self.params) if self.frozen is None else \
             nnx.merge(self.graphdef, self.params, self.frozen)
-        # a step's completions beyond the engine's slots wait for a free one
-        self.engine = Engine(model, EngineConfig(max_slots=min(config.train.batch_size, RL_ENGINE_SLOTS),
-                                                 max_length=data.seq_len + 1, max_logprobs=1,
-                                                 batch_invariant=rl.bitwise, seed=config.train.seed,
-                                                 prefix_cache_bytes=rl.prefix_cache_mb * 2 ** 20,
-                                                 # bitwise: prompts are prefilled a block at a time, padded to it
-                                                 block_size=config.model.gdn_chunk_size if rl.bitwise else None),
-                             mesh=self.mesh, tokenizer=self.detokenizer, eos_token_ids=self.eos_ids)
+        self.engine = Engine(model, rl_engine(config), mesh=self.mesh, tokenizer=self.detokenizer,
+                             eos_token_ids=self.eos_ids)
         # the reference of the KL term: train.rl.reference's weights, else the initial weights (under LoRA the
         # base, or the reference's weights, with the adapters at zero)
         self.reference, self.reference_frozen = None, self.frozen
@@ -124,68 +209,8 @@ class RLTrainer(Trainer):
             else:
                 self.reference = jax.tree.map(jnp.copy, self.params) if loaded is None else loaded
         self._rollout: tuple[int, Any, dict[str, float]] | None = None
-        self.replay_shapes = ReplayShapes(self.engine.max_slots, self.engine.config.prefill_rows,
-                                          self.engine.shapes.block_size, self.engine.shapes.capacity)
-        graphdef, aux, shapes = self.graphdef, aux_loss_coef(config), self.replay_shapes
-        vocab, max_new = config.model.vocab_size, rl.max_new_tokens
-
-        def one_pass(params, frozen, rows):
-            """Each position's log-probability of its target, one pass over
-            the rows (and the MoE balancing loss)."""
-            model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-            out = model.hidden_states(rows.inputs)
-            return target_logprobs(out.hidden, model.logits, rows.targets, vocab=vocab), out.aux_loss
-
-        def replayed(params, frozen, replay):
-            """The completion tokens' log-probabilities as the engine computed them."""
-            model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
-            return replay_logprobs(model, replay, shapes)
-
-        def logprobs(params, frozen, tokens):
-            return replayed(params, frozen, tokens.replay) if rl.bitwise else one_pass(params, frozen, tokens)[0]
-
-        def scores(params, frozen, reference, reference_frozen, tokens, scored: Scored):
-            """The trainer's log-probabilities of the drawn tokens (and the
-            reference's), and their gap to the sampler's."""
-            old = logprobs(params, frozen, tokens)
-            ref = jnp.zeros_like(old) if reference is None else logprobs(reference, reference_frozen, tokens)
-            gap = jnp.where(scored.mask, jnp.abs(old - scored.sampler), 0.0)
-            count = jnp.maximum(scored.mask.sum(), 1)
-            return scored._replace(old=old, reference=ref), {"rl/logp_diff_max": gap.max(),
-                                                             "rl/logp_diff_mean": gap.sum() / count}
-
-        def update(params, opt_state, tokens, scored: Scored, first, frozen):
-            """The log-probabilities' values: at the rollout's first update
-            (ratio 1 exactly) the scoring pass's; after it, one pass over the
-            rows, or bitwise a replay of the engine's computation on these
-            weights. Their gradient: one pass over the rows in both modes
-            (the replay's scan of decode steps would cost 2.5-4x as much to
-            differentiate, for the same gradient to float rounding)."""
-            if rl.bitwise:
-                values = jax.lax.cond(first, lambda: scored.old,
-                                      lambda: replayed(jax.lax.stop_gradient(params), frozen, tokens.replay))
-                micro = (tokens.rows, tokens.positions, scored, values)
-            else:
-                micro = (tokens, None, scored, scored.old)
-
-            def loss_fn(p, micro, totals: RLTotals, share):
-                rows, positions, micro_scored, values = micro
-                logp, aux_loss = one_pass(p, frozen, rows)
-                if rl.bitwise:  # the completion tokens' columns
-                    logp = jnp.take_along_axis(logp, positions, axis=1)
-                else:
-                    values = jnp.where(first, values, jax.lax.stop_gradient(logp))
-                logp = values + (logp - jax.lax.stop_gradient(logp))  # those values, this pass's gradient
-                total, metrics = policy_loss(logp, micro_scored, loss=rl.loss, clip=rl.clip,
-                                             importance_cap=rl.importance_cap, kl_coef=rl.kl_coef,
-                                             max_new_tokens=max_new, rows=totals.rows, tokens=totals.tokens)
-                return total + aux * share * aux_loss, metrics
-
-            (loss, metrics), grads = accumulated_gradients(loss_fn, params, micro, config.train.grad_accum_steps,
-                                                           totals=rl_totals(scored))
-            metrics["loss"] = loss
-            return finite_update(self.tx, params, opt_state, loss, grads, metrics)
-
+        self.replay_shapes = replay_shapes(config)
+        scores, update = rl_programs(config, self.graphdef, self.tx, self.replay_shapes)
         self.scores = jax.jit(scores)
         self.update = jax.jit(update, donate_argnums=(0, 1))
 
