@@ -32,10 +32,10 @@ from gdnx.models.adapters import adapter_spec
 from gdnx.models.causal_lm import for_target
 from gdnx.parallel import make_mesh, shardings, spec
 from gdnx.rl.objective import Scored
-from gdnx.serving.plan import ServePlan
 from gdnx.rl.replay import ReplayBatch
-from gdnx.training.rl import BitwiseRows, Rows, replay_shapes, rl_programs
+from gdnx.serving.plan import ServePlan
 from gdnx.stacking import layer_ndim
+from gdnx.training.rl import BitwiseRows, Rows, replay_shapes, rl_programs
 from gdnx.training.step import make_optimizer, make_step_fn
 
 
