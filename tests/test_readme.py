@@ -8,9 +8,7 @@ import json
 import re
 import shlex
 import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -19,6 +17,7 @@ from gdnx.cli import main
 from gdnx.data.text import BYTES_EOS
 from gdnx.inference import eos_ids, load
 from tests.helpers.processes import gdnx
+from tests.helpers.serving import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 # the runs shortened: the commands' programs and files are what is checked, not what the runs learn
@@ -42,34 +41,21 @@ def _run(command: list[str], capsys) -> None:
     assert main(args) == 0, (command, capsys.readouterr().err[-2000:])
 
 
-def _served_completion(command: list[str], processes, cwd: Path) -> dict:
+def _served_completion(command: list[str], cwd: Path) -> dict:
     """`gdnx serve` as written (but on a free port), asked for one greedy
-    completion of a sum."""
+    completion of a sum under the model name the README's curl gives."""
     port = command.index("--port")
-    args = command[1:port + 1] + ["0"] + command[port + 2:]
-    proc = processes.start(gdnx(*args), stderr=subprocess.PIPE, text=True, cwd=cwd)
-    lines: list[str] = []
-    found: dict[str, str] = {}
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if m := re.search(r"serving '(.+)' at (http://127\.0\.0\.1:\d+)/v1", line):
-                found.update(name=m.group(1), url=m.group(2))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    assert ready.wait(240) and found, "gdnx serve did not start:\n" + "".join(lines)
-    reply = httpx.post(f"{found['url']}/v1/completions", timeout=120, json={
-        "model": found["name"], "prompt": "12+30=", "max_tokens": 6, "temperature": 0})
+    server = Server(None, command=gdnx(*command[1:port + 1], "0", *command[port + 2:]), cwd=cwd)
+    try:
+        reply = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": "rl", "prompt": "12+30=", "max_tokens": 6, "temperature": 0})
+    finally:
+        server.stop()
     assert reply.status_code == 200, reply.text
     return reply.json()
 
 
-def test_the_readme_runs_from_the_demo_to_serving(tmp_path, monkeypatch, capsys, processes):
+def test_the_readme_runs_from_the_demo_to_serving(tmp_path, monkeypatch, capsys):
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     monkeypatch.chdir(tmp_path)
     # the demo's run (make demo), a few steps of it
@@ -98,7 +84,7 @@ def test_the_readme_runs_from_the_demo_to_serving(tmp_path, monkeypatch, capsys,
     assert json.loads((tmp_path / "hf/rl/config.json").read_text())["model_type"] == "qwen3_next"
     loaded = load(Path("runs/rl"), [], "serve")  # the run as serve reads it: raw bytes, NUL its end of document
     assert loaded.tokenizer.encode("12") == [49, 50] and eos_ids(loaded) == [BYTES_EOS]
-    served = _served_completion(serve, processes, tmp_path)
+    served = _served_completion(serve, tmp_path)
     choice = served["choices"][0]
     # raw bytes: NUL ends a document, and the served run stops there rather than writing it
     assert "\x00" not in choice["text"] and served["usage"]["prompt_tokens"] == len("12+30=")

@@ -25,12 +25,14 @@ START_S = 240                                  # a server's start: import, load,
 
 
 class Server:
-    """`gdnx serve` in a subprocess; its URL read from its stderr."""
+    """`gdnx serve` in a subprocess; its URL read from its stderr. command:
+    a whole command line in place of the tiny model's (run in `cwd`)."""
 
-    def __init__(self, checkpoint, *flags: str, env: dict | None = None):
-        cmd = gdnx("serve", "--checkpoint", str(checkpoint), "--port", "0", "--served-model-name", "tiny", *flags,
-                   "model.gdn_chunk_size=16")
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=cpu_env(**(env or {})))
+    def __init__(self, checkpoint, *flags: str, env: dict | None = None, command: list[str] | None = None,
+                 cwd=None):
+        cmd = command or gdnx("serve", "--checkpoint", str(checkpoint), "--port", "0", "--served-model-name", "tiny",
+                              *flags, "model.gdn_chunk_size=16")
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=cpu_env(**(env or {})), cwd=cwd)
         self.lines: list[str] = []
         self.url: str | None = None
         ready = threading.Event()
