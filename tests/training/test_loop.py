@@ -237,22 +237,22 @@ def test_a_corpus_ten_times_larger_takes_no_more_memory_and_resumes_bit_identica
     memory flat in corpus size (within 64 MiB); a training run on the
     prepared shards killed and resumed ends bit-identical to the measured
     run on them, uninterrupted."""
+    def train_argv(data, out):
+        return ["train", "tiny", *SMALL_RUN, "data.source=tokens", f"data.path={data}", "model.vocab_size=256",
+                "train.steps=9", "train.checkpoint_every=3", f"train.out_dir={out}"]
+
     peaks = {}
     for mb in (10, 100):
         _text_corpus(tmp_path / f"text{mb}", mb)
         prepare_peak = _peak_rss(["prepare", str(tmp_path / f"text{mb}"), "--out", str(tmp_path / f"tok{mb}")])
-        train_peak = _peak_rss(["train", "tiny", *SMALL_RUN, "data.source=tokens", f"data.path={tmp_path / f'tok{mb}'}",
-                                "model.vocab_size=256", "train.steps=9", "train.checkpoint_every=3",
-                                f"train.out_dir={tmp_path / f'run{mb}'}"])
+        train_peak = _peak_rss(train_argv(tmp_path / f"tok{mb}", tmp_path / f"run{mb}"))
         peaks[mb] = (prepare_peak, train_peak)
     print(f"peak RSS KiB (prepare, train): {peaks}")  # docs/benchmarks.md quotes these
     for stage in (0, 1):
         assert peaks[100][stage] - peaks[10][stage] < 64 * 1024, peaks
 
     killed_out = tmp_path / "killed"
-    args = [sys.executable, "-m", "gdnx.cli", "train", "tiny", *SMALL_RUN, "data.source=tokens",
-            f"data.path={tmp_path / 'tok100'}", "model.vocab_size=256", "train.steps=9", "train.checkpoint_every=3",
-            f"train.out_dir={killed_out}"]
+    args = [sys.executable, "-m", "gdnx.cli", *train_argv(tmp_path / "tok100", killed_out)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     killed = processes.start(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = killed_out / "checksums" / "3.json"
