@@ -156,14 +156,17 @@ GROUPED_BOUND = 4 * 2 ** 30
     ("tpu_v5e", "xla"), ("tpu_v5e", "mosaic"), ("tpu_v5p", "xla"), ("tpu_v5p", "mosaic"), ("tpu_v6e", "xla"),
     ("tpu_v6e", "mosaic"), ("h100", "triton"), ("h100", "mosaic"), ("a100", "triton")])
 def test_the_kernels_compile_forward_and_backward_without_a_dense_copy(target, implementation):
-    """Mosaic GPU (Hopper) compiles its forward only here (58 s; with the backward's two kernels, two minutes)."""
+    """Mosaic GPU (Hopper) compiles its forward only here, at 64 experts: its compile time grows with the
+    number of groups (on this host, 512 experts: 101 s for the forward alone, 64 experts: 9 s), and its kernel
+    holds no dense copy whatever their number."""
     from gdnx import aot
 
     device = aot.device(target)
     place = jax.sharding.SingleDeviceSharding(device)
+    experts = 64 if (target, implementation) == ("h100", "mosaic") else EXPERTS
     args = (jax.ShapeDtypeStruct((COPIES, HIDDEN), jnp.bfloat16, sharding=place),
-            jax.ShapeDtypeStruct((EXPERTS, HIDDEN, WIDTH), jnp.bfloat16, sharding=place),
-            jax.ShapeDtypeStruct((EXPERTS,), jnp.int32, sharding=place))
+            jax.ShapeDtypeStruct((experts, HIDDEN, WIDTH), jnp.bfloat16, sharding=place),
+            jax.ShapeDtypeStruct((experts,), jnp.int32, sharding=place))
 
     def forward(x, w, sizes):
         return grouped_matmul(x, w, sizes, implementation=implementation)
