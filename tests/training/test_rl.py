@@ -79,17 +79,18 @@ def test_bitwise_mode_has_the_samplers_log_probabilities_exactly(tmp_path, rl_pr
 
 
 def test_lora_rl_with_kl_to_the_base(tmp_path, rl_prompts):
-    """LoRA adapters on a run's weights (model.init_from), DAPO, KL to the
-    base with its adapters off: 0 on the first step (the adapters start as
-    the identity), then above 0 as they move."""
+    """QLoRA: adapters over a run's weights (model.init_from) held in int8,
+    DAPO, KL to the quantized base with its adapters off: 0 on the first
+    step (the adapters start as the identity), then above 0 as they move.
+    (LoRA over a float base: the reference checkpoint's test below.)"""
     base = tmp_path / "base"
     train(load_config("tiny", ["model.hidden_size=32", "model.intermediate_size=32", "train.steps=1",
                                "train.warmup_steps=0", "train.eval_every=0", "train.checkpoint_every=1",
                                f"train.out_dir={base}"]))
     out = tmp_path / "lora"
     train(load_train_config("finetune", [o for o in RUN if not o.startswith("model.")] + [
-        f"model.init_from={base}", f"data.path={rl_prompts}", "train.lora.rank=4", "train.rl.kl_coef=0.1",
-        "train.rl.loss=dapo", "train.batch_size=8", "train.rl.group_size=4", "train.rl.max_new_tokens=8",
+        f"model.init_from={base}", "model.quantize=int8", f"data.path={rl_prompts}", "train.lora.rank=4",
+        "train.rl.kl_coef=0.1", "train.rl.loss=dapo", "train.batch_size=8", "train.rl.group_size=4", "train.rl.max_new_tokens=8",
         "train.steps=3", "train.eval_every=0", f"train.out_dir={out}"]))
     rows = [r for r in _rows(out) if r["split"] == "train"]
     assert rows[0]["rl/kl"] == 0.0 and rows[-1]["rl/kl"] > 0.0 and rows[0]["rl/groups_kept"] > 0

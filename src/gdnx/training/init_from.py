@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gdnx import quantization
 from gdnx.checkpoints.hf import load_params as load_hf_params
 from gdnx.checkpoints.hf import read_config as read_hf_config
 from gdnx.checkpoints.orbax import CONFIG_FILE, is_run
@@ -120,10 +121,12 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: 
     if run.train.lora is not None:
         raise ValueError(f"{field} {path}: the run trained LoRA adapters; export it merged (gdnx export "
                          f"{path} --out DIR --merge-lora) and use DIR")
-    if source.scanned == cfg.scanned:
+    if source.scanned == cfg.scanned and cfg.quantize == "none":
         return load_run_params(path, params)[0]
-    # the run's layers scanned and these not, or the reverse: the same
-    # weights, restored as the run holds them and laid out as here
+    # the run's layers scanned and these not, or the reverse, or held quantized
+    # here (a run's weights are never quantized: only LoRA trains over such a
+    # base): the same weights, restored as the run holds them, laid out as
+    # here and quantized as a Hugging Face checkpoint's are on load
     mine = source.model_copy(update={"param_dtype": cfg.param_dtype})
     held = nnx.state(nnx.eval_shape(lambda: CausalLM(mine)), nnx.Param)
     restored = load_run_params(path, held)[0]
@@ -131,10 +134,24 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: 
     for p, var in nnx.to_flat_state(restored):
         paths, stacked = layer_paths(mine, p)
         layers.update({q: var[...][i] if stacked else var[...] for i, q in enumerate(paths)})
-    out = []
-    for p, var in nnx.to_flat_state(params):
+
+    def weight(p: tuple) -> jax.Array:
         paths, stacked = layer_paths(cfg, p)
-        value = jnp.stack([layers[q] for q in paths]) if stacked else layers[paths[0]]
+        return jnp.stack([layers[q] for q in paths]) if stacked else layers[paths[0]]
+
+    flat = nnx.to_flat_state(params)
+    names = {p for p, _ in flat}
+    block = (cfg.quantize_block[0], cfg.quantize_block[1])
+    out = []
+    for p, var in flat:
+        name = str(p[-1])
+        if name.endswith(quantization.SCALE):
+            value = quantization.quantize(weight((*p[:-1], name.removesuffix(quantization.SCALE))),
+                                          cfg.quantize, block)[1]
+        elif (*p[:-1], name + quantization.SCALE) in names:
+            value = quantization.quantize(weight(p), cfg.quantize, block)[0]
+        else:
+            value = weight(p)
         sharding = getattr(var, "sharding", None)
         out.append((p, var.replace(value if sharding is None else jax.device_put(value, sharding))))
     return nnx.from_flat_state(out)
