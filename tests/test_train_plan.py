@@ -45,7 +45,7 @@ def test_train_step_compiles_for_a_slice_with_the_kernel(monkeypatch, topology, 
     assert p.flops > 0
 
 
-@pytest.mark.parametrize("topology", ["h100:4"])  # a TPU slice's: the expert case above
+@pytest.mark.parametrize("topology", ["h100:4"])  # on TPU slices: the expert case of the train step above
 def test_the_expert_axis_exchanges_the_token_copies_ragged(monkeypatch, topology):
     """On GPUs, as on TPUs, the expert axis sends each device's token copies
     alone (ragged_all_to_all), not the worst case's padded blocks."""

@@ -124,8 +124,8 @@ def test_a_run_starts_another_and_architecture_changes_are_refused(checkpoint, t
 
     export_run(tmp_path / "a", tmp_path / "a_hf")
     held = load_train_config("finetune", [f"model.init_from={tmp_path / 'a'}", f"data.path={root / 'sft.jsonl'}",
-                                          "model.quantize=int8",
-                                          "model.quantize_block=[16, 16]", "model.scan_layers=true"]).model
+                                          "model.quantize=int8", "model.quantize_block=[16, 16]",
+                                          "model.scan_layers=true"]).model
     shapes = nnx.state(nnx.eval_shape(lambda: CausalLM(held)), nnx.Param)
     from_run = nnx.to_flat_state(initial_params(held, shapes, None))
     from_hf = nnx.to_flat_state(initial_params(held.model_copy(update={"init_from": str(tmp_path / "a_hf")}),

@@ -90,8 +90,8 @@ def test_lora_rl_with_kl_to_the_base(tmp_path, rl_prompts):
     out = tmp_path / "lora"
     train(load_train_config("finetune", [o for o in RUN if not o.startswith("model.")] + [
         f"model.init_from={base}", "model.quantize=int8", f"data.path={rl_prompts}", "train.lora.rank=4",
-        "train.rl.kl_coef=0.1", "train.rl.loss=dapo", "train.batch_size=8", "train.rl.group_size=4", "train.rl.max_new_tokens=8",
-        "train.steps=3", "train.eval_every=0", f"train.out_dir={out}"]))
+        "train.rl.kl_coef=0.1", "train.rl.loss=dapo", "train.batch_size=8", "train.rl.group_size=4",
+        "train.rl.max_new_tokens=8", "train.steps=3", "train.eval_every=0", f"train.out_dir={out}"]))
     rows = [r for r in _rows(out) if r["split"] == "train"]
     assert rows[0]["rl/kl"] == 0.0 and rows[-1]["rl/kl"] > 0.0 and rows[0]["rl/groups_kept"] > 0
 
