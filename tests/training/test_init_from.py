@@ -117,23 +117,25 @@ def test_a_run_starts_another_and_architecture_changes_are_refused(checkpoint, t
     ours = nnx.merge(second.graphdef, second.params)
     toks = jnp.asarray(np.random.default_rng(1).integers(0, 97, (1, 12)), jnp.int32)
     np.testing.assert_allclose(np.asarray(ours(toks)), np.asarray(saved.model(toks)), rtol=1e-5, atol=1e-5)
-    # held in int8 (a QLoRA base), scanned: the run's weights quantized as its Hugging Face export's are on load
+    # held in int8 (a QLoRA base), scanned as here or unrolled as there: the run's weights quantized as its
+    # Hugging Face export's are on load
     from gdnx.export import export_run
     from gdnx.models import CausalLM
     from gdnx.training.init_from import initial_params
 
     export_run(tmp_path / "a", tmp_path / "a_hf")
-    held = load_train_config("finetune", [f"model.init_from={tmp_path / 'a'}", f"data.path={root / 'sft.jsonl'}",
-                                          "model.quantize=int8", "model.quantize_block=[16, 16]",
-                                          "model.scan_layers=true"]).model
-    shapes = nnx.state(nnx.eval_shape(lambda: CausalLM(held)), nnx.Param)
-    from_run = nnx.to_flat_state(initial_params(held, shapes, None))
-    from_hf = nnx.to_flat_state(initial_params(held.model_copy(update={"init_from": str(tmp_path / "a_hf")}),
-                                               shapes, None))
-    assert any(var[...].dtype == jnp.int8 for _, var in from_run)
-    for (p, a), (q, b) in zip(from_run, from_hf, strict=True):
-        assert p == q and a[...].dtype == b[...].dtype
-        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p))
+    for scanned in ("true", "false"):
+        held = load_train_config("finetune", [
+            f"model.init_from={tmp_path / 'a'}", f"data.path={root / 'sft.jsonl'}", "model.quantize=int8",
+            "model.quantize_block=[16, 16]", f"model.scan_layers={scanned}"]).model
+        shapes = nnx.state(nnx.eval_shape(lambda: CausalLM(held)), nnx.Param)
+        from_run = nnx.to_flat_state(initial_params(held, shapes, None))
+        from_hf = nnx.to_flat_state(initial_params(held.model_copy(update={"init_from": str(tmp_path / "a_hf")}),
+                                                   shapes, None))
+        assert any(var[...].dtype == jnp.int8 for _, var in from_run)
+        for (p, a), (q, b) in zip(from_run, from_hf, strict=True):
+            assert p == q and a[...].dtype == b[...].dtype
+            np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p))
     with pytest.raises(ConfigError, match=r"model.hidden_size: 64 in the config, 32 in the checkpoint"):
         load_train_config("finetune", _overrides(root, tmp_path / "c", "model.hidden_size=64"))
     with pytest.raises(ConfigError, match=r"model.vocab_size: 256 in the config, 97 in the checkpoint"):

@@ -40,3 +40,9 @@ def make_mesh(parallel_cfg: ParallelConfig, devices: Sequence[jax.Device] | None
     shape = mesh_shape(parallel_cfg, len(devices))
     kind = AxisType.Explicit if parallel_cfg.shard_mode == "explicit" else AxisType.Auto
     return jax.make_mesh(shape, MESH_AXES, axis_types=(kind,) * len(MESH_AXES), devices=devices)
+
+
+def as_auto(mesh: Mesh) -> Mesh:
+    """The same devices and axes, every axis Auto: where a program's layout
+    is stated at its edges and XLA places the rest."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))

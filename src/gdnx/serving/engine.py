@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from gdnx.errors import FieldError
+from gdnx.parallel.mesh import as_auto
 from gdnx.parallel.rules import MESH_AXES
 from gdnx.serving import grammar, offline
 from gdnx.serving.config import EngineConfig
@@ -216,8 +217,7 @@ class Engine:
                                  f"got context={dict(mesh.shape)['context']}")
             # the programs' state layout is stated once (programs.place) and XLA places the rest: the
             # same devices and axes as an Auto mesh, whichever mode the caller's mesh has
-            mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                                     axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+            mesh = as_auto(mesh)
         if eos_token_ids is None:
             eos = cfg.eos_token_id
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

@@ -32,7 +32,7 @@ from gdnx.config.schema import Config
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import for_target
 from gdnx.models.cache import row_axes
-from gdnx.parallel import make_mesh, shardings
+from gdnx.parallel import as_auto, make_mesh, shardings
 from gdnx.aot import (Buffer, abstract, compile_reporting, compile_within, describe_buffers, target_devices,
                       targeting, xla_flops)
 from gdnx.serving import programs
@@ -146,9 +146,7 @@ def serve_plan(config: Config, topology: str, engine: EngineConfig, *, prefix_ca
     if config.parallel.context != 1:
         raise ValueError(f"parallel.context: the engine splits heads and slots, not sequences: expected 1, got "
                          f"{config.parallel.context}")
-    mesh = make_mesh(config.parallel, devices)
-    mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))  # as the engine runs it
+    mesh = as_auto(make_mesh(config.parallel, devices))  # as the engine runs it
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "kernel on CPU": compiled for TPU here, not run
         model = nnx.eval_shape(lambda: CausalLM(cfg))

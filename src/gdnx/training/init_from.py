@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from gdnx import quantization
 from gdnx.checkpoints.hf import load_params as load_hf_params
@@ -31,6 +32,8 @@ from gdnx.config.reading import ConfigError, build_config, read_config_data, res
 from gdnx.config.schema import Config, ModelConfig
 from gdnx.data.source import run_tokenizer
 from gdnx.models import CausalLM
+from gdnx.parallel import as_auto
+from gdnx.parallel.rules import is_explicit
 from gdnx.stacking import layer_paths
 
 # ModelConfig fields a config may set whatever the checkpoint's: how the same
@@ -121,12 +124,11 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: 
     if run.train.lora is not None:
         raise ValueError(f"{field} {path}: the run trained LoRA adapters; export it merged (gdnx export "
                          f"{path} --out DIR --merge-lora) and use DIR")
-    if source.scanned == cfg.scanned and cfg.quantize == "none":
-        return load_run_params(path, params)[0]
-    # the run's layers scanned and these not, or the reverse, or held quantized
-    # here (a run's weights are never quantized: only LoRA trains over such a
-    # base): the same weights, restored as the run holds them, laid out as
-    # here and quantized as a Hugging Face checkpoint's are on load
+    if source.scanned == cfg.scanned:
+        return load_run_params(path, params)[0] if cfg.quantize == "none" else _quantized_run(path, cfg, params)
+    # the run's layers scanned and these not, or the reverse: the same
+    # weights, restored whole as the run holds them, laid out as here (and
+    # quantized, as a Hugging Face checkpoint's are on load)
     mine = source.model_copy(update={"param_dtype": cfg.param_dtype})
     held = nnx.state(nnx.eval_shape(lambda: CausalLM(mine)), nnx.Param)
     restored = load_run_params(path, held)[0]
@@ -172,3 +174,44 @@ def check_source(cfg: ModelConfig, field: str = "model.init_from") -> None:
         raise ValueError(f"model.{diffs[0]}: {mine.get(diffs[0])!r} here, {source[diffs[0]]!r} in the checkpoint "
                          f"({field} {cfg.init_from}); {hint}")
 
+
+
+def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
+    """A run's weights held quantized here (the base of QLoRA: a run's own
+    weights are never quantized, since only LoRA trains over such a base):
+    each restored in float where its quantized values go (every device
+    reading its part), then quantized in blocks as a Hugging Face
+    checkpoint's are on load, values and factors laid out as `params`'."""
+    flat = nnx.to_flat_state(params)
+    variables = dict(flat)
+
+    def factors(p: tuple) -> tuple | None:
+        scale = (*p[:-1], f"{p[-1]}{quantization.SCALE}")
+        return scale if scale in variables else None
+
+    def auto(p: tuple) -> Any:  # quantizing reshapes into blocks, which an Explicit mesh's types refuse
+        sharding = getattr(variables[p], "sharding", None)
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) and is_explicit(sharding.mesh):
+            return NamedSharding(as_auto(sharding.mesh), sharding.spec)
+        return sharding
+
+    def placed(p: tuple, value: jax.Array) -> Any:
+        sharding = getattr(variables[p], "sharding", None)
+        return variables[p].replace(value if sharding is None else jax.device_put(value, sharding))
+
+    floats = nnx.from_flat_state([
+        (p, var.replace(jax.ShapeDtypeStruct(var.shape, cfg.param_dtype if factors(p) else var.dtype,
+                                             sharding=auto(p))))
+        for p, var in flat if not str(p[-1]).endswith(quantization.SCALE)])
+    restored = dict(nnx.to_flat_state(load_run_params(path, floats)[0]))
+    block = (cfg.quantize_block[0], cfg.quantize_block[1])
+    out = []
+    for p, var in restored.items():
+        scale = factors(p)
+        if scale is None:
+            out.append((p, placed(p, var[...])))
+            continue
+        values, grid = jax.jit(quantization.quantize, static_argnums=(1, 2), out_shardings=(auto(p), auto(scale)))(
+            var[...], cfg.quantize, block)
+        out += [(p, placed(p, values)), (scale, placed(scale, grid))]
+    return nnx.from_flat_state(out)
