@@ -144,14 +144,16 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: 
     flat = nnx.to_flat_state(params)
     names = {p for p, _ in flat}
     block = (cfg.quantize_block[0], cfg.quantize_block[1])
+    quantized: dict[tuple, tuple[jax.Array, jax.Array]] = {}  # per weight: its values and factors
     out = []
     for p, var in flat:
         name = str(p[-1])
-        if name.endswith(quantization.SCALE):
-            value = quantization.quantize(weight((*p[:-1], name.removesuffix(quantization.SCALE))),
-                                          cfg.quantize, block)[1]
-        elif (*p[:-1], name + quantization.SCALE) in names:
-            value = quantization.quantize(weight(p), cfg.quantize, block)[0]
+        factors = name.endswith(quantization.SCALE)
+        base = (*p[:-1], name.removesuffix(quantization.SCALE)) if factors else p
+        if factors or _scale_path(p) in names:
+            if base not in quantized:
+                quantized[base] = quantization.quantize(weight(base), cfg.quantize, block)
+            value = quantized[base][factors]
         else:
             value = weight(p)
         sharding = getattr(var, "sharding", None)
@@ -175,6 +177,10 @@ def check_source(cfg: ModelConfig, field: str = "model.init_from") -> None:
                          f"({field} {cfg.init_from}); {hint}")
 
 
+def _scale_path(p: tuple) -> tuple:
+    """Where a quantized weight's factors are, beside its values at `p`."""
+    return (*p[:-1], f"{p[-1]}{quantization.SCALE}")
+
 
 def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
     """A run's weights held quantized here (the base of QLoRA: a run's own
@@ -186,8 +192,7 @@ def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
     variables = dict(flat)
 
     def factors(p: tuple) -> tuple | None:
-        scale = (*p[:-1], f"{p[-1]}{quantization.SCALE}")
-        return scale if scale in variables else None
+        return _scale_path(p) if _scale_path(p) in variables else None
 
     def auto(p: tuple) -> Any:  # quantizing reshapes into blocks, which an Explicit mesh's types refuse
         sharding = getattr(variables[p], "sharding", None)
