@@ -156,8 +156,7 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: 
             value = quantized[base][factors]
         else:
             value = weight(p)
-        sharding = getattr(var, "sharding", None)
-        out.append((p, var.replace(value if sharding is None else jax.device_put(value, sharding))))
+        out.append((p, _placed(var, value)))
     return nnx.from_flat_state(out)
 
 
@@ -175,6 +174,12 @@ def check_source(cfg: ModelConfig, field: str = "model.init_from") -> None:
                 "from it") if field == "model.init_from" else "give a checkpoint of this model's architecture"
         raise ValueError(f"model.{diffs[0]}: {mine.get(diffs[0])!r} here, {source[diffs[0]]!r} in the checkpoint "
                          f"({field} {cfg.init_from}); {hint}")
+
+
+def _placed(var: Any, value: jax.Array) -> Any:
+    """`var` holding `value`, placed where var's sharding (if any) says."""
+    sharding = getattr(var, "sharding", None)
+    return var.replace(value if sharding is None else jax.device_put(value, sharding))
 
 
 def _scale_path(p: tuple) -> tuple:
@@ -200,10 +205,6 @@ def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
             return NamedSharding(as_auto(sharding.mesh), sharding.spec)
         return sharding
 
-    def placed(p: tuple, value: jax.Array) -> Any:
-        sharding = getattr(variables[p], "sharding", None)
-        return variables[p].replace(value if sharding is None else jax.device_put(value, sharding))
-
     floats = nnx.from_flat_state([
         (p, var.replace(jax.ShapeDtypeStruct(var.shape, cfg.param_dtype if factors(p) else var.dtype,
                                              sharding=auto(p))))
@@ -214,9 +215,9 @@ def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
     for p, var in restored.items():
         scale = factors(p)
         if scale is None:
-            out.append((p, placed(p, var[...])))
+            out.append((p, _placed(variables[p], var[...])))
             continue
         values, grid = jax.jit(quantization.quantize, static_argnums=(1, 2), out_shardings=(auto(p), auto(scale)))(
             var[...], cfg.quantize, block)
-        out += [(p, placed(p, values)), (scale, placed(scale, grid))]
+        out += [(p, _placed(variables[p], values)), (scale, _placed(variables[scale], grid))]
     return nnx.from_flat_state(out)
