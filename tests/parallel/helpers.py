@@ -85,9 +85,9 @@ FAMILIES = {
 }
 
 
-# 7 layers: two repeats of (GDN dense, GDN MoE, attention MoE), one GDN left over
-SCANNED = ["model.num_hidden_layers=7", "model.mlp_only_layers=[0, 3, 6]",
-           "model.layer_types=[" + ", ".join(["linear_attention", "linear_attention", "full_attention"] * 2
+# 5 layers: two repeats of (GDN dense, attention MoE), one GDN dense left over
+SCANNED = ["model.num_hidden_layers=5", "model.mlp_only_layers=[0, 2, 4]",
+           "model.layer_types=[" + ", ".join(["linear_attention", "full_attention"] * 2
                                              + ["linear_attention"]) + "]"]
 
 
