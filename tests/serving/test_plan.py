@@ -15,7 +15,7 @@ from tests.parallel.helpers import FAMILIES, MODEL
 pytestmark = pytest.mark.deviceless
 
 # the tiny model with attention and MoE layers, scanned
-SMALL = ["model.num_hidden_layers=8", "model.layer_types=null", "model.full_attention_interval=4",
+SMALL = ["model.num_hidden_layers=4", "model.layer_types=null", "model.full_attention_interval=2",
          "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=64",
          "model.shared_expert_intermediate_size=64", "model.scan_layers=true", "model.gdn_chunk_size=64"]
 # the tiny model of a family's own paths, unscanned
