@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gdnx import quantization
 from gdnx.checkpoints.hf import load_params as load_hf_params
@@ -127,10 +128,11 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: 
     if source.scanned == cfg.scanned:
         return load_run_params(path, params)[0] if cfg.quantize == "none" else _quantized_run(path, cfg, params)
     # the run's layers scanned and these not, or the reverse: the same
-    # weights, restored whole as the run holds them, laid out as here (and
-    # quantized, as a Hugging Face checkpoint's are on load)
+    # weights, each restored split as the weight it becomes here (every
+    # device reading its part), laid out as here (and quantized, as a
+    # Hugging Face checkpoint's are on load)
     mine = source.model_copy(update={"param_dtype": cfg.param_dtype})
-    held = nnx.state(nnx.eval_shape(lambda: CausalLM(mine)), nnx.Param)
+    held = _split_as(mine, nnx.state(nnx.eval_shape(lambda: CausalLM(mine)), nnx.Param), cfg, params)
     restored = load_run_params(path, held)[0]
     layers: dict[tuple, jax.Array] = {}
     for p, var in nnx.to_flat_state(restored):
@@ -142,7 +144,7 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: 
         return jnp.stack([layers[q] for q in paths]) if stacked else layers[paths[0]]
 
     flat = nnx.to_flat_state(params)
-    names = {p for p, _ in flat}
+    variables = dict(flat)
     block = (cfg.quantize_block[0], cfg.quantize_block[1])
     quantized: dict[tuple, tuple[jax.Array, jax.Array]] = {}  # per weight: its values and factors
     out = []
@@ -150,9 +152,11 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: 
         name = str(p[-1])
         factors = name.endswith(quantization.SCALE)
         base = (*p[:-1], name.removesuffix(quantization.SCALE)) if factors else p
-        if factors or _scale_path(p) in names:
+        if factors or _scale_path(p) in variables:
             if base not in quantized:
-                quantized[base] = quantization.quantize(weight(base), cfg.quantize, block)
+                layout = (_auto(getattr(variables[base], "sharding", None)),
+                          _auto(getattr(variables[_scale_path(base)], "sharding", None)))
+                quantized[base] = _quantize(weight(base), cfg, block, layout)
             value = quantized[base][factors]
         else:
             value = weight(p)
@@ -174,6 +178,48 @@ def check_source(cfg: ModelConfig, field: str = "model.init_from") -> None:
                 "from it") if field == "model.init_from" else "give a checkpoint of this model's architecture"
         raise ValueError(f"model.{diffs[0]}: {mine.get(diffs[0])!r} here, {source[diffs[0]]!r} in the checkpoint "
                          f"({field} {cfg.init_from}); {hint}")
+
+
+def _auto(sharding: Any) -> Any:
+    """`sharding` on its mesh made Auto where the mesh is Explicit: the
+    re-layout stacks and slices, and quantizing reshapes into blocks, which
+    an Explicit mesh's types refuse."""
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) and is_explicit(sharding.mesh):
+        return NamedSharding(as_auto(sharding.mesh), sharding.spec)
+    return sharding
+
+
+def _quantize(value: jax.Array, cfg: ModelConfig, block: tuple[int, int], out: tuple[Any, Any]) -> Any:
+    """`value` quantized in blocks as cfg says, as one program whose values
+    and factors are laid out as `out` says (one program whatever the
+    layout, so a split weight's bits are the whole weight's)."""
+    return jax.jit(quantization.quantize, static_argnums=(1, 2), out_shardings=out)(value, cfg.quantize, block)
+
+
+def _split_as(source: ModelConfig, held: Any, cfg: ModelConfig, params: Any) -> Any:
+    """`held` (the abstract state of a run of `source`), each leaf given
+    the sharding of the leaf of `params` (CausalLM(cfg)'s) that holds its
+    layers, on the same mesh made Auto (_auto), a layer dim added or
+    dropped where one stacks its layers and the other does not."""
+    target = nnx.to_flat_state(params)
+    holder = {q: (p, var) for p, var in target for q in layer_paths(cfg, p)[0]}
+    stacked_here = {p: layer_paths(cfg, p)[1] for p, _ in target}
+
+    def split(p: tuple, var: Any) -> Any:
+        paths, stacked = layer_paths(source, p)
+        there, like = holder[paths[0]]
+        sharding = _auto(getattr(like, "sharding", None))
+        if not isinstance(sharding, NamedSharding):
+            return var
+        spec = (*sharding.spec, *(None,) * (len(like.shape) - len(sharding.spec)))
+        if stacked and not stacked_here[there]:
+            spec = (None, *spec)
+        elif stacked_here[there] and not stacked:
+            spec = spec[1:]
+        return var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype,
+                                                sharding=NamedSharding(sharding.mesh, P(*spec))))
+
+    return nnx.from_flat_state([(p, split(p, var)) for p, var in nnx.to_flat_state(held)])
 
 
 def _placed(var: Any, value: jax.Array) -> Any:
@@ -199,11 +245,8 @@ def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
     def factors(p: tuple) -> tuple | None:
         return _scale_path(p) if _scale_path(p) in variables else None
 
-    def auto(p: tuple) -> Any:  # quantizing reshapes into blocks, which an Explicit mesh's types refuse
-        sharding = getattr(variables[p], "sharding", None)
-        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh) and is_explicit(sharding.mesh):
-            return NamedSharding(as_auto(sharding.mesh), sharding.spec)
-        return sharding
+    def auto(p: tuple) -> Any:
+        return _auto(getattr(variables[p], "sharding", None))
 
     floats = nnx.from_flat_state([
         (p, var.replace(jax.ShapeDtypeStruct(var.shape, cfg.param_dtype if factors(p) else var.dtype,
@@ -217,7 +260,6 @@ def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
         if scale is None:
             out.append((p, _placed(variables[p], var[...])))
             continue
-        values, grid = jax.jit(quantization.quantize, static_argnums=(1, 2), out_shardings=(auto(p), auto(scale)))(
-            var[...], cfg.quantize, block)
+        values, grid = _quantize(var[...], cfg, block, (auto(p), auto(scale)))
         out += [(p, _placed(variables[p], values)), (scale, _placed(variables[scale], grid))]
     return nnx.from_flat_state(out)
