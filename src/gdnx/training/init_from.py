@@ -201,20 +201,21 @@ def _split_as(source: ModelConfig, held: Any, cfg: ModelConfig, params: Any) -> 
     the sharding of the leaf of `params` (CausalLM(cfg)'s) that holds its
     layers, on the same mesh made Auto (_auto), a layer dim added or
     dropped where one stacks its layers and the other does not."""
-    target = nnx.to_flat_state(params)
-    holder = {q: (p, var) for p, var in target for q in layer_paths(cfg, p)[0]}
-    stacked_here = {p: layer_paths(cfg, p)[1] for p, _ in target}
+    holder: dict[tuple, tuple[Any, bool]] = {}  # per unrolled layer path: the leaf here, and whether it stacks
+    for p, var in nnx.to_flat_state(params):
+        paths, stacked = layer_paths(cfg, p)
+        holder.update({q: (var, stacked) for q in paths})
 
     def split(p: tuple, var: Any) -> Any:
         paths, stacked = layer_paths(source, p)
-        there, like = holder[paths[0]]
+        like, stacked_here = holder[paths[0]]
         sharding = _auto(getattr(like, "sharding", None))
         if not isinstance(sharding, NamedSharding):
             return var
         spec = (*sharding.spec, *(None,) * (len(like.shape) - len(sharding.spec)))
-        if stacked and not stacked_here[there]:
+        if stacked and not stacked_here:
             spec = (None, *spec)
-        elif stacked_here[there] and not stacked:
+        elif stacked_here and not stacked:
             spec = spec[1:]
         return var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype,
                                                 sharding=NamedSharding(sharding.mesh, P(*spec))))
