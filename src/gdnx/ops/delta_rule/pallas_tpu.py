@@ -12,10 +12,11 @@ the chunk's sequence index.
 Every block keeps its last two dims whole ((C, K), (C, V), (1, C), (K, V),
 (C, C)), so any head dim and any chunk size satisfy the (8, 128) rule.
 
-Each value head runs the Variant's chunk algebra in its looped forms; the
-products a key head's group shares (the gated delta rule's QK^T, KK^T) are
-formed once per key head, and a gate per channel (KDA) comes in [C, K]
-blocks per value head.
+Each value head runs the Variant's chunk algebra in its looped forms, the
+chunk inverse blocked (primitives.unit_lower_inverse_blocks: its serial
+steps were most of the forward's time on a TPU v5e); the products a key
+head's group shares (the gated delta rule's QK^T, KK^T) are formed once per
+key head, and a gate per channel (KDA) comes in [C, K] blocks per value head.
 
 VMEM budget per grid step (`vmem_bytes`), head tile of HT key heads with G
 value heads each, inputs of b bytes, float32 state, double-buffered blocks:
@@ -46,6 +47,7 @@ from jax.sharding import AxisType
 from gdnx.ops.delta_rule import pallas
 from gdnx.ops.delta_rule.backend import Backend
 from gdnx.ops.delta_rule.chunked import ChunkFlags
+from gdnx.ops.delta_rule.primitives import unit_lower_inverse_blocks
 from gdnx.ops.delta_rule.tiles import TpuTiles
 from gdnx.ops.delta_rule.variant import Gate, Variant
 
@@ -88,7 +90,7 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
             state = state_ref[i, j]
             v, g, beta = v_ref[0, 0, i, j].astype(state_dtype), g_ref[0, 0, i, j], b_ref[0, 0, i, j]
             o, new_state, tinv = variant.value_head_forward(q, k, v, g, beta, shared, state, looped=True,
-                                                            **opts.algebra())
+                                                            inverse=unit_lower_inverse_blocks, **opts.algebra())
             o_ref[0, 0, i, j] = o.astype(o_ref.dtype)
             if save_residuals:
                 states_ref, tinv_ref = residual_refs

@@ -17,6 +17,13 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # Diagonal blocks of (I + A) are inverted by forward substitution at this size,
 # then merged pairwise; every step is exact algebra, no matrix powers.
 INVERSE_BLOCK = 16
+# The TPU kernels' blocked inverse substitutes inside blocks of 8 rows and
+# merges them by products: on a TPU v5e, C=64, the GDN forward took 130 ms
+# with the row loop, 67 with blocks of 16, 49 with 8, 41 with 4 (T=32768).
+# Smaller blocks merge through higher powers, which lose digits when keys
+# repeat: the worst relative error over float32 stress matrices (repeated
+# keys, beta up to 2) was 2e-7 at 16, 1e-6 at 8, 3e-5 at 4.
+KERNEL_INVERSE_BLOCK = 8
 
 
 def dot(a, b, contract, matmul_dtype=None):
@@ -160,6 +167,41 @@ def unit_lower_inverse_loop(a):
 
     # int32 bounds: an int64 loop index (under x64) is one Mosaic cannot lower
     return jax.lax.fori_loop(jnp.int32(1), jnp.int32(c), row, (r == j).astype(a.dtype))
+
+
+def unit_lower_inverse_blocks(a):
+    """Exact (I + a)^-1 for strictly lower triangular a [C, C] (TPU kernels).
+
+    Forward substitution inside diagonal blocks of KERNEL_INVERSE_BLOCK rows,
+    every block's row i in the same step (one product with the block
+    diagonal D), so KERNEL_INVERSE_BLOCK - 1 serial steps instead of C - 1;
+    then the blocks merged: I + a = (I + D)(I + M) with M = (I + D)^-1 (a - D)
+    strictly lower by blocks, so (I + M)^-1 = I - M + M^2 - ... ends after
+    C / KERNEL_INVERSE_BLOCK terms, formed as (I - M)(I + M^2)(I + M^4)...:
+    block forward substitution as [C, C] products, the MXU's work, where the
+    row loop's masked reductions run one after another on the vector units.
+    Masks and products only, as the kernel lowerings need.
+    """
+    c = a.shape[-1]
+    b = min(KERNEL_INVERSE_BLOCK, c)
+    shift = b.bit_length() - 1
+    r, j = iotas(c)
+    same_block = (r >> shift) == (j >> shift)
+    d = jnp.where(same_block, a, 0)
+    eye = (r == j).astype(a.dtype)
+
+    def row(i, t):
+        return jnp.where((r & (b - 1)) == i, eye - mm(d, t), t)
+
+    # int32 bounds: an int64 loop index (under x64) is one Mosaic cannot lower
+    tinv_d = jax.lax.fori_loop(jnp.int32(1), jnp.int32(b), row, eye)
+    m = mm(tinv_d, jnp.where(same_block, 0, a))
+    x, power, terms = eye - m, m, 2
+    while terms < c // b:
+        power = mm(power, power)
+        x = mm(x, eye + power)
+        terms *= 2
+    return mm(x, tinv_d)
 
 
 def segment_sums(g, *, split=False):

@@ -17,14 +17,17 @@ The chunk algebra works on one value head's 2-D blocks (primitives.py):
     key_products_bwd(q, k, *dshared, *, matmul_dtype) -> (dq, dk)
         their adjoint, given the group's summed cotangents
     value_head_forward(q, k, v, g, beta, shared, state, *, scale,
-                       decay_dtype, matmul_dtype, looped)
+                       decay_dtype, matmul_dtype, looped, inverse=None)
         -> (o [C, V], outgoing state [K, V], (I + A)^-1 [C, C])
     value_head_backward(q, k, v, g, beta, shared, tinv, state, do,
                         dstate_out, *, scale, decay_dtype, matmul_dtype, looped)
         -> (grads with dq, dk, dv, dg, dbeta, dstate_in; dshared)
 
 `looped` asks for the forms a kernel compiles quickly (loops that are not
-unrolled); the XLA path takes the unrolled ones.
+unrolled); the XLA path takes the unrolled ones. `inverse` names the chunk
+inverse (primitives.unit_lower_inverse*) in place of the form's own: the
+TPU kernels take the blocked one (7 serial steps and a few products in
+place of C - 1 row updates).
 """
 
 from __future__ import annotations

@@ -345,9 +345,9 @@ def transcendentals(c: int, dk: int) -> int:
     return c * c + 2 * c + 1
 
 
-def _forward(q, k, v, g, beta, shared, state, *, looped: bool, **algebra):
+def _forward(q, k, v, g, beta, shared, state, *, looped: bool, inverse=None, **algebra):
     qk, kk = shared
-    inverse = unit_lower_inverse_loop if looped else unit_lower_inverse
+    inverse = inverse or (unit_lower_inverse_loop if looped else unit_lower_inverse)
     return value_head_forward(q, k, v, g, beta, qk, kk, state, inverse=inverse, **algebra)
 
 

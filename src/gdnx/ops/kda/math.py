@@ -366,11 +366,11 @@ def extra_vmem(c: int, dk: int) -> int:
     return (2 * num_levels(c) + 3) * c * dk * 4
 
 
-def _forward(q, k, v, g, beta, shared, state, *, looped: bool, **algebra):
+def _forward(q, k, v, g, beta, shared, state, *, looped: bool, inverse=None, **algebra):
     if looped:
-        return value_head_forward(q, k, v, g, beta, state, inverse=unit_lower_inverse_loop, bits=looped_bits,
-                                  **algebra)
-    return value_head_forward(q, k, v, g, beta, state, **algebra)
+        return value_head_forward(q, k, v, g, beta, state, inverse=inverse or unit_lower_inverse_loop,
+                                  bits=looped_bits, **algebra)
+    return value_head_forward(q, k, v, g, beta, state, inverse=inverse or unit_lower_inverse, **algebra)
 
 
 def _backward(q, k, v, g, beta, shared, tinv, state, do, dstate_out, *, looped: bool, **algebra):
