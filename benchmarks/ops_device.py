@@ -101,13 +101,17 @@ def time_fla(args, hk, hv, repeats):
     return f_ms, median(fwd_bwd)
 
 
-def make_inputs(b, t, hk, hv, d, seed=0, per_channel=False):
-    rng = np.random.default_rng(seed)
-    gate = (b, t, hv, d) if per_channel else (b, t, hv)
-    xs = (rng.standard_normal((b, t, hk, d)), rng.standard_normal((b, t, hk, d)), rng.standard_normal((b, t, hv, d)),
-          np.log(rng.uniform(0.7, 1.0, gate)), rng.uniform(0, 1, (b, t, hv)))
-    return tuple(jnp.asarray(x, jnp.bfloat16) for x in xs[:3]) + (jnp.asarray(xs[3], jnp.float32),
-                                                                  jnp.asarray(xs[4], jnp.bfloat16))
+def make_inputs(b, t, hk, hv, dk, dv=None, *, rng=None, per_channel=False, dtype="bfloat16", gate_low=0.7,
+                beta_max=1.0):
+    """q, k, v and beta in `dtype`, g (log U(gate_low, 1)) in float32, drawn
+    from `rng` (seed 0 when None) in that order."""
+    rng = np.random.default_rng(0) if rng is None else rng
+    dv = dk if dv is None else dv
+    gate = (b, t, hv, dk) if per_channel else (b, t, hv)
+    xs = (rng.standard_normal((b, t, hk, dk)), rng.standard_normal((b, t, hk, dk)),
+          rng.standard_normal((b, t, hv, dv)), np.log(rng.uniform(gate_low, 1.0, gate)),
+          rng.uniform(0, beta_max, (b, t, hv)))
+    return tuple(jnp.asarray(x, jnp.float32 if i == 3 else dtype) for i, x in enumerate(xs))
 
 
 KERNEL = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
@@ -190,11 +194,8 @@ def check_rows(op: str, kernel: str) -> list[str]:
     for c in CHECKS:
         rng = np.random.default_rng(0)
         n = c.b if c.cu is None else len(c.cu) - 1
-        gate = (c.b, c.t, c.hv, c.dk) if kda else (c.b, c.t, c.hv)
-        xs = (rng.standard_normal((c.b, c.t, c.hk, c.dk)), rng.standard_normal((c.b, c.t, c.hk, c.dk)),
-              rng.standard_normal((c.b, c.t, c.hv, c.dv)), np.log(rng.uniform(c.gate_low, 1.0, gate)),
-              rng.uniform(0, c.beta_max, (c.b, c.t, c.hv)))
-        xs = tuple(jnp.asarray(x, jnp.float32 if i == 3 else c.dtype) for i, x in enumerate(xs))
+        xs = make_inputs(c.b, c.t, c.hk, c.hv, c.dk, c.dv, rng=rng, per_channel=kda, dtype=c.dtype,
+                         gate_low=c.gate_low, beta_max=c.beta_max)
         h0 = jnp.asarray(rng.standard_normal((n, c.hv, c.dk, c.dv)), jnp.float32) if c.h0 else None
         cts = (rng.standard_normal(xs[2].shape), rng.standard_normal((n, c.hv, c.dk, c.dv)))  # o like v; the state
         ref_out, ref_grads = host_reference(recurrent_op, xs, h0, c.cu, cts)
