@@ -70,6 +70,38 @@ def test_matches_loop_and_grads(cu, width):
         assert relative_error(g1, g2) < 1e-12, name
 
 
+@pytest.mark.parametrize("t", [1, 2, 13], ids=lambda t: f"t{t}")
+@pytest.mark.parametrize("width", [2, 4])
+def test_rows_match_loop_and_grads(t, width):
+    """Rows without cu_seqlens (two of them, each from its own state; T
+    shorter than the state too): outputs, final states and the hand-written
+    backward's gradients of x, weight, bias and state."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, t, 6)))
+    w, b = jnp.asarray(rng.standard_normal((6, width))), jnp.asarray(rng.standard_normal(6))
+    s = jnp.asarray(rng.standard_normal((2, 6, width - 1)))
+    y, f = causal_conv1d(x, w, b, initial_state=s, output_final_state=True)
+    for r in range(2):
+        ref_y, ref_f = naive(x[r], w, b, s[r:r + 1], (0, t))
+        assert relative_error(y[r], ref_y) < 1e-12 and relative_error(f[r], ref_f[0]) < 1e-12
+
+    def plain(x, w, b, s):
+        seq = jnp.concatenate([jnp.swapaxes(s, 1, 2), x], axis=1)
+        y = jnp.stack([jax.nn.silu((seq[:, p:p + width] * w.T).sum(1) + b) for p in range(t)], axis=1)
+        return y, jnp.swapaxes(seq[:, t:], 1, 2)
+
+    cy, cf = jnp.asarray(rng.standard_normal(y.shape)), jnp.asarray(rng.standard_normal(f.shape))
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a)[0] * cy) + jnp.sum(fn(*a)[1] * cf)
+
+    got = jax.grad(loss(lambda *a: causal_conv1d(a[0], a[1], a[2], initial_state=a[3], output_final_state=True)),
+                   argnums=range(4))(x, w, b, s)
+    want = jax.grad(loss(plain), argnums=range(4))(x, w, b, s)
+    for name, g1, g2 in zip(("x", "weight", "bias", "state"), got, want):
+        assert relative_error(g1, g2) < 1e-12, name
+
+
 def test_batch_rows_and_no_activation():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((2, 7, 5)), jnp.float32)
