@@ -56,16 +56,22 @@ def test_matches_loop_and_grads(cu, width):
             finals.append(seq[len(seq) - (width - 1):].T)
         return jnp.stack(outs), jnp.stack(finals)
 
-    rng = np.random.default_rng(1)
-    cy, cf = jnp.asarray(rng.standard_normal(ref_y.shape)), jnp.asarray(rng.standard_normal(ref_f.shape))
+    _assert_grads_match(lambda *a: (lambda y, f: (y[0], f))(
+        *causal_conv1d(a[0], a[1], a[2], initial_state=a[3], output_final_state=True, cu_seqlens=cu_arr)),
+        plain, (x, w, b, s), np.random.default_rng(1))
+
+
+def _assert_grads_match(ours, plain, args, rng):
+    """The gradients of x, weight, bias and state under random cotangents of
+    (y, final state): the hand-written backward against autodiff of `plain`."""
+    shapes = [o.shape for o in plain(*args)]
+    cy, cf = (jnp.asarray(rng.standard_normal(shape)) for shape in shapes)
 
     def loss(fn):
         return lambda *a: jnp.sum(fn(*a)[0] * cy) + jnp.sum(fn(*a)[1] * cf)
 
-    got = jax.grad(loss(lambda *a: (lambda y, f: (y[0], f))(
-        *causal_conv1d(a[0], a[1], a[2], initial_state=a[3], output_final_state=True, cu_seqlens=cu_arr))),
-        argnums=range(4))(x, w, b, s)
-    want = jax.grad(loss(plain), argnums=range(4))(x, w, b, s)
+    got = jax.grad(loss(ours), argnums=range(4))(*args)
+    want = jax.grad(loss(plain), argnums=range(4))(*args)
     for name, g1, g2 in zip(("x", "weight", "bias", "state"), got, want):
         assert relative_error(g1, g2) < 1e-12, name
 
@@ -90,16 +96,8 @@ def test_rows_match_loop_and_grads(t, width):
         y = jnp.stack([jax.nn.silu((seq[:, p:p + width] * w.T).sum(1) + b) for p in range(t)], axis=1)
         return y, jnp.swapaxes(seq[:, t:], 1, 2)
 
-    cy, cf = jnp.asarray(rng.standard_normal(y.shape)), jnp.asarray(rng.standard_normal(f.shape))
-
-    def loss(fn):
-        return lambda *a: jnp.sum(fn(*a)[0] * cy) + jnp.sum(fn(*a)[1] * cf)
-
-    got = jax.grad(loss(lambda *a: causal_conv1d(a[0], a[1], a[2], initial_state=a[3], output_final_state=True)),
-                   argnums=range(4))(x, w, b, s)
-    want = jax.grad(loss(plain), argnums=range(4))(x, w, b, s)
-    for name, g1, g2 in zip(("x", "weight", "bias", "state"), got, want):
-        assert relative_error(g1, g2) < 1e-12, name
+    _assert_grads_match(lambda *a: causal_conv1d(a[0], a[1], a[2], initial_state=a[3], output_final_state=True),
+                        plain, (x, w, b, s), rng)
 
 
 def test_batch_rows_and_no_activation():

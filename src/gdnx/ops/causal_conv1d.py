@@ -61,6 +61,11 @@ def _act(z, activation):
     return jax.nn.silu(z) if activation == "silu" else z
 
 
+def _pre_activation_grad(dy, z, activation):
+    """The cotangent of z = the activation's input, from the output's dy."""
+    return dy * jax.grad(lambda u: jnp.sum(_act(u, activation)))(z) if activation else dy
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _conv(x, weight, bias, state, index, activation):
     return _conv_fwd(x, weight, bias, state, index, activation)[0]
@@ -88,8 +93,7 @@ def _conv_fwd(x, weight, bias, state, index, activation):
 def _conv_bwd(activation, res, dy):
     x, weight, bias, state, index, z = res
     acc = _acc(x)
-    dy = dy.astype(acc)
-    dz = dy * jax.grad(lambda t: jnp.sum(_act(t, activation)))(z) if activation else dy
+    dz = _pre_activation_grad(dy.astype(acc), z, activation)
     windows = _flat(x, state)[index]
     dweight = jnp.einsum("rtwd,rtd->dw", windows, dz, precision=jax.lax.Precision.HIGHEST)
     dbias = dz.sum((0, 1))
@@ -138,9 +142,7 @@ def _shift_conv_bwd(activation, res, dy):
     x, weight, bias, state, z = res
     acc = _acc(x)
     t, hist = x.shape[1], weight.shape[1] - 1
-    dz = dy.astype(acc)
-    if activation:
-        dz = dz * jax.grad(lambda u: jnp.sum(_act(u, activation)))(z)
+    dz = _pre_activation_grad(dy.astype(acc), z, activation)
     xx = _padded(x, state)
     wf = weight.astype(acc)
     dweight = jnp.stack([jnp.sum(xx[:, j:j + t] * dz, axis=(0, 1)) for j in range(hist + 1)], axis=1)
@@ -195,9 +197,10 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None
     bias = jnp.zeros((d,), weight.dtype) if bias is None else bias
     if cu_seqlens is None:
         y = _shift_conv(x, weight, bias, initial_state, activation)
+        if not output_final_state:
+            return y, None
         # exact: the last W - 1 inputs (the state's when T < W - 1), upcast copies
-        final = _padded(x, initial_state)[:, t:] if output_final_state else None
-        return y, None if final is None else jnp.swapaxes(final, 1, 2).astype(x.dtype)
+        return y, jnp.swapaxes(_padded(x[:, -hist:], initial_state)[:, -hist:], 1, 2).astype(x.dtype)
     index, final_index = _window_index(b, t, weight.shape[1], cu_seqlens)
     y = _conv(x, weight, bias, initial_state, index, activation)
     if not output_final_state:
