@@ -36,7 +36,8 @@ def export_run(run_dir: Path, out: Path, form: Form = "model", fp8: bool = False
     from gdnx.files import read_json_object
     from gdnx.models import CausalLM
     from gdnx.models.adapters import merged_params
-    from gdnx.quantization import SCALE, dequantized_params, quantize
+    from gdnx.quantization import dequantized_params, quantize
+    from gdnx.scales import scale_path
     from gdnx.runs import load_run
 
     if fp8 and form == "adapter":
@@ -82,7 +83,7 @@ def export_run(run_dir: Path, out: Path, form: Form = "model", fp8: bool = False
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg)), nnx.Param)
         held = dict(nnx.to_flat_state(abstract))
         for path in held:
-            scale = (*path[:-1], f"{path[-1]}{SCALE}")
+            scale = scale_path(path)
             if scale in held:
                 flat[path], flat[scale] = quantize(jnp.asarray(flat[path]), "fp8", block)
         params = nnx.from_flat_state([(p, var.replace(flat[p])) for p, var in held.items()])

@@ -47,10 +47,10 @@ from jax.typing import DTypeLike
 from qwix import QArray
 
 from gdnx.parallel.rules import current_mesh, is_explicit
+from gdnx.scales import is_scale, scale_path
 
 Quantize = Literal["none", "int8", "int4", "fp8"]
 DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
-SCALE = "_scale"
 # projections that stay unquantized, by module name (the routers: their scores choose experts)
 KEPT = frozenset({"gate", "shared_expert_gate", "lm_head"})
 
@@ -154,8 +154,8 @@ def dequantized_params(params: dict[tuple, jax.Array], block: tuple[int, int], d
     (in `dtype`) and its factors gone: the unquantized model's parameters."""
     out = {}
     for path, value in params.items():
-        if str(path[-1]).endswith(SCALE):
+        if is_scale(path[-1]):
             continue
-        scale = params.get((*path[:-1], f"{path[-1]}{SCALE}"))
+        scale = params.get(scale_path(path))
         out[path] = value if scale is None else dequantize(jnp.asarray(value), jnp.asarray(scale), block, dtype)
     return out

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from gdnx import quantization
 from gdnx.aot import Buffer, abstract, compile_reporting, describe_buffers, target_devices, targeting, xla_flops
 from gdnx.config.schema import Config
 from gdnx.data.source import Batch
@@ -33,6 +32,7 @@ from gdnx.models.causal_lm import for_target
 from gdnx.parallel import make_mesh, shardings, spec
 from gdnx.rl.objective import Scored
 from gdnx.rl.replay import ReplayBatch
+from gdnx.scales import SUFFIX
 from gdnx.serving.plan import ServePlan
 from gdnx.stacking import layer_ndim
 from gdnx.training.rl import BitwiseRows, Rows, replay_shapes, rl_programs
@@ -85,7 +85,7 @@ def model_flops(config: Config, params: Any) -> float:
             if layer_ndim(path, len(x.shape)) >= 2]
     share = m.num_experts_per_tok / m.num_experts if m.num_experts else 1.0
     matmul = sum(n * (share if "experts_" in name else 1.0) for name, n in flat if "embed_tokens" not in name
-                 and "conv_weight" not in name and f"{quantization.SCALE}'" not in name)
+                 and "conv_weight" not in name and f"{SUFFIX}'" not in name)
     if m.tie_word_embeddings:
         matmul += m.vocab_size * m.hidden_size  # the LM head is the embedding table
     kinds, seq = m.resolved_layer_types, config.data.seq_len

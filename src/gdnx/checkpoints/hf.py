@@ -38,6 +38,7 @@ from gdnx.checkpoints import fp8
 from gdnx.checkpoints.hf_config import VISION_LANGUAGE, hf_config_from_model, model_config_from_hf
 from gdnx.checkpoints.hf_names import ALIASES, Experts, Index, locate, ngram_buffers
 from gdnx.config.schema import ModelConfig
+from gdnx.scales import is_scale, scale_path, weight_path
 from gdnx.stacking import layer_paths
 
 # not part of the language model: multi-token prediction (mtp.*), a
@@ -425,7 +426,7 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
     missing = []
     flat = nnx.to_flat_state(params)
     for p, var in flat:
-        if str(p[-1]).endswith(quantization.SCALE):
+        if is_scale(p[-1]):
             continue  # a quantized weight's factors: computed from its tensors, which are checked
         paths, stacked = layer_paths(cfg, p)  # a scanned model's stacked parameter gathers one tensor per layer
         shape = tuple(var.shape[1:] if stacked else var.shape)
@@ -453,13 +454,13 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, params: nnx.State,
     quantized: dict[tuple, Callable] = {}  # per weight, its blocks quantized once for its values and its factors
     for (p, var), place in zip(flat, places, strict=True):
         name = str(p[-1])
-        if name.endswith(quantization.SCALE) or (p[:-1] + (name + quantization.SCALE,)) in shapes:
+        if is_scale(name) or scale_path(p) in shapes:
             part = _quantized_reader(reader, cfg, prefix, p, shapes, quantized)
         else:
             part = _part_reader(reader, cfg, prefix, p, tuple(var.shape), var.dtype)
         loaded.append((p, var.replace(jax.make_array_from_callback(tuple(var.shape), place, part))))
-        if name.endswith(quantization.SCALE):  # both of the weight's parts made: its quantized blocks let go
-            quantized.pop((*p[:-1], name.removesuffix(quantization.SCALE)), None)
+        if is_scale(name):  # both of the weight's parts made: its quantized blocks let go
+            quantized.pop(weight_path(p), None)
     return nnx.from_flat_state(loaded)
 
 
@@ -471,8 +472,8 @@ def _quantized_reader(reader: _Reader, cfg: ModelConfig, prefix: str, path: tupl
     a part reads the whole blocks it touches, so every device's part equals
     the same slice of the whole weight quantized at once. quantized: the
     weights' block quantizers so far, shared by a weight's two readers."""
-    scale = str(path[-1]).endswith(quantization.SCALE)
-    base = (*path[:-1], str(path[-1]).removesuffix(quantization.SCALE)) if scale else path
+    scale = is_scale(path[-1])
+    base = weight_path(path) if scale else path
     shape = shapes[base]
     block = (cfg.quantize_block[0], cfg.quantize_block[1])
     rows, cols = block
@@ -590,10 +591,10 @@ def _tensors(model: nnx.Module, dequantized: np.dtype) -> Iterator[tuple[str, np
 
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for p, var in flat.items():
-        if str(p[-1]).endswith(quantization.SCALE):
+        if is_scale(p[-1]):
             continue
         whole = _host(var[...])
-        scale = flat.get(p[:-1] + (str(p[-1]) + quantization.SCALE,))
+        scale = flat.get(scale_path(p))
         if scale is not None:
             block = (cfg.quantize_block[0], cfg.quantize_block[1])
             whole = np.asarray(quantization.dequantize(jnp.asarray(whole), jnp.asarray(_host(scale[...])), block,

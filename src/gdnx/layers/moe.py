@@ -32,6 +32,7 @@ from gdnx.layers.lora import LoRA
 from gdnx.layers.mlp import MLP, swiglu
 from gdnx.ops.grouped_matmul import grouped_matmul, resolve, traced_platform
 from gdnx.parallel.moe import RAGGED_PLATFORMS, Exchange, ShardAxes, holds_whole_blocks, run_experts, split_experts
+from gdnx.scales import scale_name
 
 
 class RouterStats(NamedTuple):
@@ -147,7 +148,7 @@ class SparseMoE(nnx.Module):
         for name in EXPERT_WEIGHTS:
             values, scale = quantization.quantize(getattr(self, name)[...], kind, block)
             setattr(self, name, nnx.Param(values))
-            setattr(self, name + quantization.SCALE, nnx.Param(scale))
+            setattr(self, scale_name(name), nnx.Param(scale))
 
     def _weights(self, name: str, split: bool) -> jax.Array | QArray:
         """An experts' weight with its LoRA adapter (<name>_lora) added in.
@@ -155,7 +156,7 @@ class SparseMoE(nnx.Module):
         is held (a qwix.QArray) where its blocks tile it and each shard holds
         whole matrices (gdnx.ops.grouped_matmul); otherwise dequantized."""
         w = getattr(self, name)[...]
-        scale = getattr(self, name + quantization.SCALE, None)
+        scale = getattr(self, scale_name(name), None)
         adapter: LoRA | None = getattr(self, f"{name}_lora", None)
         if scale is not None:
             assert self.block is not None  # set by quantize with the factors

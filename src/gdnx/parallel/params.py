@@ -19,9 +19,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from gdnx.config.schema import ModelConfig
-from gdnx import quantization  # its SCALE is read at call time: quantization imports gdnx.parallel.rules
 from gdnx.parallel.moe import expert_axes, split_experts
 from gdnx.parallel.rules import spec
+from gdnx.scales import is_scale, weight_name
 from gdnx.stacking import STACKED
 
 _EXPERTS = ("experts_gate", "experts_up", "experts_down")
@@ -117,8 +117,8 @@ def logical_axes(names: list[str], ndim: int, split_experts: bool = False) -> tu
         base = logical_axes([*names[:-2], "kernel" if owner == "lora" else owner.removesuffix("_lora")], ndim,
                             split_experts)
         return (*base[:-1], None) if names[-1] == "lora_a" else (*base[:-2], None, base[-1])
-    if names[-1].endswith(quantization.SCALE):  # a quantized weight's block factors: split as the weight (where they divide)
-        return logical_axes([*names[:-1], names[-1].removesuffix(quantization.SCALE)], ndim, split_experts)
+    if is_scale(names[-1]):  # a quantized weight's block factors: split as the weight (where they divide)
+        return logical_axes([*names[:-1], weight_name(names[-1])], ndim, split_experts)
     if split_experts and len(names) >= 2 and names[-2] == "mlp" and names[-1] in _EXPERTS:
         gate_up, down = expert_axes(True)
         return down if names[-1] == "experts_down" else gate_up
@@ -141,7 +141,7 @@ def shardings(tree: Any, cfg: ModelConfig, mesh: Mesh) -> Any:
         names = _names(key_path)
         axes = logical_axes(names, x.ndim, split)
         # a scale's dims count blocks, not the weight's head groups
-        return NamedSharding(mesh, spec(axes, x.shape, units=None if names[-1].endswith(quantization.SCALE) else units,
+        return NamedSharding(mesh, spec(axes, x.shape, units=None if is_scale(names[-1]) else units,
                                         mesh=mesh))
     return jax.tree_util.tree_map_with_path(one, tree)
 

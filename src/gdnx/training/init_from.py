@@ -35,6 +35,7 @@ from gdnx.data.source import run_tokenizer
 from gdnx.models import CausalLM
 from gdnx.parallel import as_auto
 from gdnx.parallel.rules import is_explicit
+from gdnx.scales import is_scale, scale_path, weight_path
 from gdnx.stacking import layer_paths
 
 # ModelConfig fields a config may set whatever the checkpoint's: how the same
@@ -150,12 +151,12 @@ def initial_params(cfg: ModelConfig, params: Any, placement: Any | None, field: 
     out = []
     for p, var in flat:
         name = str(p[-1])
-        factors = name.endswith(quantization.SCALE)
-        base = (*p[:-1], name.removesuffix(quantization.SCALE)) if factors else p
-        if factors or _scale_path(p) in variables:
+        factors = is_scale(name)
+        base = weight_path(p) if factors else p
+        if factors or scale_path(p) in variables:
             if base not in quantized:
                 layout = (_auto(getattr(variables[base], "sharding", None)),
-                          _auto(getattr(variables[_scale_path(base)], "sharding", None)))
+                          _auto(getattr(variables[scale_path(base)], "sharding", None)))
                 quantized[base] = _quantize(weight(base), cfg, block, layout)
             value = quantized[base][factors]
         else:
@@ -229,11 +230,6 @@ def _placed(var: Any, value: jax.Array) -> Any:
     return var.replace(value if sharding is None else jax.device_put(value, sharding))
 
 
-def _scale_path(p: tuple) -> tuple:
-    """Where a quantized weight's factors are, beside its values at `p`."""
-    return (*p[:-1], f"{p[-1]}{quantization.SCALE}")
-
-
 def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
     """A run's weights held quantized here (the base of QLoRA: a run's own
     weights are never quantized, since only LoRA trains over such a base):
@@ -244,7 +240,7 @@ def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
     variables = dict(flat)
 
     def factors(p: tuple) -> tuple | None:
-        return _scale_path(p) if _scale_path(p) in variables else None
+        return scale_path(p) if scale_path(p) in variables else None
 
     def auto(p: tuple) -> Any:
         return _auto(getattr(variables[p], "sharding", None))
@@ -252,7 +248,7 @@ def _quantized_run(path: Path, cfg: ModelConfig, params: Any) -> Any:
     floats = nnx.from_flat_state([
         (p, var.replace(jax.ShapeDtypeStruct(var.shape, cfg.param_dtype if factors(p) else var.dtype,
                                              sharding=auto(p))))
-        for p, var in flat if not str(p[-1]).endswith(quantization.SCALE)])
+        for p, var in flat if not is_scale(p[-1])])
     restored = dict(nnx.to_flat_state(load_run_params(path, floats)[0]))
     block = (cfg.quantize_block[0], cfg.quantize_block[1])
     out = []
