@@ -21,6 +21,7 @@ from gdnx.cli import main
 from tests.helpers.hf_models import VOCAB
 from tests.helpers.configs import SMALL_RUN
 from tests.helpers.cli import refused
+from tests.helpers.tiers import fast_only
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -49,6 +50,7 @@ def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv
     assert not (tmp_path / "runs").exists()  # nothing written for a refused run
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path):
     out = f"train.out_dir={tmp_path}"
     assert main(["train", "tiny", *SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", out]) == 0
@@ -74,7 +76,7 @@ def test_checkpoint_of_another_config_is_refused_and_left_alone(capsys, tmp_path
     assert got[0]["tokens"] == [int(t) for t in printed] and len(got[1]["tokens"]) == 2
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe", "olmo_hybrid"])
+@pytest.mark.parametrize("kind", fast_only(["qwen3_next", "qwen3_5_moe", "olmo_hybrid"], lambda k: k == "qwen3_next"))
 def test_generate_from_a_hugging_face_directory(capsys, hf_checkpoints, kind):
     vocab = {f"w{i}": i for i in range(VOCAB)}
     path = hf_checkpoints.path(kind, tokenizer="words")
@@ -84,6 +86,7 @@ def test_generate_from_a_hugging_face_directory(capsys, hf_checkpoints, kind):
     assert len(words) >= 1 and all(w in vocab for w in words)
 
 
+@pytest.mark.slow
 def test_a_hugging_face_directory_decodes_alike_with_its_layers_scanned_or_unrolled(capsys, hf_checkpoints):
     """model.scan_layers: the same greedy words either way (a layout for serving: on CPU an unrolled decode step
     runs about twice as fast, docs/benchmarks.md; a deep stack compiles longer)."""
@@ -123,7 +126,7 @@ def test_train_on_a_text_file(tmp_path, capsys):
     assert "line 1: expected a JSON object" in err
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "olmo_hybrid"])
+@pytest.mark.parametrize("family", fast_only(["qwen3_5", "olmo_hybrid"], lambda f: f == "qwen3_5"))
 def test_train_and_generate_each_family(capsys, tmp_path, family):
     """A GDN + attention model of the family trains and generates from its run."""
     model = [f"model.family={family}", "model.layer_types=[linear_attention, full_attention]",
@@ -179,6 +182,7 @@ def test_every_data_and_file_mistake_is_one_line(capsys, tmp_path, monkeypatch):
     assert f"{tmp_path} is not writable" in err
 
 
+@pytest.mark.slow
 def test_a_run_that_failed_before_its_first_checkpoint_does_not_bind_the_out_dir(capsys, tmp_path, monkeypatch):
     """Out of memory at the first step leaves config.json and no checkpoint:
     rerunning there with the error's advice (another shape) trains."""
@@ -209,6 +213,7 @@ def test_every_config_and_size_mistake_is_one_line(capsys, tmp_path, monkeypatch
     assert "164692.4B parameters need about" in err and time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_change_that_alters_results_and_records_the_others(capsys, tmp_path):
     out = f"train.out_dir={tmp_path}"
     assert main(["train", "tiny", *SMALL_RUN, "train.steps=3", "train.checkpoint_every=3", out]) == 0
@@ -312,6 +317,7 @@ def test_version_and_help_on_every_flag(capsys):
             assert action.help, f"gdnx {name} {action.option_strings or action.dest}: no help"
 
 
+@pytest.mark.slow
 def test_every_fine_tuning_mistake_is_one_line(capsys, tmp_path, hf_checkpoints):
     """A checkpoint of another model type, an architecture override, LoRA
     without a base, SFT examples the data or template refuse, an export of

@@ -131,6 +131,7 @@ def test_more_prompts_file_mistakes_are_one_line(tmp_path, capsys, content, flag
     assert match in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
 def test_a_stopped_prompts_file_keeps_its_results_and_resume_finishes_it(checkpoint, tmp_path, capsys,
                                                                          monkeypatch, how):
@@ -210,6 +211,7 @@ def test_prompts_file_lines_take_an_output_constraint(tmp_path, capsys):
     assert "line 1: structured_outputs.regex: not a valid regex" in err, err
 
 
+@pytest.mark.slow
 def test_a_failed_request_is_an_error_record_in_its_place_and_resume_runs_it_again(checkpoint, tmp_path, capsys,
                                                                                   monkeypatch):
     """A request that fails on the engine (here: its line's seed fails it in
@@ -250,6 +252,7 @@ def test_a_failed_request_is_an_error_record_in_its_place_and_resume_runs_it_aga
     assert out.read_text().splitlines(keepends=True) == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantize_through_the_engine_gives_the_plain_paths_tokens(checkpoint, hf_checkpoints, tmp_path, kind):
     """--quantize: the engine (prefix cache, speculation, batching) on the

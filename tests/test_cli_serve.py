@@ -44,6 +44,7 @@ def test_a_missing_checkpoint_is_one_line(tmp_path, capsys):
     assert "--checkpoint: no such directory" in err
 
 
+@pytest.mark.slow
 def test_two_servers_started_together_on_one_port_one_serves_and_one_refuses(checkpoint, processes):
     """The second to listen is refused in one line before it loads a model
     (it listens before it announces); the winner serves, here with the
@@ -116,6 +117,7 @@ def test_a_stop_while_starting_ends_it_in_one_line(checkpoint, processes, signum
     assert f"gdnx serve: {signum} received while starting; stopped" in rest and "Traceback" not in rest, rest
 
 
+@pytest.mark.slow
 def test_a_second_start_reads_its_programs_from_the_compile_cache(checkpoint, processes, tmp_path):
     """--compile-cache (default ~/.cache/gdnx/compiled; here a directory of
     the test's): the first start writes every program it compiles there; a

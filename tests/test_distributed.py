@@ -191,6 +191,7 @@ def text_runs(tmp_path_factory):
     return root, text, runs
 
 
+@pytest.mark.multiprocess
 @pytest.mark.xdist_group("text_runs")  # one worker builds the runs once
 def test_two_processes_match_one_on_a_text_corpus(text_runs):
     root, _, runs = text_runs
@@ -207,6 +208,7 @@ def _stopped_at(text_runs) -> int:
     return max(_losses(root / "stopped"))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.xdist_group("text_runs")  # one worker builds the runs once
 def test_sigterm_to_one_process_stops_both_at_a_step_they_agree_on(text_runs):
     root, _, runs = text_runs
@@ -215,6 +217,7 @@ def test_sigterm_to_one_process_stops_both_at_a_step_they_agree_on(text_runs):
     assert all(f"stopped by SIGTERM at step {reached} of {STEPS}" in runs["stopped"][0].output(i) for i in (0, 1))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.xdist_group("text_runs")  # one worker builds the runs once
 @pytest.mark.parametrize("processes_now", [2, 1])
 def test_a_stopped_run_resumes_on_two_processes_bit_for_bit_or_on_one(text_runs, tmp_path, processes, processes_now):
@@ -230,6 +233,7 @@ def test_a_stopped_run_resumes_on_two_processes_bit_for_bit_or_on_one(text_runs,
     _assert_same(root / "two", tmp_path / "run", exact=processes_now == 2)
 
 
+@pytest.mark.multiprocess
 def test_a_killed_process_ends_the_others_in_one_line_and_the_run_resumes(tmp_path, processes):
     """kill -9 of process 1: process 0 exits within the heartbeat timeout
     with one line and status 4; the run then resumes from its checkpoint."""
@@ -263,6 +267,7 @@ def test_a_killed_process_ends_the_others_in_one_line_and_the_run_resumes(tmp_pa
     assert outs[0][0] == alone.stdout and outs[1][0] == ""
 
 
+@pytest.mark.multiprocess
 def test_a_silent_process_ends_the_others_after_the_heartbeat_timeout(tmp_path, processes):
     """A process that stops answering with its connections open (SIGSTOP:
     as when its host vanishes) is taken for dead after --heartbeat-timeout
@@ -327,6 +332,7 @@ print("saved by", jax.process_index())
 """
 
 
+@pytest.mark.multiprocess
 def test_two_processes_load_a_hugging_face_directory_sharded_and_save_the_same_bytes(tmp_path, processes):
     """Each process reads its devices' parts of the files (fsdp=4 x tensor=2
     over two processes of 4 devices); saving gathers each tensor and
@@ -372,6 +378,7 @@ def _error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "error" in line.lower()]
 
 
+@pytest.mark.multiprocess
 def test_processes_started_with_different_configs_refuse_naming_the_field(tmp_path, processes):
     """Two processes of one run with different learning rates: both refuse
     in one line naming train.learning_rate, before anything is written."""
@@ -385,6 +392,7 @@ def test_processes_started_with_different_configs_refuse_naming_the_field(tmp_pa
     assert not (tmp_path / "run" / "config.json").exists()
 
 
+@pytest.mark.multiprocess
 def test_a_coordinator_port_in_use_is_one_line(tmp_path, processes):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -395,6 +403,7 @@ def test_a_coordinator_port_in_use_is_one_line(tmp_path, processes):
     assert len(lines) == 1 and f"--coordinator: port {run.port} is in use on this host" in lines[0], run.output()
 
 
+@pytest.mark.multiprocess
 def test_a_process_that_never_joins_and_a_second_process_id_are_named(tmp_path, processes):
     """Process 1 never starts: process 0 says every few seconds that it
     waits, then stops after --join-timeout in one line (status 4). Then a

@@ -71,6 +71,7 @@ def test_gdnx_eval_gives_lm_evals_hf_numbers(setup, reference, tmp_path, capsys)
     _same_numbers(results, samples, reference, TASKS.split(","))
 
 
+@pytest.mark.multiprocess
 def test_gdnx_eval_on_two_processes_gives_the_same_numbers(setup, reference, tmp_path, processes):
     """2 processes x 4 CPU devices, one mesh (data 2 x tensor 4): every
     process runs the same requests (SPMD), process 0 writes the files and
@@ -97,6 +98,7 @@ def test_gdnx_eval_on_two_processes_gives_the_same_numbers(setup, reference, tmp
     _same_numbers(results, samples, reference, TASKS.split(","))
 
 
+@pytest.mark.slow
 def test_lm_evals_api_backends_against_gdnx_serve(setup, reference):
     """lm-eval's local-completions backend (token-id prompts, echo with
     logprobs) against `gdnx serve`: the hf backend's numbers; its
@@ -175,6 +177,7 @@ def test_short_requests_share_rows():
     assert calls == [(128, [[6, 2, 8], [4, 1, 0, 7]]), (64, [[9, 5], [3]])]
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_evaluating_ends_at_once_with_130_and_writes_nothing(setup, tmp_path, processes):
     """Ctrl-C once the scoring has begun: one line, status 130, no results
     file (a KeyboardInterrupt landing in a garbage-collector callback was

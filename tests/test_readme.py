@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gdnx.cli import main
 from gdnx.data.text import BYTES_EOS
@@ -55,6 +56,7 @@ def _served_completion(command: list[str], cwd: Path) -> dict:
     return reply.json()
 
 
+@pytest.mark.slow
 def test_the_readme_runs_from_the_demo_to_serving(tmp_path, monkeypatch, capsys):
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     monkeypatch.chdir(tmp_path)

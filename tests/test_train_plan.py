@@ -18,6 +18,7 @@ SMALL = ["model.num_hidden_layers=4", "model.layer_types=null", "model.full_atte
          "data.seq_len=256", "train.batch_size=8"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology,axes", [
     ("v4:2x2x1", ["parallel.data=1", "parallel.fsdp=2", "parallel.tensor=2"]),
     ("v5p:2x2x1", ["parallel.data=2", "parallel.context=2"]),
@@ -45,6 +46,7 @@ def test_train_step_compiles_for_a_slice_with_the_kernel(monkeypatch, topology, 
     assert p.flops > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["h100:4"])  # on TPU slices: the expert case of the train step above
 def test_the_expert_axis_exchanges_the_token_copies_ragged(monkeypatch, topology):
     """On GPUs, as on TPUs, the expert axis sends each device's token copies
@@ -58,6 +60,7 @@ def test_the_expert_axis_exchanges_the_token_copies_ragged(monkeypatch, topology
     assert "ragged-all-to-all" in texts[0]
 
 
+@pytest.mark.slow
 def test_qwen3_next_80b_trains_on_a_host_of_eight_h200s():
     """The bundled Qwen3-Next-80B-A3B's train step (8 rows of 4,096 tokens)
     sharded fsdp 8 over the GPUs of one H200 host: the GDN kernels and the
@@ -67,6 +70,7 @@ def test_qwen3_next_80b_trains_on_a_host_of_eight_h200s():
     assert p.argument_bytes >= 3 * 2 * p.parameters / p.chips  # bfloat16 parameters and moments, a share each
 
 
+@pytest.mark.slow
 def test_model_flops_against_xla_on_an_unrolled_model():
     """Without loops over layers, XLA's count of the per-chip programs
     (summed) is the architecture's count plus the elementwise work it leaves
@@ -82,6 +86,7 @@ def test_model_flops_against_xla_on_an_unrolled_model():
     assert 1.0 <= p.flops * p.chips / p.model_flops <= 1.5, p.flops * p.chips / p.model_flops
 
 
+@pytest.mark.slow
 def test_a_model_too_large_for_the_slice_is_refused_in_one_line():
     """Width 4096 at a 151,936-token vocabulary, parameters whole on each chip
     (data parallel only): float32 embeddings, their gradients and AdamW
@@ -100,6 +105,7 @@ def test_cli_prints_the_plan(capsys):
     assert "v5e:2x2: 4 chips" in out and "fits" in out and "Pallas kernel calls" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2"])
 def test_olmo_hybrid_7b_gdn_layer_compiles_with_the_slices_tiles(monkeypatch, topology):
     """OLMo-Hybrid-7B's GDN layer shape (30 key and value heads, K=96, V=192;
@@ -126,6 +132,7 @@ def test_olmo_hybrid_7b_gdn_layer_compiles_with_the_slices_tiles(monkeypatch, to
     assert set(chosen) == {(2, 15, 1)}  # (the slice's entry, key heads per shard, the head tile run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["h100:4"])  # beside the TPU targets' process (make test)
 def test_a_lora_step_over_a_quantized_base_is_planned_as_trained(topology):
     """train.lora: the plan compiles the adapters' step over the frozen base
@@ -149,6 +156,7 @@ RL = ["data.source=rl", "data.path=prompts.jsonl", "train.rl.group_size=4", "tra
       "train.rl.max_new_tokens=16"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["h100:1"])  # beside the TPU targets' process (make test)
 def test_cli_plans_the_rl_update_and_its_rollout_engine(capsys, topology):
     """train.rl, bitwise: the update (the replay of the engine's prefill
@@ -163,6 +171,7 @@ def test_cli_plans_the_rl_update_and_its_rollout_engine(capsys, topology):
     assert "RL run per chip: updating" in out and out.rstrip().endswith("fits")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["h100:1"])
 def test_the_default_rl_update_is_planned_on_the_rows(topology):
     """Default mode: the update reads rows of prompt + completion, placed

@@ -26,6 +26,7 @@ from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 from tests.helpers.fp8 import fp8_checkpoint, fp8_values
 from tests.helpers.hf_models import KINDS, hf_logits, tokens
+from tests.helpers.tiers import fast_only
 
 # every family; blocks that do not divide the tiny matrices (partial edges) and every factor format
 CASES = [("qwen3_next_moe", (16, 24), "float32"), ("qwen3_5", (128, 128), "float32"),
@@ -34,7 +35,8 @@ CASES = [("qwen3_next_moe", (16, 24), "float32"), ("qwen3_5", (128, 128), "float
          ("lara_mini", (16, 16), "bfloat16")]
 
 
-@pytest.mark.parametrize("kind, block, factors", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("kind, block, factors", fast_only(CASES, lambda c: c[0] in ("qwen3_next_moe", "qwen3_5")),
+                         ids=[c[0] for c in CASES])
 def test_fp8_checkpoint_matches_transformers_on_its_values(hf_checkpoints, tmp_path, kind, block, factors):
     stored = fp8_checkpoint(hf_checkpoints.path(kind), tmp_path / "fp8", tmp_path / "plain", block, factors)
     assert sum(k.endswith("_scale_inv") for k in stored) >= 8
@@ -92,7 +94,7 @@ def test_an_fp8_checkpoint_held_as_fp8_keeps_its_values_and_factors(hf_checkpoin
         CausalLM.from_pretrained(tmp_path / "fp8", quantize="int8")
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next_moe", "kimi_linear"])
+@pytest.mark.parametrize("kind", fast_only(["qwen3_next_moe", "kimi_linear"], lambda k: k == "qwen3_next_moe"))
 def test_a_model_held_as_fp8_is_written_back_in_the_fp8_layout(hf_checkpoints, tmp_path, kind):
     """save_pretrained(fp8_layout=True) of an FP8 checkpoint held as fp8
     writes the published layout again: every tensor the file held, under its

@@ -48,6 +48,7 @@ def straight(tmp_path_factory):
     return saved_params(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("harm", ["flip", "truncate", "no_manifest"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, capsys, straight, harm):
     train(_config(tmp_path, 6))
@@ -89,6 +90,7 @@ def test_no_intact_checkpoint_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "no intact checkpoint under checkpoints/ (step 3: " in err[0], err
 
 
+@pytest.mark.slow
 def test_an_unfinished_first_checkpoint_starts_over(tmp_path, capsys, straight):
     """A kill between orbax finishing the first checkpoint and its checksum
     manifest: the run starts from step 0 (as if killed before it) and ends
@@ -109,6 +111,7 @@ def test_an_unfinished_first_checkpoint_starts_over(tmp_path, capsys, straight):
     assert steps == sorted(set(steps))
 
 
+@pytest.mark.slow
 def test_keeping_one_checkpoint_never_leaves_none_intact(tmp_path, capsys, straight, monkeypatch):
     """train.keep_checkpoints=1: the previous checkpoint is deleted only
     after the new one's manifest is written. A kill just before that

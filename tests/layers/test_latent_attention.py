@@ -14,6 +14,8 @@ from gdnx.layers.rope import rope_tables
 from gdnx.measure import relative_error
 from gdnx.models.adapters import add_adapters
 
+from tests.helpers.tiers import fast_only
+
 RANK, NOPE, ROPE, V, HEADS = 16, 8, 8, 12, 4
 
 
@@ -23,7 +25,7 @@ def _layer(absorb: bool, q_lora_rank: int | None = None) -> LatentAttention:
                            init_std=0.3, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("rope", [False, True], ids=["nope", "rope"])
+@pytest.mark.parametrize("rope", fast_only([False, True], lambda rope: rope), ids=["nope", "rope"])
 @pytest.mark.parametrize("q_lora_rank", [None, 12], ids=["q", "q_lora"])
 def test_latent_order_equals_expanded_keys_and_values(rope, q_lora_rank):
     """Rows at their own lengths (5 and 11 tokens cached), 3 new tokens each:

@@ -6,6 +6,7 @@ module)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from gdnx.layers import moe
@@ -40,6 +41,7 @@ def test_tokens_in_passes_equal_one_pass(monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_glm5_next_moe_is_the_sigmoid_router_with_clamped_gates():
     """GLM-5-Next's MoE (DeepSeek-V3's group-limited sigmoid router with its
     correction bias, experts and an ungated shared expert whose SwiGLU

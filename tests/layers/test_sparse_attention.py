@@ -111,6 +111,7 @@ def test_pooled_indexer_selects_as_glm5_next(tail):
     np.testing.assert_array_equal(_as_mask(np.where(np.asarray(valid), np.asarray(rows), -1), T), want)
 
 
+@pytest.mark.slow
 def test_indexed_latent_attention_matches_glm5_next():
     """A full layer, then a shared-index layer on its selection."""
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
@@ -185,6 +186,7 @@ def _qwen_ours() -> IndexedGatedAttention:
                                  param_dtype=jnp.float32, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_indexed_gated_attention_matches_qwen4_exp():
     """The QSA selection token for token, then the layer's output; and the
     same through a cache, prefilled then stepped (gathered rows)."""

@@ -15,6 +15,7 @@ from gdnx.models import Cache, CausalLM
 from gdnx.models.causal_lm import parameter_count
 from tests.helpers.configs import KIMI, LARA, LING, MOE, TINY_HYBRID
 from tests.helpers.models import unrolled_view
+from tests.helpers.tiers import SLOW, fast_only
 
 TINY = {**TINY_HYBRID, **MOE}
 
@@ -41,7 +42,8 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", fast_only(FAMILIES, lambda f: f in ("qwen3_5_gva3", "kimi_linear",
+                                                                   "olmo_hybrid_nope")))
 def test_prefill_then_decode_equals_one_pass(family):
     """Prefill 21 tokens into a cache, decode 6 one by one: the logits equal
     a single pass over all 27 (fp32; 1e-5 relative: the chunked and the
@@ -70,8 +72,9 @@ def _grads(model, toks):
     return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-@pytest.mark.parametrize("policy", ["full", "save_gdn_residuals"])
+@pytest.mark.parametrize("policy,scan", [pytest.param(p, s, id=f"{p}-{'scanned' if s else 'unrolled'}",
+                                                      marks=() if (p, s) == ("full", False) else SLOW)
+                                         for p in ("full", "save_gdn_residuals") for s in (False, True)])
 def test_remat_policies_keep_gradients(policy, scan):
     """Remat per decoder layer, inside the scan when the layers are scanned
     (the same parameter tree either way with scan: compared scanned to
@@ -108,6 +111,7 @@ def test_auto_picks_no_kernel_on_cpu():
     assert model.layers[0].mixer.op.implementation is None  # the op's default: xla on CPU
 
 
+@pytest.mark.slow
 def test_tied_embeddings_and_bf16():
     model = _model(tie_word_embeddings=True, dtype="bfloat16")
     assert model.lm_head is None
@@ -124,6 +128,7 @@ def test_token_errors():
         model(jnp.zeros((3,), jnp.int32))
 
 
+@pytest.mark.slow
 def test_published_config_builds_the_80b_model():
     """The bundled qwen3-next-80b-a3b config, built abstractly (no memory):
     79.67 billion parameters, the published 80B without the multi-token
@@ -150,7 +155,7 @@ PUBLISHED = {
 }
 
 
-@pytest.mark.parametrize("name", list(PUBLISHED))
+@pytest.mark.parametrize("name", fast_only(PUBLISHED, lambda n: n in ("kimi-linear-48b-a3b", "olmo-hybrid-7b")))
 def test_bundled_family_configs_build_the_published_sizes(name):
     count, billions, margin = PUBLISHED[name]
     model = nnx.eval_shape(lambda: CausalLM(load_config(name).model))
@@ -159,8 +164,9 @@ def test_bundled_family_configs_build_the_published_sizes(name):
     assert abs(built / 1e9 - billions) <= margin * billions, built
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas_tpu"])
-@pytest.mark.parametrize("family", ["qwen3_next_moe", "olmo_hybrid", "kimi_linear"])
+@pytest.mark.parametrize("family,implementation", fast_only(
+    [(f, i) for f in ("qwen3_next_moe", "olmo_hybrid", "kimi_linear") for i in ("xla", "pallas_tpu")],
+    lambda case: case in (("olmo_hybrid", "pallas_tpu"), ("kimi_linear", "xla"))))
 def test_packed_documents_match_each_document_alone(implementation, family):
     """Three documents (7, 20 and 13 tokens) packed in one row after others:
     each one's logits equal those of the document alone (float32, relative
@@ -195,6 +201,7 @@ SCANNED = dict(num_hidden_layers=6, layer_types=["linear_attention"]
 
 # GDN, gated attention and MoE; KDA and latent attention's stacked caches (every family's scanned logits
 # are checked against transformers in tests/models/test_causal_lm_hf.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next_moe", "kimi_linear"])
 def test_scanned_layers_equal_the_unrolled_stack(family):
     """The scanned model starts from the unrolled model's parameters (bit for
@@ -292,7 +299,7 @@ def test_the_parameter_count_is_the_built_models(name, overrides):
     assert parameter_count(cfg) == sum(x.size for x in jax.tree.leaves(built))
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "lara_mini"])
+@pytest.mark.parametrize("family", fast_only(["qwen3_next", "kimi_linear", "lara_mini"], lambda f: f == "qwen3_next"))
 def test_padded_rows_and_state_histories_for_serving(family):
     """A cache with a length per row: right-padded rows (lengths) give each
     row's logits and next states as the row alone (a sliding window's ring

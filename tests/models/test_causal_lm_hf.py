@@ -25,6 +25,7 @@ from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import parameter_count
 from tests.helpers.hf_models import KINDS, _BASE, assert_same_model, hf_logits, random_hf_model, tokens
+from tests.helpers.tiers import SLOW, fast_only
 
 TOL = 1e-4
 
@@ -34,7 +35,8 @@ TOL = 1e-4
 LAYOUTS = [(kind, False) for kind in KINDS] + [(kind, True) for kind in KINDS]
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{k}-{'scanned' if s else 'unrolled'}" for k, s in LAYOUTS])
+@pytest.fixture(scope="module", params=[pytest.param(layout, marks=SLOW if layout[1] else ()) for layout in LAYOUTS],
+                ids=[f"{k}-{'scanned' if s else 'unrolled'}" for k, s in LAYOUTS])
 def pair(hf_checkpoints, request):
     kind, scanned = request.param
     hf, model = hf_checkpoints.hf_and_gdnx(kind, scan_layers=scanned)
@@ -42,7 +44,7 @@ def pair(hf_checkpoints, request):
     return hf, model
 
 
-@pytest.mark.parametrize("length", [1, 77, 130])
+@pytest.mark.parametrize("length", fast_only([1, 77, 130], lambda n: n == 77))
 def test_logits_match_transformers(pair, length):
     hf, model = pair
     toks = tokens(2, length)
@@ -59,6 +61,7 @@ def test_save_pretrained_loads_in_transformers_bit_identical(pair, tmp_path):
     assert_same_model(back, hf)
 
 
+@pytest.mark.slow
 def test_aux_loss_matches_transformers(hf_checkpoints):
     hf, model = hf_checkpoints.hf_and_gdnx("qwen3_5_moe")
     toks = tokens(2, 40)
@@ -68,8 +71,9 @@ def test_aux_loss_matches_transformers(hf_checkpoints):
     assert abs(float(out.aux_loss) - ref) <= 1e-5 * abs(ref), (float(out.aux_loss), ref)
 
 
-@pytest.mark.parametrize("kind,scanned", [(kind, False) for kind in KINDS]
-                         + [("qwen3_5_moe", True), ("olmo_hybrid", True)])
+@pytest.mark.parametrize("kind,scanned", fast_only(
+    [(kind, False) for kind in KINDS] + [("qwen3_5_moe", True), ("olmo_hybrid", True)],
+    lambda case: case == ("qwen3_5", False)))
 def test_greedy_generation_matches_transformers(hf_checkpoints, kind, scanned):
     # weights scaled up so the next-token distribution is peaked: greedy ties
     # between near-equal logits would make the comparison about float noise
@@ -92,7 +96,7 @@ def test_olmo_hybrid_without_rope(tmp_path):
     assert relative_error(model(jnp.asarray(toks, jnp.int32)), hf_logits(hf, toks)) <= TOL
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", fast_only([False, True], lambda moe: not moe), ids=["dense", "moe"])
 def test_vision_language_checkpoint_loads_its_language_model(tmp_path, caplog, moe):
     """A Qwen3.5 ForConditionalGeneration directory: the language model
     loads (logits equal the text model's), the vision tower is skipped
@@ -120,6 +124,7 @@ def test_unsupported_model_type_is_one_line(tmp_path):
         CausalLM.from_pretrained(tmp_path)
 
 
+@pytest.mark.slow
 def test_olmo_hybrid_with_its_own_head_dim(tmp_path):
     """An OLMo Hybrid config.json with head_dim other than hidden / heads
     (transformers takes it from the file) loads and matches."""
@@ -161,6 +166,7 @@ def test_linear_attention_heads_that_do_not_fit_the_tensors_name_the_fields(hf_c
         CausalLM.from_pretrained(tmp_path)
 
 
+@pytest.mark.slow
 def test_ling_multi_token_prediction_layers_left_out_are_skipped_once(tmp_path, caplog):
     """A Ling 3 checkpoint stores its multi-token prediction layer after the
     decoder's (model.layers.4.* here): loaded without it

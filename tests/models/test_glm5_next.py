@@ -21,6 +21,7 @@ from gdnx.checkpoints.hf_config import model_config_from_hf
 from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 from tests.helpers.hf_models import assert_config_refused, assert_packed_equals_alone, GLM5_NEXT_TEXT, assert_same_model, hf_logits, tokens
+from tests.helpers.tiers import fast_only
 
 TOL = 1e-4
 LAYERS = GLM5_NEXT_TEXT["layer_types"]
@@ -32,7 +33,8 @@ def checkpoint(hf_checkpoints):
     return hf_checkpoints.hf("glm5_next"), hf_checkpoints.path("glm5_next")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["unrolled", "scanned"])
+@pytest.fixture(scope="module", params=fast_only([False, True], lambda scanned: not scanned),
+                ids=["unrolled", "scanned"])
 def pair(checkpoint, request):
     hf, path = checkpoint
     model = CausalLM.from_pretrained(path, scan_layers=request.param)
@@ -50,7 +52,7 @@ def _logits(model, toks, segments=None):
     return model.forward(toks, segments=segments).logits
 
 
-@pytest.mark.parametrize("length", [6, 45])
+@pytest.mark.parametrize("length", fast_only([6, 45], lambda n: n == 45))
 def test_logits_match_transformers(pair, length):
     hf, model = pair
     toks = tokens(2, length)
@@ -58,6 +60,7 @@ def test_logits_match_transformers(pair, length):
     assert err <= TOL, err
 
 
+@pytest.mark.slow
 def test_packed_documents_equal_each_document_alone(unrolled):
     """A row packing three documents (13, 22 and 10 tokens: pools from each
     document's first token, unfinished last pools) gives each document's

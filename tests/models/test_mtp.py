@@ -24,6 +24,7 @@ from gdnx.measure import relative_error
 from gdnx.models import CausalLM
 from tests.helpers.hf_models import hf_logits, tokens
 from tests.helpers.mtp import mtp_checkpoint
+from tests.helpers.tiers import fast_only
 
 
 def _reference(directory, mtp, layer, toks):
@@ -61,7 +62,7 @@ def _reference(directory, mtp, layer, toks):
         return main.lm_head(norm("norm")(out)).float().numpy()
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5"])
+@pytest.mark.parametrize("kind", fast_only(["qwen3_next_moe", "qwen3_5"], lambda k: k == "qwen3_5"))
 def test_an_mtp_module_loads_computes_as_transformers_pieces_and_is_written_back(hf_checkpoints, tmp_path, kind):
     directory, mtp, layer = mtp_checkpoint(hf_checkpoints.path(kind), tmp_path / "mtp", np.random.default_rng(0))
     model = CausalLM.from_pretrained(directory)
@@ -89,6 +90,7 @@ def test_an_mtp_module_loads_computes_as_transformers_pieces_and_is_written_back
         bare.mtp_logits(toks)
 
 
+@pytest.mark.slow
 def test_ling_3s_mtp_layer_computes_and_drafts_as_transformers_and_is_written_back(hf_checkpoints, tmp_path):
     """Ling 3's multi-token prediction layer (model.layers.N: enorm, hnorm,
     eh_proj, a latent-attention MoE layer, shared_head.norm), as Ling stores

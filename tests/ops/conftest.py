@@ -2,7 +2,8 @@
 loops in numpy): such a module sets `pytestmark = pytest.mark.usefixtures("x64")`.
 Everything else runs with JAX's default (32-bit) types, as a model does.
 Contract tests take their cases from the implementation's class
-(delta_rule/contract.py: `over`)."""
+(delta_rule/contract.py: `over`); `make test` runs each one's first case,
+`make test-all` every case (the others are marked slow)."""
 
 import jax
 import pytest
@@ -23,5 +24,6 @@ def pytest_generate_tests(metafunc):
         skip = pytest.mark.skip(reason=f"{metafunc.cls.__name__} has no {attribute}")
         metafunc.parametrize("case", [pytest.param(None, marks=skip)], ids=["none"])
         return
-    metafunc.parametrize("case", values, ids=[str(v) if hasattr(v, "name") else f"{type(v).__name__}{i}"
-                                              for i, v in enumerate(values)])
+    ids = [str(v) if hasattr(v, "name") else f"{type(v).__name__}{i}" for i, v in enumerate(values)]
+    metafunc.parametrize("case", [v if i == 0 else pytest.param(v, marks=pytest.mark.slow)
+                                  for i, v in enumerate(values)], ids=ids)

@@ -151,6 +151,7 @@ COPIES, HIDDEN, WIDTH, EXPERTS = 40_960, 2_048, 256, 512
 GROUPED_BOUND = 4 * 2 ** 30
 
 
+@pytest.mark.slow
 @pytest.mark.deviceless
 @pytest.mark.parametrize("target, implementation", [
     ("tpu_v5e", "xla"), ("tpu_v5e", "mosaic"), ("tpu_v5p", "xla"), ("tpu_v5p", "mosaic"), ("tpu_v6e", "xla"),
@@ -229,6 +230,7 @@ def test_quantized_experts_equal_their_dequantized_weights():
     np.testing.assert_array_equal(jax.grad(loss)(x, w), jax.grad(loss)(x, plain))
 
 
+@pytest.mark.slow
 @pytest.mark.deviceless
 def test_quantized_experts_reach_the_gpu_kernel_as_they_are_held():
     """At the 80B shape above with float8 experts (a factor per 128 x 128
@@ -265,6 +267,7 @@ def test_quantized_experts_reach_the_gpu_kernel_as_they_are_held():
         assert jax.jit(backward).lower(*args).compile().memory_analysis() is not None
 
 
+@pytest.mark.slow
 @pytest.mark.deviceless
 def test_fp8_activations_reach_the_gpu_kernel_in_float8():
     """quantize_activations=fp8 (gdnx.quantization.fp8_product) on H100: the

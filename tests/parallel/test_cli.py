@@ -22,6 +22,7 @@ def checkpoint(hf_checkpoints):
     return hf_checkpoints.path("qwen3_next", scale=5.0, tokenizer="words"), model
 
 
+@pytest.mark.slow
 def test_generate_on_a_mesh_gives_the_one_device_tokens(checkpoint, tmp_path, capsys):
     path, model = checkpoint
     rng = np.random.default_rng(1)
@@ -58,6 +59,7 @@ def test_a_mesh_the_command_cannot_use_is_one_line(checkpoint, tmp_path, capsys,
     assert re.search(match, line), line
 
 
+@pytest.mark.slow
 def test_eval_on_a_mesh_gives_the_one_device_numbers(tmp_path, capsys):
     """gdnx eval with parallel.*: the scoring on a data x tensor mesh gives
     one device's per-sample log-likelihoods (1e-5 relative, float32)."""

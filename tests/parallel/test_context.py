@@ -64,6 +64,7 @@ def _on_context(body, in_specs, out_specs):
                          check_vma=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
 @pytest.mark.parametrize("implementation", ["xla", "pallas_tpu", "kda_xla"])
 def test_delta_rule_over_context_matches_one_device(implementation, packed):

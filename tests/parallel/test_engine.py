@@ -63,6 +63,7 @@ def _run(model, **kw):
 # GLM-5-Next's index caches, Qwen4-Exp's index caches and PLE states with the n-gram tables split);
 # qwen3_next_mtp drafts with its multi-token prediction module (its keys and values split with its
 # heads, the slots over data; its layer routes, as the model's last does)
+@pytest.mark.slow
 @pytest.mark.parametrize("family, mode, axes", [
     ("qwen3_next", "auto", dict(data=1, tensor=2, fsdp=4)),
     ("qwen3_next_mtp", "explicit", dict(data=2, tensor=4)),
@@ -91,6 +92,7 @@ def test_the_sharded_engine_gives_the_one_device_tokens(family, mode, axes):
             np.testing.assert_allclose(lp, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_batch_invariance_on_a_mesh():
     """batch_invariant on a tensor x data mesh: a request's logits are
     bit-identical alone, beside others and from a cached prefix."""

@@ -12,11 +12,12 @@ import pytest
 
 from gdnx.config.reading import load_config
 from gdnx.training import Trainer
+from tests.helpers.tiers import fast_only
 from tests.parallel.helpers import mesh
 from tests.parallel.helpers import MODEL
 
 
-@pytest.mark.parametrize("mode", ["auto", "explicit"])
+@pytest.mark.parametrize("mode", fast_only(["auto", "explicit"], lambda mode: mode == "auto"))
 @pytest.mark.parametrize("axes", [dict(data=2, fsdp=2, tensor=2), dict(data=2, context=4)],
                          ids=["data2_fsdp2_tensor2", "data2_context4"])
 def test_sharded_train_step_exports_for_tpu(mode, axes):

@@ -17,7 +17,7 @@ from tests.parallel.helpers import mesh
 from tests.parallel.helpers import losses, max_relative
 
 # one worker builds the checkpoint (a transformers save in a child process) for both cases
-pytestmark = pytest.mark.xdist_group("finetune")
+pytestmark = [pytest.mark.xdist_group("finetune"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

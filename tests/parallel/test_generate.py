@@ -32,6 +32,7 @@ def _model(family: str) -> CausalLM:
 # steps' token copies exchanged); the other families' own paths (GVA groups
 # and q/k norms over tensor shards) on the mesh that splits both tensor and
 # context
+@pytest.mark.slow
 @pytest.mark.parametrize("family, mode, name", [
     ("qwen3_next", "explicit", "context4_tensor2"), ("qwen3_next", "auto", "context8"),
     ("qwen3_next", "auto", "data2_fsdp2_tensor2"), ("qwen3_next", "explicit", "data2_expert2_tensor2"),
@@ -58,6 +59,7 @@ def test_prefill_and_greedy_decoding_on_a_mesh(family, mode, name):
     np.testing.assert_array_equal(tokens, ref_tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,name", [("explicit", "context4_tensor2"), ("auto", "data2_fsdp2_tensor2")])
 def test_scanned_generation_on_a_mesh_matches_the_unrolled_stack(mode, name):
     """Prefill into the stacked cache and greedy decoding with the scanned

@@ -51,6 +51,7 @@ def _assert_same(sharded, whole, m):
         np.testing.assert_array_equal(np.asarray(value), np.asarray(want[path][...]), err_msg=str(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_sharded_load_equals_whole_load(hf_dirs, kind, mesh_name):
@@ -98,6 +99,7 @@ def test_sharded_quantized_load_equals_whole_load(hf_dirs, kind, scan):
                  CausalLM.from_pretrained(hf_dirs["qwen3_next_moe"], **over), m)
 
 
+@pytest.mark.slow
 def test_sharded_load_of_an_mtp_module(hf_dirs, tmp_path):
     """The multi-token prediction module is split like the layers it copies:
     equal bit for bit to the whole load, and so are its logits."""
@@ -113,6 +115,7 @@ def test_sharded_load_of_an_mtp_module(hf_dirs, tmp_path):
     np.testing.assert_allclose(got, np.asarray(whole.mtp_logits(toks)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["auto", "explicit"])
 def test_quantized_experts_on_an_expert_axis_compute_what_one_device_does(hf_dirs, mode):
     """Experts quantized in blocks that tile them (16 x 16) reach the grouped

@@ -19,6 +19,7 @@ from gdnx.training import Trainer, init_from
 from tests.parallel.helpers import mesh
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run_scan,scan", [(False, False), (False, True), (True, False)],
                          ids=["as-the-run", "run-unrolled-model-scanned", "run-scanned-model-unrolled"])
 def test_a_run_read_quantized_onto_an_explicit_mesh_equals_the_whole_load(tmp_path, monkeypatch, run_scan, scan):

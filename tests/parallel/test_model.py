@@ -69,13 +69,15 @@ def _cases():
     """Each implementation on every mesh, the two shard modes alternating so
     that each mesh runs in both; and the kernel on the fsdp mesh in the
     default mode, as a TPU run uses it. Each implementation's cases run on one
-    xdist worker, which builds its model and one-device reference once."""
+    xdist worker, which builds its model and one-device reference once. The
+    kernel on the fsdp mesh in the default mode is make test's mesh case."""
     names = [(n, B) for n in MESHES] + [("data8_batch2", 2)]
     cases = [("xla", ("auto", "explicit")[i % 2], n, b) for i, (n, b) in enumerate(names)]
     cases += [("pallas_tpu", ("explicit", "auto")[i % 2], n, b) for i, (n, b) in enumerate(names)]
     cases.append(("pallas_tpu", "auto", "data2_fsdp2_tensor2", B))
     return [pytest.param(*c, id=f"{'kernel' if c[0] == 'pallas_tpu' else c[0]}-{c[2]}-{c[1]}",
-                         marks=pytest.mark.xdist_group(f"model-{c[0]}")) for c in cases]
+                         marks=[pytest.mark.xdist_group(f"model-{c[0]}"),
+                                *(() if c == cases[-1] else (pytest.mark.slow,))]) for c in cases]
 
 
 @pytest.mark.parametrize("implementation, mode, name, b", _cases())
@@ -100,6 +102,7 @@ def family_setup(request):
 
 
 # each family on both meshes and in both modes, once each (the base model runs every combination above)
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,name", [("auto", "data2_tensor4"), ("explicit", "context4_tensor2")])
 def test_families_sharded_match_one_device(family_setup, mode, name):
     cfg, graphdef, params, (ref_loss, ref_grads) = family_setup
@@ -118,6 +121,7 @@ def test_families_sharded_match_one_device(family_setup, mode, name):
         assert err <= tol, f"{cfg.family} {name} {mode}: gradient {where} rel. error {err:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,name", [("auto", "context8"), ("explicit", "context4_tensor2")])
 def test_packed_documents_under_context_parallelism(mode, name):
     """Rows packing documents whose boundaries fall inside shards and on a
@@ -142,6 +146,7 @@ def test_packed_documents_under_context_parallelism(mode, name):
     assert relative_error(got, ref) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,name", [("explicit", "data2_fsdp2_tensor2"), ("auto", "context4_tensor2")])
 def test_scanned_layers_on_a_mesh_match_the_unrolled_stack(mode, name):
     """On the mesh, the scanned model's loss and gradients equal the unrolled

@@ -50,6 +50,7 @@ def _check(split: str, mode: str, axes: dict, rows: int = 8, chunk: int | None =
     assert (jax.device_get(counts) == jax.device_get(ref_counts)).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["auto", "explicit"])
 @pytest.mark.parametrize("split", ["width", "experts"])
 def test_both_splits_match_one_device(split, mode):
@@ -111,6 +112,7 @@ def test_expert_axis_in_passes_matches_one_device(monkeypatch):
     _check("width", "auto", dict(data=2, expert=4), chunk=8, monkeypatch=monkeypatch, exchange=True)
 
 
+@pytest.mark.slow
 def test_expert_axis_with_one_row_matches_one_device():
     # one row cannot be split over expert: every device of it sees the row and runs its own experts' copies
     _check("width", "auto", dict(data=2, expert=4), rows=1)

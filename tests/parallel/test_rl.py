@@ -4,6 +4,8 @@ does (the same rewards and completion lengths, step by step)."""
 
 import json
 
+import pytest
+
 from gdnx.config import load_config
 from gdnx.training import train
 from gdnx.training.rl import RLTrainer
@@ -15,6 +17,7 @@ def _train_rows(out):
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
 
 
+@pytest.mark.slow
 def test_bitwise_rl_on_a_mesh_has_a_zero_gap_and_the_one_device_rollouts(tmp_path, rl_prompts):
     base = RUN + [f"data.path={rl_prompts}", "train.rl.bitwise=true", "train.steps=3", "train.eval_every=0",
                   "train.batch_size=8", "train.rl.group_size=4"]

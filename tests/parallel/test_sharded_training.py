@@ -6,6 +6,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from gdnx.config.reading import load_config
@@ -22,6 +23,7 @@ SHARDABLE = SMALL_RUN + ["model.linear_num_key_heads=4", "model.linear_num_value
 
 
 
+@pytest.mark.slow
 def test_sharded_steps_and_gradient_accumulation_give_the_single_device_losses():
     """Whole-batch steps on a data x tensor x context mesh, and micro-batches
     of the sharded batch (2 of 4 rows over data=2) in both shard modes: the
@@ -38,6 +40,7 @@ def test_sharded_steps_and_gradient_accumulation_give_the_single_device_losses()
         assert max_relative(sharded, one) <= 1e-5  # as above: float32 sums in another order
 
 
+@pytest.mark.slow
 def test_train_on_a_mesh_checkpoints_and_resumes(tmp_path):
     over = SHARDABLE + [f"train.out_dir={tmp_path}", "train.checkpoint_every=2", "parallel.tensor=2",
                         "parallel.shard_mode=explicit"]
@@ -50,6 +53,7 @@ def test_train_on_a_mesh_checkpoints_and_resumes(tmp_path):
     assert steps == [2, 4, 6]
 
 
+@pytest.mark.slow
 def test_packed_text_rows_on_a_mesh_give_the_single_device_losses(tmp_path):
     """Host-read packed rows placed on a data x tensor mesh (each row block on
     its devices) train as on one device, in both shard modes."""
@@ -63,6 +67,7 @@ def test_packed_text_rows_on_a_mesh_give_the_single_device_losses(tmp_path):
         assert max_relative(sharded, one) <= 1e-5  # as above: float32 sums in another order
 
 
+@pytest.mark.slow
 def test_scanned_training_on_a_mesh_matches_the_unrolled_stack():
     """Three AdamW steps on a data x tensor x context mesh (Explicit), the
     two GDN layers scanned or unrolled: the same losses and parameters

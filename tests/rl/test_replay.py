@@ -15,6 +15,7 @@ from gdnx.models import CausalLM
 from gdnx.rl.replay import ReplayShapes, replay_batch, replay_logprobs
 from gdnx.serving import Engine, SamplingParams
 from tests.helpers.configs import KIMI, MOE, TINY_HYBRID
+from tests.helpers.tiers import fast_only
 
 FAMILIES = {"qwen3_next": {**TINY_HYBRID, **MOE}, "kimi_linear": {**TINY_HYBRID, **KIMI, **MOE},
             "olmo_hybrid": {**TINY_HYBRID, "family": "olmo_hybrid"}}
@@ -31,7 +32,7 @@ def _sampled(model):
     return prompts, done, shapes
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", fast_only(sorted(FAMILIES), lambda f: f == "qwen3_next"))
 def test_replay_is_the_samplers_log_probabilities_bit_for_bit(family):
     model = CausalLM(ModelConfig(**FAMILIES[family]), seed=3)
     prompts, done, shapes = _sampled(model)
@@ -41,6 +42,7 @@ def test_replay_is_the_samplers_log_probabilities_bit_for_bit(family):
         np.testing.assert_array_equal(got[i, :len(c.tokens)], np.asarray([lp for lp, _ in c.logprobs], np.float32))
 
 
+@pytest.mark.slow
 def test_replay_bit_for_bit_with_prefill_calls_narrower_than_the_slots():
     """16 slots, prefill calls of 8 rows, the tiny model's 256 tokens: a
     prompt's first token's log-probability is computed on its prefill

@@ -7,9 +7,11 @@ import torch
 
 from gdnx.serving import Engine, SamplingParams
 from tests.helpers.hf_models import KINDS, tokens
+from tests.helpers.tiers import fast_only
 
 
-@pytest.mark.parametrize("kind,scanned", [(kind, False) for kind in KINDS] + [("qwen3_5", True)])
+@pytest.mark.parametrize("kind,scanned", fast_only([(kind, False) for kind in KINDS] + [("qwen3_5", True)],
+                                              lambda case: case == ("kimi_linear", False)))
 def test_ragged_prompts_match_transformers_greedy(hf_checkpoints, kind, scanned):
     # weights scaled up so the next-token distribution is peaked (greedy ties
     # between near-equal logits would be about float noise)
@@ -23,7 +25,7 @@ def test_ragged_prompts_match_transformers_greedy(hf_checkpoints, kind, scanned)
         np.testing.assert_array_equal(got.tokens, ref[0, len(prompt):].numpy())
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("batch_invariant", fast_only([False, True], lambda invariant: not invariant))
 def test_prompt_logprobs_are_transformers_log_softmax(hf_checkpoints, batch_invariant):
     """prompt_logprobs: each prompt token's log-probability after the ones
     before it and the top N, from the prefill's own pass (whole, or block by
@@ -69,6 +71,7 @@ def sparse_family(hf_checkpoints, request):
     return model, prompts, refs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [{"prefix_cache_bytes": 1 << 24}, {"draft_method": "ngram", "draft_tokens": 3},
                                       {"batch_invariant": True, "prefix_cache_bytes": 1 << 24}],
                          ids=["prefix-cache", "ngram", "batch-invariant"])

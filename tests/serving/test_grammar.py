@@ -122,6 +122,7 @@ def test_constraints_need_grammars_and_no_batch_invariance(setup):
         Structured("choice", ())
 
 
+@pytest.mark.slow
 def test_after_warm_up_no_request_compiles_a_program(setup):
     """warm_up runs every program a request can need; a burst of every kind
     of request afterwards lowers nothing new (JAX's lowering event counts

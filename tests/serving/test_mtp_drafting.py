@@ -87,6 +87,7 @@ def _check_drafts(model, prompts, outputs, drafts):
         assert draft == predicted[i, len(seq) - 2], (i, len(seq))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [
     dict(draft_tokens=1),
     dict(draft_tokens=3),
@@ -107,6 +108,7 @@ def test_mtp_drafts_keep_the_plain_tokens_and_are_the_modules_predictions(model,
     assert s.acceptance_at()[0] >= 0.7  # the trained module's first drafts are mostly taken
 
 
+@pytest.mark.slow
 def test_batch_invariant_mtp_drafting_is_bit_identical_alone_and_in_company(model, prompts):
     settings = dict(SETTINGS, draft_method="mtp", draft_tokens=2, batch_invariant=True, keep_logits=True,
                     prefix_cache_bytes=1 << 22)
@@ -116,6 +118,7 @@ def test_batch_invariant_mtp_drafting_is_bit_identical_alone_and_in_company(mode
     assert np.array_equal(np.asarray(alone.logits), np.asarray(company.logits))
 
 
+@pytest.mark.slow
 def test_constrained_requests_decode_and_keep_the_drafter_in_step(tmp_path):
     """A constrained request draws one token per decode call (the host
     masks each next one), and while it runs no request drafts: the module's
@@ -147,6 +150,7 @@ def test_constrained_requests_decode_and_keep_the_drafter_in_step(tmp_path):
     _check_drafts(model, prompts, out, drafts)
 
 
+@pytest.mark.slow
 def test_under_load_the_engine_decodes_plainly_and_drafts_again_for_new_requests(model, prompts, plain):
     """draft_rows=1: three requests decode together (4 rows) without a
     verify pass and without the module (no drafts for them from then on);

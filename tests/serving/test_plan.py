@@ -12,7 +12,7 @@ from gdnx.serving import EngineConfig
 from gdnx.serving.plan import serve_plan
 from tests.parallel.helpers import FAMILIES, MODEL
 
-pytestmark = pytest.mark.deviceless
+pytestmark = [pytest.mark.deviceless, pytest.mark.slow]
 
 # the tiny model with attention and MoE layers, scanned
 SMALL = ["model.num_hidden_layers=4", "model.layer_types=null", "model.full_attention_interval=2",

@@ -312,6 +312,7 @@ def test_concurrent_streams_equal_each_prompt_alone_and_cancelled_ones_free_thei
     assert server.client().completions.create(prompt=prompts[3], max_tokens=12, **GREEDY).choices[0].text == alone[3]
 
 
+@pytest.mark.slow
 def test_queue_limit_then_sigterm_lets_requests_in_flight_finish(checkpoint):
     """A client that gives up on a whole response frees its slot; then, with
     one slot and a queue of one, a third request is refused at once (503);
@@ -373,6 +374,7 @@ def test_queue_limit_then_sigterm_lets_requests_in_flight_finish(checkpoint):
         server.stop()
 
 
+@pytest.mark.slow
 def test_an_engine_error_fails_its_requests_with_500_and_the_server_goes_on(checkpoint):
     """In process (the failure is injected into the engine's step): the
     requests the failed step ran get 500 (a stream: an error event), and
@@ -462,6 +464,7 @@ def test_a_body_over_the_limit_is_413_and_health_answers_while_a_large_one_is_pr
     assert slowest < 1.0, slowest
 
 
+@pytest.mark.slow
 def test_idle_and_half_sent_connections_are_closed(server):
     """A connection that sends nothing, or part of its headers, is closed
     after --request-timeout seconds; a body sent in part gets 408."""
@@ -497,6 +500,7 @@ def test_a_client_gone_before_its_first_token_frees_its_slot(server):
     assert m["gdnx_requests_aborted_total"] > before["gdnx_requests_aborted_total"]
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_ends_streams_with_an_error_and_done(checkpoint):
     """SIGTERM: /health says 503 while requests are in flight (the listener
     stays open), new requests get 503; after --grace seconds a stream still

@@ -223,6 +223,7 @@ def _tokens(text):
     return [int(w[1:]) for w in text.split()]
 
 
+@pytest.mark.multiprocess
 def test_two_processes_serve_the_one_device_tokens_and_stop_together(checkpoint, tmp_path, processes):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -252,6 +253,7 @@ def test_two_processes_serve_the_one_device_tokens_and_stop_together(checkpoint,
     assert "follows process 0's steps" in served.output(1)
 
 
+@pytest.mark.multiprocess
 def test_a_process_lost_mid_request_ends_it_with_the_news_and_status_4(checkpoint, tmp_path, processes):
     path, _ = checkpoint
     served = _Served(processes, path, tmp_path, ["--decode-steps", "1"])
@@ -294,6 +296,7 @@ def _pair(processes, path, logs, port, extras):
     return processes.started[-2:], out
 
 
+@pytest.mark.multiprocess
 def test_a_taken_port_or_disagreeing_flags_end_every_process_in_one_line(checkpoint, tmp_path, processes):
     """Process 0's port taken: it says so in one line (status 2) and the
     other process, waiting on it, ends too in one line (it waited forever

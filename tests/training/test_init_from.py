@@ -99,6 +99,7 @@ def test_prompt_tokens_carry_no_gradient(checkpoint, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_a_run_starts_another_and_architecture_changes_are_refused(checkpoint, tmp_path):
     root, _ = checkpoint
     first = build_trainer(load_train_config("finetune", _overrides(root, tmp_path / "a", "train.steps=3",

@@ -25,6 +25,7 @@ from gdnx.training import build_trainer
 from gdnx.training.init_from import load_train_config
 from tests.helpers.hf_models import hf_logits, tokens
 from tests.helpers.data import copy_examples
+from tests.helpers.tiers import fast_only
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ _SPLIT = {"qwen3_5": ("in_proj_qkv", "in_proj_z"), "olmo_hybrid": ("q_proj", "k_
 _MIXER = {"kimi_linear_q_lora": "self_attn", "bailing_hybrid": "self_attn"}
 
 
-@pytest.mark.parametrize("kind", _SPLIT)
+@pytest.mark.parametrize("kind", fast_only(_SPLIT, lambda kind: kind == "qwen3_5"))
 def test_peft_on_the_base_gives_the_merged_logits(bases, qwen3_5_run, tmp_path, kind):
     if kind == "qwen3_5":
         run, merged_dir = qwen3_5_run / "run", qwen3_5_run / "merged"
@@ -141,6 +142,7 @@ def test_peft_on_the_base_gives_the_merged_logits(bases, qwen3_5_run, tmp_path, 
     assert relative_error(hf_logits(adapted, toks), hf_logits(merged, toks)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_expert_adapters_merge_and_are_refused_as_peft(bases, tmp_path):
     _train(bases, "qwen3_5_moe", tmp_path / "run", "train.lora.targets=[experts, q_proj, in_proj_qkvz]")
     run = load_run(tmp_path / "run")
@@ -181,6 +183,7 @@ def test_a_changed_base_is_refused_on_resume_export_and_load(bases, tmp_path):
             attempt()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int4"])
 def test_lora_on_a_quantized_base_trains_resumes_and_exports_merged(bases, tmp_path, kind):
     """QLoRA: adapters (on the experts and two projections) over a base held
@@ -208,6 +211,7 @@ def test_lora_on_a_quantized_base_trains_resumes_and_exports_merged(bases, tmp_p
     assert relative_error(_gdnx_logits(fp8, toks), hf_logits(hf, toks)) <= 0.05
 
 
+@pytest.mark.slow
 def test_adapters_on_the_mtp_module_train_with_its_loss_and_merge(bases, tmp_path):
     """train.lora.mtp: the multi-token prediction module's layer gets
     adapters, which its loss trains (mtp_loss_1 in the metrics) and the
@@ -236,6 +240,7 @@ def test_adapters_on_the_mtp_module_train_with_its_loss_and_merge(bases, tmp_pat
     assert not [p for p, _ in nnx.to_flat_state(nnx.state(without, nnx.LoRAParam)) if p[0] == "mtp"]
 
 
+@pytest.mark.slow
 def test_glm5_next_sft_lora_exports_merged_and_as_peft(hf_checkpoints, bases, tmp_path):
     """GLM-5-Next (packed SFT rows: each document indexed on its own;
     scanned): LoRA on its KDA, latent attention and MLP projections trains; the merged
@@ -251,6 +256,7 @@ def test_glm5_next_sft_lora_exports_merged_and_as_peft(hf_checkpoints, bases, tm
     assert "forget_gate.f_a_proj" in targets
 
 
+@pytest.mark.slow
 def test_qwen4_exp_sft_lora_exports_merged_and_as_peft(hf_checkpoints, bases, tmp_path):
     """Qwen4-Exp (packed SFT rows: each document's n-grams, PLE convolution
     and blocks on their own): LoRA on its GDN and gated attention trains;

@@ -20,6 +20,7 @@ def _rows(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_rl_run_learns_reports_and_resumes(tmp_path, rl_prompts):
     """Four steps, two updates per rollout, evaluated every two: every step
     logs the rewards, lengths, the sampler/trainer gap (float32 rounding
@@ -78,6 +79,7 @@ def test_bitwise_mode_has_the_samplers_log_probabilities_exactly(tmp_path, rl_pr
     assert any(r["grad_norm"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_lora_rl_with_kl_to_the_base(tmp_path, rl_prompts):
     """QLoRA: adapters over a run's weights (model.init_from) held in int8,
     DAPO, KL to the quantized base with its adapters off: 0 on the first
@@ -96,6 +98,7 @@ def test_lora_rl_with_kl_to_the_base(tmp_path, rl_prompts):
     assert rows[0]["rl/kl"] == 0.0 and rows[-1]["rl/kl"] > 0.0 and rows[0]["rl/groups_kept"] > 0
 
 
+@pytest.mark.slow
 def test_kl_to_a_reference_checkpoint(tmp_path, rl_prompts):
     """train.rl.reference: the KL term's reference read from another run
     (another seed's weights), with and without LoRA: the KL is above 0 from

@@ -5,9 +5,10 @@ import pytest
 from gdnx.config import load_config
 from gdnx.training import Trainer
 from tests.helpers.configs import SMALL_RUN
+from tests.helpers.tiers import fast_only
 
 
-@pytest.mark.parametrize("count", [2, 4, 8])
+@pytest.mark.parametrize("count", fast_only([2, 4, 8], lambda n: n == 2))
 def test_accumulated_gradients_equal_the_whole_batch(tmp_path, count):
     """Loss, metrics and the gradient of `count` micro-batches match one pass
     over the batch of 8 within 1e-6 relative (float32: the same sums in
@@ -40,6 +41,7 @@ def test_accumulated_gradients_equal_the_whole_batch(tmp_path, count):
         assert relative_error(a, b) <= 1e-5
 
 
+@pytest.mark.slow
 def test_the_mtp_loss_is_the_modules_cross_entropy_and_trains_it(tmp_path):
     """train.mtp_loss_weight over a model with a multi-token prediction
     module (model.mtp_num_layers=2, chained): each depth's loss is the

@@ -57,6 +57,7 @@ def _jsonl(out: Path) -> dict[tuple[str, int], float]:
     return {(f"{r['split']}/{k}", r["step"]): v for r in rows for k, v in r.items() if k not in ("step", "split")}
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_follow_metrics_jsonl_across_a_resume(tmp_path):
     out = tmp_path / "run"
     train(load_config("tiny", TRACKED + [f"train.out_dir={out}"]))

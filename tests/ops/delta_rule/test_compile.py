@@ -29,7 +29,7 @@ import pytest
 
 from tests.ops.delta_rule.programs import COMPILE_TARGETS, KDA_PROGRAMS, PROGRAMS, build
 
-pytestmark = pytest.mark.deviceless
+pytestmark = [pytest.mark.deviceless, pytest.mark.slow]
 
 @pytest.mark.parametrize("program", PROGRAMS, ids=str)
 @pytest.mark.parametrize("target", COMPILE_TARGETS)

@@ -30,6 +30,7 @@ class TestReference(ImplementationContract):
     cases = CASES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
 def test_decays_of_exactly_zero(per_channel):
     """g = -inf (a decay of exactly zero, valid: g <= 0) and gates whose chunk
@@ -38,6 +39,7 @@ def test_decays_of_exactly_zero(per_channel):
     check_against_oracle(Case("zeros", b=1, t=40, chunk=16, gates="zeros", per_channel=per_channel), "xla")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128])
 def test_strong_decays_every_chunk_size(chunk):
     """Gates in [-69, -31] mixed with zeros keep float32 at 1e-5 at any chunk
@@ -46,6 +48,7 @@ def test_strong_decays_every_chunk_size(chunk):
     check_against_oracle(Case(f"strong_c{chunk}", b=1, t=2 * chunk, chunk=chunk, gates="strong"), "xla")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [16, 32, 64, 128])
 def test_float64_algebra_is_exact(chunk):
     """In float64 the chunked algebra agrees with the recurrence to ~1e-14."""
@@ -53,6 +56,7 @@ def test_float64_algebra_is_exact(chunk):
     check_against_oracle(case, "xla", state_dtype="float64", decay_dtype="float64")
 
 
+@pytest.mark.slow
 def test_hand_written_vjp_matches_autodiff():
     """The custom VJP against plain autodiff of the very same forward."""
     from gdnx.ops.delta_rule import xla
@@ -74,6 +78,7 @@ def test_hand_written_vjp_matches_autodiff():
         assert relative_error(x, y) < 1e-12, name
 
 
+@pytest.mark.slow
 def test_check_grads_tiny():
     """Finite differences on a tiny float64 case (reverse mode only)."""
     case = Case("tiny", b=1, t=20, hk=1, hv=2, dk=8, dv=4, chunk=16)
@@ -87,6 +92,7 @@ def test_check_grads_tiny():
     jax.test_util.check_grads(f, (q, k, v, g, beta, h0), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_padding_is_inert():
     """T not a multiple of the chunk: 50 tokens padded to 64 give what 4 chunks
     of 16 minus 14 padded tokens give, to float64 rounding."""
@@ -97,6 +103,7 @@ def test_padding_is_inert():
     assert relative_error(o64, o16) < 1e-12 and relative_error(f64, f16) < 1e-12
 
 
+@pytest.mark.slow
 def test_packed_sequences_do_not_leak():
     """Changing one packed sequence leaves the others' outputs and states alone."""
     case = Case("leak", b=1, t=96, chunk=32, cu_seqlens=(0, 40, 96))
@@ -109,6 +116,7 @@ def test_packed_sequences_do_not_leak():
     assert relative_error(o1[:, 40:], o2[:, 40:]) > 0.5
 
 
+@pytest.mark.slow
 def test_jit_with_traced_cu_seqlens():
     case = Case("jit", b=1, t=70, chunk=16, cu_seqlens=(0, 33, 70))
     args = make_inputs(case)
@@ -124,6 +132,7 @@ def test_jit_with_traced_cu_seqlens():
     assert relative_error(o, ref_o) < 1e-5 and relative_error(final, ref_f) < 1e-5
 
 
+@pytest.mark.slow
 def test_recurrent_op_matches_chunk_op():
     from gdnx.ops import recurrent_gated_delta_rule
 
