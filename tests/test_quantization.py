@@ -19,6 +19,7 @@ from gdnx import quantization
 from gdnx.config import load_config
 from gdnx.measure import relative_error, stored_bytes
 from gdnx.models import CausalLM
+from gdnx.scales import scale_path
 from tests.helpers.hf_models import KINDS, hf_logits, tokens
 
 BLOCK = (16, 24)  # rows of the [out, in] matrix, its columns: partial edge blocks on the tiny models
@@ -72,10 +73,10 @@ def test_quantized_load_matches_transformers_on_its_weights(hf_checkpoints, tmp_
     got = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     scales = 0
     for p, var in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
-        if (p[:-1] + (f"{p[-1]}{quantization.SCALE}",)) in got:
+        if scale_path(p) in got:
             values, scale = quantization.quantize_host(np.asarray(var[...]), kind, BLOCK)
             np.testing.assert_array_equal(np.asarray(got[p][...]).view(np.uint8), np.asarray(values).view(np.uint8))
-            np.testing.assert_array_equal(got[p[:-1] + (f"{p[-1]}{quantization.SCALE}",)][...], scale)
+            np.testing.assert_array_equal(got[scale_path(p)][...], scale)
             scales += 1
         else:
             np.testing.assert_array_equal(got[p][...], var[...])
