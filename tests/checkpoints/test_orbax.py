@@ -73,6 +73,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact(tmp_path, c
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_is_one_line(tmp_path, capsys):
     train(_config(tmp_path, 3))
     _flip(_biggest_file(tmp_path / "checkpoints" / "3"))

@@ -25,7 +25,6 @@ from gdnx.training import build_trainer
 from gdnx.training.init_from import load_train_config
 from tests.helpers.hf_models import hf_logits, tokens
 from tests.helpers.data import copy_examples
-from tests.helpers.tiers import fast_only
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +93,7 @@ def _gdnx_logits(model, toks):
     return np.asarray(_forward(model, jnp.asarray(toks, jnp.int32)))
 
 
+@pytest.mark.slow
 def test_merged_export_generates_what_gdnx_generates(bases, qwen3_5_run):
     run = load_run(qwen3_5_run / "run")
     hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_5_run / "merged").eval()
@@ -121,7 +121,8 @@ _SPLIT = {"qwen3_5": ("in_proj_qkv", "in_proj_z"), "olmo_hybrid": ("q_proj", "k_
 _MIXER = {"kimi_linear_q_lora": "self_attn", "bailing_hybrid": "self_attn"}
 
 
-@pytest.mark.parametrize("kind", fast_only(_SPLIT, lambda kind: kind == "qwen3_5"))
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", _SPLIT)
 def test_peft_on_the_base_gives_the_merged_logits(bases, qwen3_5_run, tmp_path, kind):
     if kind == "qwen3_5":
         run, merged_dir = qwen3_5_run / "run", qwen3_5_run / "merged"
