@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("x64")  # float64 references
 
 
 @pytest.mark.parametrize("inverse", [primitives.unit_lower_inverse, primitives.unit_lower_inverse_loop,
-                                     primitives.unit_lower_inverse_blocks])
+                                     primitives.unit_lower_inverse_rows])
 @pytest.mark.parametrize("c", [8, 16, 32, 64, 128])
 def test_unit_lower_inverse_is_exact(inverse, c):
     rng = np.random.default_rng(c)
@@ -40,7 +40,7 @@ def test_blocked_inverse_keeps_float32_digits_when_keys_repeat():
         k /= np.linalg.norm(k, axis=1, keepdims=True)
         decay = np.cumsum(np.log(rng.uniform(0.95, 1.0, c)))
         a = np.tril(rng.uniform(0, 2, c)[:, None] * (k @ k.T) * np.exp(decay[:, None] - decay[None, :]), -1)
-        inv = np.asarray(jax.jit(primitives.unit_lower_inverse_blocks)(jnp.asarray(a, jnp.float32)), np.float64)
+        inv = np.asarray(jax.jit(primitives.unit_lower_inverse_rows)(jnp.asarray(a, jnp.float32)), np.float64)
         worst = max(worst, relative_error(inv, np.linalg.inv(np.eye(c) + a)))
     assert worst < 4e-6
 

@@ -11,7 +11,7 @@ from tests.ops.delta_rule.cases import Case, make_inputs
 def test_tiles_are_checked():
     q, k, v, g, beta, _ = make_inputs(Case("ht", b=1, t=16, dk=16, dv=16, hk=2, hv=4, chunk=16))
     with pytest.raises(ValueError, match="head_tile=3 must divide the key heads HK=2"):
-        chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas_tpu", tiles=TpuTiles(3))
+        chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas_tpu", tiles=TpuTiles(head_tile=3))
     with pytest.raises(TypeError, match="tiles: implementation='pallas_gpu' takes GpuTiles or None, got TpuTiles"):
         chunk_gated_delta_rule(q, k, v, g, beta, implementation="pallas_gpu", tiles=TpuTiles(1))
     with pytest.raises(ValueError, match="tiles: applies to the Pallas implementations"):
@@ -31,11 +31,13 @@ def test_tiles_table_falls_back_off_target():
     assert tiles_for("pallas_gpu") == GPU_FALLBACK and tiles_for("pallas_tpu") == TPU_FALLBACK
 
 
-def test_table_entry_is_fitted_to_the_key_heads_of_the_call():
-    """A target whose entry takes two key heads per grid step (TPU v5p's) and
-    a call with three key heads: the head tile is cut to one that divides
-    them, and the kernel runs (interpret mode) with the xla path's result.
-    Explicit tiles that do not fit are refused, naming the field."""
+def test_table_entry_is_fitted_to_the_heads_of_the_call():
+    """A target's entry (TPU v5p's: 16 value heads of K = V = 128 a grid
+    step) takes as many key heads as fit and divide the call's: 8 of
+    Qwen3-Next's 16 (2 value heads each), 4 at 3 value heads each, all 3 of
+    a call with three small heads, where the kernel runs (interpret mode)
+    with the xla path's result. Explicit tiles that do not fit are refused,
+    naming the field."""
     import types
 
     import jax.numpy as jnp
@@ -44,13 +46,17 @@ def test_table_entry_is_fitted_to_the_key_heads_of_the_call():
 
     v5p = types.SimpleNamespace(platform="tpu", device_kind="TPU v5")
     with compile_target(v5p):  # type: ignore[arg-type]
-        assert tiles_for("pallas_tpu") == TpuTiles(head_tile=2)
-        assert choose_tiles("pallas_tpu", None, key_heads=4) == TpuTiles(head_tile=2)
-        assert choose_tiles("pallas_tpu", None, key_heads=3) == TpuTiles(head_tile=1)
+        entry = tiles_for("pallas_tpu")
+        assert entry == TpuTiles(value_heads=16, vmem_limit_mib=60) == choose_tiles("pallas_tpu", None, key_heads=4)
+        assert entry.key_heads_per_step(16, 2, 64, 128, 128) == 8
+        assert entry.key_heads_per_step(16, 3, 64, 128, 128) == 4
+        assert entry.key_heads_per_step(3, 1, 16, 16, 16) == 3
         q, k, v, g, beta, _ = make_inputs(Case("odd_heads", b=1, t=16, dk=16, dv=16, hk=3, hv=3, chunk=16))
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas_tpu")
-    assert tiles_for("pallas_tpu") == TpuTiles(head_tile=1)  # the context is left
+    assert tiles_for("pallas_tpu") == TpuTiles()  # the context is left
     ref, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="xla")
     assert float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref)) < 1e-5  # float32 rounding
     with pytest.raises(ValueError, match=r"tiles.head_tile=2 must divide the key heads HK=3"):
         choose_tiles("pallas_tpu", TpuTiles(head_tile=2), key_heads=3)
+    with pytest.raises(ValueError, match=r"tiles.value_heads: expected a positive int, got 0"):
+        TpuTiles(value_heads=0)

@@ -17,13 +17,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # Diagonal blocks of (I + A) are inverted by forward substitution at this size,
 # then merged pairwise; every step is exact algebra, no matrix powers.
 INVERSE_BLOCK = 16
-# The TPU kernels' blocked inverse substitutes inside blocks of 8 rows and
-# merges them by products: on a TPU v5e, C=64, the GDN forward took 130 ms
-# with the row loop, 67 with blocks of 16, 49 with 8, 41 with 4 (T=32768).
-# Smaller blocks merge through higher powers, which lose digits when keys
-# repeat: the worst relative error over float32 stress matrices (repeated
-# keys, beta up to 2) was 2e-7 at 16, 1e-6 at 8, 3e-5 at 4.
-KERNEL_INVERSE_BLOCK = 8
+# The TPU kernels' inverse solves blocks of 16 rows (unit_lower_inverse_rows).
+KERNEL_INVERSE_BLOCK = 16
 
 
 def dot(a, b, contract, matmul_dtype=None):
@@ -89,6 +84,17 @@ def exact_dot(a, b, contract, *, exact: int = 0):
         term = jax.lax.dot_general(*pair, (contract, ((), ())), preferred_element_type=y.dtype)
         out = term if out is None else out + term
     return out
+
+
+def batched_like(mask, x):
+    """The constant 0/1 matrix `mask` mapped as x is: the same values, with
+    the axes a jax.vmap maps x over (none outside one). The TPU kernels run
+    a tile's value heads as one vmapped chunk algebra; with the mask mapped
+    too, its product with x is a batched [heads, C, C] product, which Mosaic
+    lowers on every TPU generation (a constant times a mapped operand
+    becomes a reshape that v4's Mosaic refuses)."""
+    anchor = jnp.max(x, keepdims=True)
+    return jnp.where(anchor == anchor, mask, mask)  # both branches are mask: NaN in x changes nothing
 
 
 def iotas(c: int):
@@ -169,39 +175,39 @@ def unit_lower_inverse_loop(a):
     return jax.lax.fori_loop(jnp.int32(1), jnp.int32(c), row, (r == j).astype(a.dtype))
 
 
-def unit_lower_inverse_blocks(a):
-    """Exact (I + a)^-1 for strictly lower triangular a [C, C] (TPU kernels).
+def unit_lower_inverse_rows(a):
+    """Exact (I + a)^-1 for strictly lower triangular a [C, C] (TPU kernels,
+    their value heads vmapped into [heads, C, C] operations).
 
-    Forward substitution inside diagonal blocks of KERNEL_INVERSE_BLOCK rows,
-    every block's row i in the same step (one product with the block
-    diagonal D), so KERNEL_INVERSE_BLOCK - 1 serial steps instead of C - 1;
-    then the blocks merged: I + a = (I + D)(I + M) with M = (I + D)^-1 (a - D)
-    strictly lower by blocks, so (I + M)^-1 = I - M + M^2 - ... ends after
-    C / KERNEL_INVERSE_BLOCK terms, formed as (I - M)(I + M^2)(I + M^4)...:
-    block forward substitution as [C, C] products, the MXU's work, where the
-    row loop's masked reductions run one after another on the vector units.
-    Masks and products only, as the kernel lowerings need.
+    Forward substitution by blocks of KERNEL_INVERSE_BLOCK rows: block i of
+    the inverse is X_i = (I + D_i)^-1 (E_i - a_{i,<i} X_{<i}), D_i its
+    diagonal block. The rows already solved enter through one float32
+    product (the MXU's, small); the block's own rows are solved one after
+    another on the vector units, each a masked column of a^T times the
+    block's rows, in float32. A product per serial step (the blocked form
+    with merges by matrix powers) spent 15 of a 23 ms forward on a TPU v5e
+    (T=32768, 32 value heads); this form does a few small products and
+    vector steps.
     """
     c = a.shape[-1]
     b = min(KERNEL_INVERSE_BLOCK, c)
-    shift = b.bit_length() - 1
-    r, j = iotas(c)
-    same_block = (r >> shift) == (j >> shift)
-    d = jnp.where(same_block, a, 0)
-    eye = (r == j).astype(a.dtype)
-
-    def row(i, t):
-        return jnp.where((r & (b - 1)) == i, eye - mm(d, t), t)
-
-    # int32 bounds: an int64 loop index (under x64) is one Mosaic cannot lower
-    tinv_d = jax.lax.fori_loop(jnp.int32(1), jnp.int32(b), row, eye)
-    m = mm(tinv_d, jnp.where(same_block, 0, a))
-    x, power, terms = eye - m, m, 2
-    while terms < c // b:
-        power = mm(power, power)
-        x = mm(x, eye + power)
-        terms *= 2
-    return mm(x, tinv_d)
+    if c % b:
+        raise ValueError(f"chunk size {c} is not a multiple of {b}")
+    rows = jax.lax.broadcasted_iota(jnp.int32, (b, c), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (b, c), 1)
+    at = jnp.transpose(a)  # at[j, r] = a[r, j]: row r's coefficients down a column
+    solved = []
+    for lo in range(0, c, b):
+        rhs = (rows + lo == cols).astype(a.dtype)  # rows lo..lo+b of the identity
+        if lo:
+            rhs = rhs - mm(a[lo:lo + b, :lo], jnp.concatenate(solved, axis=0))
+        coefs = at[lo:lo + b]  # [j, r]: a[r, lo + j]
+        x = rhs
+        for r in range(1, b):
+            col = jnp.sum(jnp.where(cols == lo + r, coefs, 0), axis=1, keepdims=True)  # a[lo + r, lo + j]
+            x = jnp.where(rows == r, rhs - jnp.sum(col * x, axis=0, keepdims=True), x)
+        solved.append(x)
+    return jnp.concatenate(solved, axis=0)
 
 
 def segment_sums(g, *, split=False):
@@ -221,7 +227,7 @@ def segment_sums(g, *, split=False):
     """
     c = g.shape[-1]
     r, j = iotas(c)
-    tril = (j <= r).astype(g.dtype)                          # [i, l]: l <= i
+    tril = batched_like((j <= r).astype(g.dtype), g)         # [i, l]: l <= i
     after = jnp.where(r > j, jnp.broadcast_to(row_to_col(g), (c, c)), 0)  # [l, j]: g_l for l > j
     if split:
         return exact_dot(tril, after, ((1,), (0,)))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import math
 from collections.abc import Iterator
 from typing import Literal, overload
 
@@ -50,15 +49,39 @@ class GpuTiles:
                 raise ValueError(f"tiles.{name}: expected a power of two >= 16, got {x}")
 
 
+# A value head's float32 words in a TPU grid step, per head: its state and
+# the chunk algebra's [C, D] and [C, C] temporaries (a rough count, checked
+# by compiling: VMEM_HEADS value heads of K = V = 128 at chunk 64 fit).
+def _head_words(c: int, k_dim: int, v_dim: int) -> int:
+    return k_dim * v_dim + 2 * c * max(k_dim, v_dim) + 4 * c * c
+
+
+_REFERENCE_HEAD = _head_words(64, 128, 128)
+
+
 @dataclasses.dataclass(frozen=True)
 class TpuTiles:
-    """Grid parameters of the pallas_tpu kernels."""
+    """Grid parameters of the pallas_tpu kernels: every value head of a grid
+    step's key heads runs in one batched form of the chunk algebra."""
 
-    head_tile: int = 1    # key heads per grid step; must divide HK
+    head_tile: int | None = None  # key heads per grid step (dividing HK); None: as many as value_heads allows
+    value_heads: int = 8          # value heads a grid step holds at K = V = 128 and chunk 64 (fewer when larger)
+    vmem_limit_mib: int = 32      # the kernels' scoped VMEM limit
 
     def __post_init__(self):
-        if not isinstance(self.head_tile, int) or isinstance(self.head_tile, bool) or self.head_tile < 1:
-            raise ValueError(f"tiles.head_tile: expected a positive int, got {self.head_tile!r}")
+        for name in ("head_tile", "value_heads", "vmem_limit_mib"):
+            x = getattr(self, name)
+            if (x is not None or name != "head_tile") and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
+                raise ValueError(f"tiles.{name}: expected a positive int, got {x!r}")
+
+    def key_heads_per_step(self, key_heads: int, group: int, chunk: int, k_dim: int, v_dim: int) -> int:
+        """The head tile of a call: `head_tile`, else the most key heads
+        dividing `key_heads` whose value heads (`group` each) fit
+        `value_heads` scaled by their size."""
+        if self.head_tile is not None:
+            return self.head_tile
+        fits = max(1, self.value_heads * _REFERENCE_HEAD // _head_words(chunk, k_dim, v_dim) // group)
+        return max(d for d in range(1, key_heads + 1) if key_heads % d == 0 and d <= fits)
 
 
 # GPU by compute capability: the sizes with the fewest spilled registers
@@ -75,13 +98,14 @@ GPU_TILES = {
                     grads_num_warps=8, num_stages=2),
 }
 GPU_FALLBACK = GpuTiles()
-# TPU by device kind. v5p and v6e have the VMEM for two key heads per step
-# (Qwen3-Next with residuals: ~2.9 MB), halving the grid steps.
+# TPU by device kind, from deviceless compiles of the op's programs: the
+# scoped VMEM each generation gives a kernel (v4 16 MiB, v5p 64, v5e and v6e
+# 128) and the value heads that fit in it with double-buffered blocks.
 TPU_TILES = {
-    "TPU v4": TpuTiles(head_tile=1),
-    "TPU v5 lite": TpuTiles(head_tile=1),
-    "TPU v5": TpuTiles(head_tile=2),
-    "TPU v6 lite": TpuTiles(head_tile=2),
+    "TPU v4": TpuTiles(value_heads=4, vmem_limit_mib=15),
+    "TPU v5 lite": TpuTiles(value_heads=32, vmem_limit_mib=100),
+    "TPU v5": TpuTiles(value_heads=16, vmem_limit_mib=60),
+    "TPU v6 lite": TpuTiles(value_heads=32, vmem_limit_mib=100),
 }
 TPU_FALLBACK = TpuTiles()
 
@@ -128,19 +152,15 @@ def choose_tiles(implementation: Literal["pallas_tpu"], tiles: object, *, key_he
 def choose_tiles(implementation: str, tiles: object, *, key_heads: int) -> GpuTiles | TpuTiles: ...
 def choose_tiles(implementation: str, tiles: object, *, key_heads: int) -> GpuTiles | TpuTiles:
     """The tiles a kernel runs with on a call with `key_heads` key heads (per
-    shard under shard_map). None: the target's table entry fitted to the
-    shapes (a head tile cut to one that divides the key heads: OLMo Hybrid's
-    30 key heads split over tensor=2 leave 15 per shard). Explicit tiles
-    are checked: their kind, and that they fit the shapes."""
+    shard under shard_map). None: the target's table entry, whose head tile
+    the kernel fits to the call's heads (`TpuTiles.key_heads_per_step`).
+    Explicit tiles are checked: their kind, and that they fit the shapes."""
     if tiles is None:
-        chosen = tiles_for(implementation)
-        if isinstance(chosen, TpuTiles):
-            chosen = dataclasses.replace(chosen, head_tile=math.gcd(chosen.head_tile, key_heads))
-        return chosen
+        return tiles_for(implementation)
     kind = GpuTiles if implementation == "pallas_gpu" else TpuTiles
     if not isinstance(tiles, kind):
         raise TypeError(f"tiles: implementation={implementation!r} takes {kind.__name__} or None, "
                         f"got {type(tiles).__name__}")
-    if isinstance(tiles, TpuTiles) and key_heads % tiles.head_tile:
+    if isinstance(tiles, TpuTiles) and tiles.head_tile is not None and key_heads % tiles.head_tile:
         raise ValueError(f"tiles.head_tile={tiles.head_tile} must divide the key heads HK={key_heads}")
     return tiles

@@ -17,17 +17,23 @@ The chunk algebra works on one value head's 2-D blocks (primitives.py):
     key_products_bwd(q, k, *dshared, *, matmul_dtype) -> (dq, dk)
         their adjoint, given the group's summed cotangents
     value_head_forward(q, k, v, g, beta, shared, state, *, scale,
-                       decay_dtype, matmul_dtype, looped, inverse=None)
+                       decay_dtype, matmul_dtype, looped, inverse=None,
+                       split_segments=False)
         -> (o [C, V], outgoing state [K, V], (I + A)^-1 [C, C])
     value_head_backward(q, k, v, g, beta, shared, tinv, state, do,
-                        dstate_out, *, scale, decay_dtype, matmul_dtype, looped)
+                        dstate_out, *, scale, decay_dtype, matmul_dtype, looped,
+                        split_segments=False)
         -> (grads with dq, dk, dv, dg, dbeta, dstate_in; dshared)
 
 `looped` asks for the forms a kernel compiles quickly (loops that are not
 unrolled); the XLA path takes the unrolled ones. `inverse` names the chunk
 inverse (primitives.unit_lower_inverse*) in place of the form's own: the
-TPU kernels take the blocked one (7 serial steps and a few products in
-place of C - 1 row updates).
+TPU kernels take the one solved by row blocks (`unit_lower_inverse_rows`).
+`split_segments` forms the float32 segment sums of the gates as three
+exact bfloat16 passes (primitives.segment_sums).
+
+The TPU kernels run these functions under `jax.vmap` over a tile's value
+heads, so every product is a batched [heads, C, D] product.
 """
 
 from __future__ import annotations
@@ -37,11 +43,6 @@ from collections.abc import Callable
 from typing import Literal
 
 Gate = Literal["head", "channel"]
-
-
-def no_extra_vmem(c: int, k_dim: int) -> int:
-    """A chunk algebra that keeps nothing live beyond the shared blocks."""
-    return 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,8 +62,6 @@ class Variant:
     transcendentals: Callable[[int, int], int]
     key_products: Callable | None = None
     key_products_bwd: Callable | None = None
-    # VMEM bytes the algebra keeps live beyond the shared blocks (TPU budget)
-    extra_vmem: Callable[[int, int], int] = no_extra_vmem
 
     def __post_init__(self):
         if self.gate not in ("head", "channel"):

@@ -133,14 +133,14 @@ class ChunkTerms(NamedTuple):
 
 
 def chunk_terms(q, k, v, g, beta, qk, kk, *, scale, decay_dtype, tinv=None, inverse=unit_lower_inverse,
-                matmul_dtype=None):
+                matmul_dtype=None, split_segments=False):
     """Everything one value head's chunk needs before it sees the state.
 
     q, k, v, qk, kk come in the accumulation dtype; g and beta as [1, C] rows
     in any float dtype. Pass `tinv` (a saved (I + A)^-1) to skip the inverse.
     """
     acc = q.dtype
-    dec = decays(g, state_dtype=acc, decay_dtype=decay_dtype)
+    dec = decays(g, state_dtype=acc, decay_dtype=decay_dtype, split_segments=split_segments)
     beta = row_to_col(beta.astype(acc))
     if tinv is None:
         tinv = chunk_inverse(kk, beta, dec, inverse=inverse)
@@ -293,10 +293,10 @@ def key_products_bwd(q, k, dqk, dkk, *, matmul_dtype=None):
 
 
 def value_head_forward(q, k, v, g, beta, qk, kk, state, *, scale, decay_dtype, inverse=unit_lower_inverse,
-                       matmul_dtype=None):
+                       matmul_dtype=None, split_segments=False):
     """One value head's chunk: (o [C, V], outgoing state [K, V], (I + A)^-1)."""
     prep = chunk_terms(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, inverse=inverse,
-                       matmul_dtype=matmul_dtype)
+                       matmul_dtype=matmul_dtype, split_segments=split_segments)
     o, new_state = step(state, q, k, prep, matmul_dtype=matmul_dtype)
     return o, new_state, prep.tinv
 
@@ -313,11 +313,11 @@ class ValueHeadGrads(NamedTuple):
 
 
 def value_head_backward(q, k, v, g, beta, qk, kk, tinv, state, do, dstate_out, *, scale, decay_dtype,
-                        matmul_dtype=None):
+                        matmul_dtype=None, split_segments=False):
     """Adjoint of `value_head_forward` given the chunk's saved inverse and
     incoming state, the output cotangent and the outgoing state's cotangent."""
     prep = chunk_terms(q, k, v, g, beta, qk, kk, scale=scale, decay_dtype=decay_dtype, tinv=tinv,
-                       matmul_dtype=matmul_dtype)
+                       matmul_dtype=matmul_dtype, split_segments=split_segments)
     vn = prep.u - mm(prep.w, state, matmul_dtype=matmul_dtype)
     dvn, dstate_in = step_bwd(do, dstate_out, q, k, prep, matmul_dtype=matmul_dtype)
     dv, vsums = value_grads(do, dvn, vn, prep.u, v, prep.tinv, prep.beta, matmul_dtype=matmul_dtype)

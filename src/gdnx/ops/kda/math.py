@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from gdnx.ops.delta_rule.costs import matmul_flops, value_flops
 from gdnx.ops.delta_rule.primitives import (
     HIGHEST,
+    batched_like,
     col_to_row,
     exact_dot,
     iotas,
@@ -80,7 +81,7 @@ def _segment_sums(mask, g, split: bool):
     """mask [C, C] (0/1) times g [C, K]: sums of gates over segments, each of
     terms of one sign. split: as three exact bfloat16 passes (primitives.
     segment_sums), for a GPU kernel's registers."""
-    m = mask.astype(g.dtype)
+    m = batched_like(mask.astype(g.dtype), g)
     if split:
         return exact_dot(m, g, ((1,), (0,)))
     return jax.lax.dot_general(m, g, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=g.dtype)
@@ -360,12 +361,6 @@ def transcendentals(c: int, dk: int) -> int:
     return (2 * num_levels(c) + 2) * c * dk + dk
 
 
-def extra_vmem(c: int, dk: int) -> int:
-    """Bytes a TPU grid step holds for the per-channel algebra beyond the
-    shared blocks: the decay factors of every level, [C, K] float32 each."""
-    return (2 * num_levels(c) + 3) * c * dk * 4
-
-
 def _forward(q, k, v, g, beta, shared, state, *, looped: bool, inverse=None, **algebra):
     if looped:
         return value_head_forward(q, k, v, g, beta, state, inverse=inverse or unit_lower_inverse_loop,
@@ -381,5 +376,4 @@ def _backward(q, k, v, g, beta, shared, tinv, state, do, dstate_out, *, looped: 
 VARIANT = Variant(
     name="kda", gate="channel", value_head_forward=_forward, value_head_backward=_backward,
     chunk_flops=chunk_flops, forward_parts=("decays", "pairs", "prepare", "state", "output"),
-    backward_parts=("decays", "pairs_bwd", "prepare", "state_bwd", "grads"), transcendentals=transcendentals,
-    extra_vmem=extra_vmem)
+    backward_parts=("decays", "pairs_bwd", "prepare", "state_bwd", "grads"), transcendentals=transcendentals)
