@@ -2,7 +2,7 @@
 (pallas_tpu on a TPU, pallas_gpu on a GPU) against xla, and on a GPU
 against flash-linear-attention, in one run.
 
-    python benchmarks/ops_device.py [--op gdn|kda|both] [--batch 1] [--length 32768] [--out FILE] [--skip-checks]
+    python -m benchmarks.device.ops [--op gdn|kda|both] [--batch 1] [--length 32768 ...] [--out FILE] [--skip-checks]
 
 First the checks: small cases that cover what the kernels add (a ragged
 tail, packed sequences with an empty one, an initial state, grouped value
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
+import sys
 import time
 import traceback
 
@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.harness import Table, machine, write
 from gdnx.measure import compiled_peak_bytes, median_ms, relative_error as rel
 from gdnx.ops import chunk_gated_delta_rule, chunk_kda, recurrent_gated_delta_rule, recurrent_kda
 from gdnx.ops.delta_rule.costs import op_flops
@@ -185,12 +186,15 @@ CHECKS = (
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # as the interpreted tests' (tests/ops/delta_rule/helpers.py)
 
 
-def check_rows(op: str, kernel: str) -> list[str]:
+def check_table(op: str, kernel: str) -> Table:
     """Each check case by the kernel and by xla on the device against the
-    float64 recurrence on the host: one markdown row each."""
+    float64 recurrence on the host: one row each."""
     kda = op == "kda"
+    table = Table(f"{'KDA' if kda else 'Gated delta rule'}: {kernel} and xla against the float64 recurrence on the "
+                  f"host's CPU, relative errors; {machine()}",
+                  ["case", "implementation", "o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0", "tolerance"],
+                  numeric=[False, False] + [True] * 8 + [False])
     chunk_op, recurrent_op = (chunk_kda, recurrent_kda) if kda else (chunk_gated_delta_rule, recurrent_gated_delta_rule)
-    rows = []
     for c in CHECKS:
         rng = np.random.default_rng(0)
         n = c.b if c.cu is None else len(c.cu) - 1
@@ -217,14 +221,12 @@ def check_rows(op: str, kernel: str) -> list[str]:
                     rel(d, ref_grads[name]) for name, d in zip(GRAD_NAMES, grads)]
                 worst = max(errs)
                 verdict = "within" if worst <= TOLERANCE[c.dtype] else "ABOVE"
-                cells = " | ".join(f"{e:.1e}" for e in errs) + (" | -" if not c.h0 else "")
-                line = f"| {c.name} | {impl} | {cells} | {verdict} {TOLERANCE[c.dtype]:.0e} |"
+                cells = [f"{e:.1e}" for e in errs] + (["-"] if not c.h0 else [])
+                table.row(c.name, impl, *cells, f"{verdict} {TOLERANCE[c.dtype]:.0e}")
             except Exception as e:  # report and keep going: device time is scarce
                 traceback.print_exc()
-                line = f"| {c.name} | {impl} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} |"
-            rows.append(line)
-            print(line, flush=True)
-    return rows
+                table.row(c.name, impl, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    return table
 
 
 def io_bytes(args, grad: bool) -> int:
@@ -240,24 +242,21 @@ def io_bytes(args, grad: bool) -> int:
     return fwd + inputs + v.size * v.dtype.itemsize + state if grad else fwd
 
 
-def run(op: str, b: int, t: int, check_length: int, repeats: int, kernel: str) -> list[str]:
+def timing_table(op: str, b: int, t: int, check_length: int, repeats: int, kernel: str) -> Table:
     kda = op == "kda"
     hk, hv, d = 32 if kda else 16, 32, 128
     chunk_op, recurrent_op = (chunk_kda, recurrent_kda) if kda else (chunk_gated_delta_rule, recurrent_gated_delta_rule)
-    dev = jax.devices()[0]
-    lines = [f"# {'KDA' if kda else 'gated delta rule'} on {dev.device_kind}: B={b} T={t} HK={hk} HV={hv} K=V={d} "
-             f"bf16, chunk 64, l2norm; {datetime.date.today()}, jax {jax.__version__}",
-             "| implementation | rel err o | rel err state | compile s | forward ms | fwd+bwd ms | fwd+bwd peak GiB | "
-             "fwd TFLOP/s | bwd TFLOP/s | fwd GB/s | fwd+bwd GB/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    table = Table(f"{'KDA' if kda else 'Gated delta rule'}: B={b} T={t} HK={hk} HV={hv} K=V={d} bfloat16, chunk 64, "
+                  f"l2norm; {machine()}; `{' '.join(['python -m benchmarks.device.ops', *sys.argv[1:]])}`",
+                  ["implementation", "rel err o", "rel err state", "compile s", "forward ms", "fwd+bwd ms",
+                   "fwd+bwd peak GiB", "fwd TFLOP/s", "bwd TFLOP/s", "fwd GB/s", "fwd+bwd GB/s"])
     tf_fwd, tf_bwd = analytic_tflop(b, t, hk, hv, d, per_channel=kda)
     args = make_inputs(b, t, hk, hv, d, per_channel=kda)
     gb_fwd, gb_all = io_bytes(args, False) / 1e9, io_bytes(args, True) / 1e9
 
     def rates(f_ms, fb_ms):
-        return (f"{tf_fwd / (f_ms / 1e3):.1f} | {tf_bwd / (max(fb_ms - f_ms, 1e-9) / 1e3):.1f} | "
-                f"{gb_fwd / (f_ms / 1e3):.0f} | {gb_all / (fb_ms / 1e3):.0f}")
-    print("\n".join(lines), flush=True)
+        return (f"{tf_fwd / (f_ms / 1e3):.1f}", f"{tf_bwd / (max(fb_ms - f_ms, 1e-9) / 1e3):.1f}",
+                f"{gb_fwd / (f_ms / 1e3):.0f}", f"{gb_all / (fb_ms / 1e3):.0f}")
     short = tuple(x[:1, :check_length] for x in args)
     (ref_o, ref_s), _ = host_reference(recurrent_op, short)
     rows = {}
@@ -279,39 +278,33 @@ def run(op: str, b: int, t: int, check_length: int, repeats: int, kernel: str) -
             bwd_ms = median_ms(grad, args, repeats)
             peak = compiled_peak_bytes(grad, args) / 2**30
             rows[name] = (fwd_ms, bwd_ms, peak)
-            line = (f"| {name} | {err_o:.1e} | {err_s:.1e} | {compile_s:.1f} | {fwd_ms:.2f} | {bwd_ms:.2f} | "
-                    f"{peak:.2f} | {rates(fwd_ms, bwd_ms)} |")
+            table.row(name, f"{err_o:.1e}", f"{err_s:.1e}", f"{compile_s:.1f}", f"{fwd_ms:.2f}", f"{bwd_ms:.2f}",
+                      f"{peak:.2f}", *rates(fwd_ms, bwd_ms))
         except Exception as e:  # report and keep going: device time is scarce
             traceback.print_exc()
-            line = f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | | | | | | |"
-        lines.append(line)
-        print(line, flush=True)
+            table.row(name, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     if kernel == "pallas_gpu":
         try:
             f_ms, fb_ms = time_fla(args, hk, hv, repeats)
             rows["fla"] = (f_ms, fb_ms, float("nan"))
-            line = f"| fla (Triton, torch) | | | | {f_ms:.2f} | {fb_ms:.2f} | | {rates(f_ms, fb_ms)} |"
+            table.row("fla (Triton, torch)", "", "", "", f"{f_ms:.2f}", f"{fb_ms:.2f}", "", *rates(f_ms, fb_ms))
         except Exception as e:  # fla is carried as a wheel; say so if it is missing
             traceback.print_exc()
-            line = f"| fla | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | | | | | | | |"
-        lines.append(line)
-        print(line, flush=True)
+            table.row("fla", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     if "xla" in rows:
+        x = rows["xla"]
         for name, (f, fb, m) in rows.items():
             if name != "xla":
-                x = rows["xla"]
-                line = (f"| {name} / xla | | | | {x[0] / f:.2f}x faster | {x[1] / fb:.2f}x faster | "
-                        f"{m / x[2]:.2f}x memory | | | | |")
-                lines.append(line)
-                print(line, flush=True)
-    return lines
+                table.row(f"{name} / xla", "", "", "", f"{x[0] / f:.2f}x faster", f"{x[1] / fb:.2f}x faster",
+                          f"{m / x[2]:.2f}x memory", "", "", "", "")
+    return table
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--op", choices=("gdn", "kda", "both"), default="both")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--length", type=int, default=32768)
+    p.add_argument("--length", type=int, nargs="+", default=[32768], help="sequence lengths timed (default 32768)")
     p.add_argument("--check-length", type=int, default=512)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default=None)
@@ -322,21 +315,9 @@ def main():
         p.error(f"the default JAX backend is {platform!r}: this benchmark needs a TPU or a GPU")
     kernel = KERNEL[platform]
     ops = ("gdn", "kda") if a.op == "both" else (a.op,)
-    lines = []
-    if not a.skip_checks:
-        for op in ops:
-            head = [f"# {'KDA' if op == 'kda' else 'gated delta rule'}: {kernel} and xla on "
-                    f"{jax.devices()[0].device_kind} against the float64 recurrence on the host; relative errors; "
-                    f"{datetime.date.today()}, jax {jax.__version__}",
-                    "| case | implementation | o | state | dq | dk | dv | dg | dbeta | dh0 | tolerance |",
-                    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-            print("\n".join(head), flush=True)
-            lines += head + check_rows(op, kernel) + [""]
-    for op in ops:
-        lines += run(op, a.batch, a.length, a.check_length, a.repeats, kernel) + [""]
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write("\n".join(lines))
+    tables = [] if a.skip_checks else [check_table(op, kernel) for op in ops]
+    tables += [timing_table(op, a.batch, t, a.check_length, a.repeats, kernel) for t in a.length for op in ops]
+    write(a.out, *tables)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Relative error of each gated delta rule implementation against float64.
 
-    python benchmarks/ops_accuracy.py [--length 1024] [--op gdn|kda] [--gates random|bursts|channels]
+    python -m benchmarks.ops.accuracy [--length 1024] [--op gdn|kda] [--gates random|bursts|channels]
 
 For float32 and bfloat16 inputs (float32 state and decay), prints
 ||x - ref|| / ||ref|| for the output, the final state and every gradient,
@@ -19,7 +19,6 @@ the channels -30 per step, the others -1e-3 .. 0).
 from __future__ import annotations
 
 import argparse
-import datetime
 
 import jax
 
@@ -30,6 +29,8 @@ import numpy as np  # noqa: E402
 
 from gdnx.measure import relative_error as rel  # noqa: E402
 from gdnx.ops import CHUNK_IMPLEMENTATIONS, chunk_gated_delta_rule, chunk_kda  # noqa: E402
+
+from benchmarks.harness import machine
 
 NAMES = ("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -83,8 +84,7 @@ def main():
            gates(a.gates, gshape, rng), rng.uniform(0, 1, (b, t, hv)), 0.5 * rng.standard_normal((b, hv, d, d)))
     impls = CHUNK_IMPLEMENTATIONS
     print(f"# relative error vs float64 recurrence: {a.op}, {a.gates} gates, B={b} T={t} HK={hk} HV={hv} K=V={d} "
-          f"chunk={a.chunk_size}, l2norm on, initial state on; {datetime.date.today()}, jax {jax.__version__}, "
-          f"{jax.default_backend()}")
+          f"chunk={a.chunk_size}, l2norm on, initial state on; {machine()}")
     print("| inputs | implementation | " + " | ".join(NAMES) + " |")
     print("|---|---|" + "---:|" * len(NAMES))
     for dtype in ("float32", "bfloat16"):

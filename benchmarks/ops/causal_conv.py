@@ -2,7 +2,7 @@
 state-padded input) against the packed form's gathered windows, the latter
 reached with cu_seqlens = [0, T] (one sequence, the same outputs).
 
-    python benchmarks/causal_conv.py [--length 4096] [--channels 8192] [--repeats 10]
+    python -m benchmarks.ops.causal_conv [--length 4096] [--channels 8192] [--repeats 10]
 
 Shape: one row of T tokens and Qwen3-Next's conv channels (2 x 16 key heads
 x 128 + 32 value heads x 128 = 8192), kernel 4, bfloat16 inputs, float32
@@ -21,6 +21,8 @@ import numpy as np
 from gdnx.measure import median_ms
 from gdnx.ops import causal_conv1d
 
+from benchmarks.harness import machine
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,7 +35,7 @@ def main() -> None:
     x = jnp.asarray(rng.standard_normal((1, t, d)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((d, 4)) * 0.5, jnp.float32)
     forms = {"rows (shifted slices)": None, "packed (gathered windows)": jnp.asarray([0, t], jnp.int32)}
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; [1, {t}, {d}] bfloat16, kernel 4, "
+    print(f"{machine()}; [1, {t}, {d}] bfloat16, kernel 4, "
           f"medians of {args.repeats}\n")
     print("| form | forward ms | fwd+bwd ms |")
     print("|---|---:|---:|")

@@ -1,49 +1,40 @@
 """Deviceless compilation of the gated delta rule kernels for real targets.
 
-    JAX_PLATFORMS=cpu .venv-aot/bin/python benchmarks/compile.py [--targets h100 tpu_v5e ...]
+    JAX_PLATFORMS=cpu .venv-aot/bin/python -m benchmarks.ops.compile [--targets h100 tpu_v5e ...]
         [--programs grad forward_long ...] [--out FILE]
 
 For every target and program of tests/ops/delta_rule/test_compile.py
 (GDN's, then KDA's):
 compile seconds (this host), and per kernel what the compiler reports: on
 GPU its grid, the shared memory each launch requests, registers, spill
-bytes and tensor-core instructions (gdnx.gpu_kernels); on TPU the VMEM
-budget each Mosaic kernel declares. Prints a
+bytes and tensor-core instructions (gdnx.gpu_kernels); on TPU the head tile and
+the VMEM limit the kernels declare. Prints a
 markdown table; `--out` also writes it to a file.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks.harness import machine
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 def tpu_kernels(program, target: str) -> str:
-    """The VMEM budget each Mosaic kernel declares (pallas_tpu.vmem_bytes),
-    at the target's head tile."""
+    """The head tile the target's tiles give the program's heads, and the
+    scoped VMEM limit the kernels declare."""
     from gdnx import aot
     from gdnx.ops.delta_rule import tiles_for
-    from gdnx.ops.delta_rule.pallas_tpu import vmem_bytes
-    from gdnx.ops.gated_delta_rule.math import VARIANT as GDN
-    from gdnx.ops.kda.math import VARIANT as KDA
 
-    ht = tiles_for("pallas_tpu", aot.device(target)).head_tile
-    grp, d = program.hv // program.hk, program.dim
-    variant = KDA if program.per_channel else GDN
-    fwd = vmem_bytes(variant, ht, grp, 64, d, d, 2, program.grad)
-    text = f"head tile {ht}; forward: {fwd / 2**20:.1f} MiB VMEM"
-    if program.grad:
-        text += f"; backward: {2 * vmem_bytes(variant, ht, grp, 64, d, d, 4, True) / 2**20:.1f} MiB VMEM"
-    return text
+    tiles = tiles_for("pallas_tpu", aot.device(target))
+    ht = tiles.key_heads_per_step(program.hk, program.hv // program.hk, 64, program.dim, program.dim)
+    heads = ht * program.hv // program.hk
+    return f"head tile {ht} ({heads} value heads a step); VMEM limit {tiles.vmem_limit_mib} MiB"
 
 
 def phase_table(t: int = 4096, hk: int = 16, hv: int = 32, d: int = 128) -> list[str]:
@@ -92,8 +83,8 @@ def main():
     if a.phases:
         print("\n".join(phase_table()))
         return
-    lines = [f"Deviceless compilation, {datetime.date.today()}, jax {jax.__version__}, this host "
-             f"({os.cpu_count()} cores); command: `JAX_PLATFORMS=cpu .venv-aot/bin/python benchmarks/compile.py`",
+    lines = [f"Deviceless compilation, {machine()}; command: "
+             "`JAX_PLATFORMS=cpu .venv-aot/bin/python -m benchmarks.ops.compile`",
              "", "| target | program | compile s | kernels (grid: shared memory, registers, spills / VMEM) |",
              "|---|---|---:|---|"]
     print("\n".join(lines), flush=True)

@@ -1,6 +1,6 @@
 """Gated delta rule on the CPU: hand-written VJP vs plain autodiff vs the token recurrence.
 
-    python benchmarks/ops_cpu.py [--length 2048] [--repeats 5]
+    python -m benchmarks.ops.cpu [--length 2048] [--repeats 5]
 
 Prints a markdown table for docs/benchmarks.md: forward and forward+backward
 median wall time, and peak memory as XLA's buffer assignment reports it for the
@@ -11,8 +11,6 @@ All rows come from one run, so compare them as ratios.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +20,8 @@ from gdnx.measure import compiled_peak_bytes, median_ms
 from gdnx.ops.delta_rule import xla
 from gdnx.ops.delta_rule.reference import recurrent_reference
 from gdnx.ops.gated_delta_rule.math import VARIANT
+
+from benchmarks.harness import machine
 
 
 def make_inputs(b, t, hk, hv, dk, dv, dtype, seed=0):
@@ -56,8 +56,7 @@ def main():
     a = parser.parse_args()
     b, t, hk, hv, d = a.batch, a.length, a.key_heads, a.value_heads, a.dim
     print(f"# gated delta rule, CPU: B={b} T={t} HK={hk} HV={hv} K=V={d} chunk={a.chunk_size}")
-    print(f"# {datetime.date.today()}  jax {jax.__version__}  {platform.processor() or platform.machine()}  "
-          f"{jax.device_count()} device(s), {len(jax.devices()[0].client.devices())} local")
+    print(f"{machine()}; `python -m benchmarks.ops.cpu --length {t} --repeats {a.repeats}`")
     print("| inputs | implementation | forward ms | fwd+bwd ms | fwd+bwd peak MiB |")
     print("|---|---|---:|---:|---:|")
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -66,7 +65,8 @@ def main():
         for name, f in variants(b, hv, d, d, a.chunk_size).items():
             fwd = jax.jit(f)
             grad = jax.jit(jax.grad(lambda *xs, f=f: jnp.sum(f(*xs).astype(jnp.float32) ** 2), argnums=range(5)))
-            rows[name] = (median_ms(fwd, args, a.repeats), median_ms(grad, args, a.repeats), compiled_peak_bytes(grad, args) / 2**20)
+            rows[name] = (median_ms(fwd, args, a.repeats), median_ms(grad, args, a.repeats),
+                          compiled_peak_bytes(grad, args) / 2**20)
             print(f"| {jnp.dtype(dtype).name} | {name} | {rows[name][0]:.1f} | {rows[name][1]:.1f} | "
                   f"{rows[name][2]:.0f} |", flush=True)
         hw, ad = rows["xla (hand-written VJP)"], rows["xla forward, plain autodiff"]

@@ -1,7 +1,7 @@
 """KDA on this CPU: gdnx's xla path against transformers' torch KDA, and
 against GDN on the same shapes.
 
-    python benchmarks/kda_cpu.py [--batch 2] [--length 2048] [--repeats 5]
+    python -m benchmarks.ops.kda_cpu [--batch 2] [--length 2048] [--repeats 5]
 
 Forward + backward (every input's gradient), B=2, T=2048, HK=4, HV=8,
 K=V=128, float32, chunk 64, l2norm inside the op; medians of alternating
@@ -18,8 +18,6 @@ runs in one process:
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
 import time
 
@@ -30,6 +28,8 @@ import torch
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 
 from gdnx.ops import chunk_gated_delta_rule, chunk_kda
+
+from benchmarks.harness import machine
 
 
 def main():
@@ -83,7 +83,7 @@ def main():
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
     med = {n: statistics.median(x) for n, x in times.items()}
-    print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}, jax {jax.__version__}, "
+    print(f"{machine()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} torch threads; B={b} T={t} HK={hk} HV={hv} "
           f"K=V={d} float32, chunk 64, fwd+bwd, medians of {a.repeats}")
     print("| run | ms | / gdnx kda |")

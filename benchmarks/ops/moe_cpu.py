@@ -6,7 +6,7 @@ top-10, 512), float32, 4 x 512 tokens, jax.grad of the summed output
 with respect to the input and every weight. Prints markdown for
 docs/benchmarks.md.
 
-    python benchmarks/moe_cpu.py [--repeats 10]
+    python -m benchmarks.ops.moe_cpu [--repeats 10]
 
 The ways: `gdnx tiled` (gdnx.ops.grouped_matmul's default on CPU),
 `jax.lax.ragged_dot` (the layer's code before the grouped-matmul seam;
@@ -19,9 +19,6 @@ expert, written out: the densifying lowering, for scale).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import time
 
@@ -31,6 +28,8 @@ from flax import nnx
 
 from gdnx.layers import moe
 from gdnx.layers.moe import SparseMoE
+
+from benchmarks.harness import machine
 
 HIDDEN, EXPERTS, WIDTH, TOP_K, SHARED, BATCH, LENGTH = 512, 64, 128, 8, 128, 4, 512
 
@@ -93,9 +92,8 @@ def main() -> None:
     for name, gmm in ways().items():
         rows[name] = measure(gmm, args.repeats)
     moe.grouped_matmul = original
-    print(f"## The MoE layer on CPU ({datetime.date.today()}, {platform.node()}, {os.cpu_count()} cores, "
-          f"jax {jax.__version__})\n")
-    print(f"`python benchmarks/moe_cpu.py --repeats {args.repeats}`: hidden {HIDDEN}, {EXPERTS} experts of width "
+    print(f"The MoE layer, {machine()}\n")
+    print(f"`python -m benchmarks.ops.moe_cpu --repeats {args.repeats}`: hidden {HIDDEN}, {EXPERTS} experts of width "
           f"{WIDTH}, top-{TOP_K}, {BATCH} x {LENGTH} tokens, float32, forward+backward, median of {args.repeats}:\n")
     print("| grouped matmuls | forward+backward, ms | vs gdnx | compile, s |\n|---|---:|---:|---:|")
     base = next(iter(rows.values()))[1]

@@ -1,6 +1,6 @@
 """gdnx's xla path against transformers' torch chunk reference, on this CPU.
 
-    python benchmarks/xla_vs_torch.py [--batch 2] [--length 2048] [--repeats 5]
+    python -m benchmarks.ops.xla_vs_torch [--batch 2] [--length 2048] [--repeats 5]
 
 Forward + backward (every input's gradient) at B=2, T=2048, HK=4, HV=8,
 K=V=128, float32, chunk 64, l2norm inside the op: gdnx's
@@ -13,8 +13,6 @@ alternating runs in one process; prints a markdown row and the ratio.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
 import time
 
@@ -25,6 +23,8 @@ import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
 from gdnx.ops import chunk_gated_delta_rule
+
+from benchmarks.harness import machine
 
 
 def main():
@@ -69,7 +69,7 @@ def main():
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
     jx, th = statistics.median(times["jax"]), statistics.median(times["torch"])
-    print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}, jax {jax.__version__}, "
+    print(f"{machine()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} torch threads; B={b} T={t} HK={hk} HV={hv} "
           f"K=V={d} float32, fwd+bwd")
     print("| gdnx xla (hand-written VJP) ms | torch_chunk_gated_delta_rule + autograd ms | ratio |")

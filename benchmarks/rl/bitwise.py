@@ -2,7 +2,7 @@
 Qwen3-Next-, Kimi Linear- and OLMo Hybrid-shaped tiny models, on one
 device and on a 2 x 4 mesh (data x fsdp; eight CPU devices).
 
-    .venv/bin/python benchmarks/rl_bitwise.py [--steps 20] [--families ...] [--out FILE]
+    .venv/bin/python -m benchmarks.rl.bitwise [--steps 20] [--families ...] [--out FILE]
 
 Each run is `gdnx train tiny` with data.source=rl and train.rl.bitwise=true
 on examples/rl/arithmetic.jsonl (bytes), 4 prompts x 2 completions of up to
@@ -16,17 +16,15 @@ the first and last five steps, and the run's wall time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import sys
 import time
 
-from rl_runs import REWARD_FIELD, emit, run_root, table_head
+from benchmarks.harness import Table, machine, write
+from benchmarks.rl.runs import REWARD_FIELD, run_root
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -80,17 +78,15 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=sorted(FAMILIES), choices=sorted(FAMILIES))
     parser.add_argument("--out")
     args = parser.parse_args()
-    lines = table_head(f"bitwise RL, {args.steps} steps per run, 8 completions per step; {datetime.date.today()}, "
-                       f"{os.cpu_count()} cores", ["family", "devices", "max rl/logp_diff_max", "steps",
-                                                   "reward, first 5", "reward, last 5", "wall s"])
+    table = Table(f"bitwise RL, {args.steps} steps per run, 8 completions per step; {machine()}",
+                  ["family", "devices", "max rl/logp_diff_max", "steps", "reward, first 5", "reward, last 5", "wall s"])
     with run_root() as root:
         for family in args.families:
             for mesh in MESHES:
                 r = run(family, mesh, args.steps, root)
-                lines.append(f"| {family} | {mesh} | {r['gap']:.2e} | {r['steps']} | {r['first']:.3f} | "
-                             f"{r['last']:.3f} | {r['seconds']:.0f} |")
-                print(lines[-1], flush=True)
-    emit(lines, args.out)
+                table.row(family, mesh, f"{r['gap']:.2e}", r["steps"], f"{r['first']:.3f}", f"{r['last']:.3f}",
+                          f"{r['seconds']:.0f}")
+    write(args.out, table)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """RL's step time on CPU, the default mode against bitwise mode, in one run.
 
-    .venv/bin/python benchmarks/rl_cpu.py [--steps 12] [--max-new-tokens 16 32] [--out FILE]
+    .venv/bin/python -m benchmarks.rl.cpu [--steps 12] [--max-new-tokens 16 32] [--out FILE]
 
 The tiny model (`gdnx train tiny`'s, bytes) on examples/rl/arithmetic.jsonl
 with 4 prompts x 4 completions per step, one update per rollout: for each
@@ -13,17 +13,15 @@ Prints a markdown table; `--out` also writes it to a file.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
 import statistics
-import sys
 
-from rl_runs import REWARD_FIELD, emit, run_root, table_head
+from benchmarks.harness import Table, machine, write
+from benchmarks.rl.runs import REWARD_FIELD, run_root
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
@@ -51,18 +49,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--out")
     args = parser.parse_args()
-    lines = table_head(f"RL step time on CPU ({os.cpu_count()} cores), tiny model, 16 completions per step, median "
-                       f"of steps 3-{args.steps}; {datetime.date.today()}",
-                       ["completion tokens", "mode", "step s", "rollout s", "scoring s", "update s", "max logp gap",
-                        "step vs default"])
+    table = Table(f"RL step time, tiny model, 16 completions per step, median of steps 3-{args.steps}; {machine()}",
+                  ["completion tokens", "mode", "step s", "rollout s", "scoring s", "update s", "max logp gap",
+                   "step vs default"])
     with run_root() as root:
         for new in args.max_new_tokens:
             base = run(False, new, args.steps, root)
             bit = run(True, new, args.steps, root)
             for name, r in (("default", base), ("bitwise", bit)):
-                lines.append(f"| {new} | {name} | {r['step']:.3f} | {r['rollout']:.3f} | {r['score']:.3f} | "
-                             f"{r['update']:.3f} | {r['gap']:.2e} | {r['step'] / base['step']:.2f}x |")
-    emit(lines, args.out)
+                table.row(new, name, f"{r['step']:.3f}", f"{r['rollout']:.3f}", f"{r['score']:.3f}",
+                          f"{r['update']:.3f}", f"{r['gap']:.2e}", f"{r['step'] / base['step']:.2f}x")
+    write(args.out, table)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Bitwise RL on every family, from tiny Hugging Face checkpoints written by
 transformers: trains, resumes and exports.
 
-    .venv/bin/python benchmarks/rl_families.py [--steps 4] [--kinds ...] [--out FILE]
+    .venv/bin/python -m benchmarks.rl.families [--steps 4] [--kinds ...] [--out FILE]
 
 For each kind (tests/helpers/hf_models.py's tiny random checkpoints, 97
 tokens of vocabulary; the prompts are examples/rl/arithmetic.jsonl as
@@ -21,18 +21,15 @@ the export's logits' relative error, and the wall time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import sys
 import time
 
-from rl_runs import REWARD_FIELD, emit, run_root, table_head
+from benchmarks.harness import Table, machine, write
+from benchmarks.rl.runs import REWARD_FIELD, run_root
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # one per family (Qwen3-Next and Qwen3.5 with MoE; Kimi Linear's first layer dense)
@@ -94,17 +91,16 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--out")
     args = parser.parse_args()
-    lines = table_head(f"bitwise RL from tiny transformers checkpoints, {args.steps} steps; {datetime.date.today()}, "
-                       f"{os.cpu_count()} cores", ["kind", "max rl/logp_diff_max", "steps", "resumed = uninterrupted",
-                                                   "export's logits vs transformers", "wall s"])
+    table = Table(f"bitwise RL from tiny transformers checkpoints, {args.steps} steps; {machine()}",
+                  ["kind", "max rl/logp_diff_max", "steps", "resumed = uninterrupted", "export's logits vs transformers",
+                   "wall s"])
     with run_root() as root:
         for kind in args.kinds:
             r = check(kind, args.steps, root)
             error = "-" if r["error"] is None else f"{r['error']:.1e}"
-            lines.append(f"| {kind} | {r['gap']:.2e} | {r['steps']} | {'yes' if r['resumed'] else 'NO'} | {error} | "
-                         f"{r['seconds']:.0f} |")
-            print(lines[-1], flush=True)
-    emit(lines, args.out)
+            table.row(kind, f"{r['gap']:.2e}", r["steps"], "yes" if r["resumed"] else "NO", error,
+                      f"{r['seconds']:.0f}")
+    write(args.out, table)
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """RL rollouts of long prompts on CPU: the rollout engine's prefix cache on
 (train.rl.prefix_cache_mb=1024) against off (0), in one run.
 
-    .venv/bin/python benchmarks/rl_prefix.py [--steps 8] [--prompt-tokens 1000] [--out FILE]
+    .venv/bin/python -m benchmarks.rl.prefix [--steps 8] [--prompt-tokens 1000] [--out FILE]
 
 The tiny model (bytes) on sums that follow a shared preamble of about
 --prompt-tokens bytes, 4 prompts x 8 completions of 8 tokens per step:
@@ -16,17 +16,15 @@ Prints a markdown table; `--out` also writes it to a file.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
 import statistics
-import sys
 
-from rl_runs import REWARD_FIELD, emit, run_root, table_head
+from benchmarks.harness import Table, machine, write
+from benchmarks.rl.runs import REWARD_FIELD, run_root
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 NEW_TOKENS = 8
 
@@ -63,19 +61,18 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--out")
     args = parser.parse_args()
-    lines = table_head(f"RL rollouts on CPU ({os.cpu_count()} cores), tiny model, prompts of about "
-                       f"{args.prompt_tokens} tokens, 4 prompts x 8 completions of {NEW_TOKENS} tokens per step, "
-                       f"median of steps 3-{args.steps}; {datetime.date.today()}",
-                       ["prefix cache", "rollout s", "step s", "prompt tokens from the cache", "rollout vs off",
-                        "rewards step by step as off"])
+    table = Table(f"RL rollouts, tiny model, prompts of about {args.prompt_tokens} tokens, 4 prompts x 8 completions "
+                  f"of {NEW_TOKENS} tokens per step, median of steps 3-{args.steps}; {machine()}",
+                  ["prefix cache", "rollout s", "step s", "prompt tokens from the cache", "rollout vs off",
+                   "rewards step by step as off"])
     with run_root() as root:
         prompts(root / "prompts.jsonl", args.prompt_tokens)
         off = run(0, args.steps, args.prompt_tokens, root)
         on = run(1024, args.steps, args.prompt_tokens, root)
         for name, r in (("off (0)", off), ("on (1024 MiB)", on)):
-            lines.append(f"| {name} | {r['rollout']:.3f} | {r['step']:.3f} | {r['cached']:.0f} | "
-                         f"{r['rollout'] / off['rollout']:.2f}x | {'yes' if r['reward'] == off['reward'] else 'no'} |")
-    emit(lines, args.out)
+            table.row(name, f"{r['rollout']:.3f}", f"{r['step']:.3f}", f"{r['cached']:.0f}",
+                      f"{r['rollout'] / off['rollout']:.2f}x", "yes" if r["reward"] == off["reward"] else "no")
+    write(args.out, table)
 
 
 if __name__ == "__main__":

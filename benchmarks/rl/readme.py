@@ -4,7 +4,7 @@ RL section's run (logging every step), each timed, and what the RL run
 learned: the held-out prompts' greedy reward at each evaluation, and the
 drawn completions' mean reward over its first and last ten steps.
 
-    python benchmarks/rl_readme.py [--workdir /tmp/rl_readme]
+    python -m benchmarks.rl.readme [--workdir /tmp/rl_readme]
 
 About 7 minutes on 2 CPU cores (the demo's run takes half of it).
 """
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def section(title: str) -> list[list[str]]:

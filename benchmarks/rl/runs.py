@@ -1,6 +1,5 @@
 """What the RL benchmark scripts share: the reward their runs import (the
-share of a completion's characters that are digits) and their output, a
-markdown table printed and optionally written to a file."""
+share of a completion's characters that are digits)."""
 
 from __future__ import annotations
 
@@ -27,14 +26,3 @@ def run_root() -> Iterator[pathlib.Path]:
             yield root
         finally:
             sys.path.remove(str(root))
-
-
-def table_head(title: str, columns: list[str]) -> list[str]:
-    return [title, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-
-
-def emit(lines: list[str], out: str | None) -> None:
-    text = "\n".join(lines)
-    print(text)
-    if out:
-        pathlib.Path(out).write_text(text + "\n")

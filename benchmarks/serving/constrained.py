@@ -3,9 +3,9 @@ decoding on: the engine switches drafts off while any running request is
 constrained (its tokens are drawn one per decode call, the host checking
 each against the grammar), so the others decode one token per pass too.
 
-    python benchmarks/constrained.py [--repeats 3]
+    python -m benchmarks.serving.constrained [--repeats 3]
 
-The peer benchmark's checkpoint (benchmarks/server.py --peer: Qwen3.5,
+The peer benchmark's checkpoint (benchmarks/serving/server.py --peer: Qwen3.5,
 width 256, 8 layers, byte-level BPE of 4,096 entries, random weights), 9
 slots of 256 tokens, NgramDrafter(4), prompts that repeat a 16-token
 phrase (so n-gram drafts are accepted), 64 tokens each, greedy. Three
@@ -19,26 +19,23 @@ pass, and that their tokens are the same in all three (median of
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server import peer_checkpoint  # noqa: E402
+from benchmarks.serving.server import peer_checkpoint
 
 from gdnx.data.text import HFTokenizer  # noqa: E402
 from gdnx.models import CausalLM  # noqa: E402
 from gdnx.serving import Engine, NgramDrafter, SamplingParams  # noqa: E402
 from gdnx.serving.grammar import Grammars  # noqa: E402
 from gdnx.serving.params import Structured  # noqa: E402
+
+from benchmarks.harness import machine
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "n": {"type": "integer"}}}
@@ -61,8 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    print(f"# a constrained request beside speculation, {datetime.date.today()}, {platform.node()}, "
-          f"jax {jax.__version__}, `python benchmarks/constrained.py --repeats {args.repeats}`\n")
+    print(f"a constrained request beside speculation, {machine()}, `python -m benchmarks.serving.constrained --repeats {args.repeats}`\n")
     with tempfile.TemporaryDirectory() as tmp:
         peer_checkpoint(Path(tmp))
         model = CausalLM.from_pretrained(tmp)

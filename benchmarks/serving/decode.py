@@ -1,5 +1,5 @@
 """Where the engine's decode step spends its time on this machine's CPU:
-the peer benchmark's checkpoint (benchmarks/server.py --peer: Qwen3.5,
+the peer benchmark's checkpoint (benchmarks/serving/server.py --peer: Qwen3.5,
 width 256, 8 layers, float32), 32 slots of 256 tokens, 8 tokens per call,
 its layers scanned (the default from 8 layers: one scan over the repeats of
 3 Gated DeltaNet + 1 attention layer) and unrolled (scan_layers=False),
@@ -9,18 +9,16 @@ as matrix products (XNNPACK fusions and dots), data movement (slices,
 updates, copies, transposes, broadcasts, selects, gathers and scatters of
 the cache and state) and the rest. Prints markdown for docs/benchmarks.md.
 
-    python benchmarks/decode_profile.py [--calls 20]
+    python -m benchmarks.serving.decode [--calls 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import glob
 import gzip
 import json
-import platform
 import re
 import statistics
 import sys
@@ -37,6 +35,8 @@ from server import peer_checkpoint  # noqa: E402
 from gdnx.models import CausalLM  # noqa: E402
 from gdnx.serving import Engine  # noqa: E402
 from gdnx.serving.runner import DecodeBatch  # noqa: E402
+
+from benchmarks.harness import machine
 
 SLOTS, MAX_LENGTH, STEPS = 32, 256, 8
 MOVES = ("dynamic-slice", "dynamic-update-slice", "copy", "transpose", "broadcast", "select", "gather", "scatter",
@@ -97,8 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
-    print(f"# decode profile, {datetime.date.today()}, {platform.node()} ({platform.processor() or 'cpu'}), "
-          f"jax {jax.__version__}, `python benchmarks/decode_profile.py --calls {args.calls}`\n")
+    print(f"decode profile, {machine()}, `python -m benchmarks.serving.decode --calls {args.calls}`\n")
     with tempfile.TemporaryDirectory() as tmp:
         peer_checkpoint(Path(tmp))
         rows = {scan: measure(Path(tmp), scan, args.calls) for scan in (True, False)}

@@ -4,7 +4,7 @@ attention only), time to first token on a prefix-cache hit, n-gram
 speculation, the batch-invariant mode's cost, and the engine's compiled
 programs.
 
-    python benchmarks/serving.py [--plot docs/serving_decode.png]
+    python -m benchmarks.serving.engine [--plot docs/serving_decode.png]
 
 Model: Qwen3-Next's pattern (3 GDN layers, then attention), width 256, 8
 layers, 4,096-token vocabulary, float32, random weights. Everything runs
@@ -16,9 +16,6 @@ markdown for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import time
 
@@ -31,6 +28,8 @@ from gdnx.generate import generate
 from gdnx.models import Cache, CausalLM
 from gdnx.models.causal_lm import parameter_count
 from gdnx.serving import Engine, NgramDrafter, SamplingParams
+
+from benchmarks.harness import machine
 
 MODEL = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=8, full_attention_interval=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -225,8 +224,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="run the sections whose title starts so")
     args = ap.parse_args()
     model = CausalLM(ModelConfig(**MODEL), seed=0)
-    print(f"# serving, {datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, "
-          f"command: python benchmarks/serving.py --repeats {args.repeats}\n")
+    print(f"serving, {machine()}, "
+          f"command: python -m benchmarks.serving.engine --repeats {args.repeats}\n")
     sections = [("Decode throughput (64-token prompts, 64 new tokens, greedy)", lambda: throughput(model, args.repeats)),
                 ("Per-token decode time against context", lambda: decode_cost(args.repeats, args.plot)),
                 ("Time to first token, 90%-shared prefix", lambda: first_token(model, args.repeats)),

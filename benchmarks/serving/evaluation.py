@@ -2,7 +2,7 @@
 second of `gdnx eval`'s model class against lm-eval's own `hf` backend
 (transformers, torch), on the same checkpoint, task and cores, in one run.
 
-    python benchmarks/evaluation.py [--docs 64] [--batch-size 16]
+    python -m benchmarks.serving.evaluation [--docs 64] [--batch-size 16]
 
 Model: Qwen3.5's pattern (3 GDN layers, then attention), width 256, 8
 layers, a 4,096-word vocabulary, float32, random weights, written by
@@ -16,16 +16,16 @@ markdown for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.harness import machine
 
 VOCAB = 4096
 
@@ -73,7 +73,6 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    import jax
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -106,8 +105,7 @@ def main() -> None:
             runs.append(time.perf_counter() - t0)
         times[name] = statistics.median(runs)
         assert result["results"]["bench_mc"]["acc,none"] == first["results"]["bench_mc"]["acc,none"]
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}; "
-          f"{datetime.date.today()}; `python benchmarks/evaluation.py --docs {args.docs} --batch-size "
+    print(f"{machine()}; `python -m benchmarks.serving.evaluation --docs {args.docs} --batch-size "
           f"{args.batch_size}`; {requests} loglikelihood requests, median of {args.repeats}\n")
     print("| backend | first run (compiles) | requests/s (median) | vs lm-eval hf |")
     print("|---|---:|---:|---:|")

@@ -3,9 +3,9 @@ same burst sent again, with every program compiled before it listens
 (--warm-up all) and with only the decode steps (--warm-up decode), and
 the start-up each costs.
 
-    python benchmarks/first_burst.py
+    python -m benchmarks.serving.first_burst
 
-Model and checkpoint: benchmarks/server.py's (width 256, 8 layers, word
+Model and checkpoint: benchmarks/serving/server.py's (width 256, 8 layers, word
 tokenizer), 32 slots of 256 tokens, prefix cache off. A burst: 12
 concurrent completions with prompts of 5 to 200 words (every prefill
 bucket and several batch sizes), 16 tokens out, greedy. Prints markdown
@@ -15,9 +15,6 @@ for docs/benchmarks.md.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import os
-import platform
 import re
 import signal
 import subprocess
@@ -27,11 +24,11 @@ import time
 from pathlib import Path
 
 import httpx
-import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from server import MAX_LENGTH, SLOTS, checkpoint  # noqa: E402
+from benchmarks.serving.server import MAX_LENGTH, SLOTS, checkpoint
+
+from benchmarks.harness import machine
 
 LENGTHS = (5, 9, 20, 33, 47, 64, 90, 120, 150, 170, 190, 200)
 
@@ -68,8 +65,7 @@ async def burst(url: str, seed: int) -> float:
 
 
 def main() -> None:
-    print(f"# first burst, {datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax "
-          f"{jax.__version__}, `python benchmarks/first_burst.py`\n")
+    print(f"first burst, {machine()}, `python -m benchmarks.serving.first_burst`\n")
     rows = ["| --warm-up | start-up to serving | first burst | the same burst again | first / again |",
             "|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """The serving engine on a mesh of 8 virtual CPU devices against one device:
 decode tokens per second, in one run.
 
-    python benchmarks/serving_mesh.py [--repeats 3]
+    python -m benchmarks.serving.mesh [--repeats 3]
 
 Model: Qwen3-Next's pattern (3 GDN layers, then attention), width 512, 8
 layers, 8 heads everywhere (so tensor 2, 4 and 8 split every layer),
@@ -23,12 +23,9 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gdnx.config import ModelConfig  # noqa: E402
@@ -36,6 +33,8 @@ from gdnx.config.schema import ParallelConfig  # noqa: E402
 from gdnx.models import CausalLM  # noqa: E402
 from gdnx.parallel import make_mesh  # noqa: E402
 from gdnx.serving import Engine, SamplingParams  # noqa: E402
+
+from benchmarks.harness import machine
 
 MODEL = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=8, full_attention_interval=4, num_attention_heads=8,
              num_key_value_heads=8, head_dim=64, linear_num_key_heads=8, linear_num_value_heads=8,
@@ -64,8 +63,7 @@ def main() -> None:
         full = statistics.median(run(64) for _ in range(args.repeats))
         first = statistics.median(run(1) for _ in range(args.repeats))
         rows.append((axes, 8 * 63 / (full - first)))
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, "
-          f"8 virtual CPU devices; {datetime.date.today()}; `python benchmarks/serving_mesh.py`\n")
+    print(f"{machine()}, 8 virtual CPU devices; `python -m benchmarks.serving.mesh`\n")
     print("| mesh | decode tokens/s | vs one device |")
     print("|---|---:|---:|")
     base = rows[0][1]

@@ -3,7 +3,7 @@ machine's CPU: acceptance per draft position and tokens/s against plain
 decoding at 1, 8 and 32 requests, and what a verify pass costs against a
 decode step.
 
-    python benchmarks/mtp_serving.py [--steps 300] [--width 512]
+    python -m benchmarks.serving.mtp [--steps 300] [--width 512]
 
 Model: Qwen3-Next's pattern (3 GDN layers, then attention; 8 layers) with
 an MTP module, float32, trained here with gdnx's loss (the module's at
@@ -19,20 +19,13 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: the counting sequences
 
 from gdnx.data.source import Batch  # noqa: E402
 from gdnx.models import CausalLM  # noqa: E402
@@ -40,6 +33,8 @@ from gdnx.models.causal_lm import parameter_count  # noqa: E402
 from gdnx.serving import Engine, SamplingParams  # noqa: E402
 from gdnx.training.step import loss_and_metrics  # noqa: E402
 from tests.helpers.mtp import progressions, trained_mtp_model  # noqa: E402
+
+from benchmarks.harness import machine
 
 
 def model_fields(width: int) -> dict:
@@ -87,9 +82,8 @@ def main() -> None:
 
     fields = model_fields(args.width)
     model, loss, mtp_loss, seconds = train(fields, args.steps)
-    print(f"## The MTP module as the drafter on CPU ({datetime.date.today()})\n")
-    print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}; "
-          f"`python benchmarks/mtp_serving.py --steps {args.steps} --width {args.width}`. Model: width "
+    print(f"The MTP module as the drafter, {machine()}; "
+          f"`python -m benchmarks.serving.mtp --steps {args.steps} --width {args.width}`. Model: width "
           f"{args.width}, 8 layers (GDN x3, attention), {parameter_count(model.config) / 1e6:.1f}M parameters with "
           f"the MTP layer, float32; trained {args.steps} steps in {seconds:.0f} s: loss {loss:.3f}, MTP loss "
           f"{mtp_loss:.3f}. Requests: counting prompts of 32 tokens, 64 greedy tokens each.\n")

@@ -1,30 +1,28 @@
 """Quantized weights on this machine's CPU: the engine's decode call and
 the parameters' bytes, unquantized (bfloat16 parameters) and held as int8 or
 fp8 (model.quantize, blocks of 128 x 128), on the peer benchmark's
-checkpoint (benchmarks/server.py --peer: Qwen3.5, width 256, 8 layers),
+checkpoint (benchmarks/serving/server.py --peer: Qwen3.5, width 256, 8 layers),
 32 slots of 256 tokens, 8 tokens a call; the three in one process,
 medians of --calls calls. Prints markdown for docs/benchmarks.md.
 
-    python benchmarks/quantized_cpu.py [--calls 20]
+    python -m benchmarks.serving.quantized [--calls 20]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
-import sys
 import tempfile
 from pathlib import Path
 
 import jax
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_profile import SLOTS, STEPS, decode_call, median_seconds  # noqa: E402
-from server import peer_checkpoint  # noqa: E402
+from benchmarks.serving.decode import SLOTS, STEPS, decode_call, median_seconds
+from benchmarks.serving.server import peer_checkpoint
 
 from gdnx.models import CausalLM  # noqa: E402
+
+from benchmarks.harness import machine
 
 
 def measure(directory: Path, quantize: str, calls: int) -> tuple[float, int]:
@@ -37,8 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=20)
     args = ap.parse_args()
-    print(f"# quantized decode, {datetime.date.today()}, {platform.node()} ({platform.processor() or 'cpu'}), "
-          f"jax {jax.__version__}, `python benchmarks/quantized_cpu.py --calls {args.calls}`\n")
+    print(f"quantized decode, {machine()}, `python -m benchmarks.serving.quantized --calls {args.calls}`\n")
     with tempfile.TemporaryDirectory() as tmp:
         peer_checkpoint(Path(tmp))
         rows = {q: measure(Path(tmp), q, args.calls) for q in ("none", "int8", "fp8")}

@@ -1,7 +1,7 @@
 """`gdnx eval` of a small trained model, quantized and not: the difference in
 points.
 
-    python benchmarks/quantized_eval.py [--docs 500] [--run DIR]
+    python -m benchmarks.serving.quantized_eval [--docs 500] [--run DIR]
 
 Model: `gdnx train`'s default, the tiny two-layer GDN model trained on
 multi-query associative recall (configs/tiny.yml, about 3 minutes here;
@@ -22,16 +22,16 @@ log-likelihoods.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.harness import machine
 
 KINDS = {"none": [], "int8": ["model.quantize=int8"], "fp8": ["model.quantize=fp8"],
          "int4 (1 x 32)": ["model.quantize=int4", "model.quantize_block=[1,32]"],
@@ -89,7 +89,6 @@ def main() -> None:
     p.add_argument("--run", type=Path, default=None, help="a finished `gdnx train tiny` run (default: train one)")
     args = p.parse_args()
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    import jax
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -114,8 +113,7 @@ def main() -> None:
         results[kind] = out["results"]["recall"]["acc,none"]
         samples = sorted(out["samples"]["recall"], key=lambda s: s["doc_id"])
         answers[kind] = np.asarray([float(s["resps"][s["target"]][0][0]) for s in samples])
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}; "
-          f"{datetime.date.today()}; `python benchmarks/quantized_eval.py --docs {args.docs}`; "
+    print(f"{machine()}; `python -m benchmarks.serving.quantized_eval --docs {args.docs}`; "
           f"the tiny MQAR model (configs/tiny.yml), {args.docs} first-query recalls, 4 choices\n")
     print("| weights | accuracy | vs unquantized (points) | mean abs. change of the answer's log-likelihood |")
     print("|---|---:|---:|---:|")

@@ -3,8 +3,8 @@ tokens/s at 1, 8 and 32 concurrent streaming clients, time to first token
 and inter-token latency (median, p99) as the clients see them, and the
 server's overhead against the engine called directly on the same work.
 
-    python benchmarks/server.py [--repeats 3]
-    python benchmarks/server.py --peer transformers [--repeats 1]
+    python -m benchmarks.serving.server [--repeats 3]
+    python -m benchmarks.serving.server --peer transformers [--repeats 1]
 
 Model: the serving benchmark's (Qwen3-Next pattern, width 256, 8 layers,
 4,096-token vocabulary, float32, random weights), written as a Hugging
@@ -35,10 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import os
-import platform
 import re
 import signal
 import statistics
@@ -49,15 +46,15 @@ import time
 from pathlib import Path
 
 import httpx
-import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serving import MODEL  # noqa: E402  (the serving benchmark's model)
+from benchmarks.serving.engine import MODEL  # the engine benchmark's model
 
 from gdnx.config import ModelConfig  # noqa: E402
 from gdnx.models import CausalLM  # noqa: E402
 from gdnx.serving import Engine, SamplingParams  # noqa: E402
+
+from benchmarks.harness import machine
 
 PROMPT, NEW, SLOTS, MAX_LENGTH = 64, 64, 32, 256
 # requests per client in one round: at least 8 requests a round
@@ -267,8 +264,8 @@ async def peer_round(server: PeerServer, prompts: list[str], clients: int, ttft:
 
 
 def peer_main(repeats: int) -> None:
-    print(f"# gdnx serve against transformers serve, {datetime.date.today()}, {platform.node()} "
-          f"({os.cpu_count()} cores), jax {jax.__version__}, `python benchmarks/server.py --peer transformers "
+    print(f"gdnx serve against transformers serve, {machine()}, "
+          f"`python -m benchmarks.serving.server --peer transformers "
           f"--repeats {repeats}`\n")
     results: dict[str, dict[int, tuple[float, list, list]]] = {}
     starts = {}
@@ -309,8 +306,8 @@ def main() -> None:
     if args.peer is not None:
         peer_main(args.repeats)
         return
-    print(f"# gdnx serve, {datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), jax {jax.__version__}, "
-          f"`python benchmarks/server.py --repeats {args.repeats}`\n")
+    print(f"gdnx serve, {machine()}, "
+          f"`python -m benchmarks.serving.server --repeats {args.repeats}`\n")
     rows = ["| clients | requests/s | output tokens/s | TTFT median / p99 (ms) | ITL median / p99 (ms) |",
             "|---|---|---|---|---|"]
     served: dict[int, float] = {}

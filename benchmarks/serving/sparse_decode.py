@@ -1,6 +1,6 @@
 """Decode cost of the sparse-attention layers against the context length, on CPU.
 
-    python benchmarks/sparse_decode.py [--contexts 1024 2048 4096 8192 16384 32768] [--repeats 20]
+    python -m benchmarks.serving.sparse_decode [--contexts 1024 2048 4096 8192 16384 32768] [--repeats 20]
 
 One decode step (one token, batch 1, float32) of GLM-5-Next's indexed latent
 attention at its published sizes (hidden 4096, 64 heads, latent 512, query
@@ -18,9 +18,7 @@ the engine's are); all rows from one run (compare as ratios).
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import platform
 import time
 
 import jax
@@ -34,6 +32,8 @@ from gdnx.layers.rope import rope_tables
 from gdnx.layers.sparse_attention import IndexedGatedAttention, IndexedKVCache, IndexedLatentAttention, \
     IndexedLatentCache
 from gdnx.layers.sparse_index import IndexCache
+
+from benchmarks.harness import machine
 
 F32 = jnp.float32
 GLM = dict(num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=256, qk_rope_head_dim=0,
@@ -125,8 +125,7 @@ def main() -> None:
     for context in args.contexts:
         for name, ms in {**glm_rows(context, args.repeats, rng), **qwen_rows(context, args.repeats, rng)}.items():
             table.setdefault(name, {})[context] = ms
-    print(f"# decode step, batch 1, float32: median ms over {args.repeats} steps; {datetime.date.today()}, "
-          f"jax {jax.__version__}, {platform.machine()} {jax.devices()[0].platform}")
+    print(f"# decode step, batch 1, float32: median ms over {args.repeats} steps; {machine()}")
     first = args.contexts[0]
     print("| layer | " + " | ".join(f"{c:,}" for c in args.contexts) + f" | {args.contexts[-1]:,} / {first:,} |")
     print("|---" * (len(args.contexts) + 2) + "|")

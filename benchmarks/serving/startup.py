@@ -5,18 +5,16 @@ the persistent compilation cache, on a tiny Qwen3.5 checkpoint (written
 here, random weights, a word-level tokenizer). Prints markdown for
 docs/benchmarks.md.
 
-    python benchmarks/serve_startup.py [--max-slots 8] [--max-length 4096] [--skip-maps | --skip-starts] [--peer]
+    python -m benchmarks.serving.startup [--max-slots 8] [--max-length 4096] [--skip-maps | --skip-starts] [--peer]
 
---peer: benchmarks/server.py's peer checkpoint (8 layers of
+--peer: benchmarks/serving/server.py's peer checkpoint (8 layers of
 width 256, a byte-level BPE tokenizer) instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -24,7 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import machine
+
+ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = {"defaults": "", "fusion emitters off": "--xla_cpu_use_fusion_emitters=false",
             "optimisation level 0": "--xla_backend_optimization_level=0",
             "both": "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0",
@@ -36,6 +36,7 @@ import sys, time
 from pathlib import Path
 from gdnx.inference import build_engine, load
 from gdnx.serving import EngineConfig
+
 def maps(): return sum(1 for _ in open("/proc/self/maps"))
 found = load(Path(sys.argv[1]), [], "serve")
 engine = build_engine(found, EngineConfig(max_slots=int(sys.argv[2]), max_length=int(sys.argv[3])))
@@ -48,12 +49,10 @@ print(ran, (maps() - m0) / ran, time.perf_counter() - t0)
 def checkpoint(where: Path, peer: bool = False) -> Path:
     path = where / "model"
     if peer:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from server import peer_checkpoint
+        from benchmarks.serving.server import peer_checkpoint
 
         peer_checkpoint(path)
         return path
-    sys.path.insert(0, str(ROOT))
     from tests.helpers.hf_models import random_hf_model, write_chat_tokenizer
 
     random_hf_model("qwen3_5").save_pretrained(path)
@@ -93,11 +92,11 @@ def main() -> None:
     parser.add_argument("--maps-length", type=int, default=512, help="max_length of the maps measurement")
     parser.add_argument("--skip-maps", action="store_true", help="only the two starts")
     parser.add_argument("--skip-starts", action="store_true", help="only the memory maps")
-    parser.add_argument("--peer", action="store_true", help="benchmarks/server.py's peer checkpoint instead")
+    parser.add_argument("--peer", action="store_true", help="benchmarks/serving/server.py's peer checkpoint instead")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(Path(tmp), args.peer)
-        print(f"## gdnx serve: start-up ({datetime.date.today()}, {platform.node()}, {os.cpu_count()} cores)\n")
+        print(f"gdnx serve: start-up, {machine()}\n")
         if not args.skip_maps:
             print(f"Memory maps per program, {args.max_slots} slots x {args.maps_length} tokens, `engine.warm_up()`:\n")
             print("| XLA_FLAGS | programs | maps per program | warm-up s |\n|---|---:|---:|---:|")

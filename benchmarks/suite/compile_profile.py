@@ -3,11 +3,11 @@ compiled and the seconds spent tracing, lowering and compiling them.
 
 As a pytest plugin (each xdist worker writes its own file):
 
-    GDNX_COMPILE_PROFILE=/tmp/profile python -m pytest -p benchmarks.compile_profile tests/models
+    GDNX_COMPILE_PROFILE=/tmp/profile python -m pytest -p benchmarks.suite.compile_profile tests/models
 
 then the files merged into one table, the costliest files first:
 
-    python benchmarks/compile_profile.py /tmp/profile
+    python -m benchmarks.suite.compile_profile /tmp/profile
 
 JAX reports each program's trace, lowering and backend compile through
 jax.monitoring; a program is counted against the test file running when

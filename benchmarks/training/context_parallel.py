@@ -1,6 +1,6 @@
 """The cost of context parallelism for Gated DeltaNet, on a virtual CPU mesh.
 
-    python benchmarks/context_parallel.py [--length 4096] [--devices 8]
+    python -m benchmarks.training.context_parallel [--length 4096] [--devices 8]
 
 Times one loss + gradient step of a Gated DeltaNet model (GDN layers only,
 so the full-attention K/V gather does not blur the figure) at batch B and
@@ -19,10 +19,10 @@ the price of running 8 programs with collectives on the same cores.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
+
+from benchmarks.harness import machine
 
 
 def main() -> None:
@@ -70,9 +70,9 @@ def main() -> None:
             rows.append((name, median_ms(jax.jit(jax.value_and_grad(loss)), (shard(params, cfg, mesh), placed))))
     rows += op_rows(args.batch, args.length, n)
     base = dict(rows)
-    print(f"# context parallelism, {datetime.date.today()}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, jax {jax.__version__}")
-    print(f"# `python benchmarks/context_parallel.py --length {t} --batch {b} --devices {n}`: {layers} GDN layers, "
+    print(f"context parallelism, {machine()}")
+    print(f"`python -m benchmarks.training.context_parallel --length {t} --batch {b} --devices {n}`: "
+          f"{layers} GDN layers, "
           f"hidden 256, HK=4 HV=8 K=V=64, B={b} T={t}, loss + gradients, median of 5")
     print("| what | mesh | ms | / one device | / data mesh |")
     print("|---|---|---:|---:|---:|")

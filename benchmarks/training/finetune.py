@@ -1,9 +1,9 @@
 """Fine-tuning costs on this machine: LoRA against full fine-tuning on the
 same model, and SFT packing against one example per row.
 
-    python benchmarks/finetune.py [--steps 4]
+    python -m benchmarks.training.finetune [--steps 4]
 
-LoRA vs full: the ~600 MB float32 model of benchmarks/hf_loading.py
+LoRA vs full: the ~600 MB float32 model of benchmarks/training/hf_loading.py
 (Qwen3.5 family, width 1024, 8 layers, 32,000-token vocabulary) saved as a
 Hugging Face directory, fine-tuned from it (model.init_from) on SFT
 examples, batch 2 x 128 tokens; each run in a fresh process: the bytes of
@@ -22,23 +22,23 @@ full they are). Prints markdown for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.harness import machine
+
+ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
 import json, resource, statistics, sys, time
 import jax, jax.numpy as jnp
 from gdnx.training import build_trainer
 from gdnx.training.init_from import load_train_config
+
 config = load_train_config("finetune", json.loads(sys.argv[1]))
 trainer = build_trainer(config)
 params, opt = trainer.params, trainer.init_opt_state(trainer.params)
@@ -79,7 +79,7 @@ def _examples(path: Path, count: int, low: int, high: int) -> None:
 
 
 def lora_vs_full(work: Path, steps: int) -> None:
-    from hf_loading import MODEL
+    from benchmarks.training.hf_loading import MODEL
 
     from gdnx.config.schema import ModelConfig
     from gdnx.models import CausalLM
@@ -152,8 +152,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    print(f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), "
-          f"`python benchmarks/finetune.py --steps {args.steps}`; step times are medians after the first step\n")
+    print(f"{machine()}, `python -m benchmarks.training.finetune --steps {args.steps}`; step times are medians "
+          "after the first step\n")
     with tempfile.TemporaryDirectory() as tmp:
         lora_vs_full(Path(tmp), args.steps)
         packing(Path(tmp), args.steps)

@@ -3,7 +3,7 @@ mesh (fsdp=8): sharded (`CausalLM.from_pretrained(path, mesh=...)`, each
 device's part read from the files' slices) against whole (load onto one
 device, then place on the mesh).
 
-    python benchmarks/hf_loading.py [--repeats 3]
+    python -m benchmarks.training.hf_loading [--repeats 3]
 
 The model: a Qwen3.5-family dense model of about 600 MB in float32 (width
 1024, 8 layers, a 32,000-token vocabulary, untied), saved by gdnx in the
@@ -20,17 +20,17 @@ tensor. Prints markdown rows for docs/benchmarks.md (medians).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.harness import machine
+
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = dict(family="qwen3_5", vocab_size=32000, hidden_size=1024, num_hidden_layers=8, intermediate_size=2816,
              num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=8,
              linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=0,
@@ -72,6 +72,7 @@ else:
 jax.block_until_ready(params)
 seconds = time.perf_counter() - t0
 import gc; gc.collect()
+
 final = anon()
 done.set(); thread.join()
 peak[0] = max(peak[0], final)
@@ -114,9 +115,9 @@ def main() -> None:
         directory = Path(tmp) / "model"
         largest = _save(directory)
         size = (directory / "model.safetensors").stat().st_size
-        print(f"{datetime.date.today()}, {platform.node()} ({os.cpu_count()} cores), "
-              f"`python benchmarks/hf_loading.py --repeats {args.repeats}`: a {size / mib:,.0f} MiB model, largest "
-              f"tensor {largest / mib:,.0f} MiB, fsdp=8 on 8 CPU devices; medians of {args.repeats} fresh processes\n")
+        print(f"{machine()}, `python -m benchmarks.training.hf_loading --repeats {args.repeats}`: a "
+              f"{size / mib:,.0f} MiB model, largest tensor {largest / mib:,.0f} MiB, fsdp=8 on 8 CPU devices; "
+              f"medians of {args.repeats} fresh processes\n")
         print("| load | peak above baseline (MiB) | parameters (MiB) | overhead: peak - parameters (MiB) | "
               "overhead / largest tensor | seconds |")
         print("|---|---|---|---|---|---|")

@@ -1,7 +1,7 @@
 """Memory of training at a large vocabulary: the blocked loss (gdnx.loss)
 against the one-hot loss it replaced.
 
-    python benchmarks/loss_memory.py
+    python -m benchmarks.training.loss_memory
 
 The README's tokenizer example: the tiny model (width 64) with a
 151,936-token vocabulary, sequence 512 x batch 16, and 2048 x batch 8. For
@@ -14,13 +14,15 @@ step. Prints markdown rows for docs/benchmarks.md.
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.harness import machine
+
+ROOT = Path(__file__).resolve().parents[2]
 
 VOCAB = 151_936
 SHAPES = ((512, 16), (2048, 8))
@@ -94,16 +96,16 @@ def main() -> None:
     _tokenizer(work / "tokenizer.json")
     words = " ".join(f"w{1 + (i * 7919) % (VOCAB - 1)}" for i in range(200_000))
     (work / "corpus.txt").write_text(words)
-    print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"python benchmarks/loss_memory.py")
+    print(f"{machine()}; `python -m benchmarks.training.loss_memory`")
     print("| sequence x batch | gdnx train peak RSS (blocked loss) | compiled step, blocked | compiled step, one-hot |")
     print("|---|---|---|---|")
     for seq, batch in SHAPES:
         rss = _peak_rss_of_training(work, seq, batch)
         compiled = {}
         for kind in ("blocked", "one_hot"):
-            out = subprocess.run([sys.executable, __file__, "--compiled", str(work), str(seq), f"{batch},{kind}"],
-                                 capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            out = subprocess.run([sys.executable, "-m", "benchmarks.training.loss_memory", "--compiled", str(work),
+                                  str(seq), f"{batch},{kind}"], capture_output=True, text=True, cwd=ROOT,
+                                 env={**os.environ, "JAX_PLATFORMS": "cpu"})
             if out.returncode:
                 raise SystemExit(out.stderr[-2000:])
             compiled[kind] = int(out.stdout.split()[-1])

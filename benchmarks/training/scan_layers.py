@@ -1,6 +1,6 @@
 """Compile time and step time of the train step, layers scanned or unrolled.
 
-    python benchmarks/scan_layers.py [--depths 4 16 48] [--steps 10]
+    python -m benchmarks.training.scan_layers [--depths 4 16 48] [--steps 10]
 
 The tiny model's width (64) with the Qwen3-Next pattern (3 GDN layers, then
 one attention layer) at each depth, MQAR batches (16 x 128), on this
@@ -15,13 +15,13 @@ for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks.harness import machine
 
 
 def measure(depth: int, scan: bool, steps: int) -> tuple[float, float, float]:
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 16, 48])
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    print(f"{datetime.date.today()}, {platform.machine()}, jax {jax.__version__}, {jax.devices()[0].platform}")
+    print(machine())
     measure(args.depths[0], True, 1)  # untimed: the process's first compile also pays XLA's own start-up
     print("| layers | mode | set-up (s) | compile (s) | step (ms, median) |")
     print("|---:|---|---:|---:|---:|")

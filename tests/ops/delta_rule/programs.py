@@ -1,4 +1,4 @@
-"""The op programs the deviceless compile tests and benchmarks/compile.py
+"""The op programs the deviceless compile tests and benchmarks/ops/compile.py
 build: each at a model's shape, on a target (test_compile.py says which)."""
 
 from __future__ import annotations
