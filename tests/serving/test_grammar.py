@@ -89,10 +89,100 @@ def test_an_output_that_cannot_complete_ends_with_length(setup):
     (Structured("json", json.dumps({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
                                     "$ref": "#/$defs/a"})), "structured: not a valid json constraint: no output"),
     (Structured("json", '{"anyOf": [{"$ref": "#"}]}'), "structured: not a valid json constraint: no output"),
+    # repetitions past the grammar engine's budget (its matchers failed mid-request: an empty "stop" before)
+    (Structured("regex", "b{900000}", field="structured_outputs.regex"),
+     "structured_outputs.regex: not a valid regex constraint: a repetition of 900000 passes"),
+    (Structured("grammar", "start: /b{1000000000}/", field="structured_outputs.grammar"),
+     "structured_outputs.grammar: not a valid grammar constraint: a repetition of 1000000000 passes"),
+    (Structured("grammar", 'start: "b"~20000..900000', field="structured_outputs.grammar"),
+     "structured_outputs.grammar: not a valid grammar constraint: a repetition of 900000 passes"),
+    (Structured("json", json.dumps({"type": "object", "properties": {"s": {"type": "string",
+                                                                             "pattern": "^b{200000}$"}}}),
+                field="response_format"), "response_format: not a valid json constraint: a repetition of 200000"),
 ])
 def test_a_bad_constraint_is_refused_naming_its_field(setup, structured, match):
     with pytest.raises(FieldError, match=re.escape(match)):
         _engine(setup).check([1], SamplingParams(structured=structured))
+
+
+def test_a_grammar_engine_that_fails_mid_output_fails_its_request_naming_the_field(setup, monkeypatch):
+    """Once the grammar engine is in error (a limit passed mid-output), its
+    masks allow only the end of the output: the request fails there, with
+    the constraint's field, and never finishes as a "stop"; the request
+    beside it runs on."""
+    from gdnx.serving.grammar import Matcher
+
+    seen: list = []
+    monkeypatch.setattr(Matcher, "error", lambda self: "lexer error: too many expressions constructed"
+                        if seen.append(self) or len(seen) > 2 else None)
+    engine = _engine(setup)
+    structured = Structured("regex", "[0-9]{3}-[a-z]{2}", field="structured_outputs.regex")
+    a = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0, structured=structured))
+    b = engine.add_request([5, 6, 8], SamplingParams(max_tokens=8, temperature=0.0))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    failed = [e for e in events if e.request_id == a and e.error is not None]
+    assert len(failed) == 1 and failed[0].error_field == "structured_outputs.regex", failed
+    assert "could not be honoured: the grammar engine failed (lexer error: too many expressions" in failed[0].error
+    assert not any(e.request_id == a and e.completion is not None for e in events)
+    assert any(e.request_id == b and e.completion is not None for e in events)
+
+
+def test_a_constraint_that_ends_before_min_tokens_fails_naming_min_tokens(setup):
+    """A choice shorter than min_tokens: once the constraint allows only the
+    end, min_tokens allows no end, and no token is left to draw: the
+    request fails there naming min_tokens (every one of them; the request
+    beside them runs on), never a token neither allows."""
+    engine = _engine(setup)
+    structured = Structured("choice", ("yes", "no"), field="structured_outputs.choice")
+    constrained = [engine.add_request([5, 6, 7], SamplingParams(max_tokens=12, min_tokens=10, temperature=1.0, seed=s,
+                                                                structured=structured)) for s in range(2)]
+    plain = engine.add_request([5, 6, 8], SamplingParams(max_tokens=6, temperature=0.0))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    for rid in constrained:
+        failed = [e for e in events if e.request_id == rid and e.error is not None]
+        assert len(failed) == 1 and failed[0].error_field == "min_tokens", failed
+        assert "ends the output after" in failed[0].error and "fewer than min_tokens=10" in failed[0].error
+        assert not any(e.request_id == rid and e.completion is not None for e in events)
+    assert any(e.request_id == plain and e.completion is not None for e in events)
+
+
+def test_large_constraints_still_compiling_hold_up_no_small_one(setup, monkeypatch):
+    """Two huge schemas whose compiles run on past their refusal (held here)
+    take the large constraints' lane alone: a small constraint sent after
+    them compiles at once, and a third huge one waits its turn."""
+    import threading
+    import time
+
+    from gdnx.serving import grammar
+
+    _, _, shared = setup
+    grammars = Grammars(shared._json, shared.vocab_size, shared.eos_id, compile_s=1.0)
+    release, real = threading.Event(), Grammars._compile
+
+    def held(self, s, tokenizer):
+        if len(s.value) > grammar.LARGE_CONSTRAINT:
+            release.wait(60)
+        return real(self, s, tokenizer)
+
+    monkeypatch.setattr(Grammars, "_compile", held)
+    huge = [Structured("json", json.dumps({"type": "object", "properties": {
+        f"p{i}_{n}": {"type": "string"} for i in range(1500)}}), field="response_format") for n in range(3)]
+    assert all(len(h.value) > grammar.LARGE_CONSTRAINT for h in huge)
+    try:
+        for h in huge[:2]:
+            with pytest.raises(FieldError, match="took longer than 1 s to compile"):
+                grammars.grammar(h)
+        t0 = time.perf_counter()
+        grammars.grammar(Structured("regex", "[0-9]{3}", field="structured_outputs.regex"))
+        assert time.perf_counter() - t0 < 1.0
+        with pytest.raises(FieldError, match="took longer than 1 s to compile"):
+            grammars.grammar(huge[2])
+    finally:
+        release.set()
 
 
 def test_the_compiled_grammars_kept_are_bounded(setup, monkeypatch):

@@ -142,6 +142,9 @@ def test_completions_structured_outputs_stream_as_they_finish_whole(client):
     (dict(tool_choice="required"), "tool_choice"),
     (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
     (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools.0.function.name"),
+    # OpenAI's rule for names: a tool format's closing tag in one ended its call early (no tool_calls, "stop")
+    *((dict(tools=[WEATHER, {"type": "function", "function": {"name": name}}], tool_choice="required"),
+       "tools.1.function.name") for name in ("get</tool_call>", "a b", "x" * 65)),
     # an invalid parameters schema, whatever tool_choice is (the template shows it to the model)
     *((dict(tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
             **choice), "tools.1.function.parameters") for choice in ({}, {"tool_choice": "auto"},
@@ -307,6 +310,29 @@ def test_a_token_the_grammar_refuses_after_its_mask_allowed_it_fails_that_reques
     assert sum("<state>" in r.getMessage() for r in caplog.records) == 1
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=40,
                                        temperature=1.0, seed=1, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+
+
+def test_a_constraint_the_grammar_engine_fails_on_mid_output_is_a_422_naming_its_field(client, monkeypatch):
+    """The grammar engine in error (a limit passed mid-output) allows only
+    the end: the request is answered 422 naming the constraint's field,
+    streamed or not, never a "stop"; the server goes on."""
+    from gdnx.serving.grammar import Matcher
+
+    calls: list = []
+    monkeypatch.setattr(Matcher, "error", lambda self: "lexer error: too many expressions constructed"
+                        if calls.append(self) or len(calls) > 1 else None)
+    body = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=20,
+                response_format={"type": "json_object"})
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(**body)
+    assert e.value.body["param"] == "response_format", e.value.body
+    assert "could not be honoured: the grammar engine failed" in e.value.body["message"]
+    calls.clear()
+    with pytest.raises(openai.APIError, match="could not be honoured: the grammar engine failed"):
+        list(client.chat.completions.create(**body, stream=True))  # the stream's error event, not a "stop"
+    monkeypatch.undo()
+    r = client.chat.completions.create(**{**body, "max_tokens": 40})
     assert r.choices[0].message.content.startswith("{")
 
 

@@ -33,7 +33,13 @@ class TooLarge(Exception):
 
 class EngineError(Exception):
     """The engine failed while running a request (the request is dropped;
-    the engine goes on with the others)."""
+    the engine goes on with the others). `field`: the request field whose
+    constraint could not be honoured, when that is why (the client's to
+    change, not the server's failure)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class Handle:
@@ -278,7 +284,7 @@ class AsyncEngine:
             if event.error is not None:  # this request's own failure: the others go on
                 del self._handles[event.request_id]
                 m.failed.inc()
-                handle._put(EngineError(event.error))
+                handle._put(EngineError(event.error, event.error_field))
                 continue
             if event.completion is not None:
                 del self._handles[event.request_id]

@@ -118,6 +118,7 @@ class Event:
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     text: str | None = None
     error: str | None = None
+    error_field: str | None = None  # the field whose constraint could not be honoured, when that is why
 
 
 class _StepResults:
@@ -137,7 +138,7 @@ class _StepResults:
         out = []
         for req, toks in self.new.items():
             if req.status is RequestStatus.FAILED:
-                out.append(Event(req.id, toks, error=req.error))
+                out.append(Event(req.id, toks, error=req.error, error_field=req.error_field))
                 continue
             lp = req.logprobs[self._logprobs_from[req]:] if req.params.logprobs is not None else None
             out.append(Event(req.id, toks, req.completion, lp,
@@ -495,6 +496,7 @@ class Engine:
                                  [r.seed for r, _ in group] + [0] * (rows - len(group)))
         # the first token each constrained request may draw (every token for the others: one program for both)
         allowed = grammar.masks([req.matcher for req, _ in group] + [None] * (rows - len(group)), vocab)
+        self._check_min_tokens([(req, allowed[i]) for i, (req, _) in enumerate(group)])
         got = self.runner.prefill(PrefillBatch(slots, tokens, starts, lengths, params, seen, targets, allowed,
                                                follows))
         self.stats.programs.add(("prefill", (rows, length) + (("prompt logprobs",) if targets is not None else ())))
@@ -527,6 +529,8 @@ class Engine:
         rows = self._rows()
         draws = 1 if constrained else self.config.decode_steps  # the host masks a constrained row's next token
         allowed = grammar.masks(matchers, self.model.config.vocab_size) if constrained else self._every_token
+        if constrained:
+            self._check_min_tokens([(req, allowed[req.held_slot]) for req in decoding])
         got = self.runner.decode(DecodeBatch(active, allowed, rows, self.config.decode_steps, draws))
         self.stats.programs.add(("decode", (rows, self.config.decode_steps)))
         self.stats.decode_calls += 1
@@ -596,8 +600,25 @@ class Engine:
 
     # ---- results --------------------------------------------------------------------------------------------
 
+    def _check_min_tokens(self, rows: list[tuple[Request, Any]]) -> None:
+        """A constrained request whose constraint allows only the end before
+        min_tokens (a choice shorter than it, say) can draw nothing: it is
+        marked to fail with its step's result (naming min_tokens, the
+        client's to change), never left to draw a token neither allows."""
+        for req, mask in rows:
+            if req.matcher is not None and len(req.tokens) < req.params.min_tokens \
+                    and grammar.only_ends(mask, self.eos_token_ids):
+                s = req.params.structured
+                req.unmeetable = (f"min_tokens: the output constraint ({s.field if s else 'constraint'}) ends the "
+                                  f"output after {len(req.tokens)} tokens, fewer than min_tokens="
+                                  f"{req.params.min_tokens}")
+
     def _emit(self, req: Request, new: list[int], lp, row: int, logits, results: _StepResults) -> None:
         """Give a request its new tokens (row: its row of the call's logprobs)."""
+        if req.unmeetable is not None:
+            req.error_field = "min_tokens"
+            self._fail(req, req.unmeetable, results)
+            return
         kept = None if req.params.logprobs is None else unpack_logprobs(lp.chosen[row], lp.top_ids[row], lp.top[row],
                                                                         req.params.logprobs, len(new))
         got = results.tokens(req)  # before take: the event's logprobs start where the request's stood
@@ -605,6 +626,7 @@ class Engine:
         got.extend(took.tokens)
         self.stats.generated_tokens += len(took.tokens)
         if took.error is not None:
+            req.error_field = took.field
             self._fail(req, took.error, results)
         elif took.reason is not None:
             self.scheduler.finish(req, took.reason)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,50 @@ CACHED_GRAMMARS = 256
 # a constraint whose grammar takes longer to compile is refused (the grammar engine's own fuel limits bound it too)
 COMPILE_S = 10.0
 COMPILE_THREADS = 2
+# Constraints past this many characters compile on a lane of their own (one thread): a client's huge schemas,
+# whose compiles run on past their refusal, then hold up only each other, never the small ones beside them
+LARGE_CONSTRAINT = 16_384
+# A bounded repetition in a regex (a regex constraint, a Lark terminal, a
+# JSON schema's pattern: {n}, {m,n}, Lark's ~ n) builds lexer expressions
+# per count, a budget the grammar engine's copies of one grammar share: it
+# failed only once a request's own copy computed its mask (b{300000}: the
+# first copy's mask passed, the next ones failed), so longer ones are
+# refused up front; a matcher that fails later fails its request.
+MAX_REPEAT = 10_000
+_REGEX_REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_LARK_REPEAT = re.compile(r"~\s*(\d+)(?:\s*\.\.\s*(\d+))?")
+
+
+def repeat_limit_error(s: Structured) -> str | None:
+    """Why `s` needs more repetitions than MAX_REPEAT, or None."""
+    def counts(text: str, pattern: re.Pattern) -> list[int]:
+        return [int(n) for m in pattern.finditer(text) for n in m.groups() if n]
+
+    found: list[int] = []
+    if not isinstance(s.value, str):  # a choice's strings repeat nothing
+        return None
+    if s.kind == "regex":
+        found = counts(s.value, _REGEX_REPEAT)
+    elif s.kind == "grammar":
+        found = counts(s.value, _REGEX_REPEAT) + counts(s.value, _LARK_REPEAT)
+    elif s.kind == "json":
+        def walk(node: Any) -> None:
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if key == "pattern" and isinstance(value, str):
+                        found.extend(counts(value, _REGEX_REPEAT))
+                    walk(value)
+            elif isinstance(node, list):
+                for item in node:
+                    walk(item)
+        try:
+            walk(json.loads(s.value))
+        except ValueError:
+            return None  # not JSON: the grammar engine's own message names that
+    worst = max(found, default=0)
+    if worst > MAX_REPEAT:
+        return f"a repetition of {worst} passes the grammar engine's limit of {MAX_REPEAT:,}"
+    return None
 
 
 class Grammars:
@@ -44,7 +90,9 @@ class Grammars:
     its start that a request's matcher is copied from. Any thread may call
     it: a compile runs on a thread of its own and is refused past
     `compile_s` seconds (the caller, a server's request thread, is free
-    again; the compile runs out in the background)."""
+    again; the compile runs out in the background). Large constraints
+    (past LARGE_CONSTRAINT characters) compile on a lane of their own, so
+    those running out never hold up a small one's compile."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_id: int, compile_s: float = COMPILE_S):
         self._json, self.vocab_size, self.eos_id, self.compile_s = tokenizer_json, vocab_size, eos_id, compile_s
@@ -53,6 +101,7 @@ class Grammars:
         self._cache: dict[Structured, tuple[str, Any]] = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="gdnx-grammar")
+        self._large = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gdnx-grammar-large")
 
     def _llg(self) -> Any:
         import llguidance
@@ -79,6 +128,8 @@ class Grammars:
         return Matcher(self._compiled(s)[1].deep_copy())
 
     def _compiled(self, s: Structured) -> tuple[str, Any]:
+        if (too_many := repeat_limit_error(s)) is not None:
+            raise FieldError(s.field, f"not a valid {s.kind} constraint: {too_many}")
         with self._lock:
             if s in self._cache:
                 self._cache[s] = self._cache.pop(s)  # the most recently used last
@@ -88,7 +139,8 @@ class Grammars:
         except ValueError as e:
             raise FieldError(s.field, f"structured outputs are not available for this checkpoint's tokenizer "
                              f"(the grammar engine cannot read it: {e})") from None
-        job = self._pool.submit(self._compile, s, tokenizer)
+        large = len(s.value if isinstance(s.value, str) else "".join(s.value)) > LARGE_CONSTRAINT
+        job = (self._large if large else self._pool).submit(self._compile, s, tokenizer)
         try:
             compiled = job.result(timeout=self.compile_s)
         except concurrent.futures.TimeoutError:
@@ -168,13 +220,25 @@ class Matcher:
     def __init__(self, matcher: Any):
         self._m = matcher
 
+    def error(self) -> str | None:
+        """The grammar engine's error once it has failed (a limit of its
+        lexer passed mid-output, say): its masks then allow only the end of
+        the output, which must not pass for a finished one, so the request
+        fails with this instead."""
+        if not self._m.is_error():
+            return None
+        return _first(self._m.get_error() or "the grammar engine failed")
+
     def bitmask(self, into: np.ndarray) -> None:
         """The tokens allowed next, written into `into` (int32 [words(vocab)])."""
         self._m.unsafe_compute_mask_ptr(into.ctypes.data, into.size * into.itemsize)
 
     def consume(self, token: int) -> str | None:
-        """Take a drawn token; the matcher's error if it was not allowed."""
-        if self._m.consume_token(int(token)):
+        """Take a drawn token; the matcher's error if it was not allowed or
+        the engine has failed (`error`)."""
+        if (failed := self.error()) is not None:
+            return failed
+        if self._m.consume_token(int(token)) and not self._m.is_error():
             return None
         return self._m.get_error() or f"token {token} is not allowed by the constraint"
 
@@ -182,6 +246,15 @@ class Matcher:
 def _first(e: object) -> str:
     text = str(e).strip()
     return (text.splitlines() or [type(e).__name__])[0][:300]
+
+
+def only_ends(mask: np.ndarray, ends: Sequence[int]) -> bool:
+    """Whether a row's bitmask allows nothing but the end tokens `ends`
+    (its constraint's output is complete)."""
+    rest = mask.view(np.uint32).copy()
+    for e in ends:
+        rest[e // 32] &= ~np.uint32(1 << (e % 32))
+    return not rest.any()
 
 
 def masks(matchers: list[Matcher | None], vocab_size: int) -> np.ndarray:

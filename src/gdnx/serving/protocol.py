@@ -5,13 +5,14 @@ onto SamplingParams, and the response and stream-chunk bodies."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from gdnx.errors import FieldError
 from gdnx.serving.params import SamplingParams, Structured
@@ -171,10 +172,18 @@ class Message(BaseModel):
 
 class Function(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    name: str = Field(min_length=1)
+    name: str
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        # OpenAI's rule; it keeps a name from holding a tool format's tags (</tool_call>), which ended a call early
+        if not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):
+            raise ValueError(f"expected 1 to 64 letters, digits, underscores or hyphens, got {name[:80]!r}")
+        return name
 
 
 class Tool(BaseModel):
@@ -268,7 +277,8 @@ def parse(kind: type[_Request], body: Any) -> Any:
             raise RequestError(f"{field}: unknown field", field) from None
         if err["type"] == "missing":
             raise RequestError(f"{field}: required", field) from None
-        raise RequestError(f"{field}: {err['msg']}", field) from None
+        message = err["msg"].removeprefix("Value error, ")  # a validator's own message, as it wrote it
+        raise RequestError(f"{field}: {message}", field) from None
     for name, default in _UNSUPPORTED.items():
         if name in type(request).model_fields and getattr(request, name) != default:
             raise RequestError(f"{name}: not supported by this server", name)

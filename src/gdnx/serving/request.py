@@ -36,6 +36,7 @@ class Taken(NamedTuple):
     tokens: list[int]               # up to its stop condition, or up to and with the one that failed it
     reason: FinishReason | None     # the stop condition met, if one was
     error: str | None               # why it fails, if it does
+    field: str | None = None        # the request field whose constraint could not be honoured, when that is why
 
 
 class RequestStatus(enum.Enum):
@@ -84,6 +85,8 @@ class Request:
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None         # why it FAILED
+    error_field: str | None = None   # the field whose constraint it could not honour, when that is why
+    unmeetable: str | None = None    # why its constraint and min_tokens leave no token to draw (it fails so)
     completion: Completion | None = None  # set when FINISHED
     matcher: Any = None              # its constraint's gdnx.serving.grammar.Matcher, if it has one
 
@@ -103,18 +106,26 @@ class Request:
         the request keeps them) one at a time: its constraint consumes each,
         its output detokenizes it and checks the stop conditions. Stops at
         the first stop condition, or at a token that fails the request (the
-        constraint refuses a token its mask allowed: never the client's
-        fault; the tokenizer raises on its tokens). Moves no state: the
+        constraint refuses a token its mask allowed: the server's fault; the
+        grammar engine failed past its limits: the client's constraint, named
+        in `Taken.field`; the tokenizer raises on its tokens). Moves no state: the
         caller finishes or fails the request."""
         kept: list[int] = []
         for j, tok in enumerate(new):
-            if self.matcher is not None and (refused := self.matcher.consume(tok)) is not None:
-                s = self.params.structured
-                where = f"{s.field}, {s.kind}" if s is not None else "constraint"
-                first = (refused.strip().splitlines() or ["refused"])[0][:200]
-                _log.error("request %d: the output constraint (%s) refused token %d:\n%s", self.id, where, tok,
-                           refused)
-                return Taken(kept, None, f"the output constraint ({where}) refused token {tok}: {first}")
+            if self.matcher is not None:
+                refused = self.matcher.consume(tok)
+                if refused is not None:
+                    failed = self.matcher.error()  # the engine failed (a limit passed), not a refused token
+                    s = self.params.structured
+                    where = f"{s.field}, {s.kind}" if s is not None else "constraint"
+                    first = (refused.strip().splitlines() or ["refused"])[0][:200]
+                    _log.error("request %d: the output constraint (%s) %s:\n%s", self.id, where,
+                               "failed" if failed is not None else f"refused token {tok}", refused)
+                    if failed is not None:  # past the engine's limits: the client's constraint, not the server
+                        return Taken(kept, None, f"the output constraint ({where}) could not be honoured: the "
+                                                 f"grammar engine failed ({first}); simplify it",
+                                     s.field if s is not None else None)
+                    return Taken(kept, None, f"the output constraint ({where}) refused token {tok}: {first}")
             kept.append(tok)
             if logprobs is not None:
                 self.logprobs.append(logprobs[j])

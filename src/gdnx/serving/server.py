@@ -366,7 +366,7 @@ async def _respond(served: Served, prepare: concurrent.futures.Executor, request
         results = work.result()
         done = [True] * len(handles)
     except EngineError as e:
-        raise RequestError(str(e), None, 500, "internal_server_error") from None
+        raise _engine_error(e) from None
     finally:
         gone.cancel()
         for h, d in zip(handles, done):
@@ -414,6 +414,14 @@ def _usage(results: Sequence[Completion], n: int) -> dict:
                  sum(c.cached_tokens for c in firsts))
 
 
+def _engine_error(e: EngineError) -> RequestError:
+    """A request the engine failed: 422 naming the field whose constraint
+    it could not honour (the client's to change), else 500."""
+    if e.field is not None:
+        return RequestError(str(e), e.field, 422, "invalid_request_error", "constraint_not_honoured")
+    return RequestError(str(e), None, 500, "internal_server_error")
+
+
 def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -444,7 +452,7 @@ async def _stream(served: Served, rid: str, n: int, handles: list[Handle], choic
         while any(r is None for r in results):
             i, item = await merged.get()
             if isinstance(item, EngineError):
-                yield _sse(RequestError(str(item), None, 500, "internal_server_error").body())
+                yield _sse(_engine_error(item).body())
                 break  # the other choices are aborted below
             text = item.text or ""
             lp = None
