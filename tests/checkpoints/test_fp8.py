@@ -129,6 +129,13 @@ def test_a_model_held_as_fp8_is_written_back_in_the_fp8_layout(hf_checkpoints, t
             assert relative_error(w[0], w[1]) <= 2 ** -4, key
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "fp8" and config["weight_block_size"] == [16, 24]
+    # modules_to_not_convert as transformers' FP8 quantizer reads it (its GPU path: a module left out of it is an
+    # FP8 linear reading float8 values with their factors): exactly the modules written unquantized
+    from transformers.quantizers.quantizers_utils import should_convert_module
+    modules = {k.removesuffix(".weight") for k in written if k.endswith(".weight")}
+    float8 = {m for m in modules if written[m + ".weight"].dtype == ml_dtypes.float8_e4m3fn}
+    converted = {m for m in modules if should_convert_module(m, config["modules_to_not_convert"])}
+    assert converted == float8, (sorted(converted - float8)[:5], sorted(float8 - converted)[:5])
     toks = tokens(2, 24)
     # Qwen3-Next's regrouped GDN projection rounds to the same values again; Kimi's q|k|v, fused per head,
     # rounds once more on each load (0.4% measured held, 1.1% dequantized: the bound of the load test above)

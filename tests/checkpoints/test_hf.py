@@ -2,6 +2,7 @@
 the fused expert layout, round trip through transformers, clear errors."""
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -167,3 +168,52 @@ def test_a_wrong_shape_in_one_layer_of_a_scanned_stack_names_that_layer(hf_check
     odd_shape = rf"{key}: the file's shape \(5,\) does not fit this config, which needs \(4,\)"
     with pytest.raises(ValueError, match=odd_shape):
         CausalLM.from_pretrained(odd, scan_layers=True)
+
+
+def _grown(src, dst, key):
+    """A copy of the checkpoint at `src` with tensor `key` one row longer."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    shutil.copytree(src, dst)
+    files = sorted(dst.glob("*.safetensors"))
+    for f in files:
+        tensors = load_file(f)
+        if key in tensors:
+            t = tensors[key]
+            tensors[key] = np.concatenate([t, t[:1]], axis=0)
+            save_numpy(tensors, f, metadata={"format": "pt"})
+
+
+def _layer_tensors(path) -> list[str]:
+    """Each kind of tensor of the checkpoint's decoder layers once (the
+    first layer that has it), the vision tower's aside."""
+    seen, out = set(), []
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="numpy") as h:
+            for key in sorted(h.keys()):
+                if "visual" in key or "layers." not in key:
+                    continue
+                kind = key.split("layers.", 1)[1].split(".", 1)[1]
+                if kind not in seen:
+                    seen.add(kind)
+                    out.append(key)
+    return out
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k == "glm5_next" else pytest.mark.slow)
+                                  for k in ("glm5_next", "qwen3_next_moe", "kimi_linear", "bailing_hybrid",
+                                            "lara_mini", "qwen4_exp")])
+def test_a_tensor_with_a_row_too_many_is_refused_naming_it(hf_checkpoints, tmp_path, kind):
+    """Every kind of layer tensor, one row longer than the config makes it,
+    is refused naming the tensor: the whole tensor is checked, not only the
+    parts the parameters slice from it (GLM-5-Next's k_proj, sliced per key
+    head, loaded with a row to spare)."""
+    src = hf_checkpoints.path(kind)
+    for i, key in enumerate(_layer_tensors(src)):
+        _grown(src, tmp_path / str(i), key)
+        named = re.escape(re.sub(r"experts\.\d+\.", "experts.<n>.", key)).replace("<n>", r"(\d+|\*)")
+        # its message says why (one expert grown: experts of two shapes); the tensor named is the point
+        with pytest.raises(ValueError, match=named):
+            CausalLM.from_pretrained(tmp_path / str(i))

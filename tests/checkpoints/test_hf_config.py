@@ -123,3 +123,31 @@ def test_ling_defaults_and_fields_read_as_transformers_reads_them():
     with pytest.raises(ValueError, match="model.linear_num_key_heads: bailing_hybrid's KDA layers have its 4 "
                                          "attention heads"):
         model_config_from_hf(hf, {"linear_num_key_heads": 2, "linear_num_value_heads": 2})
+
+
+@pytest.mark.parametrize("model_type, edit, named", [
+    ("qwen3_next", {"num_attention_heads": 0}, "num_attention_heads: expected a positive integer, got 0"),
+    ("qwen3_next", {"num_attention_heads": None}, "num_attention_heads: expected a positive integer, got None"),
+    ("olmo_hybrid", {"num_attention_heads": None}, "num_attention_heads: expected a positive integer, got None"),
+    ("qwen3_next", {"hidden_size": "32"}, "hidden_size: expected a positive integer, got '32'"),
+    ("lara_mini", {"num_hidden_layers": "5"}, "num_hidden_layers: expected a positive integer, got '5'"),
+    ("qwen3_next", {"num_experts": -1}, "num_experts: expected a non-negative integer, got -1"),
+    ("qwen3_next", {"rope_parameters": [1, 2]}, "rope_parameters: expected an object, got [1, 2]"),
+    ("qwen3_5", {"text_config": 5}, "text_config: expected an object, got 5"),
+    ("qwen3_5", {"text_config": "abc"}, "text_config: expected an object, got 'abc'"),
+    ("glm5_next", {"text_config": {"hidden_size": True}}, "text_config: hidden_size: expected a positive integer"),
+    ("qwen3_next", {"layer_types": "linear_attention"}, "layer_types: expected a list of layer kinds"),
+])
+def test_config_json_fields_of_the_wrong_type_or_range_are_one_line_naming_the_field_and_file(tmp_path, model_type,
+                                                                                               edit, named):
+    """Checked before any arithmetic (a zero or null head count divided, a
+    string multiplied): one ValueError naming the field and the file."""
+    import json
+
+    from gdnx.checkpoints.hf import read_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **edit}))
+    with pytest.raises(ValueError) as e:
+        read_config(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: {named}"), str(e.value)
+    assert "\n" not in str(e.value)

@@ -17,6 +17,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -186,22 +187,22 @@ def _expert_keys(reader: _Reader, where: Experts, num_experts: int) -> list[str]
     return [f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}"]
 
 
-def _experts_shape(reader: _Reader, where: Experts, num_experts: int) -> tuple[tuple[int, ...], str]:
-    """The parameter's shape [E, in, out] as the file stores it, and that
-    storage in words."""
+def _experts_shape(reader: _Reader, where: Experts, num_experts: int) -> tuple[tuple[int, ...], str, str]:
+    """The parameter's shape [E, in, out] as the file stores it, that
+    storage in words, and the tensors' names."""
     keys = _expert_keys(reader, where, num_experts)
     shapes = [reader.shape(k) for k in keys]
     if len(keys) > 1:  # per expert: [out, in] each
+        named = f"{where.prefix}.*.{where.name}.weight"
         if len(set(shapes)) != 1 or len(shapes[0]) != 2:
-            raise ValueError(f"{where.prefix}.*.{where.name}.weight: experts of shapes {sorted(set(shapes))}, "
-                             "expected one [out, in] shape")
+            raise ValueError(f"{named}: experts of shapes {sorted(set(shapes))}, expected one [out, in] shape")
         out, inp = shapes[0]
-        return (len(keys), inp, out), f"{len(keys)} x {shapes[0]}"
+        return (len(keys), inp, out), f"{len(keys)} x {shapes[0]}", named
     shape = shapes[0]
     if len(shape) != 3:
-        return shape, str(shape)
+        return shape, str(shape), keys[0]
     e, rows, cols = shape
-    return (e, cols, rows // 2 if where.part != "down" else rows), str(shape)
+    return (e, cols, rows // 2 if where.part != "down" else rows), str(shape), keys[0]
 
 
 def _read_experts(reader: _Reader, where: Experts, num_experts: int, index: Index) -> np.ndarray:
@@ -237,14 +238,23 @@ def _check_shape(reader: _Reader, cfg: ModelConfig, path: tuple, prefix: str, di
     give this shape, from the files' headers (nothing read)."""
     where = locate(cfg, path, prefix)
     if isinstance(where, Experts):
-        found, stored = _experts_shape(reader, where, cfg.num_experts)
-        keys = where.prefix
+        found, stored, keys = _experts_shape(reader, where, cfg.num_experts)
         note = " (experts stacked, in gdnx's [in, out] layout)"
     else:
         shapes = [reader.shape(k) for k in where.keys]
         try:
             found = tuple(jax.eval_shape(where.to_param, *(jax.ShapeDtypeStruct(x, jnp.float32)
                                                             for x in shapes)).shape)
+            # the whole tensors, not only the parts a parameter takes of them: a fused tensor sliced by the
+            # config's sizes would take a tensor with rows to spare (a tensor several parameters share is
+            # checked by its rows in all). Sizes are compared, not shapes: transformers itself writes a
+            # concatenation's parts split as it likes (OLMo Hybrid's q/k/v_conv1d in three equal parts)
+            if where.pieces == 1 and found == shape:
+                written = jax.eval_shape(where.to_hf, jax.ShapeDtypeStruct(shape, jnp.float32))
+                if sum(math.prod(x.shape) for x in written) != sum(math.prod(x) for x in shapes):
+                    found = ()
+            elif where.pieces > 1 and shapes[0][0] != where.shared_rows:
+                found = ()
         except (TypeError, ValueError):
             found = ()
         stored, keys, note = " and ".join(str(x) for x in shapes), ", ".join(where.keys), ""
@@ -357,7 +367,13 @@ def read_config(path: str | os.PathLike, overrides: dict | None = None) -> Model
     (quantize=fp8) keeps its own blocks unless quantize_block is given; one
     quantized again as int8 is refused."""
     hf = _hf_config(Path(path))
-    cfg = model_config_from_hf(hf, overrides)
+    try:
+        cfg = model_config_from_hf(hf, overrides)
+    except ValueError as e:  # name the file the fields are in
+        text = str(e)
+        if text.startswith("config.json"):
+            raise ValueError(f"{Path(path) / 'config.json'}{text.removeprefix('config.json')}") from None
+        raise
     if cfg.family == "bailing_hybrid" and "mtp_num_layers" not in (overrides or {}) and hf.get(
             "num_nextn_predict_layers", hf.get("num_mtp_layers", 0)):
         # Ling 3's multi-token prediction layer, where the files hold it (transformers writes none)
@@ -691,7 +707,9 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: 
         tensors = itertools.chain(tensors, tower[1])
     for key, tensor in tensors:
         if fp8_layout and tensor.dtype != ml_dtypes.float8_e4m3fn and not key.endswith(fp8.SCALE_SUFFIX):
-            kept.add(key.rsplit(".", 1)[0])
+            module, _, name = key.rpartition(".")
+            if name in ("weight", "bias"):  # a module's own tensor; a bare parameter (A_log) names no module
+                kept.add(module)
         if shard and sum(v.nbytes for v in shard.values()) + tensor.nbytes > shard_bytes:
             flush()
         shard[key] = tensor
@@ -714,5 +732,7 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, shard_bytes: 
         log.warning(f"{directory}: written without a vision tower (no vision_from): transformers builds one at its "
                     "default sizes, randomly initialised; the language model is the export's")
     if fp8_layout:
+        if cfg.tie_word_embeddings:  # no lm_head tensor is written, but transformers builds the module
+            kept.add("lm_head")
         config["quantization_config"] = fp8.quantization_config(cfg.quantize_block, sorted(kept))
     atomic_write_text(directory / "config.json", json.dumps(config, indent=2))

@@ -346,8 +346,49 @@ def _qwen4_exp(hf: dict) -> dict:
     return fields
 
 
+# config.json's sizes that gdnx divides and multiplies by, under any family's name: a positive integer where
+# given; the first four never null (a model has them), the others null for "not set" (a family's default)
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_SIZES = (*_REQUIRED, "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+          "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "linear_num_heads",
+          "linear_head_dim", "num_experts_per_tok", "full_attention_interval", "kv_lora_rank", "v_head_dim",
+          "qk_nope_head_dim", "index_n_heads", "index_head_dim", "indexer_n_heads", "indexer_head_dim")
+# sizes that may be 0 or null (head_dim: save_pretrained writes an MLA model's rope size there, 0 for none)
+_COUNTS = ("head_dim", "num_experts", "n_routed_experts", "num_local_experts", "shared_expert_intermediate_size",
+           "q_lora_rank", "qk_rope_head_dim", "sliding_window", "mtp_num_hidden_layers")
+_OBJECTS = ("text_config", "rope_parameters", "rope_scaling", "linear_attn_config")
+_LISTS = ("layer_types", "mlp_layer_types")
+
+
+def check_fields(hf: object, where: str = "config.json") -> None:
+    """config.json's fields that gdnx computes with, checked for type and
+    range before any arithmetic (text_config's too): one ValueError naming
+    the field."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(hf).__name__}")
+    for name in _SIZES + _COUNTS:
+        if name not in hf:
+            continue
+        value, positive = hf[name], name in _SIZES
+        if value is None and name not in _REQUIRED:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if positive else 0):
+            raise ValueError(f"{where}: {name}: expected a {'positive' if positive else 'non-negative'} integer, "
+                             f"got {value!r}")
+    for name in _OBJECTS:
+        if hf.get(name) is not None and not isinstance(hf[name], dict):
+            raise ValueError(f"{where}: {name}: expected an object, got {hf[name]!r}"[:300])
+    for name in _LISTS:
+        value = hf.get(name)
+        if value is not None and not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+            raise ValueError(f"{where}: {name}: expected a list of layer kinds, got {value!r}"[:300])
+    if isinstance(hf.get("text_config"), dict):
+        check_fields(hf["text_config"], f"{where}: text_config")
+
+
 def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig:
     """ModelConfig from a config.json dict; overrides are ModelConfig fields."""
+    check_fields(hf)
     model_type = hf.get("model_type", "qwen3_next")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"config.json: model_type {model_type!r} is not a GDN hybrid gdnx builds "

@@ -53,14 +53,16 @@ class Tensors(NamedTuple):
     """One gdnx parameter as Hugging Face tensors: their names and the two
     conversions; `read` gives any slice of the parameter from slices of the
     tensors (None: the parameter is small and read whole). A tensor several
-    parameters share (Lara 4 Mini's in_proj) takes `pieces` parameters' rows:
-    to_hf gives this parameter's, which start at row `offset`."""
+    parameters share (Lara 4 Mini's in_proj) takes `pieces` parameters' rows,
+    `shared_rows` in all: to_hf gives this parameter's, which start at row
+    `offset`."""
     keys: tuple[str, ...]
     to_param: Callable[..., Any]  # the tensors, in keys' order -> the parameter
     to_hf: Callable[[Any], tuple[Any, ...]]  # the parameter -> the tensors
     read: Callable[[ReadSlice, Index], np.ndarray] | None = None
     pieces: int = 1
     offset: int = 0
+    shared_rows: int = 0
 
 
 def _xp(*xs: Any) -> Any:
@@ -111,11 +113,12 @@ def _conv(key: str) -> Tensors:
 
 
 def _per_key_head(keys: Sequence[str], rows: Sequence[Sequence[int]], num_key_heads: int, *, offset: int = 0,
-                  pieces: int = 1) -> Tensors:
+                  pieces: int = 1, shared_rows: int = 0) -> Tensors:
     """A fused kernel [hidden, HK * W] whose columns are, per key head, its
     slice of each part in turn; the parts are the row blocks `rows[j]` of
     the tensor keys[j] ([out, hidden], out in head order), from row `offset`
-    of a tensor that `pieces` parameters share (one key then)."""
+    of a tensor that `pieces` parameters share (one key then, of
+    `shared_rows` rows)."""
     hk = num_key_heads
     width = sum(map(sum, rows)) // hk  # a key head's columns
 
@@ -153,7 +156,8 @@ def _per_key_head(keys: Sequence[str], rows: Sequence[Sequence[int]], num_key_he
         parts = iter(p.reshape(kernel.shape[0], -1).T for p in xp.split(grouped, offsets, axis=-1))
         return tuple(xp.concatenate([next(parts) for _ in sizes], axis=0) for sizes in rows)
 
-    return Tensors(tuple(keys), lambda *tensors: assemble(tensors, hk, offset), to_hf, read, pieces, offset)
+    return Tensors(tuple(keys), lambda *tensors: assemble(tensors, hk, offset), to_hf, read, pieces, offset,
+                   shared_rows)
 
 
 def _gdn(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
@@ -180,9 +184,11 @@ def _gdn(cfg: ModelConfig, name: str, prefix: str) -> Tensors:
     if cfg.family == "qwen3_next":
         return _transposed(p + name + ".weight")
     if lara:  # one in_proj, rows [q | k | v | z | b | a]
+        rows = 2 * kd + 2 * vd + 2 * hv
         if name == "in_proj_qkvz":
-            return _per_key_head([p + "in_proj.weight"], [[kd, kd, vd, vd]], hk, pieces=2)
-        return _per_key_head([p + "in_proj.weight"], [[hv, hv]], hk, offset=2 * kd + 2 * vd, pieces=2)
+            return _per_key_head([p + "in_proj.weight"], [[kd, kd, vd, vd]], hk, pieces=2, shared_rows=rows)
+        return _per_key_head([p + "in_proj.weight"], [[hv, hv]], hk, offset=2 * kd + 2 * vd, pieces=2,
+                             shared_rows=rows)
     if name == "in_proj_qkvz" and olmo:
         return _per_key_head([p + f"{x}_proj.weight" for x in "qkvg"], [[kd], [kd], [vd], [vd]], hk)
     if name == "in_proj_qkvz":
