@@ -43,6 +43,9 @@ from tests.helpers.tiers import fast_only
      "gdnx plan: error: --topology: expected a TPU slice <generation>:<shape>"),
     (["plan", "tiny", "--topology", "v5p:2x2x1", "train.grad_accum_steps=3"],
      "gdnx plan: error: train.grad_accum_steps: must divide batch_size=16"),
+    # a train step over frozen weights, refused by plan as by train
+    (["plan", "tiny", "--topology", "v5e:2x2", "--quantize", "int8"],
+     "gdnx plan: error: model.quantize: int8 weights are frozen"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)

@@ -2,6 +2,7 @@
 results in order; each mistake one line and status 2."""
 
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -59,10 +60,18 @@ def test_the_checkpoints_mtp_module_drafts_and_keeps_the_plain_tokens(checkpoint
     lines.write_text("\n".join(json.dumps({"prompt": words(p)}) for p in prompts) + "\n")
     out = tmp_path / "results.jsonl"
     assert main(["generate", "--checkpoint", str(path), "--prompts-file", str(lines), "--out", str(out),
-                 "--max-new-tokens", "6", "--max-slots", "2", "--speculative", "mtp", "model.gdn_chunk_size=16"]) == 0
+                 "--max-new-tokens", "6", "--max-slots", "2", "--draft-rows", "2", "--speculative", "mtp",
+                 "model.gdn_chunk_size=16"]) == 0
     got = [json.loads(x)["tokens"] for x in out.read_text().splitlines()]
     assert got == [np.asarray(generate(model, jnp.asarray([p]), 6))[0].tolist() for p in prompts]
-    assert "speculative acceptance" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert re.search(r"speculative: \d+ of [1-9]\d* drafted tokens accepted \(\d+%\)", err), err
+    # both slots decoding past --draft-rows 1: drafting is off, and the summary says so rather than "0%"
+    assert main(["generate", "--checkpoint", str(path), "--prompts-file", str(lines), "--out", str(tmp_path / "o1"),
+                 "--max-new-tokens", "6", "--max-slots", "2", "--draft-rows", "1", "--speculative", "mtp",
+                 "model.gdn_chunk_size=16"]) == 0
+    assert "speculative: no draft proposed (drafts are verified while at most --draft-rows=1" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["mtp:x", "eagle", "ngram", "mtp:0"])
@@ -72,6 +81,15 @@ def test_a_bad_speculative_value_is_one_line(checkpoint, tmp_path, capsys, value
     err = refused(capsys, ["generate", "--checkpoint", str(checkpoint[0]), "--prompts-file", str(src), "--out",
                            str(tmp_path / "o.jsonl"), "--speculative", value])
     assert "--speculative: " in err, err
+
+
+@pytest.mark.parametrize("flags", [["--speculative", "mtp"], ["--speculative", "eagle"], ["--speculative", "3"],
+                                   ["--draft-rows", "2"], ["--max-slots", "4"], ["--batch-invariant"]])
+def test_an_engine_flag_with_prompt_is_one_line_before_the_model_loads(tmp_path, capsys, flags):
+    """--prompt decodes with the plain loop: the batched engine's settings
+    (drafting above all) are refused there, not ignored."""
+    err = refused(capsys, ["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "w1", *flags])
+    assert err.startswith(f"gdnx generate: error: {flags[0]}: applies to --prompts-file"), err
 
 
 @pytest.mark.parametrize("line,match", [

@@ -36,7 +36,7 @@ from gdnx.scales import SUFFIX
 from gdnx.serving.plan import ServePlan
 from gdnx.stacking import layer_ndim
 from gdnx.training.rl import BitwiseRows, Rows, replay_shapes, rl_programs
-from gdnx.training.step import make_optimizer, make_step_fn
+from gdnx.training.step import check_trainable, make_optimizer, make_step_fn
 
 
 
@@ -136,6 +136,7 @@ def plan(config: Config, topology: str) -> Plan:
     """Compile config's train step for `topology`: a TPU slice (v5p:2x2x1)
     or N GPUs of one host (h200:8); with train.rl, the RL update on a
     rollout's completions."""
+    check_trainable(config)
     devices, hbm, kind = target_devices(topology)
     model_cfg = for_target(config.model, kind)
     config = config.model_copy(update={"model": model_cfg})

@@ -1,6 +1,7 @@
 """The verifiers and a user's reward function, and what they refuse."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -52,9 +53,44 @@ def test_user_function(tmp_path, monkeypatch):
     assert score(reward, "my_rewards:length", "abcd", [], {"scale": 2}, "line 1") == 2.0
     for name in ("bad", "text"):
         with pytest.raises(ValueError, match=f"train.rl.reward: my_rewards:{name} returned .* for line 1; expected "
-                                             "a finite number"):
+                                             "a number float32 holds finite"):
             score(_reward(reward=f"my_rewards:{name}"), f"my_rewards:{name}", "x", [], {}, "line 1")
     sys.modules.pop("my_rewards", None)
+
+
+@pytest.mark.parametrize("body,says", [
+    ("return 1e39", "returned 1e+39 for line 7; expected a number float32 holds finite"),  # inf once cast
+    ("return None", "returned None for line 7"),
+    ("return [1.0]", "returned [1.0] for line 7"),
+    ("raise ValueError('no answer field')", "raised ValueError: no answer field for line 7"),
+    ("raise SystemExit(0)", "raised SystemExit: 0 for line 7"),
+    ("raise KeyError('answer')", "raised KeyError: 'answer' for line 7"),
+    ("import time; time.sleep(30)", "did not return within 0.5 s for line 7 (train.rl.reward_timeout_s)"),
+])
+def test_a_users_reward_runs_bounded(tmp_path, monkeypatch, body, says):
+    """Every way a user's reward can fail on one completion, a hang
+    included, is one ValueError naming train.rl.reward and the prompt:
+    the run stops with that line (status 2), not a traceback, an exit 0
+    or a run that never ends."""
+    (tmp_path / "bounded_rewards.py").write_text(f"def f(completion, example):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bounded_rewards", raising=False)
+    with pytest.raises(ValueError, match=re.escape(f"train.rl.reward: bounded_rewards:f {says}")):
+        score(_reward(reward="bounded_rewards:f"), "bounded_rewards:f", "x", [], {}, "line 7", timeout_s=0.5)
+
+
+@pytest.mark.parametrize("source,says", [
+    ("def f(completion, example:\n    return 1\n", "cannot import bounded_bad (SyntaxError: "),
+    ("raise RuntimeError('needs a GPU')\n", "cannot import bounded_bad (RuntimeError: needs a GPU)"),
+    ("def f(text):\n    return 1\n", "bounded_bad:f cannot be called as f(completion=..., example=...)"),
+    ("f = 3\n", "bounded_bad:f is not callable"),
+])
+def test_a_reward_that_cannot_run_is_refused_before_the_first_rollout(tmp_path, monkeypatch, source, says):
+    (tmp_path / "bounded_bad.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "bounded_bad", raising=False)
+    with pytest.raises(ValueError, match=re.escape(f"train.rl.reward: {says}")):
+        _reward(reward="bounded_bad:f")
 
 
 @pytest.mark.parametrize("fields,message", [

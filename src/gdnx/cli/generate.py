@@ -80,6 +80,9 @@ def run_generate(args) -> int:
             raise ConfigError(f"--seed: line i draws with --seed + i, past 2**63 for {len(lines)} lines")
     elif args.out is not None or args.resume:
         raise ConfigError(f"{'--out' if args.out is not None else '--resume'}: applies to --prompts-file")
+    elif (flag := _engine_flag_given(args)) is not None:
+        raise ConfigError(f"{flag}: applies to --prompts-file (the batched engine); --prompt decodes with the plain "
+                          "loop, a token at a time")
     found = load(Path(args.checkpoint), overrides(args), "generate")
     model, tok, loaded = found.model, found.tokenizer, found.description
     if args.prompts_file is not None:
@@ -128,6 +131,30 @@ def run_generate(args) -> int:
     if shows:
         sys.stdout.write(text.flush() + "\n")
     return 0
+
+
+def _drafting(stats, engine) -> str:
+    """What speculative decoding did: the drafts proposed and accepted, or
+    that none was proposed and why."""
+    if stats.drafted_tokens:
+        return (f"; speculative: {stats.accepted_tokens} of {stats.drafted_tokens} drafted tokens accepted "
+                f"({stats.acceptance:.0%})")
+    rows = engine.draft_rows  # the config's, or the platform's default
+    return (f"; speculative: no draft proposed (drafts are verified while at most --draft-rows={rows} slots decode; "
+            f"more decoded at once here)" if rows < engine.config.max_slots else "; speculative: no draft proposed")
+
+
+def _engine_flag_given(args) -> str | None:
+    """The first engine setting given away from its default (they shape the
+    batched engine that --prompts-file runs, which --prompt does not)."""
+    from gdnx.serving import EngineConfig
+
+    default = EngineConfig()
+    given = {"--speculative": args.speculative != str(default.draft_tokens),
+             "--draft-rows": args.draft_rows != default.draft_rows, "--max-slots": args.max_slots != default.max_slots,
+             "--max-length": args.max_length is not None, "--prefix-cache-mb": args.prefix_cache_mb != 0,
+             "--batch-invariant": args.batch_invariant, "--max-prefill-batch": args.max_prefill_batch is not None}
+    return next((flag for flag, set_ in given.items() if set_), None)
 
 
 # the sampling fields a line of a prompts file may set (SamplingParams')
@@ -340,5 +367,5 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
         if failed else ""
     print(f"wrote {len(lines) - done} results to {out}{failures}: {s.generated_tokens} tokens in "
           f"{time.perf_counter() - start:.1f} s; prefix cache {s.cached_tokens} of {s.prompt_tokens} prompt tokens"
-          + (f"; speculative acceptance {s.acceptance:.0%}" if engine.draft_tokens else ""), file=sys.stderr)
+          + (_drafting(s, engine) if engine.draft_tokens else ""), file=sys.stderr)
     return FAILED_STATUS if failed else 0

@@ -638,6 +638,8 @@ class RLConfig(_Strict):
     reward: str = "exact"
     reward_pattern: str | None = None      # regex: a completion scores 1 when it matches (re.search)
     reward_schema: str | None = None       # json: a JSON schema (its text, or a .json file)
+    # seconds a user's reward function may take on one completion: past it the run stops with a line naming it
+    reward_timeout_s: PositiveFloat = 60.0
     # importance weights min(exp(trainer - sampler), cap) on each token (truncated importance sampling):
     # corrects the sampler/trainer mismatch of the default mode; null: none
     importance_cap: PositiveFloat | None = 2.0

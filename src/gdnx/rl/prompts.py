@@ -9,6 +9,7 @@ seed alone, so a resumed run draws the same prompts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -74,17 +75,24 @@ class PromptEncoder:
                          f"got the keys {sorted(example)}")
 
 
-def read_prompts(path: str, *, tokenizer: str | None, longest: int, answers: bool, val_fraction: float,
-                 seed: int) -> Prompts:
-    """The run's prompts, each checked: a prompt longer than `longest`
-    tokens (data.seq_len less train.rl.max_new_tokens) is refused, as is an
-    example without an "answer" when the reward reads one. The held-out
-    share is drawn by `seed`, at least one prompt when val_fraction > 0."""
+def read_prompts(path: str, *, tokenizer: str | None, longest: int, answer: Callable[[dict], str | None],
+                 vocab_size: int, val_fraction: float, seed: int) -> Prompts:
+    """The run's prompts, each checked before the run starts: a prompt
+    longer than `longest` tokens (data.seq_len less
+    train.rl.max_new_tokens) is refused, as is an example whose answer the
+    reward cannot score (`answer`: why, or None), and a tokenizer with more
+    tokens than the model's `vocab_size` (its completions could draw
+    none of them, its prompts hold them). The held-out share is drawn by
+    `seed`, at least one prompt when val_fraction > 0."""
     encoder = PromptEncoder(tokenizer)
+    tokens_held = 256 if encoder.hf is None else encoder.hf.tok.get_vocab_size(with_added_tokens=True)
+    if tokens_held > vocab_size:
+        raise ValueError(f"model.vocab_size: the tokenizer ({tokenizer or 'raw bytes'}) has {tokens_held} tokens, "
+                         f"the model {vocab_size}")
     prompts = []
     for where, example in _read(Path(path)):
-        if answers and "answer" not in example:
-            raise ValueError(f"data.path: {where}: no \"answer\", which train.rl.reward reads")
+        if (problem := answer(example)) is not None:
+            raise ValueError(f"data.path: {where}: {problem}")
         tokens = encoder.encode(example, where)
         if len(tokens) > longest:
             raise ValueError(f"data.seq_len: the prompt at {where} is {len(tokens)} tokens, and with "

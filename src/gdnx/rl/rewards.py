@@ -15,13 +15,17 @@ returning a finite number.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import numbers
 import re
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from gdnx.config.schema import RLConfig
 
@@ -84,19 +88,33 @@ def _json(schema: str, tokenizer: str | None, vocab_size: int, eos_id: int) -> R
 
 
 def _user(name: str) -> Reward:
+    """The user's function, imported and its signature checked now (a module
+    that does not import, for any reason, is a ValueError naming it)."""
     module, function = name.split(":")
     try:
         fn = getattr(importlib.import_module(module), function)
-    except ImportError as e:
-        raise ValueError(f"train.rl.reward: cannot import {module} ({e})") from None
     except AttributeError:
         raise ValueError(f"train.rl.reward: {module} has no {function}") from None
+    except (Exception, SystemExit) as e:  # ImportError, and whatever its module raises as it imports
+        raise ValueError(f"train.rl.reward: cannot import {module} ({_one_line(e)})") from None
     if not callable(fn):
         raise ValueError(f"train.rl.reward: {name} is not callable")
+    try:
+        inspect.signature(fn).bind(completion="", example={})
+    except TypeError as e:
+        raise ValueError(f"train.rl.reward: {name} cannot be called as {function}(completion=..., example=...) "
+                         f"({e})") from None
+    except ValueError:  # a callable without a signature Python can read (a builtin): called as it is
+        pass
 
     def call(completion: str, tokens: Sequence[int], example: dict) -> float:
         return fn(completion=completion, example=example)
     return call
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
 def make_reward(rl: RLConfig, *, tokenizer: str | None, vocab_size: int, eos_id: int) -> Reward:
@@ -114,14 +132,54 @@ def make_reward(rl: RLConfig, *, tokenizer: str | None, vocab_size: int, eos_id:
     return _user(rl.reward)
 
 
-def needs_answer(rl: RLConfig) -> bool:
-    """Whether the reward reads each example's answer."""
-    return rl.reward in ("exact", "numeric")
+def answer_problem(rl: RLConfig, example: dict) -> str | None:
+    """Why an example's "answer" cannot be scored by the built-in reward that
+    reads it (None: it can, or the reward reads none): a missing one, a
+    null or an object for exact, one without a number for numeric (which
+    would score every completion 0, with no word)."""
+    if rl.reward not in ("exact", "numeric"):
+        return None
+    if "answer" not in example:
+        return 'no "answer", which train.rl.reward reads'
+    answer = example["answer"]
+    if answer is None or isinstance(answer, (bool, dict, list)):
+        return f'"answer" is {json.dumps(answer)[:60]}; train.rl.reward={rl.reward} compares it as text'
+    if rl.reward == "numeric" and last_number(str(answer)) is None:
+        return f'"answer" {json.dumps(answer)[:60]} holds no number, which train.rl.reward=numeric compares'
+    return None
 
 
-def score(reward: Reward, name: str, completion: str, tokens: Sequence[int], example: dict, where: str) -> float:
-    """The reward of one completion, refused unless a finite number."""
-    value: Any = reward(completion, tokens, example)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise ValueError(f"train.rl.reward: {name} returned {value!r} for {where}; expected a finite number")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def score(reward: Reward, name: str, completion: str, tokens: Sequence[int], example: dict, where: str,
+          timeout_s: float | None = None) -> float:
+    """The reward of one completion, bounded: a call past `timeout_s`
+    seconds (train.rl.reward_timeout_s), one that raises (SystemExit too)
+    and a value that is not a number float32 holds finite (the loss's) are
+    each a ValueError naming train.rl.reward and `where`."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(("value", reward(completion, tokens, example)))
+        except (Exception, SystemExit) as e:
+            outcome.append(("raised", e))
+
+    if timeout_s is None:
+        run()
+    else:  # a daemon thread: a call that never returns does not keep the process from ending
+        thread = threading.Thread(target=run, daemon=True, name="gdnx-reward")
+        thread.start()
+        thread.join(timeout_s)
+        if not outcome:
+            raise ValueError(f"train.rl.reward: {name} did not return within {timeout_s:g} s for {where} "
+                             "(train.rl.reward_timeout_s)")
+    kind, value = outcome[0]
+    if kind == "raised":
+        raise ValueError(f"train.rl.reward: {name} raised {_one_line(value)} for {where}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
+            or abs(float(value)) > FLOAT32_MAX:
+        raise ValueError(f"train.rl.reward: {name} returned {value!r:.80} for {where}; expected a number "
+                         "float32 holds finite")
     return float(value)

@@ -42,7 +42,8 @@ from gdnx.progress import Reporter
 from gdnx.models.adapters import adapter_spec
 from gdnx.training.hooks import Hook, LoopState, Registered, Run, default_hooks
 from gdnx.training.init_from import check_source, initial_params
-from gdnx.training.step import aux_loss_coef, batch_of, loss_and_metrics, make_optimizer, make_step_fn
+from gdnx.training.step import (aux_loss_coef, batch_of, check_trainable, loss_and_metrics, make_optimizer,
+                                make_step_fn)
 from gdnx.training.trackers import METRICS_FILE, Tracker, check_trackers, dotted, make_trackers, rewrite_metrics
 
 EVAL_BATCHES = 4
@@ -253,12 +254,7 @@ def check_run(config: Config) -> jax.sharding.Mesh:
     anything is written: the out_dir, the mesh, the out_dir's earlier
     config, whether the model fits. Returns the mesh. Raises ValueError (or
     OSError for a file) naming the field or path."""
-    if config.model.quantize_activations != "none":
-        raise ValueError("model.quantize_activations: float8 activations are for inference (serve, generate, eval); "
-                         "train with model.quantize_activations=none")
-    if config.model.quantize != "none" and config.train.lora is None:
-        raise ValueError(f"model.quantize: {config.model.quantize} weights are frozen; train LoRA adapters over them "
-                         "(train.lora) or train unquantized (model.quantize=none)")
+    check_trainable(config)
     out = Path(config.train.out_dir)
     _check_out_dir(out)
     check_trackers(config)

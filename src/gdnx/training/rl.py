@@ -16,6 +16,7 @@ scoring and update.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -32,7 +33,7 @@ from gdnx.loss import target_logprobs
 from gdnx.rl.objective import Array, Scored, advantages, policy_loss
 from gdnx.rl.replay import ReplayBatch, ReplayShapes, replay_batch, replay_logprobs
 from gdnx.rl.prompts import Prompt, read_prompts, step_prompts
-from gdnx.rl.rewards import make_reward, needs_answer, score
+from gdnx.rl.rewards import answer_problem, make_reward, score
 from gdnx.serving.config import EngineConfig
 from gdnx.serving.engine import Engine
 from gdnx.serving.params import SamplingParams
@@ -183,7 +184,8 @@ class RLTrainer(Trainer):
         self.reward = make_reward(rl, tokenizer=data.tokenizer, vocab_size=config.model.vocab_size,
                                   eos_id=self.eos_ids[0])
         self.prompts = read_prompts(data.path, tokenizer=data.tokenizer, longest=data.seq_len + 1 - rl.max_new_tokens,
-                                    answers=needs_answer(rl), val_fraction=data.val_fraction if
+                                    answer=functools.partial(answer_problem, rl),
+                                    vocab_size=config.model.vocab_size, val_fraction=data.val_fraction if
                                     config.train.eval_every else 0.0, seed=config.train.seed)
         if config.train.eval_every and not self.prompts.evaluation:
             raise ValueError("data.val_fraction: no prompt is held out to evaluate on; raise it (or give more "
@@ -248,7 +250,7 @@ class RLTrainer(Trainer):
         end-of-sequence tokens; where(i, prompt) names it in an error."""
         return np.asarray([score(self.reward, self.rl.reward,
                                  self.detokenizer.decode([t for t in c.tokens if t not in self.eos_ids]), c.tokens,
-                                 p.example, where(i, p))
+                                 p.example, where(i, p), self.rl.reward_timeout_s)
                            for i, (p, c) in enumerate(zip(prompts, done, strict=True))], np.float32)
 
     def rollout(self, params: Any, index: int) -> tuple[tuple[Any, Scored], dict[str, float]]:

@@ -22,6 +22,18 @@ from gdnx.models import CausalLM
 from gdnx.parallel import constrain
 from gdnx.stacking import layer_ndim
 
+
+def check_trainable(config: Config) -> None:
+    """What a train step refuses to train, whether a run or `gdnx plan`
+    asks for it (ValueError naming the field)."""
+    if config.model.quantize_activations != "none":
+        raise ValueError("model.quantize_activations: float8 activations are for inference (serve, generate, eval); "
+                         "train with model.quantize_activations=none")
+    if config.model.quantize != "none" and config.train.lora is None:
+        raise ValueError(f"model.quantize: {config.model.quantize} weights are frozen; train LoRA adapters over them "
+                         "(train.lora) or train unquantized (model.quantize=none)")
+
+
 def make_optimizer(train_cfg: TrainConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, train_cfg.learning_rate, train_cfg.warmup_steps, train_cfg.steps,
