@@ -4,7 +4,9 @@ Deviceless ahead-of-time compilation (gdnx.aot): libtpu compiles the Mosaic
 kernels for TPU v5e, v6e and v5p, the CUDA plugin the Triton kernels for
 H100/H200 (sm_90) and A100 (sm_80), through ptxas. Unlike lowering, this
 catches VMEM and shared-memory overflows and operand types a compiler
-refuses. Runs in `.venv-aot` (`make test` installs it), marked `deviceless`.
+refuses. Runs in `.venv-aot` (`make test` installs it), marked `deviceless`;
+`make test` compiles each op's bfloat16 training program for TPU v5e,
+`make test-all` every case.
 
 Programs (programs.py): the forward alone, and the gradient program (the forward writing
 its residuals, then the backward), at Qwen3-Next's GDN shape (B=2, T=4096,
@@ -27,12 +29,20 @@ from __future__ import annotations
 import jax
 import pytest
 
+from tests.helpers.tiers import SLOW
 from tests.ops.delta_rule.programs import COMPILE_TARGETS, KDA_PROGRAMS, PROGRAMS, build
 
-pytestmark = [pytest.mark.deviceless, pytest.mark.slow]
+pytestmark = pytest.mark.deviceless
+# make test compiles what a bfloat16 training run on a v5e compiles, GDN's and KDA's: Mosaic accepts the kernels
+FAST = {("tpu_v5e", "grad_bf16_operands"), ("tpu_v5e", "kda_grad_bf16_operands")}
 
-@pytest.mark.parametrize("program", PROGRAMS, ids=str)
-@pytest.mark.parametrize("target", COMPILE_TARGETS)
+
+def _cases(targets, programs) -> list:
+    return [pytest.param(t, p, id=f"{t}-{p}", marks=() if (t, p.name) in FAST else SLOW)
+            for p in programs for t in targets]
+
+
+@pytest.mark.parametrize("target, program", _cases(COMPILE_TARGETS, PROGRAMS))
 def test_compiles(target, program):
     fn, args = build(program, target)
     compiled = jax.jit(fn).lower(*args).compile()
@@ -40,6 +50,7 @@ def test_compiles(target, program):
     assert mem is not None and mem.argument_size_in_bytes > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", KDA_PROGRAMS[:2], ids=str)
 @pytest.mark.parametrize("target", COMPILE_TARGETS)
 def test_kda_compiles(target, program):
@@ -51,13 +62,13 @@ KDA_KNOBS = [p for p in KDA_PROGRAMS[2:] if not p.name.endswith("_long")]
 LONG = [p for p in PROGRAMS + KDA_PROGRAMS if p.name.endswith("_long")]
 
 
-@pytest.mark.parametrize("program", KDA_KNOBS, ids=str)
-@pytest.mark.parametrize("target", ["tpu_v5e", "h100"])
+@pytest.mark.parametrize("target, program", _cases(["tpu_v5e", "h100"], KDA_KNOBS))
 def test_kda_knobs_compile(target, program):
     fn, args = build(program, target)
     assert jax.jit(fn).lower(*args).compile().memory_analysis() is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", LONG, ids=str)
 @pytest.mark.parametrize("target", ["h100"])
 def test_gpu_kernels_fill_the_gpu_on_tensor_cores_without_spilling(target, program):
@@ -84,6 +95,7 @@ def test_gpu_kernels_fill_the_gpu_on_tensor_cores_without_spilling(target, progr
         assert k.tensor_core_ops > 0, str(k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", [p for p in PROGRAMS + KDA_PROGRAMS if p.name.endswith(("forward", "grad"))],
                          ids=str)
 def test_compiles_for_tpu_v4(program):
@@ -92,6 +104,7 @@ def test_compiles_for_tpu_v4(program):
     assert jax.jit(fn).lower(*args).compile().memory_analysis() is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["forward", "grad", "kda_forward", "kda_grad"])
 def test_tpu_cost_analysis_sees_the_kernels(name):
     """XLA's cost analysis of the compiled program counts the kernels' declared
