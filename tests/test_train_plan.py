@@ -71,6 +71,16 @@ def test_qwen3_next_80b_trains_on_a_host_of_eight_h200s():
 
 
 @pytest.mark.slow
+def test_qwen3_5_0_8b_trains_whole_on_one_v5e_chip():
+    """The bundled Qwen3.5-0.8B, fully trained (bfloat16 parameters and
+    AdamW moments) on 4,096-token rows on one TPU v5e chip: it fits its
+    16 GiB with the Pallas kernels, as benchmarks/device/model.py runs it."""
+    p = plan(load_config("qwen3.5-0.8b", ["train.batch_size=1"]), "v5e:1x1")
+    assert p.chips == 1 and p.fits and p.kernel_calls > 0
+    assert p.argument_bytes >= 3 * 2 * p.parameters  # bfloat16 parameters and both moments
+
+
+@pytest.mark.slow
 def test_model_flops_against_xla_on_an_unrolled_model():
     """Without loops over layers, XLA's count of the per-chip programs
     (summed) is the architecture's count plus the elementwise work it leaves

@@ -152,8 +152,10 @@ def topology_devices(topology: str) -> list[jax.Device]:
     from jax.experimental import topologies
 
     generation(topology)
+    # one chip (v5e:1x1): libtpu's default host (2x2x1 chips) would not divide it
+    single = {"chips_per_host_bounds": (1, 1, 1)} if set(topology.partition(":")[2].split("x")) == {"1"} else {}
     try:
-        devices = list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+        devices = list(topologies.get_topology_desc(topology_name=topology, platform="tpu", **single).devices)
         # a mesh takes one device per chip (megacore); libtpu lists a v4 chip's two TensorCores apart
         return [d for d in devices if getattr(d, "core_on_chip", 0) == 0]
     except Exception as e:  # no libtpu, a shape libtpu refuses, libtpu held by another process

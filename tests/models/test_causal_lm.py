@@ -145,6 +145,8 @@ def test_published_config_builds_the_80b_model():
 # multi-token prediction layer and (Qwen3.5) a vision encoder, which the
 # language model leaves out; OLMo Hybrid's "7B" is a nominal size.
 PUBLISHED = {
+    # the 0.8B's language model with its multi-token prediction layer (the checkpoint's 0.85B adds vision)
+    "qwen3.5-0.8b": (772_845_888, 0.8, 0.04),
     "qwen3.5-27b": (26_895_998_464, 27, 0.01),
     "qwen3.5-397b-a17b": (396_346_350_336, 397, 0.01),
     "olmo-hybrid-7b": (7_430_870_688, 7, 0.07),

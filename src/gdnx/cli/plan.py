@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
                                       "or jax[cuda12-local] (ptxas); no accelerator.")
     plan.add_argument("config", help=f"a YAML file or a bundled config ({', '.join(bundled_names())})")
     plan.add_argument("--topology", required=True,
-                      help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4; or N GPUs of "
+                      help="a TPU slice: v4, v5e, v5p or v6e with its shape, e.g. v5p:4x4x4, v5e:4x4, one chip v5e:1x1; or N GPUs of "
                            "one host: h100:8, h200:8, a100:8")
     quantize_option(plan)
     plan.add_argument("overrides", nargs="*", metavar="key=value",

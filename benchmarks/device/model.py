@@ -1,0 +1,264 @@
+"""Qwen3.5-0.8B (the bundled `qwen3.5-0.8b`: the smallest published
+Qwen3.5, random weights) trained and served on one accelerator chip, in one
+run, beside its attention-only twin (the same width and depth, every layer
+gated attention).
+
+    python -m benchmarks.device.model [--part train serve] [--steps 200] [--budget-s 560] [--out FILE]
+
+Training: `gdnx train`'s own Trainer (its compiled step, optimizer and host
+loader over token shards `gdnx prepare` wrote from the Python standard
+library's sources, bytes as tokens), full training (bfloat16 parameters and
+AdamW state, the multi-token prediction module trained beside the model),
+one row of T tokens a step. Each row: the compiled step's bytes (XLA's
+buffer assignment; a row that does not fit the chip is refused before it
+runs), the mean step over --steps steps after three that compile and warm
+up, tokens/s, and MFU (the model's FLOPs as `gdnx plan` counts them, over
+the chip's bfloat16 peak).
+
+Serving: the engine in process (the server's code above the engine is what
+the CPU tests cover), 512-token prompts and 256 greedy new tokens each, all
+requests submitted at once, at 1, 8, 32 and 128 concurrent requests: the
+start-up (building the engine and compiling its programs), time to first
+token and inter-token latency (medians over the requests), output tokens/s,
+and a decode token's time against the chip's bandwidth limit (the weights
+read once per decode step, divided over the tokens a step gives each
+request). Then on/off pairs at 8 requests: the prefix cache (prompts that
+share their first 384 tokens with an earlier request), and int8 weights.
+
+A part past --budget-s of the run says so in its table instead of running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.device.train import PEAK_FLOPS
+from benchmarks.harness import Table, machine, write
+from gdnx.config import load_config
+from gdnx.config.schema import Config
+from gdnx.data.prepare import prepare_corpus
+from gdnx.models import CausalLM
+from gdnx.models.causal_lm import parameter_count
+from gdnx.serving import Engine, SamplingParams
+from gdnx.train_plan import model_flops
+from gdnx.training.loop import Trainer
+
+NAME = "qwen3.5-0.8b"
+MODELS = {"GDN hybrid (as published)": [],
+          "attention-only twin": ["model.layer_types=null", "model.full_attention_interval=1"]}
+# HBM bandwidth per chip, bytes/s, by device kind (published), for the decode limit
+BANDWIDTH = {"TPU v4": 1.2e12, "TPU v5 lite": 819e9, "TPU v5": 2.76e12, "TPU v6 lite": 1.64e12}
+GIB = 2 ** 30
+
+
+class Budget:
+    """Seconds left of the run's budget: a part that would start past it is
+    reported as not run."""
+
+    def __init__(self, seconds: float):
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def corpus(directory: Path) -> Path:
+    """Token shards of the Python standard library's sources (~20 MB of
+    text, raw bytes as tokens)."""
+    text = directory / "stdlib.txt"
+    with text.open("w", encoding="utf-8") as f:
+        size = 0
+        for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            try:
+                body = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            f.write(body + "\n")
+            size += len(body)
+            if size > 20e6:
+                break
+    out = directory / "shards"
+    prepare_corpus([text], out)
+    return out
+
+
+def capacity() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_limit", 0))
+
+
+def train_config(model: str, overrides: list[str], seq_len: int, data: Path, out: Path) -> Config:
+    return load_config(model, overrides + [
+        "data.source=tokens", f"data.path={data}", f"data.seq_len={seq_len}", "train.batch_size=1",
+        "train.eval_every=0", f"train.out_dir={out}"])
+
+
+def train_row(table: Table, model: str, name: str, overrides: list[str], seq_len: int, steps: int, data: Path,
+              out: Path, peak: float | None) -> None:
+    config = train_config(model, overrides, seq_len, data, out)
+    trainer = Trainer(config)
+    params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
+    batch = trainer.device_batch(trainer.host_batch("train", 0))
+    t0 = time.perf_counter()
+    compiled = trainer.step_fn.lower(params, opt_state, jnp.asarray(0, jnp.int32), batch, trainer.frozen).compile()
+    compile_s = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    need = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    limit = capacity()
+    n = parameter_count(config.model)
+    if limit and need > limit:
+        table.row(seq_len, name, f"{n / 1e6:,.0f} M", f"{need / GIB:.2f}", f"does not fit ({limit / GIB:.2f} GiB)",
+                  "", "", "")
+        return
+    for s in range(3):  # the first call loads the compiled step (the persistent cache) and warms up
+        params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(s, jnp.int32))
+    jax.block_until_ready(metrics)
+    t0 = time.perf_counter()
+    for s in range(3, 3 + steps):
+        params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(s, jnp.int32))
+    loss = float(metrics["loss"])
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    trainer.close()
+    flops = model_flops(config, nnx.state(nnx.eval_shape(lambda: CausalLM(config.model)), nnx.Param))
+    mfu = f"{flops / (ms / 1e3) / peak:.1%}" if peak else "-"
+    table.row(seq_len, name, f"{n / 1e6:,.0f} M", f"{need / GIB:.2f}", f"{ms:.1f} (compile {compile_s:.0f} s)",
+              f"{seq_len / ms * 1e3:,.0f}", mfu, f"{loss:.3f}")
+
+
+def train_table(model: str, lengths: list[int], steps: int, budget: Budget, common: list[str]) -> Table:
+    peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
+    table = Table(f"{model} trained on one chip (full training, bfloat16 parameters and AdamW, batch 1; "
+                  f"the mean of {steps} steps at 4,096 tokens, fewer at longer rows; {' '.join(common) or 'the config as bundled'}); "
+                  f"{machine()}",
+                  ["tokens a step", "model", "params", "compiled GiB", "step ms", "tokens/s", "MFU", "loss"],
+                  numeric=[True, False, True, True, True, True, True, True])
+    with tempfile.TemporaryDirectory() as tmp:
+        data = corpus(Path(tmp))
+        for seq_len in lengths:
+            n_steps = max(5, steps * 4096 // seq_len)
+            for name, overrides in MODELS.items():
+                if budget.left() < 60:
+                    table.row(seq_len, name, "", "", "not run: the time budget", "", "", "")
+                    continue
+                try:
+                    train_row(table, model, name, overrides + common, seq_len, n_steps, data, Path(tmp) / "run", peak)
+                except Exception as e:  # noqa: BLE001  # one row that fails should not cost the rest
+                    traceback.print_exc()
+                    table.row(seq_len, name, "", "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
+                              "", "", "")
+                gc.collect()
+    return table
+
+
+def serve_wave(engine: Engine, prompts: list[list[int]], new: int) -> dict[str, float]:
+    """Every prompt submitted at once: TTFT and inter-token latency medians
+    over the requests (seconds), output tokens/s over the wave's wall time."""
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    count: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for rid, toks in engine.stream(prompts, greedy):
+        now = time.perf_counter()
+        first.setdefault(rid, now)
+        last[rid] = now
+        count[rid] = count.get(rid, 0) + len(toks)
+    wall = time.perf_counter() - t0
+    itl = [(last[r] - first[r]) / max(count[r] - 1, 1) for r in first]
+    return {"ttft": statistics.median(first[r] - t0 for r in first), "itl": statistics.median(itl),
+            "tokens_s": sum(count.values()) / wall, "wall": wall}
+
+
+def serve_table(name: str, budget: Budget, quantize: bool) -> Table:
+    rng = np.random.default_rng(0)
+    table = Table(f"{name} served on one chip by the engine in process (random bfloat16 weights; 512-token "
+                  f"prompts, 256 greedy new tokens each, all submitted at once; each wave run twice, the second "
+                  f"timed); {machine()}",
+                  ["case", "requests", "start-up to first token s", "TTFT ms", "inter-token ms", "output tokens/s",
+                   "decode token / bandwidth limit"],
+                  numeric=[False, True, True, True, True, True, True])
+    bandwidth = BANDWIDTH.get(jax.devices()[0].device_kind)
+    cases = [("plain", [], 128, (1, 8, 32, 128)), ("prefix cache", [], 8, (8,))]
+    if quantize:
+        cases.append(("int8 weights", ["model.quantize=int8"], 8, (8,)))
+    vocab = load_config(name).model.vocab_size
+    random = lambda n: rng.integers(0, vocab, n).tolist()
+    for case, overrides, slots, waves in cases:
+        if budget.left() < 90:
+            table.row(case, "", "not run: the time budget", "", "", "", "")
+            continue
+        try:
+            cfg = load_config(name, overrides).model
+            t0 = time.perf_counter()
+            model = CausalLM(cfg, seed=0)
+            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+            prefix = case == "prefix cache"
+            engine = Engine(model, max_slots=slots, max_length=1024, block_size=128, decode_steps=8,
+                            prefix_cache_bytes=(4 * GIB if prefix else 0))
+            # what a server does before its first answer: the model, the engine, one request's first token
+            engine.generate([random(512)], SamplingParams(max_tokens=1, temperature=0.0))
+            startup = time.perf_counter() - t0
+            shared = random(384)  # 3 of the cache's 128-token blocks
+            for n in waves:
+                if budget.left() < 30:
+                    table.row(case, n, f"{startup:.0f}", "not run: the time budget", "", "", "")
+                    continue
+                for _ in range(2):  # the first wave compiles what its batch sizes need
+                    prompts = [(shared if prefix else random(384)) + random(128) for _ in range(n)]
+                    if prefix:  # an earlier request left the shared 384 tokens in the cache
+                        engine.generate([shared + random(128)], SamplingParams(max_tokens=1, temperature=0.0))
+                    r = serve_wave(engine, prompts, 256)
+                limit = f"{r['itl'] / (weight_bytes / bandwidth):.1f}x" if bandwidth else "-"
+                table.row(case, n, f"{startup:.0f}", f"{r['ttft'] * 1e3:,.0f}", f"{r['itl'] * 1e3:.2f}",
+                          f"{r['tokens_s']:,.0f}", limit)
+            del engine, model
+        except Exception as e:  # noqa: BLE001  # one case that fails should not cost the rest
+            traceback.print_exc()
+            table.row(case, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", "", "", "", "")
+        gc.collect()
+    if bandwidth:
+        table.note(f"The bandwidth limit: the case's weights (what the model holds) read once per decode step at "
+                   f"{bandwidth / 1e9:.0f} GB/s; 1.0x is a step that does nothing but read them.")
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=NAME, help="a bundled config (a small one checks the script on a CPU)")
+    ap.add_argument("--part", nargs="+", choices=["train", "serve"], default=["train", "serve"])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--set", nargs="*", default=[], metavar="key=value",
+                    help="config overrides for every trained model, e.g. model.remat_policy=full")
+    ap.add_argument("--no-int8", action="store_true", help="leave out the int8-weights serving pair")
+    ap.add_argument("--budget-s", type=float, default=560.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    # the train rows compile their step once for its memory and once to run it: the second is a cache hit
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="gdnx-jax-cache-"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    budget = Budget(args.budget_s)
+    tables = []
+    if "train" in args.part:
+        tables.append(train_table(args.model, args.lengths, args.steps, budget, args.set))
+    if "serve" in args.part:
+        tables.append(serve_table(args.model, budget, not args.no_int8))
+    write(args.out, *tables)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
