@@ -43,6 +43,7 @@ CHANGES_FILE = "config_changes.jsonl"
 # cadences, logging, the mesh, memory and kernel knobs) may change on resume.
 # train.steps moves the end of the learning-rate decay: the loop says so.
 _FREE_MODEL_FIELDS = ("gdn_implementation", "moe_implementation", "moe_split", "gdn_interpret", "gdn_residuals",
+                      "attention_implementation", "attention_interpret",
                       "remat_policy")
 _FIXED_TRAIN_FIELDS = ("batch_size", "learning_rate", "warmup_steps", "min_lr_ratio", "weight_decay", "adam_b1",
                        "adam_b2", "grad_clip", "seed", "lora")

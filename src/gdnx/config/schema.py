@@ -220,6 +220,12 @@ class ModelConfig(_Strict):
     gdn_chunk_size: int = DEFAULTS.chunk_size
     gdn_residuals: ResidualPolicy = DEFAULTS.residuals
 
+    # attention over a whole sequence (training, a forward without a cache): splash, JAX's Pallas TPU
+    # kernel (gdnx.layers.splash: no [T, T] scores in memory), or xla, the plain path; auto takes splash on a
+    # TPU and xla elsewhere. attention_interpret: the kernel in Pallas interpret mode (null: on a CPU only)
+    attention_implementation: Literal["auto", "xla", "splash"] = "auto"
+    attention_interpret: bool | None = None
+
     # numerics and memory
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -358,6 +364,9 @@ class ModelConfig(_Strict):
         if self.gdn_implementation not in ("auto", *KERNEL_PLATFORMS) and self.gdn_interpret is not None:
             errors.append(("gdn_interpret", "applies to the Pallas kernels only; set gdn_implementation to auto, "
                            "pallas_tpu or pallas_gpu, or leave gdn_interpret unset"))
+        if self.attention_implementation == "xla" and self.attention_interpret is not None:
+            errors.append(("attention_interpret", "applies to the splash kernel only; set attention_implementation "
+                           "to auto or splash, or leave attention_interpret unset"))
         if errors:
             raise ValueError("; ".join(f"{field}: {msg}" for field, msg in errors))
         return self

@@ -20,6 +20,7 @@ from jax.typing import DTypeLike
 from gdnx.layers.linear import linear
 from gdnx.layers.norms import RMSNorm, ZeroCenteredRMSNorm
 from gdnx.layers.rope import apply_rope
+from gdnx.layers.splash import Splash
 from gdnx.parallel.rules import HIDDEN, as_repeat_of, constrain, out_sharding, spec
 
 
@@ -114,13 +115,17 @@ def _write_stack(buf: jax.Array, x: jax.Array, start: jax.Array, layer: jax.Arra
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, cache: KVCache | KVStack | None,
-           start: jax.Array | int, segments: jax.Array | None = None,
+           start: jax.Array | int, segments: jax.Array | None = None, kernel: Splash | None = None,
            ) -> tuple[jax.Array, KVCache | KVStack | None]:
     """q [B, T, H, D] over k, v [B, T, Hkv, D] at `positions` [T] (or [B, T]
     with a start per row), each query within its document when segments
     [B, T] are given. With a cache, k and v are written at [start,
     start + T) (start a scalar, or [B]: each row's own) and the queries see
-    everything before them. Returns (out [B, T, H, D], new cache or None)."""
+    everything before them. kernel: the splash kernel for a whole sequence
+    without a cache, where it takes the operands (Splash.runs). Returns
+    (out [B, T, H, D], new cache or None)."""
+    if cache is None and kernel is not None and kernel.runs(q, k, positions):
+        return kernel(q, k, v, segments), None
     if cache is None:
         # Under a context axis each shard keeps its queries and gathers every
         # key and value (causal_attention; the mask hides the later ones):
@@ -211,8 +216,10 @@ class GatedAttention(nnx.Module):
     RoPE and a sigmoid output gate."""
 
     def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 norm_eps: float, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+                 norm_eps: float, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
+                 kernel: Splash | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.kernel = kernel  # splash for whole sequences (gdnx.layers.splash), or None
         h, d, std = hidden_size, head_dim, init_std
         self.q_proj = linear(h, self.num_heads * d * 2, dtype, param_dtype, std, rngs, bias=bias)
         self.k_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
@@ -234,7 +241,7 @@ class GatedAttention(nnx.Module):
         q = maybe_rope(self.q_norm(q), rope)
         k = maybe_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d)), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
-        out, cache = attend(q, k, v, positions, cache, start, segments)
+        out, cache = attend(q, k, v, positions, cache, start, segments, self.kernel)
         out = out.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(gate)
         return self.o_proj(out, out_sharding=out_sharding(HIDDEN, x.shape)), cache
 
@@ -244,8 +251,10 @@ class NormedAttention(nnx.Module):
     across all their heads (before splitting into heads), RoPE or none."""
 
     def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 norm_eps: float, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs):
+                 norm_eps: float, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike, rngs: nnx.Rngs,
+                 kernel: Splash | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.kernel = kernel  # splash for whole sequences (gdnx.layers.splash), or None
         h, d, std = hidden_size, head_dim, init_std
         self.q_proj = linear(h, self.num_heads * d, dtype, param_dtype, std, rngs, bias=bias)
         self.k_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
@@ -263,7 +272,7 @@ class NormedAttention(nnx.Module):
         q = maybe_rope(self.q_norm(self.q_proj(x)).reshape(b, t, self.num_heads, d), rope)
         k = maybe_rope(self.k_norm(self.k_proj(x)).reshape(b, t, self.num_kv_heads, d), rope)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
-        out, cache = attend(q, k, v, positions, cache, start, segments)
+        out, cache = attend(q, k, v, positions, cache, start, segments, self.kernel)
         return self.o_proj(out.reshape(b, t, self.num_heads * d), out_sharding=out_sharding(HIDDEN, x.shape)), cache
 
 
@@ -274,9 +283,10 @@ class HeadNormedAttention(nnx.Module):
 
     def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
                  norm_eps: float, window: int | None, init_std: float, dtype: DTypeLike, param_dtype: DTypeLike,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, kernel: Splash | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window
+        self.kernel = kernel  # splash for whole sequences without a window, or None
         h, d, std = hidden_size, head_dim, init_std
         self.q_proj = linear(h, self.num_heads * d, dtype, param_dtype, std, rngs, bias=bias)
         self.k_proj = linear(h, self.num_kv_heads * d, dtype, param_dtype, std, rngs, bias=bias)
@@ -299,7 +309,7 @@ class HeadNormedAttention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
         if self.window is None:
             assert cache is None or isinstance(cache, KVCache)  # the model builds the cache per layer
-            out, new = attend(q, k, v, positions, cache, start, segments)
+            out, new = attend(q, k, v, positions, cache, start, segments, self.kernel)
             cache = new
         else:
             assert cache is None or isinstance(cache, RingCache)

@@ -55,6 +55,7 @@ from gdnx.layers.rope import rope_tables, rotary_dim
 from gdnx.layers.sparse_attention import (IndexedGatedAttention, IndexedKVCache, IndexedLatentAttention,
                                           IndexedLatentCache)
 from gdnx.layers.sparse_index import Selection
+from gdnx.layers.splash import Splash
 from gdnx.models.adapters import add_adapters
 from gdnx.models.cache import Cache
 from gdnx.ops import grouped_matmul
@@ -152,7 +153,8 @@ class DecoderLayer(nnx.Module):
             window = cfg.sliding_window if self.layer_type == "sliding_attention" else None
             self.mixer = HeadNormedAttention(h, num_heads=cfg.num_attention_heads,
                                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                                             bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps, window=window, **kw)
+                                             bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps, window=window,
+                                             kernel=attention_kernel(cfg), **kw)
         elif cfg.attention_kind == "latent" and glm:
             assert cfg.q_lora_rank is not None  # the config requires it
             self.mixer = IndexedLatentAttention(
@@ -177,7 +179,8 @@ class DecoderLayer(nnx.Module):
         else:
             attention = NormedAttention if olmo else GatedAttention
             self.mixer = attention(h, num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                                   head_dim=cfg.head_dim, bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps, **kw)
+                                   head_dim=cfg.head_dim, bias=cfg.attention_bias, norm_eps=cfg.rms_norm_eps,
+                                   kernel=attention_kernel(cfg), **kw)
         self.mlp: SparseMoE | MLP
         if cfg.is_moe_layer(index):
             self.mlp = SparseMoE(h, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
@@ -403,6 +406,19 @@ def delta_rule_options(cfg: ModelConfig, platform: str | None = None) -> DeltaRu
         residuals=cfg.gdn_residuals, matmul_dtype=cfg.gdn_matmul_dtype, interpret=cfg.gdn_interpret)
 
 
+def attention_kernel(cfg: ModelConfig, platform: str | None = None) -> Splash | None:
+    """The splash kernel for attention over whole sequences, or None (the
+    plain path): auto takes it on a TPU; splash named on a CPU runs in
+    interpret mode, with a warning."""
+    name, platform = cfg.attention_implementation, platform or jax.default_backend()
+    if name == "xla" or (name == "auto" and platform != "tpu"):
+        return None
+    if platform == "cpu" and cfg.attention_interpret is None:
+        warnings.warn("attention_implementation=splash on CPU: the kernel runs in interpret mode (slow; for "
+                      "checking numerics); auto runs the plain path here.", stacklevel=3)
+    return Splash(interpret=cfg.attention_interpret)
+
+
 def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
     """Refuse, before any work, GDN and MoE settings this machine cannot run."""
     platform = platform or jax.default_backend()
@@ -411,6 +427,12 @@ def check_platform(cfg: ModelConfig, platform: str | None = None) -> None:
     if cfg.gdn_interpret is False and platform == "cpu":
         raise ValueError("model.gdn_interpret: false compiles the Pallas kernel for a TPU or GPU, and this "
                           "machine has neither; leave it unset (interpret mode on CPU)")
+    if cfg.attention_implementation == "splash" and platform not in ("tpu", "cpu"):
+        raise ValueError(f"model.attention_implementation: splash is a TPU kernel and this is {platform}; use auto "
+                         "or xla")
+    if cfg.attention_interpret is False and platform == "cpu":
+        raise ValueError("model.attention_interpret: false compiles the splash kernel for a TPU, and this machine "
+                         "has none; leave it unset (interpret mode on CPU)")
 
 
 def for_target(model_cfg: Any, platform: str) -> Any:
@@ -420,6 +442,10 @@ def for_target(model_cfg: Any, platform: str) -> Any:
     if model_cfg.gdn_implementation == "auto":
         kernel = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
         model_cfg = model_cfg.model_copy(update={"gdn_implementation": kernel, "gdn_interpret": False})
+    if model_cfg.attention_implementation in ("auto", "splash"):
+        splash = platform == "tpu"
+        model_cfg = model_cfg.model_copy(update={"attention_implementation": "splash" if splash else "xla",
+                                                 "attention_interpret": False if splash else None})
     if model_cfg.num_experts:
         model_cfg = model_cfg.model_copy(update={"moe_implementation": grouped_matmul.resolve(
             model_cfg.moe_implementation, platform, "model.moe_implementation")})
@@ -584,15 +610,17 @@ class CausalLM(nnx.Module):
             raise ValueError("model.mtp_num_layers: this model has no multi-token prediction module (0)")
         cfg = self.config
         out = []
+        # every depth runs over the row's whole length, the next tokens padded past its end: the module's
+        # layers are causal and position-wise, so the first T - 1 - k positions are those of the shorter
+        # sequence, and the attention keeps the length the splash kernel takes (a multiple of 128)
+        n = tokens.shape[1]
+        positions = jnp.arange(n, dtype=jnp.int32)
+        rope = None if cfg.rope_theta is None else rope_tables(
+            positions[None] if segments is None else document_positions(segments), _rotary_dim(cfg), cfg.rope_theta)
         for k in range(cfg.mtp_num_layers if depths is None else depths):
-            t = tokens.shape[1] - 1 - k
-            hidden = hidden[:, :t]
-            seg = None if segments is None else segments[:, :t]
-            positions = jnp.arange(t, dtype=jnp.int32)
-            rope = None if cfg.rope_theta is None else rope_tables(
-                positions[None] if seg is None else document_positions(seg), _rotary_dim(cfg), cfg.rope_theta)
-            hidden, _ = self.mtp(hidden, self._embed(tokens[:, k + 1:]), rope, positions, k, seg)
-            out.append(hidden)
+            following = jnp.pad(tokens[:, k + 1:], ((0, 0), (0, k + 1)))
+            hidden, _ = self.mtp(hidden, self._embed(following), rope, positions, k, segments)
+            out.append(hidden[:, :n - 1 - k])
         return out
 
     def mtp_extend(self, hidden: jax.Array, next_tokens: jax.Array, cache: KVCache | LatentCache,

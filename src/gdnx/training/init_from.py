@@ -41,6 +41,7 @@ from gdnx.stacking import layer_paths
 # ModelConfig fields a config may set whatever the checkpoint's: how the same
 # weights are computed and stored, not what they are
 FREE_FIELDS = ("init_from", "gdn_implementation", "moe_implementation", "moe_split", "gdn_interpret",
+               "attention_implementation", "attention_interpret",
                "gdn_state_dtype", "gdn_decay_dtype", "gdn_matmul_dtype", "gdn_chunk_size", "gdn_residuals", "dtype",
                "param_dtype", "remat_policy", "scan_layers", "router_aux_loss_coef", "max_position_embeddings", "initializer_range",
                "quantize", "quantize_block")
