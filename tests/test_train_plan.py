@@ -120,16 +120,16 @@ def test_cli_prints_the_plan(capsys):
 def test_olmo_hybrid_7b_gdn_layer_compiles_with_the_slices_tiles(monkeypatch, topology):
     """OLMo-Hybrid-7B's GDN layer shape (30 key and value heads, K=96, V=192;
     a narrower model width, which the kernel does not see) under tensor=2:
-    v5p's and v6e's table entry takes two key heads per grid step, which does
-    not divide the 15 heads a shard holds. The step compiles with the
-    slice's entry (not this host's fallback of one) fitted to the shard."""
+    a shard holds 15 key heads. The step compiles with the slice's table
+    entry (v5p's 16 value heads a grid step, v6e's 32; not this host's
+    fallback of 8), whose head tile the kernel then fits to the 15 heads."""
     from gdnx.ops.delta_rule import dispatch, tiles
 
     chosen = []
 
     def spy(implementation, given, *, key_heads):
         out = choose(implementation, given, key_heads=key_heads)
-        chosen.append((tiles.tiles_for(implementation).head_tile, key_heads, out.head_tile))
+        chosen.append((tiles.tiles_for(implementation), key_heads))
         return out
 
     choose = dispatch.choose_tiles
@@ -139,7 +139,9 @@ def test_olmo_hybrid_7b_gdn_layer_compiles_with_the_slices_tiles(monkeypatch, to
             "parallel.data=-1", "parallel.fsdp=1"]
     p = plan(load_config("olmo-hybrid-7b", over), topology)
     assert p.kernel_calls > 0
-    assert set(chosen) == {(2, 15, 1)}  # (the slice's entry, key heads per shard, the head tile run)
+    entry = tiles.TPU_TILES["TPU v5" if topology.startswith("v5p") else "TPU v6 lite"]
+    assert set(chosen) == {(entry, 15)}  # (the slice's entry, key heads per shard)
+    assert entry != tiles.TPU_FALLBACK
 
 
 @pytest.mark.slow
