@@ -23,8 +23,8 @@ demo: $(STAMP)
 
 # The test tiers (tests/stages.py runs their stages and prints each one's
 # time): `make test` leaves out the tests marked slow or multiprocess (about
-# 10 minutes on 2 cores from a clean cache), `make test-all` runs every test
-# (about 45 minutes) and writes its stamp (tree, date, each stage's time and
+# 9 minutes on 2 cores from a clean cache), `make test-all` runs every test
+# (about 55 minutes) and writes its stamp (tree, date, each stage's time and
 # result) to test-all.stamp. Both install .venv and .venv-aot (libtpu and
 # the CUDA plugin, for the deviceless compiles) first.
 test: $(STAMP) $(AOT_STAMP)
