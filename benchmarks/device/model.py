@@ -50,11 +50,12 @@ from benchmarks.harness import Table, machine, write
 from gdnx.config import load_config
 from gdnx.config.schema import Config
 from gdnx.data.prepare import prepare_corpus
+from gdnx.measure import stored_bytes
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import parameter_count
 from gdnx.serving import Engine, SamplingParams
 from gdnx.train_plan import model_flops
-from gdnx.training.loop import Trainer
+from gdnx.training.loop import Trainer, memory_capacity
 
 NAME = "qwen3.5-0.8b"
 MODELS = {"GDN hybrid (as published)": [],
@@ -95,11 +96,6 @@ def corpus(directory: Path) -> Path:
     return out
 
 
-def capacity() -> int:
-    stats = jax.devices()[0].memory_stats() or {}
-    return int(stats.get("bytes_limit", 0))
-
-
 def train_config(model: str, overrides: list[str], seq_len: int, data: Path, out: Path) -> Config:
     return load_config(model, overrides + [
         "data.source=tokens", f"data.path={data}", f"data.seq_len={seq_len}", "train.batch_size=1",
@@ -117,9 +113,9 @@ def train_row(table: Table, model: str, name: str, overrides: list[str], seq_len
     compile_s = time.perf_counter() - t0
     m = compiled.memory_analysis()
     need = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    limit = capacity()
+    limit = memory_capacity(jax.devices()[:1])
     n = parameter_count(config.model)
-    if limit and need > limit:
+    if need > limit:
         table.row(seq_len, name, f"{n / 1e6:,.0f} M", f"{need / GIB:.2f}", f"does not fit ({limit / GIB:.2f} GiB)",
                   "", "", "")
         return
@@ -204,7 +200,7 @@ def serve_table(name: str, budget: Budget, quantize: bool) -> Table:
             cfg = load_config(name, overrides).model
             t0 = time.perf_counter()
             model = CausalLM(cfg, seed=0)
-            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+            weight_bytes = sum(stored_bytes(x.shape, x.dtype) for x in jax.tree.leaves(nnx.state(model)))
             prefix = case == "prefix cache"
             engine = Engine(model, max_slots=slots, max_length=1024, block_size=128, decode_steps=8,
                             prefix_cache_bytes=(4 * GIB if prefix else 0))

@@ -91,3 +91,19 @@ def test_a_train_step_with_the_kernel_matches_the_plain_path():
     assert relative_error(l1, l2) <= TOL
     for a, b in zip(jax.tree.leaves(nnx.state(g1)), jax.tree.leaves(nnx.state(g2)), strict=True):
         assert relative_error(a, b) <= TOL
+
+
+def test_a_target_resolves_auto_and_refuses_splash_off_a_tpu():
+    """gdnx plan's config for a target: auto takes the compiled kernel on a
+    TPU and the plain path on a GPU; splash named for a GPU is refused
+    naming the field, never quietly swapped for the plain path."""
+    from gdnx.models.causal_lm import for_target
+
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=16,
+                 linear_value_head_dim=16, intermediate_size=64, num_experts=0)
+    tpu = for_target(ModelConfig(**small), "tpu")
+    assert (tpu.attention_implementation, tpu.attention_interpret) == ("splash", False)
+    assert for_target(ModelConfig(**small), "cuda").attention_implementation == "xla"
+    with pytest.raises(ValueError, match="model.attention_implementation: splash is a TPU kernel"):
+        for_target(ModelConfig(**small, attention_implementation="splash"), "cuda")

@@ -442,10 +442,10 @@ def for_target(model_cfg: Any, platform: str) -> Any:
     if model_cfg.gdn_implementation == "auto":
         kernel = "pallas_tpu" if platform == "tpu" else "pallas_gpu"
         model_cfg = model_cfg.model_copy(update={"gdn_implementation": kernel, "gdn_interpret": False})
-    if model_cfg.attention_implementation in ("auto", "splash"):
-        splash = platform == "tpu"
-        model_cfg = model_cfg.model_copy(update={"attention_implementation": "splash" if splash else "xla",
-                                                 "attention_interpret": False if splash else None})
+    if model_cfg.attention_implementation == "auto":
+        model_cfg = model_cfg.model_copy(update={"attention_implementation": "splash" if platform == "tpu" else "xla"})
+    if model_cfg.attention_implementation == "splash" and platform == "tpu":
+        model_cfg = model_cfg.model_copy(update={"attention_interpret": False})
     if model_cfg.num_experts:
         model_cfg = model_cfg.model_copy(update={"moe_implementation": grouped_matmul.resolve(
             model_cfg.moe_implementation, platform, "model.moe_implementation")})
