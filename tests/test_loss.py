@@ -46,7 +46,7 @@ def test_hits_and_counts():
 
 
 def test_block_length_fits_the_budget():
-    assert block_length(16, 512, 151_936) == 8  # 16 x 8 x 151,936 float32 = 78 MB <= 128 MiB
+    assert block_length(16, 512, 151_936) == 32  # 16 x 32 x 151,936 float32 = 311 MB <= 512 MiB
     assert block_length(16, 128, 256) == 128  # a small vocabulary: one block
     assert block_length(1, 5, 10) == 8
     assert block_length(4096, 4096, 2 ** 20) == 1

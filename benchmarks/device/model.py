@@ -3,7 +3,7 @@ Qwen3.5, random weights) trained and served on one accelerator chip, in one
 run, beside its attention-only twin (the same width and depth, every layer
 gated attention).
 
-    python -m benchmarks.device.model [--part train serve] [--steps 200] [--budget-s 560] [--out FILE]
+    python -m benchmarks.device.model [--part train serve decode] [--steps 200] [--budget-s 560] [--out FILE]
 
 Training: `gdnx train`'s own Trainer (its compiled step, optimizer and host
 loader over token shards `gdnx prepare` wrote from the Python standard
@@ -24,6 +24,10 @@ and a decode token's time against the chip's bandwidth limit (the weights
 read once per decode step, divided over the tokens a step gives each
 request). Then on/off pairs at 8 requests: the prefix cache (prompts that
 share their first 384 tokens with an earlier request), and int8 weights.
+
+Decode (`--part decode`): the engine's decode program alone at each decode
+batch size of a 128-slot and an 8-slot engine, the chip's time per token to
+read the engine's inter-token latency against.
 
 A part past --budget-s of the run says so in its table instead of running.
 """
@@ -53,7 +57,8 @@ from gdnx.data.prepare import prepare_corpus
 from gdnx.measure import stored_bytes
 from gdnx.models import CausalLM
 from gdnx.models.causal_lm import parameter_count
-from gdnx.serving import Engine, SamplingParams
+from gdnx.serving import Engine, SamplingParams, grammar
+from gdnx.serving.runner import DecodeBatch
 from gdnx.train_plan import model_flops
 from gdnx.training.loop import Trainer, memory_capacity
 
@@ -231,10 +236,47 @@ def serve_table(name: str, budget: Budget, quantize: bool) -> Table:
     return table
 
 
+def decode_table(name: str, budget: Budget, repeats: int = 5) -> Table:
+    """The decode program alone, timed from the host (a call of 8 tokens a
+    row, every row of the batch decoding, fetched to the host as the engine
+    fetches it), at each decode batch size of a 128-slot engine and of an
+    8-slot one: what the chip's step costs, to read the engine's
+    inter-token latency against (the rest is the host's loop and the
+    prefills between decode calls)."""
+    table = Table(f"{name}: the engine's decode program by batch size (8 tokens a call, every row decoding, "
+                  f"median of {repeats} calls); {machine()}",
+                  ["engine slots", "rows", "call ms", "per token ms", "per token / bandwidth limit"],
+                  numeric=[True] * 5)
+    bandwidth = BANDWIDTH.get(jax.devices()[0].device_kind)
+    cfg = load_config(name).model
+    model = CausalLM(cfg, seed=0)
+    weight_bytes = sum(stored_bytes(x.shape, x.dtype) for x in jax.tree.leaves(nnx.state(model)))
+    for slots in (128, 8):
+        if budget.left() < 60:
+            table.row(slots, "", "not run: the time budget", "", "")
+            continue
+        engine = Engine(model, max_slots=slots, max_length=1024, block_size=128, decode_steps=8)
+        every = grammar.masks([None] * slots, cfg.vocab_size)
+        for rows in engine.decode_rows:
+            batch = DecodeBatch(np.arange(slots) < rows, every, rows, 8, 8)
+            engine.runner.decode(batch)  # compiled and run once
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                engine.runner.decode(batch)
+                times.append(time.perf_counter() - t0)
+            call = statistics.median(times)
+            limit = f"{call / 8 / (weight_bytes / bandwidth):.1f}x" if bandwidth else "-"
+            table.row(slots, rows, f"{call * 1e3:.2f}", f"{call / 8 * 1e3:.2f}", limit)
+        del engine
+        gc.collect()
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=NAME, help="a bundled config (a small one checks the script on a CPU)")
-    ap.add_argument("--part", nargs="+", choices=["train", "serve"], default=["train", "serve"])
+    ap.add_argument("--part", nargs="+", choices=["train", "serve", "decode"], default=["train", "serve"])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--set", nargs="*", default=[], metavar="key=value",
@@ -252,6 +294,8 @@ def main() -> None:
         tables.append(train_table(args.model, args.lengths, args.steps, budget, args.set))
     if "serve" in args.part:
         tables.append(serve_table(args.model, budget, not args.no_int8))
+    if "decode" in args.part:
+        tables.append(decode_table(args.model, budget))
     write(args.out, *tables)
     sys.stdout.flush()
 

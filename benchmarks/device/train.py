@@ -29,13 +29,14 @@ from gdnx.bench import COMPILED_KERNEL, train_step_row
 from gdnx.config.schema import ModelConfig
 
 
-def model_config(layers: int, attention_only: bool, implementation: str) -> ModelConfig:
+def model_config(layers: int, attention_only: bool, implementation: str, remat: str = "none") -> ModelConfig:
     types = ["full_attention" if attention_only or i % 4 == 3 else "linear_attention" for i in range(layers)]
     return ModelConfig(
         vocab_size=32768, hidden_size=2048, num_hidden_layers=layers, layer_types=types,
         num_attention_heads=16, num_key_value_heads=2, head_dim=256,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-        intermediate_size=5120, num_experts=0, dtype="bfloat16", gdn_implementation=implementation)
+        intermediate_size=5120, num_experts=0, dtype="bfloat16", gdn_implementation=implementation,
+        remat_policy=remat)
 
 
 # bfloat16 peak FLOP/s per chip, by device kind (published), for MFU
@@ -58,7 +59,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return model_flops(config, params) / seq_len
 
 
-def train_table(layers: int, tokens: list[int], repeats: int) -> Table:
+def train_table(layers: int, tokens: list[int], repeats: int, remat: str = "none") -> Table:
     """The hybrid with xla, with the platform's kernel, and attention only,
     at each length: one row each."""
     kernel = COMPILED_KERNEL.get(jax.default_backend())
@@ -68,12 +69,12 @@ def train_table(layers: int, tokens: list[int], repeats: int) -> Table:
     rows.append(("attention only", True, "auto"))
     peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
     table = Table(f"A train step at Qwen3-Next's layer shapes ({layers} layers, width 2048, batch 1, medians of "
-                  f"{repeats}); MFU over the chip's bfloat16 peak; {machine()}",
+                  f"{repeats}, remat {remat}); MFU over the chip's bfloat16 peak; {machine()}",
                   ["tokens", "model", "params", "step ms", "tokens/s", "MFU", "peak GiB"],
                   numeric=[True, False, True, True, True, True, True])
     for t in tokens:
         for name, attention_only, impl in rows:
-            cfg = model_config(layers, attention_only, impl)
+            cfg = model_config(layers, attention_only, impl, remat)
             try:
                 n, ms, mem = train_step_row(cfg, 1, t, repeats)
             except Exception as e:  # one shape that does not fit should not cost the rest of the run
@@ -89,9 +90,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--remat", choices=("none", "full", "save_gdn_residuals"), default="none",
+                    help="model.remat_policy (full: what a 32,768-token step needs to fit a v5e)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    write(args.out, train_table(args.layers, args.tokens, args.repeats))
+    write(args.out, train_table(args.layers, args.tokens, args.repeats, args.remat))
 
 
 if __name__ == "__main__":

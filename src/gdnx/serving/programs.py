@@ -337,8 +337,13 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
     # the module keeps up only where the engine drafts: under load, decode costs what it costs without it
     drafting = static.mtp_drafts > 0 and slots.last.shape[0] <= static.draft_rows
 
+    # A row that is not active (a prompt part way through a block-by-block prefill) decodes as padding: its
+    # GDN states pass through unchanged (gate and beta 0) and its length stays. Selecting the old states
+    # after the step instead kept both copies of every slot's states alive, and copied them, each token.
+    real = active.astype(jnp.int32)
+
     def one(slots: Slots, drafter_out: jax.Array) -> tuple[Slots, jax.Array, tuple]:
-        out = model.hidden_states(slots.last[:, None], slots.cache)
+        out = model.hidden_states(slots.last[:, None], slots.cache, lengths=real)
         logits = model.logits(out.hidden)[:, 0]
         adj = sampling.allow(sampling.adjust(logits, params, slots.counts, slots.seen, slots.generated,
                                              static.eos_ids), allowed)
@@ -349,8 +354,7 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
             assert mtp is not None
             outs, drafted = model.mtp_extend(out.hidden, tok[:, None], mtp.cache, slots.cache.length)
             mtp, drafter_out = mtp._replace(cache=drafted), outs[:, 0]
-        slots = slots._replace(cache=_keep_inactive(static, out.cache, slots.cache, active),
-                               counts=slots.counts.at[index, tok].add(1), generated=slots.generated + 1, last=tok,
+        slots = slots._replace(cache=out.cache, counts=slots.counts.at[index, tok].add(1), generated=slots.generated + 1, last=tok,
                                mtp=mtp)
         return slots, drafter_out, (tok, lp, logits.astype(jnp.float32) if static.keep_logits else None)
 

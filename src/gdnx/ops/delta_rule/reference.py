@@ -29,6 +29,9 @@ def recurrent_reference(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype,
     hv, dv = v.shape[2], v.shape[3]
     grp = hv // hk
     acc = jnp.dtype(state_dtype)
+    if t == 1 and cu_seqlens is None:
+        return _one_token(q, k, v, g, beta, h0, scale=scale, acc=acc, decay_dtype=decay_dtype,
+                          token_states=token_states)
     plan = make_plan(r, t, 1, cu_seqlens)
 
     def tokens(x, *split):
@@ -46,12 +49,7 @@ def recurrent_reference(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype,
         state, final = carry
         qt, kt, vt, dt, bt, rs, sq, ls = xs
         state = jnp.where(rs[:, None, None, None, None], h0[sq], state)
-        # a per-head decay scales the whole state, a per-channel one (KDA) its rows
-        state = (dt[..., None, None] if dt.ndim == 3 else dt[..., None]) * state
-        pred = jnp.einsum("rhk,rhgkv->rhgv", kt, state, precision=_HIGHEST)
-        delta = bt[..., None] * (vt - pred)
-        state = state + jnp.einsum("rhk,rhgv->rhgkv", kt, delta, precision=_HIGHEST)
-        ot = scale * jnp.einsum("rhk,rhgkv->rhgv", qt, state, precision=_HIGHEST)
+        state, ot = _step(state, qt, kt, vt, dt, bt, scale)
         final = final.at[sq].set(jnp.where(ls[:, None, None, None, None], state, final[sq]))
         return (state, final), (ot, state) if token_states else ot
 
@@ -63,6 +61,36 @@ def recurrent_reference(q, k, v, g, beta, h0, *, cu_seqlens, scale, state_dtype,
     if token_states:
         return (*out, jnp.moveaxis(ys[1], 0, 1).reshape(r, t, hv, dk, dv))
     return out
+
+
+def _step(state, qt, kt, vt, dt, bt, scale):
+    """One token on states [R, HK, G, K, V] (the scan's body and the decode step)."""
+    # a per-head decay scales the whole state, a per-channel one (KDA) its rows
+    state = (dt[..., None, None] if dt.ndim == 3 else dt[..., None]) * state
+    pred = jnp.einsum("rhk,rhgkv->rhgv", kt, state, precision=_HIGHEST)
+    delta = bt[..., None] * (vt - pred)
+    state = state + jnp.einsum("rhk,rhgv->rhgkv", kt, delta, precision=_HIGHEST)
+    return state, scale * jnp.einsum("rhk,rhgkv->rhgv", qt, state, precision=_HIGHEST)
+
+
+def _one_token(q, k, v, g, beta, h0, *, scale, acc, decay_dtype, token_states):
+    """A decode step: one token per row, no packed sequences. The step
+    alone, without the scan's per-sequence bookkeeping (a fresh zero state,
+    the reset select, the final state's scatter), each of which was a pass
+    over every row's state: most of a decode step's time on a TPU."""
+    r, _, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    grp = hv // hk
+
+    def token(x, *split):
+        return x[:, 0].astype(acc).reshape((r, *split, *x.shape[3:]))
+
+    decay = jnp.exp(g[:, 0].astype(decay_dtype)).astype(acc).reshape((r, hk, grp, *g.shape[3:]))
+    state, o = _step(h0.astype(acc).reshape(r, hk, grp, dk, dv), token(q, hk), token(k, hk), token(v, hk, grp),
+                     decay, token(beta, hk, grp), scale)
+    final = state.reshape(r, hv, dk, dv)
+    out = o.reshape(r, 1, hv, dv).astype(q.dtype), final
+    return (*out, final[:, None]) if token_states else out
 
 
 BACKEND = Backend("reference", run=recurrent_reference)
