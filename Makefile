@@ -24,7 +24,7 @@ demo: $(STAMP)
 # The test tiers (tests/stages.py runs their stages and prints each one's
 # time): `make test` leaves out the tests marked slow or multiprocess (about
 # 9 minutes on 2 cores from a clean cache), `make test-all` runs every test
-# (about 55 minutes) and writes its stamp (tree, date, each stage's time and
+# (about an hour: 53 and 67 minutes measured) and writes its stamp (tree, date, each stage's time and
 # result) to test-all.stamp. Both install .venv and .venv-aot (libtpu and
 # the CUDA plugin, for the deviceless compiles) first.
 test: $(STAMP) $(AOT_STAMP)
