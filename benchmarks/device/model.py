@@ -35,6 +35,7 @@ A part past --budget-s of the run says so in its table instead of running.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -50,7 +51,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.device.train import PEAK_FLOPS
-from benchmarks.harness import Table, machine, write
+from benchmarks.harness import Table, machine, median_seconds, write
 from gdnx.config import load_config
 from gdnx.config.schema import Config
 from gdnx.data.prepare import prepare_corpus
@@ -142,7 +143,8 @@ def train_row(table: Table, model: str, name: str, overrides: list[str], seq_len
 def train_table(model: str, lengths: list[int], steps: int, budget: Budget, common: list[str]) -> Table:
     peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
     table = Table(f"{model} trained on one chip (full training, bfloat16 parameters and AdamW, batch 1; "
-                  f"the mean of {steps} steps at 4,096 tokens, fewer at longer rows; {' '.join(common) or 'the config as bundled'}); "
+                  f"the mean of {steps} steps at 4,096 tokens, fewer at longer rows; "
+                  f"{' '.join(common) or 'the config as bundled'}); "
                   f"{machine()}",
                   ["tokens a step", "model", "params", "compiled GiB", "step ms", "tokens/s", "MFU", "loss"],
                   numeric=[True, False, True, True, True, True, True, True])
@@ -205,7 +207,7 @@ def serve_table(name: str, budget: Budget, quantize: bool) -> Table:
             cfg = load_config(name, overrides).model
             t0 = time.perf_counter()
             model = CausalLM(cfg, seed=0)
-            weight_bytes = sum(stored_bytes(x.shape, x.dtype) for x in jax.tree.leaves(nnx.state(model)))
+            weights = weight_bytes(model)
             prefix = case == "prefix cache"
             engine = Engine(model, max_slots=slots, max_length=1024, block_size=128, decode_steps=8,
                             prefix_cache_bytes=(4 * GIB if prefix else 0))
@@ -222,7 +224,7 @@ def serve_table(name: str, budget: Budget, quantize: bool) -> Table:
                     if prefix:  # an earlier request left the shared 384 tokens in the cache
                         engine.generate([shared + random(128)], SamplingParams(max_tokens=1, temperature=0.0))
                     r = serve_wave(engine, prompts, 256)
-                limit = f"{r['itl'] / (weight_bytes / bandwidth):.1f}x" if bandwidth else "-"
+                limit = f"{r['itl'] / (weights / bandwidth):.1f}x" if bandwidth else "-"
                 table.row(case, n, f"{startup:.0f}", f"{r['ttft'] * 1e3:,.0f}", f"{r['itl'] * 1e3:.2f}",
                           f"{r['tokens_s']:,.0f}", limit)
             del engine, model
@@ -234,6 +236,11 @@ def serve_table(name: str, budget: Budget, quantize: bool) -> Table:
         table.note(f"The bandwidth limit: the case's weights (what the model holds) read once per decode step at "
                    f"{bandwidth / 1e9:.0f} GB/s; 1.0x is a step that does nothing but read them.")
     return table
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """The bytes the model's weights take on the chip (what a decode step reads at least)."""
+    return sum(stored_bytes(x.shape, x.dtype) for x in jax.tree.leaves(nnx.state(model)))
 
 
 def decode_table(name: str, budget: Budget, repeats: int = 5) -> Table:
@@ -250,7 +257,7 @@ def decode_table(name: str, budget: Budget, repeats: int = 5) -> Table:
     bandwidth = BANDWIDTH.get(jax.devices()[0].device_kind)
     cfg = load_config(name).model
     model = CausalLM(cfg, seed=0)
-    weight_bytes = sum(stored_bytes(x.shape, x.dtype) for x in jax.tree.leaves(nnx.state(model)))
+    weights = weight_bytes(model)
     for slots in (128, 8):
         if budget.left() < 60:
             table.row(slots, "", "not run: the time budget", "", "")
@@ -259,14 +266,8 @@ def decode_table(name: str, budget: Budget, repeats: int = 5) -> Table:
         every = grammar.masks([None] * slots, cfg.vocab_size)
         for rows in engine.decode_rows:
             batch = DecodeBatch(np.arange(slots) < rows, every, rows, 8, 8)
-            engine.runner.decode(batch)  # compiled and run once
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                engine.runner.decode(batch)
-                times.append(time.perf_counter() - t0)
-            call = statistics.median(times)
-            limit = f"{call / 8 / (weight_bytes / bandwidth):.1f}x" if bandwidth else "-"
+            call = median_seconds(functools.partial(engine.runner.decode, batch), repeats)  # after one that compiles
+            limit = f"{call / 8 / (weights / bandwidth):.1f}x" if bandwidth else "-"
             table.row(slots, rows, f"{call * 1e3:.2f}", f"{call / 8 * 1e3:.2f}", limit)
         del engine
         gc.collect()

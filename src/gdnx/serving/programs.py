@@ -354,8 +354,8 @@ def decode(state: nnx.State, slots: Slots, active: jax.Array, allowed: jax.Array
             assert mtp is not None
             outs, drafted = model.mtp_extend(out.hidden, tok[:, None], mtp.cache, slots.cache.length)
             mtp, drafter_out = mtp._replace(cache=drafted), outs[:, 0]
-        slots = slots._replace(cache=out.cache, counts=slots.counts.at[index, tok].add(1), generated=slots.generated + 1, last=tok,
-                               mtp=mtp)
+        slots = slots._replace(cache=out.cache, counts=slots.counts.at[index, tok].add(1),
+                               generated=slots.generated + 1, last=tok, mtp=mtp)
         return slots, drafter_out, (tok, lp, logits.astype(jnp.float32) if static.keep_logits else None)
 
     # a while loop (not a scan) so that the call stops after `draws` tokens; each token's outputs go into
