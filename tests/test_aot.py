@@ -33,8 +33,11 @@ def test_the_largest_temporaries_are_named_with_what_holds_them():
         outer = jnp.tanh(x[:, None] * x[None, :])  # [2048, 2048] float32, 16 MiB: the matrix product reads it whole
         return outer @ outer
 
+    jnp.ones(3).sum()  # a compile before: JAX has decided whether the persistent cache is in use
     compiled, largest = aot.compile_reporting(jax.jit(f).lower(jnp.ones(2048)), "refused ({})")
     assert compiled is not None and largest
+    # the same program again, with the persistent cache holding it: still compiled and dumped
+    assert aot.compile_reporting(jax.jit(f).lower(jnp.ones(2048)), "refused ({})")[1] == largest
     top = largest[0]
     assert top.bytes == 2048 * 2048 * 4 and top.shape.startswith("f32[2048,2048]"), largest
     assert "jit(f)" in top.made_by, top

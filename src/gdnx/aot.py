@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import jax
 from jax.experimental import topologies
+from jax.experimental.compilation_cache import compilation_cache
 
 @contextlib.contextmanager
 def targeting(device: jax.Device) -> Iterator[None]:
@@ -257,11 +258,14 @@ def compile_reporting(lowered: Any, refusal: str, top: int = 3) -> tuple[Any, li
     """compile_within, and the program's `top` largest temporaries (its
     buffer assignment dumped as text into a directory of its own; the
     persistent compilation cache is left aside for this compile, as a
-    program read back from it is not compiled and dumps nothing)."""
+    program read back from it is not compiled and dumps nothing). JAX
+    decides once per process whether the cache is in use, so the decision
+    is reset on the way in and out for the toggle to take effect."""
     cached = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]
     with tempfile.TemporaryDirectory() as dump:
         options = {"xla_dump_to": dump, "xla_dump_hlo_as_text": True}
         jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
         try:
             compiled = compile_within(lowered, refusal, options)
         except ValueError as e:  # refused for memory: what held it, where the compiler got that far
@@ -269,6 +273,7 @@ def compile_reporting(lowered: Any, refusal: str, top: int = 3) -> tuple[Any, li
             raise ValueError(f"{e}; largest temporaries: {describe_buffers(largest)}" if largest else str(e)) from None
         finally:
             jax.config.update("jax_enable_compilation_cache", cached)
+            compilation_cache.reset_cache()
         return compiled, largest_temporaries(Path(dump), top)
 
 
