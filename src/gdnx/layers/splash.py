@@ -27,6 +27,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jax.sharding import PartitionSpec as P
 
+from gdnx.ops.delta_rule.tiles import target_platform
 from gdnx.parallel.rules import current_mesh, is_explicit, spec
 
 # the kernel's tiles: queries and keys in blocks of up to 512 rows, the last dimension of a TPU block a
@@ -38,8 +39,8 @@ MAX_BLOCK = 512
 @dataclasses.dataclass(frozen=True)
 class Splash:
     """The kernel as a layer runs it. interpret: Pallas interpret mode (on a
-    CPU, for checking numerics); None: interpret unless JAX's default
-    backend is a TPU."""
+    CPU, for checking numerics); None: interpret unless the program is
+    traced for a TPU (the default backend, or a compile_target's)."""
     interpret: bool | None = None
 
     def runs(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> bool:
@@ -54,7 +55,7 @@ class Splash:
         """q [B, T, H, D] over k [B, T, Hkv, D] and v [B, T, Hkv, Dv], scaled
         by D^-1/2, causal, within each document of segments [B, T] (None:
         one document a row). Returns [B, T, H, Dv] in q's dtype."""
-        interpret = jax.default_backend() != "tpu" if self.interpret is None else self.interpret
+        interpret = target_platform() != "tpu" if self.interpret is None else self.interpret
         mesh = current_mesh()
         if mesh is None:
             return _attention(q, k, v, segments, interpret)

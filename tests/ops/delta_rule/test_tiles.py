@@ -52,7 +52,7 @@ def test_table_entry_is_fitted_to_the_heads_of_the_call():
         assert entry.key_heads_per_step(16, 3, 64, 128, 128) == 4
         assert entry.key_heads_per_step(3, 1, 16, 16, 16) == 3
         q, k, v, g, beta, _ = make_inputs(Case("odd_heads", b=1, t=16, dk=16, dv=16, hk=3, hv=3, chunk=16))
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas_tpu")
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas_tpu", interpret=True)
     assert tiles_for("pallas_tpu") == TpuTiles()  # the context is left
     ref, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="xla")
     assert float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref)) < 1e-5  # float32 rounding
@@ -60,3 +60,32 @@ def test_table_entry_is_fitted_to_the_heads_of_the_call():
         choose_tiles("pallas_tpu", TpuTiles(head_tile=2), key_heads=3)
     with pytest.raises(ValueError, match=r"tiles.value_heads: expected a positive int, got 0"):
         TpuTiles(value_heads=0)
+
+
+def test_a_program_traced_for_a_tpu_on_a_cpu_host_gets_the_real_kernel():
+    """Under compile_target (how `gdnx plan` traces a slice's program on a
+    CPU host), the defaults follow the target, not the host's backend: the
+    TPU kernel is chosen and traced for the compiler, not for the
+    interpreter, whose host callbacks remat refuses ("Effects not supported
+    in partial-eval of checkpoint"). Off target both defaults are the CPU's."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from gdnx.ops.delta_rule.dispatch import default_implementation
+    from gdnx.ops.delta_rule.pallas import resolve_interpret
+    from gdnx.ops.delta_rule.tiles import compile_target
+    from gdnx.ops.gated_delta_rule.api import IMPLEMENTATIONS as TABLE
+
+    q, k, v, g, beta, _ = make_inputs(Case("target", b=1, t=16, dk=16, dv=16, hk=2, hv=2, chunk=16))
+
+    def loss(q):
+        return jnp.sum(chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16)[0])
+
+    assert default_implementation(TABLE) == "xla" and resolve_interpret(None)
+    with compile_target(types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")):  # type: ignore[arg-type]
+        assert default_implementation(TABLE) == "pallas_tpu" and not resolve_interpret(None)
+        traced = jax.make_jaxpr(jax.grad(jax.checkpoint(loss)))(q)
+    assert not traced.effects, traced.effects
+    assert "pallas_call" in str(traced)

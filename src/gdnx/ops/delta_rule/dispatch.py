@@ -29,7 +29,7 @@ from gdnx.ops.delta_rule.options import (
     DeltaRuleOptions,
     Implementation,
 )
-from gdnx.ops.delta_rule.tiles import GpuTiles, TpuTiles, choose_tiles
+from gdnx.ops.delta_rule.tiles import GpuTiles, TpuTiles, choose_tiles, target_platform
 from gdnx.ops.delta_rule.variant import Variant
 
 
@@ -53,9 +53,10 @@ def implementations(variant: Variant, pallas_gpu: Backend) -> dict[str, Backend]
 def default_implementation(table: Mapping[str, Backend], platform: str | None = None) -> str:
     """The implementation `implementation=None` picks from an op's table: the
     kernel written for the platform (pallas_tpu on TPU, pallas_gpu on GPU)
-    where the op has one, xla elsewhere (the CPU)."""
+    where the op has one, xla elsewhere (the CPU); the platform is the one
+    programs are traced for (tiles.target_platform)."""
     auto = {b.platform: b.name for b in table.values() if b.platform}
-    return auto.get(platform or jax.default_backend(), "xla")
+    return auto.get(platform or target_platform(), "xla")
 
 
 def _resolve_dtype(name: str, value: DTypeLike | str) -> np.dtype:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from gdnx.ops.delta_rule.tiles import target_platform
 
 MAX_HEAD_DIM = 256
 
@@ -29,5 +30,6 @@ def check_dims(name: str, dk: int, dv: int):
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
-    """None: interpret exactly when the default backend is the CPU."""
-    return jax.default_backend() == "cpu" if interpret is None else interpret
+    """None: interpret exactly when the program is traced for the CPU (a
+    TPU slice's program traced on a CPU host compiles the real kernel)."""
+    return target_platform() == "cpu" if interpret is None else interpret

@@ -124,6 +124,13 @@ def compile_target(device: jax.Device) -> Iterator[None]:
         _TARGET.reset(token)
 
 
+def target_platform() -> str:
+    """The platform programs are traced for: the `compile_target`'s, else
+    the default backend's."""
+    target = _TARGET.get()
+    return target.platform if target is not None else jax.default_backend()
+
+
 @overload
 def tiles_for(implementation: Literal["pallas_gpu"], device: jax.Device | None = None) -> GpuTiles: ...
 @overload
