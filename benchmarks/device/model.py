@@ -39,36 +39,28 @@ import functools
 import gc
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.device.train import PEAK_FLOPS
+from benchmarks.device.train import GIB, PEAK_FLOPS, corpus, train_row
 from benchmarks.harness import Table, machine, median_seconds, write
 from gdnx.config import load_config
-from gdnx.config.schema import Config
-from gdnx.data.prepare import prepare_corpus
 from gdnx.measure import stored_bytes
 from gdnx.models import CausalLM
-from gdnx.models.causal_lm import parameter_count
 from gdnx.serving import Engine, SamplingParams, grammar
 from gdnx.serving.runner import DecodeBatch
-from gdnx.train_plan import model_flops
-from gdnx.training.loop import Trainer, memory_capacity
 
 NAME = "qwen3.5-0.8b"
 MODELS = {"GDN hybrid (as published)": [],
           "attention-only twin": ["model.layer_types=null", "model.full_attention_interval=1"]}
 # HBM bandwidth per chip, bytes/s, by device kind (published), for the decode limit
 BANDWIDTH = {"TPU v4": 1.2e12, "TPU v5 lite": 819e9, "TPU v5": 2.76e12, "TPU v6 lite": 1.64e12}
-GIB = 2 ** 30
 
 
 class Budget:
@@ -80,64 +72,6 @@ class Budget:
 
     def left(self) -> float:
         return self.end - time.perf_counter()
-
-
-def corpus(directory: Path) -> Path:
-    """Token shards of the Python standard library's sources (~20 MB of
-    text, raw bytes as tokens)."""
-    text = directory / "stdlib.txt"
-    with text.open("w", encoding="utf-8") as f:
-        size = 0
-        for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-            try:
-                body = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            f.write(body + "\n")
-            size += len(body)
-            if size > 20e6:
-                break
-    out = directory / "shards"
-    prepare_corpus([text], out)
-    return out
-
-
-def train_config(model: str, overrides: list[str], seq_len: int, data: Path, out: Path) -> Config:
-    return load_config(model, overrides + [
-        "data.source=tokens", f"data.path={data}", f"data.seq_len={seq_len}", "train.batch_size=1",
-        "train.eval_every=0", f"train.out_dir={out}"])
-
-
-def train_row(table: Table, model: str, name: str, overrides: list[str], seq_len: int, steps: int, data: Path,
-              out: Path, peak: float | None) -> None:
-    config = train_config(model, overrides, seq_len, data, out)
-    trainer = Trainer(config)
-    params, opt_state = trainer.params, trainer.init_opt_state(trainer.params)
-    batch = trainer.device_batch(trainer.host_batch("train", 0))
-    t0 = time.perf_counter()
-    compiled = trainer.step_fn.lower(params, opt_state, jnp.asarray(0, jnp.int32), batch, trainer.frozen).compile()
-    compile_s = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    need = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    limit = memory_capacity(jax.devices()[:1])
-    n = parameter_count(config.model)
-    if need > limit:
-        table.row(seq_len, name, f"{n / 1e6:,.0f} M", f"{need / GIB:.2f}", f"does not fit ({limit / GIB:.2f} GiB)",
-                  "", "", "")
-        return
-    for s in range(3):  # the first call loads the compiled step (the persistent cache) and warms up
-        params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(s, jnp.int32))
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    for s in range(3, 3 + steps):
-        params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(s, jnp.int32))
-    loss = float(metrics["loss"])
-    ms = (time.perf_counter() - t0) / steps * 1e3
-    trainer.close()
-    flops = model_flops(config, nnx.state(nnx.eval_shape(lambda: CausalLM(config.model)), nnx.Param))
-    mfu = f"{flops / (ms / 1e3) / peak:.1%}" if peak else "-"
-    table.row(seq_len, name, f"{n / 1e6:,.0f} M", f"{need / GIB:.2f}", f"{ms:.1f} (compile {compile_s:.0f} s)",
-              f"{seq_len / ms * 1e3:,.0f}", mfu, f"{loss:.3f}")
 
 
 def train_table(model: str, lengths: list[int], steps: int, budget: Budget, common: list[str]) -> Table:
