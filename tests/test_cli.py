@@ -46,6 +46,9 @@ from tests.helpers.tiers import fast_only
     # a train step over frozen weights, refused by plan as by train
     (["plan", "tiny", "--topology", "v5e:2x2", "--quantize", "int8"],
      "gdnx plan: error: model.quantize: int8 weights are frozen"),
+    # a size the engine allocates by, refused before anything is allocated, naming its flag
+    (["plan", "tiny", "--topology", "v5e:2x2", "--serve", "--max-slots", "1000000000"],
+     "gdnx plan: error: --max-slots: expected at most 65,536 requests decoded together"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)

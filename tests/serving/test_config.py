@@ -13,6 +13,7 @@ from tests.helpers.configs import TINY_HYBRID
 
 @pytest.mark.parametrize("field,value,match", [
     ("max_slots", 0, "max_slots: expected an integer >= 1, got 0"),
+    ("max_slots", 10 ** 9, "max_slots: expected at most 65,536 requests decoded together, got 1,000,000,000"),
     ("max_length", 1, "max_length: expected an integer >= 2"),
     ("prefix_cache_bytes", -1, "prefix_cache_bytes: expected an integer >= 0"),
     ("draft_method", "eagle", "draft_method: expected one of ngram, mtp, got 'eagle'"),

@@ -28,6 +28,8 @@ _USER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACC
                 errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
 MEMORY_HINT = ("raise train.grad_accum_steps, reduce data.seq_len, set model.remat_policy=full, or shard over more "
                "devices (parallel.fsdp)")
+# the engine's caches and host arrays are sized by its flags
+SERVING_MEMORY_HINT = "lower --max-slots or --max-length (they size the engine's caches), or shard over more devices"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = MEMORY_HINT
         if args.command == "generate":
             from gdnx.inference import MEMORY_HINT as hint
+        elif args.command == "serve" or getattr(args, "serve", False):
+            hint = SERVING_MEMORY_HINT
         say(f"error: out of memory ({str(e).splitlines()[0][:160]}); {hint}")
         return _refused()
 

@@ -67,6 +67,10 @@ DRAFT_METHODS = ("ngram", "mtp")
 
 _MINIMA = {"max_slots": 1, "max_length": 2, "prefix_cache_bytes": 0, "decode_steps": 1, "max_logprobs": 0,
            "draft_tokens": 0}
+# Slots size the engine's per-slot host arrays and device caches before any
+# request comes: a bound refuses a typo before it allocates (2**16 slots of
+# one token's state each are already far past any chip's batch).
+MAX_SLOTS = 2 ** 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise FieldError(name, f"expected an integer >= {low}, got {value!r}")
+        if self.max_slots > MAX_SLOTS:
+            raise FieldError("max_slots", f"expected at most {MAX_SLOTS:,} requests decoded together, "
+                                          f"got {self.max_slots:,}")
         if self.block_size is not None and (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
                                             or self.block_size < 1):
             raise FieldError("block_size", f"expected None or an integer >= 1, got {self.block_size!r}")
