@@ -47,6 +47,27 @@ def test_blocks_partial_edges_and_one_grid_per_expert(kind):
     assert float(err.max()) <= bound * 1.01
 
 
+def test_a_block_side_past_the_weight_is_the_whole_of_it():
+    """model.quantize_block=[100000, 100000] (one factor per matrix) and
+    [1, 100000] (one per output row) pad and repeat nothing past the weight
+    (once a 40 GB padded copy a matrix), and equal blocks of the weight's
+    own sides."""
+    w = jax.random.normal(jax.random.key(1), (2, 40, 50))
+    for huge, own in (((100_000, 100_000), (50, 40)), ((1, 100_000), (1, 40))):
+        assert quantization.fitted(w.shape, huge) == own
+        values, scale = jax.jit(quantization.quantize, static_argnums=(1, 2))(w, "int8", huge)
+        ref_values, ref_scale = quantization.quantize(w, "int8", own)
+        assert scale.shape == quantization.grid(w.shape, huge) == ref_scale.shape
+        np.testing.assert_array_equal(values, ref_values)
+        np.testing.assert_array_equal(scale, ref_scale)
+        np.testing.assert_array_equal(quantization.dequantize(values, scale, huge, jnp.float32),
+                                      quantization.dequantize(values, scale, own, jnp.float32))
+    model = CausalLM(load_config("tiny", ["model.quantize=int8", "model.quantize_block=[100000, 100000]"]).model)
+    scales = [s for p, s in nnx.to_flat_state(nnx.state(model)) if str(p[-1]).endswith("_scale")]
+    assert scales and all(s.get_value().size == s.get_value().shape[0] if s.get_value().ndim == 3
+                          else s.get_value().size == 1 for s in scales)
+
+
 def test_int4_is_counted_packed_as_xla_stores_it():
     """Memory plans count int4 weights at half a byte (gdnx.measure.stored_bytes),
     what XLA's own memory analysis of a program taking them says."""

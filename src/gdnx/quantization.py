@@ -55,10 +55,17 @@ DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "fp8": jnp.float8_e4m3fn}
 KEPT = frozenset({"gate", "shared_expert_gate", "lm_head"})
 
 
+def fitted(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """block for a weight of `shape` [..., in, out]: a side longer than the
+    weight's is the whole of it (the same one block; [1, 10**6] is a factor
+    per output row), so nothing is padded or repeated past the weight."""
+    return min(block[0], shape[-1]), min(block[1], shape[-2])
+
+
 def grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     """The scale's shape for a weight of `shape` [..., in, out] in blocks of
     (out rows, in columns)."""
-    rows, cols = block
+    rows, cols = fitted(shape, block)
     return (*shape[:-2], -(-shape[-2] // cols), -(-shape[-1] // rows))
 
 
@@ -102,7 +109,7 @@ def fp8_product(x: jax.Array, values: jax.Array, scale: jax.Array, block: tuple[
 
 
 def _padded(w, block: tuple[int, int]):
-    rows, cols = block
+    rows, cols = fitted(w.shape, block)
     g = grid(w.shape, block)
     pad = [(0, 0)] * (w.ndim - 2) + [(0, g[-2] * cols - w.shape[-2]), (0, g[-1] * rows - w.shape[-1])]
     return jnp.pad(w, pad)
@@ -111,7 +118,7 @@ def _padded(w, block: tuple[int, int]):
 def quantize(w: jax.Array, kind: str, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
     """(values in int8 / int4 / float8_e4m3fn of w's shape, float32 factors of its
     block grid) for w [..., in, out] in float: w ~ values x factor."""
-    rows, cols = block
+    rows, cols = fitted(w.shape, block)
     padded = _padded(w.astype(jnp.float32), block)
     # one grid per leading index (each expert its own factors)
     q = qwix.quantize(padded, DTYPES[kind], channelwise_axes=range(w.ndim - 2),
@@ -122,7 +129,7 @@ def quantize(w: jax.Array, kind: str, block: tuple[int, int]) -> tuple[jax.Array
 
 def factors(scale: jax.Array, shape: tuple[int, ...], block: tuple[int, int]) -> jax.Array:
     """Each weight's factor [..., in, out] from the block grid."""
-    rows, cols = block
+    rows, cols = fitted(shape, block)
     full = jnp.repeat(jnp.repeat(scale, cols, axis=-2), rows, axis=-1)
     return full[..., :shape[-2], :shape[-1]]
 

@@ -492,7 +492,7 @@ def _quantized_reader(reader: _Reader, cfg: ModelConfig, prefix: str, path: tupl
     base = weight_path(path) if scale else path
     shape = shapes[base]
     block = (cfg.quantize_block[0], cfg.quantize_block[1])
-    rows, cols = block
+    rows, cols = quantization.fitted(shape, block)
     if base not in quantized:
         weights = _part_reader(reader, cfg, prefix, base, shape, np.float32)
 

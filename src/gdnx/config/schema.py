@@ -231,8 +231,8 @@ class ModelConfig(_Strict):
     param_dtype: str = "float32"
     # weight-only quantization (gdnx.quantization): the projections and routed experts held as int8, int4
     # or float8_e4m3fn with a float32 factor per block of quantize_block ([rows, columns] of a Hugging Face
-    # [out, in] matrix, as FP8 checkpoints' weight_block_size; int4 wants smaller, e.g. [1, 128]); products
-    # in `dtype`
+    # [out, in] matrix, as FP8 checkpoints' weight_block_size; int4 wants smaller, e.g. [1, 128]; a side past
+    # the matrix's is all of it: [1, 1000000] is a factor per output row); products in `dtype`
     quantize: Literal["none", "int8", "int4", "fp8"] = "none"
     quantize_block: tuple[PositiveInt, PositiveInt] = (128, 128)
     # fp8 weights' products with the activations in float8 too, one factor per token and group of
