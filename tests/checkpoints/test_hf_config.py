@@ -137,6 +137,7 @@ def test_ling_defaults_and_fields_read_as_transformers_reads_them():
     ("qwen3_5", {"text_config": "abc"}, "text_config: expected an object, got 'abc'"),
     ("glm5_next", {"text_config": {"hidden_size": True}}, "text_config: hidden_size: expected a positive integer"),
     ("qwen3_next", {"layer_types": "linear_attention"}, "layer_types: expected a list of layer kinds"),
+    ("qwen3_next", {"model_type": ["qwen3_next"]}, "model_type ['qwen3_next'] is not a GDN hybrid gdnx builds"),
 ])
 def test_config_json_fields_of_the_wrong_type_or_range_are_one_line_naming_the_field_and_file(tmp_path, model_type,
                                                                                                edit, named):

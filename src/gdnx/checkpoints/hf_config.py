@@ -390,7 +390,7 @@ def model_config_from_hf(hf: dict, overrides: dict | None = None) -> ModelConfig
     """ModelConfig from a config.json dict; overrides are ModelConfig fields."""
     check_fields(hf)
     model_type = hf.get("model_type", "qwen3_next")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ValueError(f"config.json: model_type {model_type!r} is not a GDN hybrid gdnx builds "
                          f"(supported: {', '.join(MODEL_TYPES)})")
     family, kind = MODEL_TYPES[model_type]
