@@ -162,6 +162,29 @@ def test_a_task_of_local_files_that_names_none_is_one_line(setup, tmp_path, caps
     assert "--tasks: task 'nofiles'" in err and "give dataset_kwargs.data_files" in err, err
 
 
+@pytest.mark.parametrize("edit,match", [
+    ({"output_type": "nonsense"}, "ValueError: Got invalid output_type 'nonsense'"),
+    ({"doc_to_text": "'{{nothere}}'"}, "UndefinedError: 'nothere' is undefined"),
+    ({"doc_to_choice": "'{{nothere}}'", "output_type": "multiple_choice"}, "'nothere' is undefined"),
+    ({"task": "broken\n  x: ["}, "--tasks: unknown task 'broken'"),
+])
+def test_a_task_file_mistake_is_one_line_naming_the_task_and_file(setup, tmp_path, capsys, edit, match):
+    """Each task is built and its first document's prompt, target and
+    choices rendered before the model loads: lm-eval's exceptions for a
+    task file are one line naming the task and its file; a file that does
+    not parse (lm-eval skips it with a warning) is named with the reason."""
+    (tmp_path / "data.jsonl").write_text('{"question": "a b", "answer": "c", "choices": ["c", "d"]}\n')
+    fields = {"task": "bad", "dataset_path": "json", "test_split": "test", "output_type": "generate_until",
+              "doc_to_text": "'{{question}}'", "doc_to_target": "'{{answer}}'", **edit}
+    text = "".join(f"{k}: {v}\n" for k, v in fields.items())
+    text += f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'data.jsonl'}\nmetric_list:\n  - metric: exact_match\n"
+    (tmp_path / "bad.yaml").write_text(text)
+    name = "broken" if "broken" in fields["task"] else "bad"
+    err = refused(capsys, ["eval", "--checkpoint", str(setup[0]), "--tasks", name, "--include-path", str(tmp_path)])
+    assert match in err, err
+    assert f"{tmp_path / 'bad.yaml'}" in err, err
+
+
 def test_short_requests_share_rows():
     """First fit, longest first; each call's rows take its longest
     request's bucket: every request once, no row past its length, at most

@@ -68,10 +68,13 @@ def run_eval(args) -> None:
     manager = TaskManager(include_path=args.include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks and not Path(t).is_file()]
     if unknown:
+        unread = _unreadable_yaml(Path(args.include_path)) if args.include_path is not None else None
         raise ConfigError(f"--tasks: unknown task {unknown[0]!r} (`lm-eval ls tasks` lists them; "
-                          "--include-path adds a directory of task YAMLs)")
+                          "--include-path adds a directory of task YAMLs)"
+                          + (f"; {unread[0]} did not parse: {unread[1]}" if unread else ""))
     for name in tasks:
         _check_local_data(manager, name)
+        _check_task(manager, name)
     interrupt = _Interrupt()
     with handled(interrupt.handle, (signal.SIGINT,)):
         _evaluate(args, tasks, manager, interrupt)
@@ -171,6 +174,46 @@ def _check_local_data(manager, name: str) -> None:
         where = f" ({path})" if path else ""
         raise ConfigError(f"--tasks: task {name!r}{where} reads local {cfg['dataset_path']} files but names none: "
                           "give dataset_kwargs.data_files (e.g. test: path/to/data.jsonl)")
+
+
+def _unreadable_yaml(directory: Path) -> tuple[Path, str] | None:
+    """The first task YAML under `directory` that does not parse, and why
+    (lm-eval skips such a file with a warning, and its task is then unknown)."""
+    import yaml
+
+    class Lenient(yaml.SafeLoader):
+        """lm-eval's tags (!function) read as plain values: only the syntax is checked."""
+
+    Lenient.add_multi_constructor("", lambda loader, suffix, node: None)
+    for path in sorted(directory.rglob("*.yaml")):
+        try:
+            yaml.load(path.read_text(errors="replace"), Lenient)  # noqa: S506  # a SafeLoader subclass
+        except yaml.YAMLError as e:
+            return path, " ".join(str(e).split())[:200]
+    return None
+
+
+def _check_task(manager, name: str) -> None:
+    """Build the task and render its first document's prompt, target and
+    choices, before the model loads: a task file's mistake (an unknown
+    output_type, a template naming a missing field) is one line naming the
+    task and its file, not lm-eval's traceback after the model has loaded."""
+    entry = getattr(manager, "task_index", {}).get(name)
+    path = getattr(entry, "yaml_path", None) or (name if Path(name).is_file() else None)
+    where = f"task {name!r}" + (f" ({path})" if path else "")
+    try:
+        built = manager.load([name])
+        for task in built["tasks"].values():
+            docs = task.eval_docs
+            doc = next(iter(docs), None) if docs is not None else None
+            if doc is None:
+                continue
+            task.doc_to_text(doc)
+            task.doc_to_target(doc)
+            if task.OUTPUT_TYPE == "multiple_choice":
+                task.doc_to_choice(doc)
+    except Exception as e:  # noqa: BLE001  # lm-eval's and jinja's errors for a task file are many kinds
+        raise ConfigError(f"--tasks: {where}: {type(e).__name__}: {' '.join(str(e).split())[:240]}") from None
 
 
 def check_output_path(path: Path) -> None:
