@@ -192,3 +192,18 @@ def test_the_default_rl_update_is_planned_on_the_rows(topology):
     step = plan(load_config("tiny", ["data.seq_len=64", "train.batch_size=16"]), topology)
     assert rl.fits and rl.parameters == step.parameters and rl.kernel_calls > 0
     assert rl.argument_bytes > step.argument_bytes  # the rows' scores: five [16, 64] arrays beside the tokens
+
+
+def test_a_plan_on_a_host_without_the_targets_hardware_starts_only_the_cpu(tmp_path):
+    """`gdnx plan` with JAX_PLATFORMS unset, in an environment holding the
+    CUDA plugin on a host with no GPU (this one): the plan prints, and no
+    plugin's failed start-up traceback comes with it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_WORKER_HOSTNAMES")}
+    done = subprocess.run([sys.executable, "-m", "gdnx", "plan", "tiny", "--topology", "v5e:2x2"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "fits" in done.stdout, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Unable to initialize backend" not in done.stderr, done.stderr[-2000:]

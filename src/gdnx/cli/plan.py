@@ -4,6 +4,8 @@ whether they fit, compile time, FLOPs."""
 
 from __future__ import annotations
 
+import os
+
 from gdnx.cli.options import overrides, quantize_option
 from gdnx.config.reading import ConfigError, bundled_names
 from gdnx.serving.config import EngineConfig
@@ -52,12 +54,26 @@ def add_parser(sub) -> None:
     plan.set_defaults(run=run)
 
 
+def local_backend() -> None:
+    """JAX's local backend as a plan needs it: the host's CPU (the target's
+    compiler is loaded by its topology, not as a device). Unless the user
+    chose JAX_PLATFORMS, no other local backend is started: an installed
+    plugin without its hardware (the CUDA plugin on a host with no GPU)
+    otherwise logs a traceback as it fails to start, successful plans too."""
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS") is None:
+        jax.config.update("jax_platforms", "cpu")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # libtpu's topology needs no TPU VM
+
+
 def run(args) -> None:
     from gdnx.config import load_config
     from gdnx.inference import engine_config, speculation
     from gdnx.train_plan import describe, plan
 
     config = load_config(args.config, overrides(args))
+    local_backend()
     try:
         if args.serve:
             if args.prefix_cache_mb < 0:
