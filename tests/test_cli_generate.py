@@ -109,6 +109,17 @@ def test_each_prompts_file_mistake_is_one_line(checkpoint, tmp_path, capsys, lin
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_a_line_past_the_models_positions_is_named_not_a_flag_never_given(checkpoint, tmp_path, capsys):
+    """Without --max-length the engine is sized by the longest line: a line
+    past the model's positions is refused naming the line, not --max-length."""
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "w1"}\n{"prompt": "w1 w2", "max_tokens": 10000000}\n')
+    err = refused(capsys, ["generate", "--checkpoint", str(checkpoint[0]), "--prompts-file", str(src), "--out",
+                          str(tmp_path / "o.jsonl")])
+    assert "--prompts-file: line 2: 2 prompt tokens + max_tokens 10000000 = 10000002 exceed the model's" in err, err
+    assert "--max-length" not in err, err
+
+
 def test_out_goes_with_prompts_file(checkpoint, tmp_path, capsys):
     src = tmp_path / "p.jsonl"
     src.write_text('{"prompt": "w1"}\n')

@@ -307,6 +307,12 @@ def run_prompts_file(args, found, lines: list[dict], done: int) -> int:
         except Exception as e:  # a tokenizer's own error on text it cannot encode
             raise ConfigError(f"{where}: the prompt cannot be encoded ({str(e).splitlines()[0][:120]})") from None
         requests.append((ids, params, where))
+    if args.max_length is None:  # the engine is sized by the longest line: a line past the model is that line's
+        for ids, p, where in requests:
+            if len(ids) + p.max_tokens > found.max_positions:
+                raise ConfigError(f"{where}: {len(ids)} prompt tokens + max_tokens {p.max_tokens} = "
+                                  f"{len(ids) + p.max_tokens} exceed the model's {found.max_positions} positions "
+                                  "(max_position_embeddings); shorten the prompt or lower max_tokens")
     need = max(len(ids) + p.max_tokens for ids, p, _ in requests)
     max_length = need if args.max_length is None else args.max_length
     engine = build_engine(found, engine_config(
