@@ -80,7 +80,9 @@ def test_an_output_that_cannot_complete_ends_with_length(setup):
 
 @pytest.mark.parametrize("structured,match", [
     (Structured("json", '{"type": "nonsense"}', field="response_format"), "response_format: not a valid json"),
-    (Structured("regex", "(", field="structured_outputs.regex"), "structured_outputs.regex: not a valid regex"),
+    (Structured("regex", "(", field="structured_outputs.regex"),
+     'structured_outputs.regex: not a valid regex constraint: at 1(8): invalid regex "(" (in regex): '
+     "regex parse error: unclosed group"),  # the reason, not only the listing's opening line
     (Structured("grammar", "start: undefined_rule", field="structured_outputs.grammar"),
      "structured_outputs.grammar: not a valid"),
     # schemas that only refer to themselves: valid grammars that no output satisfies (an empty "stop" before)

@@ -244,8 +244,18 @@ class Matcher:
 
 
 def _first(e: object) -> str:
-    text = str(e).strip()
-    return (text.splitlines() or [type(e).__name__])[0][:300]
+    """The grammar engine's error in one line: its first, and where that
+    only opens a listing (a regex's "regex parse error:" over the pattern
+    and a caret), the listing's "error: ..." reason after it."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    head = lines[0]
+    if head.endswith(":"):
+        reason = next((line for line in lines[1:] if line.lower().startswith("error:")), None)
+        if reason is not None:
+            head = f"{head} {reason[len('error:'):].strip()}"
+    return head[:300]
 
 
 def only_ends(mask: np.ndarray, ends: Sequence[int]) -> bool:
