@@ -143,3 +143,22 @@ def test_a_run_starts_another_and_architecture_changes_are_refused(checkpoint, t
         load_train_config("tiny", _overrides(root, tmp_path / "c"))  # tiny.yml sets an architecture
     with pytest.raises(ConfigError, match="neither a Hugging Face directory"):
         load_train_config("finetune", [f"model.init_from={tmp_path}", f"data.path={root / 'sft.jsonl'}"])
+
+
+def test_qlora_over_an_fp8_checkpoint_keeps_its_fp8_or_is_refused(checkpoint, tmp_path):
+    """model.init_from an FP8 checkpoint: held as int8 or int4 its weights
+    would be rounded twice, refused naming model.quantize as generate and
+    serve refuse it; held as fp8 it keeps the checkpoint's own blocks."""
+    from tests.helpers.fp8 import fp8_checkpoint
+
+    root, _ = checkpoint
+    fp8_checkpoint((root / "hf").resolve(), tmp_path / "fp8", tmp_path / "plain", (16, 16))
+    for tokenizer in ("tokenizer.json", "tokenizer_config.json"):
+        if (root / "hf" / tokenizer).exists():
+            (tmp_path / "fp8" / tokenizer).write_bytes((root / "hf" / tokenizer).read_bytes())
+    base = [f"model.init_from={tmp_path / 'fp8'}", f"data.path={root / 'sft.jsonl'}", "train.lora.rank=4"]
+    for kind in ("int8", "int4"):
+        with pytest.raises(ConfigError, match=r"model.quantize: .*fp8 is already quantized \(fp8, blocks of 16 x 16\)"):
+            load_train_config("finetune", [*base, f"model.quantize={kind}"])
+    held = load_train_config("finetune", [*base, "model.quantize=fp8"]).model
+    assert (held.quantize, tuple(held.quantize_block)) == ("fp8", (16, 16))

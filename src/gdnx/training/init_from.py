@@ -92,8 +92,13 @@ def resolve(data: dict) -> dict:
                          f"(model.init_from {path}): the architecture comes from the checkpoint; leave "
                          f"model.{field} out (`base: finetune` sets no architecture)")
     arch = {k: v for k, v in source.items() if k not in FREE_FIELDS}
-    resolved = {**data, "model": {**arch, **{k: v for k, v in model.items() if k in FREE_FIELDS},
-                                  "init_from": str(path)}}
+    free = {k: v for k, v in model.items() if k in FREE_FIELDS}
+    if free.get("quantize", "none") != "none" and not is_run(path):
+        # as generate and serve read it: an FP8 checkpoint held as int8 or int4 would be rounded twice
+        # (refused), held as fp8 it keeps its own blocks
+        held = read_hf_config(path, {"quantize": free["quantize"]})
+        free.setdefault("quantize_block", list(held.quantize_block))
+    resolved = {**data, "model": {**arch, **free, "init_from": str(path)}}
     data_section = dict(resolved.get("data") or {})
     tokenizer = source_tokenizer(path)
     if data_section.get("source") in ("text", "sft") and not data_section.get("tokenizer") and tokenizer:
