@@ -1,6 +1,7 @@
 """Each hook of the training loop alone, on a LoopState of fakes, called
 at the steps its registration makes it due (as the loop calls it)."""
 
+import dataclasses
 import signal
 from pathlib import Path
 
@@ -103,6 +104,22 @@ def test_preemption_after_the_same_step_with_a_checkpoint_there():
     fakes = Fakes(signal_at=8)  # on the last step: a finished run, not a preempted one
     loop = _run(_loop(fakes, tracked=False), [Preemption(), Registered(Checkpoint(), 4)])
     assert loop.stop is None and fakes.saved == [4, 8]
+
+
+def test_preemption_in_rl_waits_for_the_rollouts_last_update():
+    """With three updates a rollout, a signal after step 4 stops after step
+    6: a checkpoint at 4 or 5 would resume by drawing rollout 2 again on
+    updated weights, not the completions the run drew."""
+    from gdnx.config.schema import RLConfig
+
+    fakes = Fakes(signal_at=4)
+    loop = _loop(fakes, steps=12, tracked=False)
+    config = loop.run.config
+    rl = config.model_copy(update={"train": config.train.model_copy(update={"rl": RLConfig(updates_per_rollout=3)})})
+    loop = LoopState(dataclasses.replace(loop.run, config=rl), 0, None, None)
+    loop = _run(loop, [Preemption(), Registered(Checkpoint(), 3)])
+    assert isinstance(loop.stop, Preempted) and "SIGTERM at step 6 of 12" in str(loop.stop)
+    assert fakes.saved == [3, 6]
 
 
 def test_a_resumed_run_at_its_target_does_nothing():

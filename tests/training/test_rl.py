@@ -126,6 +126,8 @@ def test_kl_to_a_reference_checkpoint(tmp_path, rl_prompts):
     (["train.rl.reward=no_module_here:f"], "train.rl.reward: cannot import no_module_here"),
     (["train.rl=null"], "train.rl: reinforcement learning takes data.source=rl and a train.rl section together"),
     (["train.rl.updates_per_rollout=3", "train.checkpoint_every=4"], "train.checkpoint_every: a checkpoint falls"),
+    (["train.rl.updates_per_rollout=3", "train.checkpoint_every=3", "train.steps=10"],
+     "train.steps: the run ends between rollouts"),
     (["train.rl.reference=NOANSWER"], "train.rl.reference: only the KL term reads it"),
     (["train.rl.kl_coef=0.1", "train.rl.reference=NOANSWER"], "train.rl.reference .*: neither a Hugging Face"),
 ])

@@ -812,6 +812,10 @@ class Config(_Strict):
                 raise ValueError(f"train.checkpoint_every: a checkpoint falls between rollouts, so that a resumed run "
                                  f"draws the same completions; expected a multiple of train.rl.updates_per_rollout="
                                  f"{rl.updates_per_rollout}, got {self.train.checkpoint_every}")
+            if self.train.steps % rl.updates_per_rollout:
+                raise ValueError(f"train.steps: the run ends between rollouts, so that a run resumed to go further "
+                                 f"draws the same completions; expected a multiple of train.rl.updates_per_rollout="
+                                 f"{rl.updates_per_rollout}, got {self.train.steps}")
         if self.data.seq_len > self.model.max_position_embeddings:
             # what generation would refuse later is refused before training
             raise ValueError(f"data.seq_len: {self.data.seq_len} is more than the model's "

@@ -216,10 +216,17 @@ class TargetAccuracy(Hook):
 
 class Preemption(Hook):
     """SIGTERM or SIGINT on any process ends the run after the same step on
-    every process (the signals are shared each step), with a checkpoint."""
+    every process (the signals are shared each step), with a checkpoint. In
+    RL with several updates a rollout, after the rollout's last update: a
+    checkpoint between two updates of one rollout would resume by drawing
+    that rollout again on the updated weights, not what the run drew."""
 
     def after_step(self, loop: LoopState, metrics: dict[str, jax.Array]) -> None:
-        if loop.run.signals.reached() and not loop.done:  # a collective: every process, every step
+        reached = loop.run.signals.reached()  # a collective: every process, every step
+        rl = loop.run.config.train.rl
+        if rl is not None and loop.step % rl.updates_per_rollout:
+            return
+        if reached and not loop.done:
             why = signal.Signals(loop.run.signals.signal or signal.SIGTERM).name
             steps = loop.run.config.train.steps
             loop.stop = Preempted(f"stopped by {why} at step {loop.step} of {steps}, with a checkpoint in "
