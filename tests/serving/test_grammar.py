@@ -91,6 +91,15 @@ def test_an_output_that_cannot_complete_ends_with_length(setup):
     (Structured("json", json.dumps({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
                                     "$ref": "#/$defs/a"})), "structured: not a valid json constraint: no output"),
     (Structured("json", '{"anyOf": [{"$ref": "#"}]}'), "structured: not a valid json constraint: no output"),
+    # constraints whose every output is infinite: valid to the grammar engine, each request ran to its token limit
+    (Structured("json", json.dumps({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
+                field="response_format"),
+     "response_format: not a valid json constraint: no output satisfies it: # refers back to itself"),
+    (Structured("json", json.dumps({"type": "array", "items": {"$ref": "#"}, "minItems": 1})),
+     "structured: not a valid json constraint: no output satisfies it"),
+    (Structured("grammar", 'start: "a" start', field="structured_outputs.grammar"),
+     "structured_outputs.grammar: not a valid grammar constraint: no output satisfies it: rule start derives no "
+     "finite string"),
     # repetitions past the grammar engine's budget (its matchers failed mid-request: an empty "stop" before)
     (Structured("regex", "b{900000}", field="structured_outputs.regex"),
      "structured_outputs.regex: not a valid regex constraint: a repetition of 900000 passes"),

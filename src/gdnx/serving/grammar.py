@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from gdnx.errors import FieldError
+from gdnx.serving import finite
 from gdnx.serving.params import Structured
 
 
@@ -82,6 +83,22 @@ def repeat_limit_error(s: Structured) -> str | None:
     return None
 
 
+def infinite_error(s: Structured) -> str | None:
+    """Why every output of `s` would be infinite (gdnx.serving.finite), or
+    None: the grammar engine would accept it and run each request to its
+    token limit."""
+    if not isinstance(s.value, str):
+        return None
+    if s.kind == "grammar":
+        return finite.lark_error(s.value)
+    if s.kind == "json":
+        try:
+            return finite.json_schema_error(json.loads(s.value))
+        except ValueError:
+            return None  # not JSON: the grammar engine's own message names that
+    return None
+
+
 class Grammars:
     """Compiles constraints for one tokenizer. tokenizer_json: the
     tokenizer.json text; vocab_size: the model's vocabulary (the bitmask's
@@ -128,8 +145,8 @@ class Grammars:
         return Matcher(self._compiled(s)[1].deep_copy())
 
     def _compiled(self, s: Structured) -> tuple[str, Any]:
-        if (too_many := repeat_limit_error(s)) is not None:
-            raise FieldError(s.field, f"not a valid {s.kind} constraint: {too_many}")
+        if (why := repeat_limit_error(s) or infinite_error(s)) is not None:
+            raise FieldError(s.field, f"not a valid {s.kind} constraint: {why}")
         with self._lock:
             if s in self._cache:
                 self._cache[s] = self._cache.pop(s)  # the most recently used last
