@@ -203,6 +203,7 @@ def test_a_plan_on_a_host_without_the_targets_hardware_starts_only_the_cpu(tmp_p
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_WORKER_HOSTNAMES")}
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # this test's process holds libtpu already (its lockfile)
     done = subprocess.run([sys.executable, "-m", "gdnx", "plan", "tiny", "--topology", "v5e:2x2"], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "fits" in done.stdout, done.stderr[-2000:]
