@@ -42,13 +42,12 @@ import sys
 import tempfile
 import time
 import traceback
-from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-from benchmarks.device.train import GIB, PEAK_FLOPS, corpus, train_row
+from benchmarks.device.train import GIB, TRAIN_COLUMNS, train_rows
 from benchmarks.harness import Table, machine, median_seconds, write
 from gdnx.config import load_config
 from gdnx.measure import stored_bytes
@@ -75,29 +74,13 @@ class Budget:
 
 
 def train_table(model: str, lengths: list[int], steps: int, budget: Budget, common: list[str]) -> Table:
-    peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
     table = Table(f"{model} trained on one chip (full training, bfloat16 parameters and AdamW, batch 1; "
                   f"the mean of {steps} steps at 4,096 tokens, fewer at longer rows; "
                   f"{' '.join(common) or 'the config as bundled'}); "
                   f"{machine()}",
-                  ["tokens a step", "model", "params", "compiled GiB", "step ms", "tokens/s", "MFU", "loss"],
-                  numeric=[True, False, True, True, True, True, True, True])
-    with tempfile.TemporaryDirectory() as tmp:
-        data = corpus(Path(tmp))
-        for seq_len in lengths:
-            n_steps = max(5, steps * 4096 // seq_len)
-            for name, overrides in MODELS.items():
-                if budget.left() < 60:
-                    table.row(seq_len, name, "", "", "not run: the time budget", "", "", "")
-                    continue
-                try:
-                    train_row(table, model, name, overrides + common, seq_len, n_steps, data, Path(tmp) / "run", peak)
-                except Exception as e:  # noqa: BLE001  # one row that fails should not cost the rest
-                    traceback.print_exc()
-                    table.row(seq_len, name, "", "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
-                              "", "", "")
-                gc.collect()
-    return table
+                  ["tokens a step", *TRAIN_COLUMNS[1:]], numeric=[True, False, True, True, True, True, True, True])
+    return train_rows(table, model, {name: overrides + common for name, overrides in MODELS.items()}, lengths, steps,
+                      budget.left)
 
 
 def serve_wave(engine: Engine, prompts: list[list[int]], new: int) -> dict[str, float]:

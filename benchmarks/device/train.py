@@ -28,6 +28,7 @@ import sysconfig
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -117,6 +118,34 @@ def train_row(table: Table, model: str, name: str, overrides: list[str], seq_len
               f"{seq_len / ms * 1e3:,.0f}", mfu, f"{loss:.3f}")
 
 
+TRAIN_COLUMNS = ["tokens", "model", "params", "compiled GiB", "step ms", "tokens/s", "MFU", "loss"]
+
+
+def train_rows(table: Table, model: str, models: dict[str, list[str]], lengths: list[int], steps: int,
+               left: Callable[[], float] = lambda: float("inf")) -> Table:
+    """A row of `table` for each length and each of `models` (a name and its
+    config overrides over `model`): --steps at 4,096 tokens, fewer at longer
+    rows; a row that fails, or would start with under a minute of `left()`,
+    says so in its place and the rest run."""
+    peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = corpus(Path(tmp))
+        for seq_len in lengths:
+            for name, overrides in models.items():
+                if left() < 60:
+                    table.row(seq_len, name, "", "", "not run: the time budget", "", "", "")
+                    continue
+                try:
+                    train_row(table, model, name, overrides, seq_len, max(5, steps * 4096 // seq_len), data,
+                              Path(tmp) / "run", peak)
+                except Exception as e:  # noqa: BLE001  # one row that fails should not cost the rest
+                    traceback.print_exc()
+                    table.row(seq_len, name, "", "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
+                              "", "", "")
+                gc.collect()
+    return table
+
+
 def train_table(layers: int, tokens: list[int], steps: int, common: list[str]) -> Table:
     """The hybrid with xla, with the platform's kernel, and attention only,
     at each length: one row each."""
@@ -125,26 +154,12 @@ def train_table(layers: int, tokens: list[int], steps: int, common: list[str]) -
     if kernel:
         rows.append((f"GDN hybrid (3:1), {kernel}", False, kernel))
     rows.append(("attention only", True, "auto"))
-    peak = PEAK_FLOPS.get(jax.devices()[0].device_kind)
     table = Table(f"`gdnx train`'s step at Qwen3-Next's layer shapes ({layers} layers, width 2048, batch 1; the mean "
                   f"of {steps} steps at 4,096 tokens, fewer at longer rows; {' '.join(common) or 'no overrides'}); "
                   f"MFU over the chip's bfloat16 peak; {machine()}",
-                  ["tokens", "model", "params", "compiled GiB", "step ms", "tokens/s", "MFU", "loss"],
-                  numeric=[True, False, True, True, True, True, True, True])
-    with tempfile.TemporaryDirectory() as tmp:
-        data = corpus(Path(tmp))
-        for t in tokens:
-            for name, attention_only, impl in rows:
-                overrides = shape_overrides(layers, attention_only, impl) + common
-                try:
-                    train_row(table, "base", name, overrides, t, max(5, steps * 4096 // t), data, Path(tmp) / "run",
-                              peak)
-                except Exception as e:  # noqa: BLE001  # one row that fails should not cost the rest
-                    traceback.print_exc()
-                    table.row(t, name, "", "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
-                              "", "", "")
-                gc.collect()
-    return table
+                  TRAIN_COLUMNS, numeric=[True, False, True, True, True, True, True, True])
+    models = {name: shape_overrides(layers, attention_only, impl) + common for name, attention_only, impl in rows}
+    return train_rows(table, "base", models, tokens, steps)
 
 
 def main() -> None:
