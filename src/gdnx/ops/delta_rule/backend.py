@@ -2,8 +2,9 @@
 
 A chunked backend gives a forward and a backward over chunk blocks
 ([NC, R, HK, (G,) C, D], gate rows [NC, R, HK, G, 1, C]; packed sequences
-already re-laid by the chunk plan) and runs behind the one custom VJP of
-chunked.py:
+already re-laid by the chunk plan; with `token_layout`, q, k, v, a gate
+per channel, o and their gradients as token slots [R, NC*C, H, D] instead)
+and runs behind the one custom VJP of chunked.py:
 
     forward(q, k, v, g, beta, h0, flags, *, opts, save_residuals, **knobs)
         -> (o, final[, states, tinv])
@@ -48,6 +49,10 @@ class Backend:
     # kernels: a vmap rule folds a mapped axis into their rows (pallas_call's
     # own batching rule adds a grid axis Mosaic's dimension semantics reject)
     fold_batch: bool = False
+    # takes q, k, v (a gate per channel) and gives o and their gradients as
+    # token slots [R, NC*C, H, D], not chunk blocks (chunked.to_blocks): a
+    # kernel whose blocks read the tokens where they lie spares the re-layout
+    token_layout: bool = False
 
     def __post_init__(self):
         if (self.forward is None) != (self.backward is None) or (self.forward is None) == (self.run is None):

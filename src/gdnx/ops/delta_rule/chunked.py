@@ -82,11 +82,15 @@ def finite_gates(g, decay_dtype):
     return jnp.maximum(g, jnp.asarray(floor, g.dtype))
 
 
-def to_blocks(q, k, v, g, beta, plan: ChunkPlan,
-              gate: Gate) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+def to_blocks(q, k, v, g, beta, plan: ChunkPlan, gate: Gate,
+              tokens: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """[R, T, H, D] inputs -> [NC, R, HK, (G,) C, D] chunk blocks; a gate per
     head [R, T, HV] becomes rows [NC, R, HK, G, 1, C], a gate per channel
-    [R, T, HV, K] blocks [NC, R, HK, G, C, K]."""
+    [R, T, HV, K] blocks [NC, R, HK, G, C, K].
+
+    tokens: q, k, v and a gate per channel stay in the tokens' own layout,
+    as slots [R, NC*C, H, D] (a copy only where sequences are packed or the
+    last chunk is ragged); a gate per head and beta still become rows."""
     r, _, hk, k_dim = q.shape
     hv = v.shape[2]
     grp = hv // hk
@@ -101,26 +105,38 @@ def to_blocks(q, k, v, g, beta, plan: ChunkPlan,
     def gate_blocks(x):  # rows [1, C], as the chunk algebra takes them
         return to_slots(x, plan).reshape(r, nc, c, hk, grp).transpose(1, 0, 3, 4, 2)[..., None, :]
 
+    if tokens:
+        qk_blocks = value_blocks = functools.partial(to_slots, plan=plan)
     # a gate per channel is laid out as the values: [C, K] blocks
     gb = value_blocks(g) if gate == "channel" else gate_blocks(g)
     return qk_blocks(q), qk_blocks(k), value_blocks(v), gb, gate_blocks(beta)
 
 
-def from_blocks(o, plan: ChunkPlan):
-    """[NC, R, HK, G, C, V] -> [R, T, HV, V]."""
+def from_blocks(o, plan: ChunkPlan, tokens: bool = False):
+    """[NC, R, HK, G, C, V] (tokens: slots [R, NC*C, HV, V]) -> [R, T, HV, V]."""
+    if tokens:
+        return from_slots(o, plan)
     nc, r, hk, grp, c, dv = o.shape
     o = o.transpose(1, 0, 4, 2, 3, 5).reshape(r, nc * c, hk * grp, dv)
     return from_slots(o, plan)
 
 
 # How a backend argument or result is laid out, for the batch-folding rule:
-# chunk blocks with rows on axis 1, per-sequence states on axis 0, or the
-# flags (rows on axis 1; the sequence flag holds indices into the sequences).
-ROWS, SEQS, FLAG, SEQ_FLAG = "rows", "seqs", "flag", "seq_flag"
-FORWARD_ARGS = (ROWS,) * 5 + (SEQS, FLAG, SEQ_FLAG, FLAG)
-FORWARD_OUTS = (ROWS, SEQS, ROWS, ROWS)
-BACKWARD_ARGS = (ROWS,) * 8 + (SEQS, FLAG, SEQ_FLAG, FLAG)
-BACKWARD_OUTS = (ROWS,) * 5 + (SEQS,)
+# chunk blocks with rows on axis 1, per-sequence states or token slots with
+# rows on axis 0, or the flags (rows on axis 1; the sequence flag holds
+# indices into the sequences).
+ROWS, SEQS, TOKENS, FLAG, SEQ_FLAG = "rows", "seqs", "tokens", "flag", "seq_flag"
+FLAGS = (FLAG, SEQ_FLAG, FLAG)
+
+
+def layout_kinds(backend: Backend) -> tuple[tuple[str, ...], ...]:
+    """(forward args, forward outs, backward args, backward outs) kinds of a
+    chunked backend."""
+    assert backend.variant is not None  # chunked
+    data = TOKENS if backend.token_layout else ROWS
+    inputs = (data, data, data, data if backend.variant.gate == "channel" else ROWS, ROWS)
+    return (inputs + (SEQS,) + FLAGS, (data, SEQS, ROWS, ROWS),
+            inputs + (ROWS, ROWS, data, SEQS) + FLAGS, inputs + (SEQS,))
 
 
 def fold_batch(fn, arg_kinds, out_kinds):
@@ -137,7 +153,7 @@ def fold_batch(fn, arg_kinds, out_kinds):
         nseq = next(x.shape[1] for x, kind in zip(args, arg_kinds) if kind == SEQS)
 
         def fold(x, kind):
-            if kind == SEQS:
+            if kind in (SEQS, TOKENS):
                 return x.reshape((-1,) + x.shape[2:])
             if kind == SEQ_FLAG:
                 x = x + (jnp.arange(axis_size, dtype=x.dtype) * nseq).reshape((-1,) + (1,) * (x.ndim - 1))
@@ -145,7 +161,7 @@ def fold_batch(fn, arg_kinds, out_kinds):
             return x.reshape(x.shape[:1] + (-1,) + x.shape[3:])
 
         def unfold(y, kind):
-            if kind == SEQS:
+            if kind in (SEQS, TOKENS):
                 return y.reshape((axis_size, -1) + y.shape[1:])
             return jnp.moveaxis(y.reshape(y.shape[:1] + (axis_size, -1) + y.shape[2:]), 1, 0)
 
@@ -164,7 +180,8 @@ def _forward(backend: Backend, q, k, v, g, beta, h0, flags: ChunkFlags, nonempty
         return backend.forward(*args[:6], ChunkFlags(*args[6:]), opts=opts, save_residuals=save)
 
     if backend.fold_batch:
-        fn = fold_batch(fn, FORWARD_ARGS, FORWARD_OUTS)
+        kinds = layout_kinds(backend)
+        fn = fold_batch(fn, kinds[0], kinds[1])
     out = fn(q, k, v, g, beta, h0, *flags)
     # A backend never visits an empty packed sequence: its final state is h0.
     return (out[0], select(nonempty, out[1], h0)) + tuple(out[2:])
@@ -192,7 +209,8 @@ def _chunk_scan_bwd(backend: Backend, opts: ChunkOptions, res, cts):
         return backend.backward(*args[:9], ChunkFlags(*args[9:]), opts=opts)
 
     if backend.fold_batch:
-        fn = fold_batch(fn, BACKWARD_ARGS, BACKWARD_OUTS)
+        kinds = layout_kinds(backend)
+        fn = fold_batch(fn, kinds[2], kinds[3])
     dq, dk, dv, dg, dbeta, dh0 = fn(q, k, v, g, beta, tinv, states, do, dfinal, *flags)
     if opts.use_qk_l2norm:
         def l2(a, b):
@@ -241,16 +259,17 @@ def run(backend: Backend, q, k, v, g, beta, h0, *, cu_seqlens, chunk_size: int, 
     h0b = h0.astype(opts.state_dtype).reshape(h0.shape[0], hk, hv // hk, k_dim, v_dim)
     flags = _flags(plan)
     assert backend.variant is not None  # chunked
-    blocks = to_blocks(q, k, v, finite_gates(g, opts.decay_dtype), beta, plan, backend.variant.gate)
+    tokens = backend.token_layout
+    blocks = to_blocks(q, k, v, finite_gates(g, opts.decay_dtype), beta, plan, backend.variant.gate, tokens)
     if chunk_states:
         assert cu_seqlens is None  # checked by the public op
         o, final, states, _ = _forward(backend, *blocks, jax.lax.stop_gradient(h0b), flags, plan.nonempty, opts,
                                        True)
         after = jnp.concatenate([states[1:], final[None]], axis=0)  # [NC, R, HK, G, K, V]
         after = jnp.moveaxis(after, 0, 1).reshape(r, plan.num_chunks, hv, k_dim, v_dim)
-        return from_blocks(o, plan), final.reshape(h0.shape), after
+        return from_blocks(o, plan, tokens), final.reshape(h0.shape), after
     if hand_written_vjp:
         o, final = _chunk_scan(*blocks, h0b, flags, plan.nonempty, backend, opts)
     else:
         o, final = _forward(backend, *blocks, h0b, flags, plan.nonempty, opts, False)
-    return from_blocks(o, plan), final.reshape(h0.shape)
+    return from_blocks(o, plan, tokens), final.reshape(h0.shape)

@@ -9,8 +9,14 @@ re-laid by the chunk plan; per-chunk flags (reset, seq, last) come in as
 scalar-prefetch operands, and the h0 / final-state blocks are addressed by
 the chunk's sequence index.
 
-Every block keeps its last two dims whole ((C, K), (C, V), (1, C), (K, V),
-(C, C)), so any head dim and any chunk size satisfy the (8, 128) rule.
+q, k, v (and a gate per channel) are read, and o and their gradients
+written, where the tokens lie ([R, T, H * D]): a block is one chunk's rows
+and a head tile's lanes, so no re-layout runs around the kernels (at
+T=32768 on a TPU v5e the re-layout alone took 4.8 ms as a program of its
+own; in the op's program the forward went from 9.7 to 8.9 ms without it). A head
+tile's lanes are a multiple of 128 or every head; chunks are multiples of
+16 rows. The gate rows, beta, states and inverses keep their last two dims
+whole ((1, C), (K, V), (C, C)).
 
 A grid step runs the Variant's chunk algebra (its looped forms) once,
 vmapped over every value head of its key heads: each product is a batched
@@ -20,7 +26,7 @@ back where one head at a time left it waiting on each product's latency
 32 value heads in a step). The products a key head's group shares (the
 gated delta rule's QK^T, KK^T) are formed once per key head; a gate per
 channel (KDA) comes in [C, K] blocks per value head. The chunk inverse is
-solved by row blocks (primitives.unit_lower_inverse_rows: 23.1 -> 12.5 ms).
+solved by row blocks (primitives.unit_lower_inverse_rows: 23.1 -> 9.7 ms).
 
 The head tile and the scoped VMEM limit come from the target's tiles
 (tiles.TpuTiles): as many key heads as the generation's VMEM holds.
@@ -42,6 +48,19 @@ from gdnx.ops.delta_rule.chunked import ChunkFlags
 from gdnx.ops.delta_rule.primitives import unit_lower_inverse_rows
 from gdnx.ops.delta_rule.tiles import TpuTiles
 from gdnx.ops.delta_rule.variant import Gate, Variant
+
+
+def _heads(x, n):
+    """[C, n * D] lanes of a token block as [n, C, D] (slices at multiples of
+    128 lanes, or the whole block: no data moves)."""
+    d = x.shape[-1] // n
+    return jnp.stack([x[:, i * d:(i + 1) * d] for i in range(n)])
+
+
+def _lanes(x):
+    """[n, C, D] -> [C, n * D], the heads side by side as the tokens hold them."""
+    return jnp.concatenate([x[i] for i in range(x.shape[0])], axis=-1)
+
 
 def _value_heads(x, grp):
     """[HT, G, ...] blocks of a tile's value heads as [HT * G, ...]."""
@@ -65,8 +84,14 @@ def _algebra(opts) -> dict:
     return dict(opts.algebra(), split_segments=opts.decay_dtype == jnp.float32)
 
 
+def _gates(g_ref, variant: Variant, heads, grp):
+    """A tile's gates per value head: [C, K] blocks from the token slots (a
+    gate per channel) or [1, C] rows."""
+    return _heads(g_ref[0], heads * grp) if variant.gate == "channel" else _value_heads(g_ref[0, 0], grp)
+
+
 def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, h0_ref, o_ref, final_ref, *rest,
-                variant: Variant, rows, grp, opts, save_residuals):
+                variant: Variant, rows, heads, grp, opts, save_residuals):
     *residual_refs, state_ref = rest
     state_dtype = opts.state_dtype
     idx = pl.program_id(2) * rows + pl.program_id(0)
@@ -78,16 +103,16 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
     # Every value head of the tile in one batched form of the chunk algebra
     # ([heads, C, D] products): one grid step's products keep the MXU busy
     # where a head at a time left it waiting on each product's latency.
-    q, k = opts.keys(q_ref[0, 0]), opts.keys(k_ref[0, 0])
+    q, k = opts.keys(_heads(q_ref[0], heads)), opts.keys(_heads(k_ref[0], heads))
     shared = () if variant.key_products is None else jax.vmap(
         functools.partial(variant.key_products, matmul_dtype=opts.matmul_dtype))(q, k)
     forward = functools.partial(variant.value_head_forward, looped=True, inverse=unit_lower_inverse_rows,
                                 **_algebra(opts))
     o, new_state, tinv = jax.vmap(forward)(
-        _per_value_head(q, grp), _per_value_head(k, grp), _value_heads(v_ref[0, 0], grp).astype(state_dtype),
-        _value_heads(g_ref[0, 0], grp), _value_heads(b_ref[0, 0], grp),
+        _per_value_head(q, grp), _per_value_head(k, grp), _heads(v_ref[0], heads * grp).astype(state_dtype),
+        _gates(g_ref, variant, heads, grp), _value_heads(b_ref[0, 0], grp),
         tuple(_per_value_head(x, grp) for x in shared), state_ref[...])
-    o_ref[0, 0] = o.reshape(o_ref.shape[2:]).astype(o_ref.dtype)
+    o_ref[0] = _lanes(o).astype(o_ref.dtype)
     if save_residuals:
         states_ref, tinv_ref = residual_refs
         states_ref[0, 0] = state_ref[...].reshape(states_ref.shape[2:]).astype(states_ref.dtype)
@@ -101,7 +126,7 @@ def _fwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
 def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref, tinv_ref, states_ref, do_ref,
                 dfinal_ref, dq_ref, dk_ref, dv_ref, dg_ref, db_ref, dh0_ref, dstate_ref, *,
-                variant: Variant, rows, num_chunks, grp, opts):
+                variant: Variant, rows, num_chunks, heads, grp, opts):
     state_dtype = opts.state_dtype
     step = pl.program_id(2)
     idx = (num_chunks - 1 - step) * rows + pl.program_id(0)
@@ -114,18 +139,21 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
     def _():
         dstate_ref[...] = dstate_ref[...] + _value_heads(dfinal_ref[0], grp).astype(state_dtype)
 
-    q, k = opts.keys(q_ref[0, 0]), opts.keys(k_ref[0, 0])
+    q, k = opts.keys(_heads(q_ref[0], heads)), opts.keys(_heads(k_ref[0], heads))
     shared = () if variant.key_products is None else jax.vmap(
         functools.partial(variant.key_products, matmul_dtype=opts.matmul_dtype))(q, k)
     backward = functools.partial(variant.value_head_backward, looped=True, **_algebra(opts))
     vg, dshared = jax.vmap(backward)(
-        _per_value_head(q, grp), _per_value_head(k, grp), _value_heads(v_ref[0, 0], grp).astype(state_dtype),
-        _value_heads(g_ref[0, 0], grp), _value_heads(b_ref[0, 0], grp),
+        _per_value_head(q, grp), _per_value_head(k, grp), _heads(v_ref[0], heads * grp).astype(state_dtype),
+        _gates(g_ref, variant, heads, grp), _value_heads(b_ref[0, 0], grp),
         tuple(_per_value_head(x, grp) for x in shared), _value_heads(tinv_ref[0, 0], grp).astype(state_dtype),
-        _value_heads(states_ref[0, 0], grp).astype(state_dtype), _value_heads(do_ref[0, 0], grp).astype(state_dtype),
+        _value_heads(states_ref[0, 0], grp).astype(state_dtype), _heads(do_ref[0], heads * grp).astype(state_dtype),
         dstate_ref[...])
-    dv_ref[0, 0] = vg.dv.reshape(dv_ref.shape[2:]).astype(dv_ref.dtype)
-    dg_ref[0, 0] = vg.dg.reshape(dg_ref.shape[2:]).astype(dg_ref.dtype)
+    dv_ref[0] = _lanes(vg.dv).astype(dv_ref.dtype)
+    if variant.gate == "channel":
+        dg_ref[0] = _lanes(vg.dg).astype(dg_ref.dtype)
+    else:
+        dg_ref[0, 0] = vg.dg.reshape(dg_ref.shape[2:]).astype(dg_ref.dtype)
     db_ref[0, 0] = vg.dbeta.reshape(db_ref.shape[2:]).astype(db_ref.dtype)
     dstate_ref[...] = vg.dstate_in
     dq, dk = _key_groups(vg.dq, grp), _key_groups(vg.dk, grp)
@@ -133,8 +161,8 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         dq_k, dk_k = jax.vmap(functools.partial(variant.key_products_bwd, matmul_dtype=opts.matmul_dtype))(
             q, k, *(_key_groups(d, grp) for d in dshared))
         dq, dk = dq + dq_k, dk + dk_k
-    dq_ref[0, 0] = dq.astype(dq_ref.dtype)
-    dk_ref[0, 0] = dk.astype(dk_ref.dtype)
+    dq_ref[0] = _lanes(dq).astype(dq_ref.dtype)
+    dk_ref[0] = _lanes(dk).astype(dk_ref.dtype)
 
     @pl.when(reset_ref[idx] != 0)
     def _():
@@ -142,14 +170,44 @@ def _bwd_kernel(reset_ref, seq_ref, last_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         dstate_ref[...] = jnp.zeros(dstate_ref.shape, dstate_ref.dtype)
 
 
-class _Specs:
-    """Block specs over the chunk layout for a grid (row, head tile, step);
-    chunk = step forward, or num_chunks - 1 - step in reverse."""
+def _lane_blocks(heads: int, shape) -> bool:
+    """A head tile whose token blocks satisfy Mosaic's rule: their lanes (the
+    tile's heads x head dim) a multiple of 128, or every head."""
+    return heads == shape.hk or (heads * shape.k_dim % 128 == 0 and heads * shape.grp * shape.v_dim % 128 == 0)
 
-    def __init__(self, q, v, rows, head_tile, reverse, gate: Gate):
-        nc, _, _, c, k_dim = q.shape
-        grp, v_dim = v.shape[3], v.shape[5]
-        ht = head_tile
+
+class _Shape:
+    """A call's sizes, from q [R, NC*C, HK, K], v [R, NC*C, HV, V] and the
+    beta rows [NC, R, HK, G, 1, C], and its head tile."""
+
+    def __init__(self, q, v, beta, tiles: TpuTiles):
+        self.rows, _, self.hk, self.k_dim = q.shape
+        self.v_dim = v.shape[3]
+        self.num_chunks, self.grp, self.chunk = beta.shape[0], beta.shape[3], beta.shape[-1]
+        fits = tiles.key_heads_per_step(self.hk, self.grp, self.chunk, self.k_dim, self.v_dim)
+        if self.hk % fits:
+            raise ValueError(f"tiles.head_tile={fits} must divide the key heads HK={self.hk}")
+        if not _lane_blocks(fits, self):
+            if tiles.head_tile is not None:
+                raise ValueError(f"tiles.head_tile={fits}: a tile's key heads x K={self.k_dim} and value heads x "
+                                 f"V={self.v_dim} must be multiples of 128 lanes, or the tile every key head "
+                                 f"(HK={self.hk})")
+            aligned = [d for d in range(1, self.hk + 1) if self.hk % d == 0 and _lane_blocks(d, self)]
+            fits = max([d for d in aligned if d <= fits], default=min(aligned))
+        self.head_tile = fits
+        self.grid = (self.rows, self.hk // fits, self.num_chunks)
+
+
+class _Specs:
+    """Block specs for a grid (row, head tile, step); chunk = step forward,
+    or num_chunks - 1 - step in reverse. q, k, v, a gate per channel and o
+    are read and written where the tokens lie ([R, NC*C, H*D]: a block is a
+    chunk's rows and a head tile's lanes); gate rows, beta, states and
+    inverses in the chunk layout."""
+
+    def __init__(self, shape: _Shape, reverse, gate: Gate):
+        nc, c, ht, grp = shape.num_chunks, shape.chunk, shape.head_tile, shape.grp
+        k_dim, v_dim = shape.k_dim, shape.v_dim
 
         def chunk(ci):
             return nc - 1 - ci if reverse else ci
@@ -157,16 +215,16 @@ class _Specs:
         def per_chunk(ri, hi, ci, *_):
             return (chunk(ci), ri, hi, 0, 0, 0)
 
-        def per_key_head(ri, hi, ci, *_):
-            return (chunk(ci), ri, hi, 0, 0)
+        def per_token_block(ri, hi, ci, *_):
+            return (ri, chunk(ci), hi)
 
         def per_sequence(ri, hi, ci, reset_ref, seq_ref, last_ref):
-            return (seq_ref[chunk(ci) * rows + ri], hi, 0, 0, 0)
+            return (seq_ref[chunk(ci) * shape.rows + ri], hi, 0, 0, 0)
 
-        self.keys = pl.BlockSpec((1, 1, ht, c, k_dim), per_key_head)
-        self.values = pl.BlockSpec((1, 1, ht, grp, c, v_dim), per_chunk)
+        self.keys = pl.BlockSpec((1, c, ht * k_dim), per_token_block)
+        self.values = pl.BlockSpec((1, c, ht * grp * v_dim), per_token_block)
         self.rows = pl.BlockSpec((1, 1, ht, grp, 1, c), per_chunk)
-        self.gates = pl.BlockSpec((1, 1, ht, grp, c, k_dim), per_chunk) if gate == "channel" else self.rows
+        self.gates = pl.BlockSpec((1, c, ht * grp * k_dim), per_token_block) if gate == "channel" else self.rows
         self.sequence_state = pl.BlockSpec((1, ht, grp, k_dim, v_dim), per_sequence)
         self.chunk_state = pl.BlockSpec((1, 1, ht, grp, k_dim, v_dim), per_chunk)
         self.inverse = pl.BlockSpec((1, 1, ht, grp, c, c), per_chunk)
@@ -208,63 +266,66 @@ def _tpu_interpreter():
     return pltpu.InterpretParams()
 
 
-def _head_tile(tiles: TpuTiles, q, v) -> int:
-    _, _, hk, c, k_dim = q.shape
-    head_tile = tiles.key_heads_per_step(hk, v.shape[3], c, k_dim, v.shape[5])
-    if hk % head_tile:
-        raise ValueError(f"head_tile={head_tile} must divide the key heads HK={hk}")
-    return head_tile
+def _flat(x):
+    """[R, S, H, D] -> [R, S, H * D] (no copy)."""
+    return x.reshape(x.shape[:2] + (-1,))
 
 
 def forward(q, k, v, g, beta, h0, flags, *, variant: Variant, opts, save_residuals, interpret: bool,
             tiles: TpuTiles):
-    head_tile = _head_tile(tiles, q, v)
-    nc, rows, hk, c, k_dim = q.shape
-    grp, v_dim = v.shape[3], v.shape[5]
-    sp = _Specs(q, v, rows, head_tile, reverse=False, gate=variant.gate)
-    out_shape = [jax.ShapeDtypeStruct(v.shape, q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)]
+    sh = _Shape(q, v, beta, tiles)
+    nc, rows, hk, grp, c, k_dim, v_dim = sh.num_chunks, sh.rows, sh.hk, sh.grp, sh.chunk, sh.k_dim, sh.v_dim
+    sp = _Specs(sh, reverse=False, gate=variant.gate)
+    out_shape = [jax.ShapeDtypeStruct(_flat(v).shape, q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)]
     out_specs = [sp.values, sp.sequence_state]
     if save_residuals:
         out_shape += [jax.ShapeDtypeStruct((nc, rows, hk, grp, k_dim, v_dim), h0.dtype),
                       jax.ShapeDtypeStruct((nc, rows, hk, grp, c, c), opts.state_dtype)]
         out_specs += [sp.chunk_state, sp.inverse]
-    kernel = functools.partial(_fwd_kernel, variant=variant, rows=rows, grp=grp, opts=opts,
+    kernel = functools.partial(_fwd_kernel, variant=variant, rows=rows, heads=sh.head_tile, grp=grp, opts=opts,
                                save_residuals=save_residuals)
-    grid = (rows, hk // head_tile, nc)
-    cost = _cost(variant, grid, head_tile, grp, c, k_dim, v_dim, variant.forward_parts, ("key_products",),
-                 (q, k, v, g, beta, h0, *out_shape))
-    return _call(kernel, grid=grid, in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.sequence_state],
-                 out_specs=out_specs, out_shape=out_shape,
-                 scratch=[pltpu.VMEM((head_tile * grp, k_dim, v_dim), opts.state_dtype)],
-                 tiles=tiles, interpret=interpret, cost=cost, flags=flags, args=(q, k, v, g, beta, h0))
+    gate = _flat(g) if variant.gate == "channel" else g
+    args = (_flat(q), _flat(k), _flat(v), gate, beta, h0)
+    cost = _cost(variant, sh.grid, sh.head_tile, grp, c, k_dim, v_dim, variant.forward_parts, ("key_products",),
+                 (*args, *out_shape))
+    o, *rest = _call(kernel, grid=sh.grid,
+                     in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.sequence_state],
+                     out_specs=out_specs, out_shape=out_shape,
+                     scratch=[pltpu.VMEM((sh.head_tile * grp, k_dim, v_dim), opts.state_dtype)],
+                     tiles=tiles, interpret=interpret, cost=cost, flags=flags, args=args)
+    return (o.reshape(v.shape), *rest)
 
 
 def backward(q, k, v, g, beta, tinv, states, do, dfinal, flags, *, variant: Variant, opts, interpret: bool,
              tiles: TpuTiles):
-    head_tile = _head_tile(tiles, q, v)
-    nc, rows, hk, c, k_dim = q.shape
-    grp, v_dim = v.shape[3], v.shape[5]
-    sp = _Specs(q, v, rows, head_tile, reverse=True, gate=variant.gate)
+    sh = _Shape(q, v, beta, tiles)
+    nc, rows, grp, c, k_dim, v_dim = sh.num_chunks, sh.rows, sh.grp, sh.chunk, sh.k_dim, sh.v_dim
+    sp = _Specs(sh, reverse=True, gate=variant.gate)
     state_dtype = opts.state_dtype
-    out_shape = [jax.ShapeDtypeStruct(q.shape, state_dtype), jax.ShapeDtypeStruct(k.shape, state_dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
+    channel = variant.gate == "channel"
+    gate = _flat(g) if channel else g
+    out_shape = [jax.ShapeDtypeStruct(_flat(q).shape, state_dtype), jax.ShapeDtypeStruct(_flat(k).shape, state_dtype),
+                 jax.ShapeDtypeStruct(_flat(v).shape, v.dtype), jax.ShapeDtypeStruct(gate.shape, g.dtype),
                  jax.ShapeDtypeStruct(beta.shape, beta.dtype), jax.ShapeDtypeStruct(dfinal.shape, state_dtype)]
     out_specs = [sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.sequence_state]
-    kernel = functools.partial(_bwd_kernel, variant=variant, rows=rows, num_chunks=nc, grp=grp, opts=opts)
-    grid = (rows, hk // head_tile, nc)
-    cost = _cost(variant, grid, head_tile, grp, c, k_dim, v_dim, variant.backward_parts,
-                 ("key_products", "key_grads"), (q, k, v, g, beta, tinv, states, do, dfinal, *out_shape))
-    return _call(kernel, grid=grid,
-                 in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.inverse, sp.chunk_state, sp.values,
-                           sp.sequence_state],
-                 out_specs=out_specs, out_shape=out_shape,
-                 scratch=[pltpu.VMEM((head_tile * grp, k_dim, v_dim), state_dtype)],
-                 tiles=tiles, interpret=interpret, cost=cost, flags=flags,
-                 args=(q, k, v, g, beta, tinv, states, do, dfinal))
+    kernel = functools.partial(_bwd_kernel, variant=variant, rows=rows, num_chunks=nc, heads=sh.head_tile, grp=grp,
+                               opts=opts)
+    args = (_flat(q), _flat(k), _flat(v), gate, beta, tinv, states, _flat(do), dfinal)
+    cost = _cost(variant, sh.grid, sh.head_tile, grp, c, k_dim, v_dim, variant.backward_parts,
+                 ("key_products", "key_grads"), (*args, *out_shape))
+    dq, dk, dv, dg, dbeta, dh0 = _call(
+        kernel, grid=sh.grid,
+        in_specs=[sp.keys, sp.keys, sp.values, sp.gates, sp.rows, sp.inverse, sp.chunk_state, sp.values,
+                  sp.sequence_state],
+        out_specs=out_specs, out_shape=out_shape,
+        scratch=[pltpu.VMEM((sh.head_tile * grp, k_dim, v_dim), state_dtype)],
+        tiles=tiles, interpret=interpret, cost=cost, flags=flags, args=args)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape), dbeta, dh0
 
 
 def backend(variant: Variant) -> Backend:
     """The TPU kernels of `variant`'s op."""
     return Backend("pallas_tpu", variant=variant, platform="tpu", forward=functools.partial(forward, variant=variant),
                    backward=functools.partial(backward, variant=variant), tiles=TpuTiles,
-                   check_shapes=functools.partial(pallas.check_dims, "pallas_tpu"), fold_batch=True)
+                   check_shapes=functools.partial(pallas.check_dims, "pallas_tpu"), fold_batch=True,
+                   token_layout=True)
