@@ -24,6 +24,24 @@ def test_tiles_are_checked():
         GpuTiles(grads_num_warps=0)
 
 
+def test_tpu_head_tile_takes_whole_lanes():
+    """The TPU kernels read q, k, v where the tokens lie: a head tile's
+    lanes (its heads x the head dim) are a multiple of 128 or every head.
+    Two key heads of K=32 are 64 lanes, refused naming the field; all four
+    run, with the xla path's result."""
+    import jax.numpy as jnp
+
+    q, k, v, g, beta, _ = make_inputs(Case("lanes", b=1, t=32, dk=32, dv=32, hk=4, hv=8, chunk=16))
+    with pytest.raises(ValueError, match=r"tiles.head_tile=2: a tile's key heads x K=32 and value heads x V=32 must "
+                                         r"be multiples of 128 lanes, or the tile every key head \(HK=4\)"):
+        chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas_tpu", interpret=True,
+                               tiles=TpuTiles(head_tile=2))
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="pallas_tpu", interpret=True,
+                                  tiles=TpuTiles(head_tile=4))
+    ref, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, implementation="xla")
+    assert float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref)) < 1e-5  # float32 rounding
+
+
 def test_tiles_table_falls_back_off_target():
     """On the CPU both kernels take their fallback entries."""
     from gdnx.ops.delta_rule.tiles import GPU_FALLBACK, TPU_FALLBACK
