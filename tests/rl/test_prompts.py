@@ -56,8 +56,9 @@ def test_held_out_share_and_rollout_order(tmp_path):
     ([{"prompt": "abc", "answer": None}], EXACT, r"line 1: \"answer\" is null; train.rl.reward=exact compares it"),
     ([{"prompt": "abc", "answer": "many"}], dict(answer=lambda e: answer_problem(RLConfig(reward="numeric"), e)),
      r"line 1: \"answer\" \"many\" holds no number, which train.rl.reward=numeric compares"),
-    # a tokenizer larger than the model: raw bytes need 256 tokens
-    ([{"prompt": "abc"}], {"vocab_size": 200}, r"model.vocab_size: the tokenizer \(raw bytes\) has 256 tokens, the model 200"),
+    # a prompt past the model's vocabulary ("c" is byte 99)
+    ([{"prompt": "abc"}], {"vocab_size": 99}, r"model.vocab_size: the prompt at .*line 1 holds token 99, past the "
+                                              r"model's 99 \(the tokenizer, raw bytes, has 256\)"),
     ([{"prompt": "a" * 20}], {}, r"data.seq_len: the prompt at .*line 1 is 20 tokens"),
     ([{"messages": [{"role": "user", "content": "hi"}]}], {}, "raw bytes have none"),
     ([{"text": "hi"}], {}, r"expected \{\"messages\": \[...\]\} or a non-empty string \"prompt\""),

@@ -80,20 +80,22 @@ def read_prompts(path: str, *, tokenizer: str | None, longest: int, answer: Call
     """The run's prompts, each checked before the run starts: a prompt
     longer than `longest` tokens (data.seq_len less
     train.rl.max_new_tokens) is refused, as is an example whose answer the
-    reward cannot score (`answer`: why, or None), and a tokenizer with more
-    tokens than the model's `vocab_size` (its completions could draw
-    none of them, its prompts hold them). The held-out share is drawn by
-    `seed`, at least one prompt when val_fraction > 0."""
+    reward cannot score (`answer`: why, or None), and a prompt holding a
+    token past the model's `vocab_size` (its embedding would be read out of
+    range). A tokenizer larger than the model is not refused itself: the
+    model then never draws its last tokens (raw bytes over a small
+    vocabulary of ASCII prompts). The held-out share is drawn by `seed`, at
+    least one prompt when val_fraction > 0."""
     encoder = PromptEncoder(tokenizer)
     tokens_held = 256 if encoder.hf is None else encoder.hf.tok.get_vocab_size(with_added_tokens=True)
-    if tokens_held > vocab_size:
-        raise ValueError(f"model.vocab_size: the tokenizer ({tokenizer or 'raw bytes'}) has {tokens_held} tokens, "
-                         f"the model {vocab_size}")
     prompts = []
     for where, example in _read(Path(path)):
         if (problem := answer(example)) is not None:
             raise ValueError(f"data.path: {where}: {problem}")
         tokens = encoder.encode(example, where)
+        if tokens and max(tokens) >= vocab_size:
+            raise ValueError(f"model.vocab_size: the prompt at {where} holds token {max(tokens)}, past the model's "
+                             f"{vocab_size} (the tokenizer, {tokenizer or 'raw bytes'}, has {tokens_held})")
         if len(tokens) > longest:
             raise ValueError(f"data.seq_len: the prompt at {where} is {len(tokens)} tokens, and with "
                              f"train.rl.max_new_tokens a row holds {longest}; raise data.seq_len or shorten it")
