@@ -70,6 +70,53 @@ def test_the_graph_sees_an_import_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
+# The packages and top-level modules of gdnx by layer, lowest first: a module
+# imports only from its own layer or the layers below (no cycle within one:
+# test_no_import_cycles). A new package or module takes its place here.
+LAYERS = (
+    ("gdnx", "errors", "signals", "files", "measure", "scales", "progress", "distributed", "compile_cache"),
+    ("ops", "aot", "gpu_kernels"),
+    ("config", "stacking"),
+    ("parallel", "loss", "quantization"),
+    ("layers",),
+    ("checkpoints",),
+    ("models",),
+    ("data",),
+    ("serving",),
+    ("generate", "rl"),
+    ("training",),
+    ("runs", "train_plan", "bench"),
+    ("inference", "export"),
+    ("evaluation",),
+    ("cli", "__main__"),
+)
+
+
+def _part(module: str) -> str:
+    """The package or top-level module of gdnx a module belongs to."""
+    return module.split(".")[1] if "." in module else module
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs whose import runs up the layers."""
+    layer = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    return sorted((name, dep) for name, deps in graph.items() for dep in deps
+                  if layer[_part(dep)] > layer[_part(name)])
+
+
+def test_imports_run_downward():
+    graph = import_graph()
+    placed = {part for parts in LAYERS for part in parts}
+    assert {_part(name) for name in graph} == placed, "a part of gdnx missing from LAYERS, or one that is gone"
+    assert upward_imports(graph) == []
+
+
+def test_the_layers_see_an_upward_import():
+    """The check itself: the model importing the trainer is found."""
+    assert upward_imports({"gdnx.models.causal_lm": {"gdnx.training.trainer", "gdnx.layers.mlp"}}) == [
+        ("gdnx.models.causal_lm", "gdnx.training.trainer")]
+
+
 def test_leaves_import_no_kernel_and_no_model():
     """The config, the op's options and the file helpers import neither the
     Pallas kernels nor the model (checked in a fresh interpreter)."""
