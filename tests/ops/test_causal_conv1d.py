@@ -103,6 +103,27 @@ def test_rows_match_loop_and_grads(t, width):
                         plain, (x, w, b, s), rng)
 
 
+def test_a_wider_state_is_not_rounded_to_the_input():
+    """bfloat16 x with a float32 conv state: the state's values enter the
+    products as they are. dweight (float32, a sum of inputs times dz, most
+    of them the state's at T=3, W=4) matches float64 to float32 rounding;
+    the state rounded to bfloat16 was off by 7.9e-4."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 8)).astype(jnp.bfloat16)
+    state = rng.standard_normal((1, 8, 3)).astype(np.float32)
+    w = rng.standard_normal((8, 4)).astype(np.float32)
+    ct = rng.standard_normal((1, 3, 8)).astype(jnp.bfloat16).astype(np.float32)  # y's cotangent is bfloat16
+
+    def loss(weight):
+        y, _ = causal_conv1d(jnp.asarray(x), weight, initial_state=jnp.asarray(state), activation=None)
+        return jnp.sum(y.astype(jnp.float32) * ct)
+
+    dweight = np.asarray(jax.grad(loss)(jnp.asarray(w)), np.float64)
+    xx = np.concatenate([np.swapaxes(state, 1, 2).astype(np.float64), np.asarray(x, np.float64)], axis=1)
+    want = np.stack([np.sum(xx[:, j:j + 3] * ct, axis=(0, 1)) for j in range(4)], axis=1)
+    assert relative_error(dweight, want) < 1e-5
+
+
 def test_batch_rows_and_no_activation():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((2, 7, 5)), jnp.float32)
