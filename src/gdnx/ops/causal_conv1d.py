@@ -205,7 +205,7 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None
         y = _shift_conv(x, weight, bias, initial_state, activation)
         if not output_final_state:
             return y, None
-        # exact: the last W - 1 inputs (the state's when T < W - 1), upcast copies
+        # exact: the last W - 1 inputs (the state's when T < W - 1), copies in the wider dtype
         return y, jnp.swapaxes(_padded(x[:, -hist:], initial_state)[:, -hist:], 1, 2).astype(x.dtype)
     index, final_index = _window_index(b, t, weight.shape[1], cu_seqlens)
     y = _conv(x, weight, bias, initial_state, index, activation)

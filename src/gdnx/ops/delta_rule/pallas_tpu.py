@@ -18,7 +18,8 @@ tile's lanes are a multiple of 128 or every head; chunks are multiples of
 16 rows. The gate rows, beta, states and inverses keep their last two dims
 whole ((1, C), (K, V), (C, C)).
 
-A grid step runs the Variant's chunk algebra (its looped forms) once,
+A grid step runs the Variant's chunk algebra (its unrolled forms with
+bfloat16 products, else its looped ones: `_looped`) once,
 vmapped over every value head of its key heads: each product is a batched
 [heads, C, D] product, so the MXU works through the heads' products back to
 back where one head at a time left it waiting on each product's latency
