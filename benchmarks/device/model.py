@@ -26,8 +26,9 @@ request). Then on/off pairs at 8 requests: the prefix cache (prompts that
 share their first 384 tokens with an earlier request), and int8 weights.
 
 Decode (`--part decode`): the engine's decode program alone at each decode
-batch size of a 128-slot and an 8-slot engine, the chip's time per token to
-read the engine's inter-token latency against.
+batch size of a 128-slot engine (the GDN layers' decode step as the TPU
+kernel, then as the token recurrence) and an 8-slot one, the chip's time per
+token to read the engine's inter-token latency against.
 
 A part past --budget-s of the run says so in its table instead of running.
 """
@@ -160,33 +161,40 @@ def weight_bytes(model: CausalLM) -> int:
     return sum(stored_bytes(x.shape, x.dtype) for x in jax.tree.leaves(nnx.state(model)))
 
 
+# the decode step of the delta-rule layers: the TPU kernel in place in the stacked states (the default on a TPU),
+# and the token recurrence on each layer's slice (gdn_implementation=xla), for the pair in one run
+DECODE_STEPS = {"kernel": [], "recurrence": ["model.gdn_implementation=xla"]}
+
+
 def decode_table(name: str, budget: Budget, repeats: int = 5) -> Table:
     """The decode program alone, timed from the host (a call of 8 tokens a
     row, every row of the batch decoding, fetched to the host as the engine
-    fetches it), at each decode batch size of a 128-slot engine and of an
-    8-slot one: what the chip's step costs, to read the engine's
-    inter-token latency against (the rest is the host's loop and the
-    prefills between decode calls)."""
+    fetches it), at each decode batch size of a 128-slot engine (with the
+    delta-rule layers' decode step as the kernel and as the token
+    recurrence) and of an 8-slot one: what the chip's step costs, to read
+    the engine's inter-token latency against (the rest is the host's loop
+    and the prefills between decode calls)."""
     table = Table(f"{name}: the engine's decode program by batch size (8 tokens a call, every row decoding, "
                   f"median of {repeats} calls); {machine()}",
-                  ["engine slots", "rows", "call ms", "per token ms", "per token / bandwidth limit"],
-                  numeric=[True] * 5)
+                  ["engine slots", "GDN decode step", "rows", "call ms", "per token ms",
+                   "per token / bandwidth limit"],
+                  numeric=[True, False, True, True, True, True])
     bandwidth = BANDWIDTH.get(jax.devices()[0].device_kind)
-    cfg = load_config(name).model
-    model = CausalLM(cfg, seed=0)
-    weights = weight_bytes(model)
-    for slots in (128, 8):
+    for slots, step in ((128, "kernel"), (128, "recurrence"), (8, "kernel")):
         if budget.left() < 60:
-            table.row(slots, "", "not run: the time budget", "", "")
+            table.row(slots, step, "", "not run: the time budget", "", "")
             continue
+        cfg = load_config(name, DECODE_STEPS[step]).model
+        model = CausalLM(cfg, seed=0)
+        weights = weight_bytes(model)
         engine = Engine(model, max_slots=slots, max_length=1024, block_size=128, decode_steps=8)
         every = grammar.masks([None] * slots, cfg.vocab_size)
         for rows in engine.decode_rows:
             batch = DecodeBatch(np.arange(slots) < rows, every, rows, 8, 8)
             call = median_seconds(functools.partial(engine.runner.decode, batch), repeats)  # after one that compiles
             limit = f"{call / 8 / (weights / bandwidth):.1f}x" if bandwidth else "-"
-            table.row(slots, rows, f"{call * 1e3:.2f}", f"{call / 8 * 1e3:.2f}", limit)
-        del engine
+            table.row(slots, step, rows, f"{call * 1e3:.2f}", f"{call / 8 * 1e3:.2f}", limit)
+        del engine, model
         gc.collect()
     return table
 

@@ -5,7 +5,6 @@ recurrence. Both equal the plain step on the entry alone, for GDN and KDA,
 with and without padded rows; outside a scan the kernel steps the layer's
 own state."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -28,7 +28,9 @@ from gdnx.layers.documents import document_starts
 from gdnx.layers.linear import linear
 from gdnx.ops import causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm, recurrent_gated_delta_rule
 from gdnx.ops.causal_conv1d import cross_document_terms
+from gdnx.ops.delta_rule.decode_step import StateStack, decode_step
 from gdnx.ops.delta_rule.options import DeltaRuleOptions
+from gdnx.ops.delta_rule.tiles import target_platform
 from gdnx.parallel.context import context_causal_conv1d, context_cross_document_terms, context_delta_rule
 from gdnx.parallel.gdn import GATE, OUT, run_gdn_core
 from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding, spec
@@ -63,7 +65,7 @@ class DeltaRuleState(NamedTuple):
     [B, ngram_size - 1], the last tokens, each + 1 (0: before the sequence's
     start, so that a zero state is a fresh one); None elsewhere."""
     conv: jax.Array
-    recurrent: jax.Array
+    recurrent: jax.Array | StateStack
     history: DeltaRuleHistory | None = None
     ple_conv: jax.Array | None = None
     ple_context: jax.Array | None = None
@@ -140,6 +142,12 @@ class DeltaRuleMixer(nnx.Module):
         flat, w = mixed.reshape(b, t, hk * width), conv_weight.reshape(hk * width, self.width)
         conv0 = None if conv_state is None else conv_state.reshape(b, hk * width, self.width - 1)
         keep = state is not None
+        # a decode step updates the state where it lies (a scanned cycle's stack, or the slot's own array);
+        # every other call steps this layer's entry of a stack and writes it back
+        decoding = keep and t == 1 and history_every is None
+        stack = state if isinstance(state, StateStack) else None
+        if stack is not None and not decoding:
+            state = jax.lax.dynamic_index_in_dim(stack.stack, stack.layer, 0, keepdims=False)
         # packed documents: the activation waits until the window terms from
         # before each document's start are taken out
         activation = "silu" if starts is None else None
@@ -158,7 +166,12 @@ class DeltaRuleMixer(nnx.Module):
         common = dict(initial_state=state, output_final_state=keep, use_qk_l2norm=True)
         chunk, recurrent = self.chunk_op, self.recurrent_op
         history = None
-        if keep and (t == 1 or history_every == 1):
+        if decoding and (stack is not None or self._step_kernel()):
+            states = stack if stack is not None else StateStack(state[None], jnp.int32(0))
+            o, states = decode_step(q, k, v, g, beta, states, use_qk_l2norm=True, decay_dtype=self.op.decay_dtype,
+                                    kernel=self._step_kernel(), interpret=self.op.interpret)
+            rec = states if stack is not None else states.stack[0]
+        elif keep and (t == 1 or history_every == 1):
             o, rec, *tokens = recurrent(q, k, v, g, beta, **common, **self.op.recurrent_kwargs(),
                                         output_token_states=history_every == 1)
             history = tokens[0] if tokens else None
@@ -171,6 +184,9 @@ class DeltaRuleMixer(nnx.Module):
             if chunks:  # every history_every-th chunk end (a multiple of the chunk size)
                 step = history_every // self.op.chunk_size
                 history = chunks[0][:, step - 1:(t // history_every) * step:step]
+        if stack is not None and not decoding:
+            rec = StateStack(jax.lax.dynamic_update_index_in_dim(stack.stack, rec.astype(stack.stack.dtype),
+                                                                  stack.layer, 0), stack.layer)
         if conv1 is not None and (lengths is not None or history is not None):
             # conv states from the inputs: before each row's first padding token, and at every snapshot
             hist = self.width - 1
@@ -183,6 +199,12 @@ class DeltaRuleMixer(nnx.Module):
                 windows = conv_windows(seen, jnp.broadcast_to(ends, (b, ends.shape[0])), hist)
                 history = DeltaRuleHistory(windows.reshape(b, -1, hk, width, hist).astype(conv1.dtype), history)
         return o, None if conv1 is None else conv1.reshape(b, hk, width, self.width - 1), rec, history
+
+    def _step_kernel(self) -> bool:
+        """Whether a decode step runs the TPU kernel (the op's pallas_tpu,
+        named or chosen on a TPU) rather than the token recurrence."""
+        name = self.op.implementation
+        return name == "pallas_tpu" or (name is None and target_platform() == "tpu")
 
     def _run(self, mixed: jax.Array, g: jax.Array, beta: jax.Array, state: DeltaRuleState | None,
              segments: jax.Array | None, lengths: jax.Array | None, history_every: int | None):

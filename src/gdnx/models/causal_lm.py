@@ -25,7 +25,6 @@ per-layer names.
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from typing import Any, NamedTuple
@@ -58,11 +57,11 @@ from gdnx.layers.sparse_index import Selection
 from gdnx.layers.splash import Splash
 from gdnx.models.adapters import add_adapters
 from gdnx.models.cache import Cache
+from gdnx.models.cycle_cache import entry_at, join_entry, split_entry, unstacked, written
 from gdnx.ops import grouped_matmul
 from gdnx.ops.delta_rule.options import KERNEL_PLATFORMS, RESIDUAL_NAMES, DeltaRuleOptions
 from gdnx.parallel.params import shardings
-from gdnx.parallel.rules import HIDDEN, as_repeat_of, constrain, current_mesh, out_sharding
-
+from gdnx.parallel.rules import HIDDEN, constrain, current_mesh, out_sharding
 
 
 class ModelOutput(NamedTuple):
@@ -751,70 +750,24 @@ class CausalLM(nnx.Module):
         def body(carry, xs):
             x, held = carry
             params, index = xs
-            layer_caches = [None] * cycle if held is None else [_entry_at(h, index) for h in held]
+            layer_caches = [None] * cycle if held is None else [entry_at(h, index) for h in held]
             with fold_dropout(index):  # each repeat draws its own LoRA dropout masks
                 x, new, stats = through(nnx.merge(graphdef, params), x, layer_caches)
             if held is None:
                 return (x, None), (None, stats)
-            new = [_unstacked(n) for n in new]  # attention wrote its positions into the stack itself
-            kept, extra = zip(*(_split_entry(n, h) for n, h in zip(new, held, strict=True)), strict=True)
-            held = tuple(k if isinstance(k, _STACKS) else jax.tree.map(functools.partial(_write_at, index=index), h, k)
-                         for h, k in zip(held, kept, strict=True))
+            new = [unstacked(n) for n in new]  # attention wrote its positions into the stack itself
+            kept, extra = zip(*(split_entry(n, h) for n, h in zip(new, held, strict=True)), strict=True)
+            held = tuple(written(h, k, index) for h, k in zip(held, kept, strict=True))
             return (x, held), (tuple(extra), stats)
 
         indices = jnp.arange(self.config.cycle_repeats, dtype=jnp.int32)
         (x, held), (extras, cycle_stats) = jax.lax.scan(body, (x, held), (stacked, indices))
         new_cycle = [None] * cycle if held is None else [
-            _join_entry(h, e) for h, e in zip(held, extras, strict=True)]
+            join_entry(h, e) for h, e in zip(held, extras, strict=True)]
         # the repeats' router statistics, pooled as the loss pools layers
         stats = [RouterStats(*(jnp.sum(f, axis=0) for f in s)) for s in cycle_stats]
         x, new_tail, tail_stats = through(self.tail, x, caches[cycle:])
         return x, (*new_head, *new_cycle, *new_tail), head_stats + stats + tail_stats
-
-
-# the caches attention writes into a scanned cycle's stack itself (given as KVStack / LatentStack)
-_STACKS = (KVCache, LatentCache)
-
-
-def _entry_at(stacked: Any, index: jax.Array) -> Any:
-    """Repeat `index`'s entry of a scanned cycle's stacked cache entry: an
-    attention cache (KVCache, LatentCache) stays stacked, marked with the
-    repeat (attention writes its few new positions into the stack itself);
-    the others are sliced out."""
-    if isinstance(stacked, KVCache):
-        return KVStack(stacked.k, stacked.v, index)
-    if isinstance(stacked, LatentCache):
-        return LatentStack(stacked.latent, stacked.rope, index)
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, keepdims=False), stacked)
-
-
-def _unstacked(entry: Any) -> Any:
-    """A layer's returned entry as the stacked cache entry it updated."""
-    if isinstance(entry, KVStack):
-        return KVCache(entry.k, entry.v)
-    if isinstance(entry, LatentStack):
-        return LatentCache(entry.latent, entry.rope)
-    return entry
-
-
-def _write_at(stack: jax.Array, x: jax.Array, index: jax.Array) -> jax.Array:
-    """x written as repeat `index` of `stack`, in the stack's layout (on an
-    Explicit mesh the layer may leave x in another)."""
-    return jax.lax.dynamic_update_index_in_dim(stack, as_repeat_of(x, stack).astype(stack.dtype), index, 0)
-
-
-def _split_entry(new: Any, old: Any) -> tuple[Any, Any]:
-    """A layer's new cache entry split into the fields its old entry has
-    (carried through the scan) and those a call adds (a RingCache's fresh
-    keys, a delta-rule state's history: stacked as the scan's outputs)."""
-    added = [f for f in new._fields if getattr(old, f) is None]
-    return (new._replace(**dict.fromkeys(added)),
-            new._replace(**{f: None for f in new._fields if f not in added}))
-
-
-def _join_entry(kept: Any, extra: Any) -> Any:
-    """_split_entry's halves back into one entry."""
-    return kept._replace(**{f: getattr(extra, f) for f in kept._fields if getattr(kept, f) is None})
 
 
 def parameter_count(cfg: ModelConfig) -> int:

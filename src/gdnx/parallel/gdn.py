@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from gdnx.ops.delta_rule.decode_step import StateStack
 from gdnx.parallel.rules import axis_size, current_mesh, is_explicit, spec
 
 # logical axes of the core's operands (layout in layers/gated_deltanet.py); every
@@ -27,14 +28,15 @@ OUT = ("batch", "length", "value_heads", None)              # [B, T, HV, V]
 
 
 def run_gdn_core(core: Callable, mixed: jax.Array, conv_weight: jax.Array, g: jax.Array, beta: jax.Array,
-                 conv_state: jax.Array | None, state: jax.Array | None, starts: jax.Array | None = None,
+                 conv_state: jax.Array | None, state: jax.Array | StateStack | None, starts: jax.Array | None = None,
                  lengths: jax.Array | None = None, *, num_key_heads: int, kernel_size: int,
                  history: bool = False) -> tuple[jax.Array, jax.Array | None, jax.Array | None, Any]:
     """core(mixed, conv_weight, g, beta, conv_state, state, context_axis,
     starts, lengths) -> (o, conv_state, state, history), run on each shard
     of the ambient mesh (directly when there is none). g: GDN's [B, T, HV]
     or KDA's [B, T, HV, K]. conv_weight [HK, ., W], conv_state
-    [B, HK, ., W - 1] and state [B, HV, K, V] may be None (in and out);
+    [B, HK, ., W - 1] and state [B, HV, K, V] (or a scanned cycle's
+    StateStack) may be None (in and out);
     starts [B, T] (packed documents' first tokens) and lengths [B] (each
     row's real tokens) may be None. history: core returns a state history
     (two arrays [B, N, heads, ...], returned as a tuple on a mesh), else
@@ -48,8 +50,10 @@ def run_gdn_core(core: Callable, mixed: jax.Array, conv_weight: jax.Array, g: ja
     # value heads split with their key heads: the same entry serves both
     gate, out, states = P(rows, context, heads), P(rows, context, heads, None), P(rows, heads, None, None)
     args: tuple = (mixed, conv_weight, g, beta, conv_state, state, starts, lengths)
+    # a scanned cycle's stack of states: every repeat's, this shard's rows and heads; the index whole
+    held = StateStack._make((P(None, *states), P())) if isinstance(state, StateStack) else states
     specs = (P(rows, context, heads, None), P(heads, None, None), gate if g.ndim == 3 else out, gate,
-             None if conv_state is None else states, None if state is None else states,
+             None if conv_state is None else states, None if state is None else held,
              None if starts is None else P(rows, context), None if lengths is None else P(rows))
     if is_explicit(mesh):
         args = tuple(a if a is None else jax.sharding.reshard(a, s) for a, s in zip(args, specs, strict=True))

@@ -22,13 +22,19 @@ shape (B=2, T=4096, HK=HV=32, K=V=128, bfloat16 inputs, float32 gates,
 l2norm): the forward and the gradient program on every target, TPU v4
 included, and each knob varied once on TPU v5e and H100 (bfloat16 matmul
 operands, recomputed residuals, packed sequences, value-head groups of 2).
+
+The decode step's kernel (decode_step.py) compiles for a v5e at a serving
+shape, updating its stack of states in place.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 
+from gdnx import aot
+from gdnx.ops.delta_rule.decode_step import StateStack, decode_step
 from tests.helpers.tiers import SLOW
 from tests.ops.delta_rule.programs import COMPILE_TARGETS, KDA_PROGRAMS, PROGRAMS, build
 
@@ -119,3 +125,21 @@ def test_tpu_cost_analysis_sees_the_kernels(name):
     fwd, bwd = op_flops(KDA_VARIANT if p.per_channel else GDN, p.b, p.t, p.hk, p.hv, p.dim, p.dim)
     expected = fwd + bwd if p.grad else fwd  # with grad, the forward kernel runs as well
     assert abs(flops - expected) <= 0.1 * expected, (flops, expected)
+
+
+def test_decode_step_compiles_for_a_tpu_in_place():
+    sharding = aot.sharding("tpu_v5e")
+    sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    r, b, hk, hv, d = 6, 32, 16, 16, 128
+    args = [sd((b, 1, hk, d), jnp.bfloat16), sd((b, 1, hk, d), jnp.bfloat16), sd((b, 1, hv, d), jnp.bfloat16),
+            sd((b, 1, hv), jnp.float32), sd((b, 1, hv), jnp.bfloat16), sd((r, b, hv, d, d), jnp.float32),
+            sd((), jnp.int32)]
+
+    def step(q, k, v, g, beta, stack, index):
+        return decode_step(q, k, v, g, beta, StateStack(stack, index), use_qk_l2norm=True, kernel=True,
+                           interpret=False)
+
+    memory = jax.jit(step, donate_argnums=(5,)).lower(*args).compile().memory_analysis()
+    # the stack (192 MiB) is the output's buffer: nothing of its size is allocated beside it
+    assert memory.alias_size_in_bytes == r * b * hv * d * d * 4
+    assert memory.temp_size_in_bytes < 2**20

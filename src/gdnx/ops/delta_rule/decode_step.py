@@ -55,7 +55,7 @@ def decode_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
     updates the stack in place (interpret: None runs it interpreted on a
     CPU); else the token recurrence on the slice, written back. Returns
     (o [B, 1, HV, V] in q's dtype, the stack with the entry updated)."""
-    b, t, hk, dk = q.shape
+    b, t, _, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     stack, layer = states
     if t != 1:

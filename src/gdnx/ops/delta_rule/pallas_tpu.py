@@ -261,12 +261,12 @@ def _call(kernel, *, grid, in_specs, out_specs, out_shape, scratch, tiles: TpuTi
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=tiles.vmem_limit_mib * 2**20),
-        interpret=_tpu_interpreter() if interpret else False,
+        interpret=tpu_interpreter() if interpret else False,
         cost_estimate=cost,
     )(*(f.reshape(-1) for f in flags), *args)  # flags indexed chunk * rows + row
 
 
-def _tpu_interpreter():
+def tpu_interpreter():
     """The TPU interpreter (TPU memory semantics: VMEM, out-of-bounds reads,
     uninitialised memory), except inside shard_map over several devices:
     there it opens every kernel call with a barrier across all devices that
