@@ -19,7 +19,7 @@ from gdnx.layers.attention import KVCache, KVStack
 from gdnx.layers.gated_deltanet import DeltaRuleState
 from gdnx.layers.latent_attention import LatentCache, LatentStack
 from gdnx.ops.delta_rule.decode_step import StateStack
-from gdnx.parallel.rules import as_repeat_of
+from gdnx.parallel.rules import as_layout_of, as_repeat_of
 
 # the caches attention writes into a scanned cycle's stack itself (given as KVStack / LatentStack)
 _STACKS = (KVCache, LatentCache)
@@ -60,8 +60,10 @@ def written(held: Any, kept: Any, index: jax.Array) -> Any:
         return kept
     write = functools.partial(_write_at, index=index)
     if isinstance(kept, DeltaRuleState):
-        return kept._replace(**{f: jax.tree.map(write, getattr(held, f), getattr(kept, f))
-                                for f in kept._fields if f != "recurrent"})
+        rest = {f: jax.tree.map(write, getattr(held, f), getattr(kept, f)) for f in kept._fields if f != "recurrent"}
+        # on an Explicit mesh the op may hand the stack back in its own layout (heads split over tensor)
+        stack = as_layout_of(cast(jax.Array, kept.recurrent), cast(jax.Array, held.recurrent))
+        return kept._replace(recurrent=stack, **rest)
     return jax.tree.map(write, held, kept)
 
 

@@ -123,6 +123,15 @@ def out_sharding(axes: Sequence[str | None], shape: Sequence[int], *, units: dic
 HIDDEN = ("batch", "length", "hidden")  # the residual stream [B, T, hidden]
 
 
+def as_layout_of(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x laid out as `like` on an Explicit mesh (where a scan's carry must
+    keep its layout); as it is elsewhere."""
+    mesh = current_mesh()
+    if mesh is None or not is_explicit(mesh):
+        return x
+    return jax.sharding.reshard(x, jax.typeof(like).sharding.spec)
+
+
 def as_repeat_of(x: jax.Array, stack: jax.Array) -> jax.Array:
     """x laid out as one repeat (along the first axis) of `stack` on an
     Explicit mesh, where the two must agree to be written together; as it
