@@ -31,8 +31,9 @@ def _layer(kind: str, implementation: str):
     return KimiDeltaAttention(HIDDEN, num_heads=2, head_dim=16, **common)
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
-@pytest.mark.parametrize("implementation", ["xla", "pallas_tpu"])
+# make test: GDN through the kernel; the recurrence, KDA and the rest in make test-all
+@pytest.mark.parametrize("kind", ["gdn", pytest.param("kda", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("implementation", [pytest.param("xla", marks=pytest.mark.slow), "pallas_tpu"])
 def test_decode_step_in_a_stack_equals_the_step_on_its_entry(kind, implementation):
     layer = _layer(kind, implementation)
     plain = _layer(kind, "xla")
@@ -56,6 +57,7 @@ def test_decode_step_in_a_stack_equals_the_step_on_its_entry(kind, implementatio
             np.testing.assert_allclose(new.recurrent.stack[1, 1], stack[1, 1], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_kernel_steps_a_layers_own_state():
     """Outside a scanned cycle the state is the layer's own array: the
     kernel takes it as a stack of one."""
@@ -70,6 +72,7 @@ def test_the_kernel_steps_a_layers_own_state():
     assert relative_error(y, y_ref) < 1e-5 and relative_error(new.recurrent, ref.recurrent) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_longer_call_writes_its_entry_back():
     layer = _layer("gdn", "xla")
     keys = jax.random.split(jax.random.key(3), 2)

@@ -42,6 +42,7 @@ def test_step_equals_the_oracle_and_writes_only_its_entry(shape, kernel):
     np.testing.assert_array_equal(new.stack[2], stack[2])
 
 
+@pytest.mark.slow
 def test_kernel_equals_the_recurrence_with_bfloat16_inputs():
     q, k, v, g, beta, stack = _inputs(4, 2, 4, 16, 16, False, dtype=jnp.bfloat16)
     run = lambda kernel: decode_step(q, k, v, g, beta, StateStack(stack, jnp.int32(2)), use_qk_l2norm=True,
