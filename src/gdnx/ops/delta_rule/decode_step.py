@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import DTypeLike
 
 from gdnx.ops.delta_rule import pallas
 from gdnx.ops.delta_rule.pallas_tpu import tpu_interpreter
@@ -45,7 +46,7 @@ class StateStack(NamedTuple):
 
 
 def decode_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, states: StateStack, *,
-                scale: float | None = None, use_qk_l2norm: bool = False, decay_dtype=jnp.float32,
+                scale: float | None = None, use_qk_l2norm: bool = False, decay_dtype: DTypeLike = jnp.float32,
                 kernel: bool = False, interpret: bool | None = None) -> tuple[jax.Array, StateStack]:
     """One token for each of B rows from `states.stack[states.layer]`.
 
@@ -125,7 +126,8 @@ def _tpu_step(q, k, v, g, beta, stack, index, *, scale: float, decay_dtype, inte
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=tpu_interpreter() if interpret else False,
         cost_estimate=cost,
-    )(index.reshape(1), qc, kc, gc, bc, vr, stack if interpret else pltpu.with_memory_space_constraint(stack, pltpu.HBM))
+    )(index.reshape(1), qc, kc, gc, bc, vr,
+      stack if interpret else pltpu.with_memory_space_constraint(stack, pltpu.HBM))
     return o.reshape(b, 1, hv, dv), stack
 
 
@@ -137,10 +139,12 @@ def _kernel(idx_ref, q_ref, k_ref, g_ref, beta_ref, v_ref, s_hbm, o_ref, s_out_h
     step n + 1 computes."""
     n = pl.program_id(0) * tiles + pl.program_id(1)
     last = pl.num_programs(0) * tiles - 1
-    slot = jax.lax.rem(n, jnp.int32(2))  # n >= 0: lax's division, without jnp's sign fix-ups (Mosaic lowers those per chip)
+    # n >= 0: lax's division, without jnp's sign fix-ups (Mosaic lowers those per chip)
+    slot = jax.lax.rem(n, jnp.int32(2))
 
     def block(ref, m):  # step m's heads of the stack's entry
-        return ref.at[idx_ref[0], jax.lax.div(m, jnp.int32(tiles)), pl.ds(jax.lax.rem(m, jnp.int32(tiles)) * heads, heads)]
+        row, tile = jax.lax.div(m, jnp.int32(tiles)), jax.lax.rem(m, jnp.int32(tiles))
+        return ref.at[idx_ref[0], row, pl.ds(tile * heads, heads)]
 
     def fetch(m, into):
         return pltpu.make_async_copy(block(s_hbm, m), s_in.at[into], read.at[into])
