@@ -29,8 +29,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.typing import DTypeLike
 
 from gdnx.ops.delta_rule import pallas
+from gdnx.ops.delta_rule.dispatch import l2norm
 from gdnx.ops.delta_rule.pallas_tpu import tpu_interpreter
-from gdnx.ops.delta_rule.primitives import l2norm
 from gdnx.ops.delta_rule.reference import recurrent_reference
 
 # the heads one grid step holds: at most this many bytes of state (float32 K = V = 128: 16 heads), so that
@@ -68,8 +68,7 @@ def decode_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: ja
         raise ValueError(f"g: expected [{b}, 1, {hv}] or [{b}, 1, {hv}, {dk}], got {list(g.shape)}")
     scale = float(dk ** -0.5 if scale is None else scale)
     if use_qk_l2norm:
-        up = jnp.promote_types(q.dtype, jnp.float32)
-        q, k = l2norm(q.astype(up)).astype(q.dtype), l2norm(k.astype(up)).astype(k.dtype)
+        q, k = l2norm(q), l2norm(k)
     if not kernel:
         h0 = jax.lax.dynamic_index_in_dim(stack, layer, 0, keepdims=False)
         o, final = recurrent_reference(q, k, v, g, beta, h0, cu_seqlens=None, scale=scale,
